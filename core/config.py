@@ -1,0 +1,154 @@
+"""Engine configuration: frozen, validated attrs classes.
+
+Loaded from a TOML file (sections match the classes), then overridden by keyword
+arguments or CLI flags. Overrides use flat names (``block_size=32``), as vLLM's
+``LLM(...)`` does; every flat name belongs to exactly one section.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it."""
+
+
+def _in_range(lo: float, hi: float):
+    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
+        if not lo <= value <= hi:
+            raise ConfigError(
+                f"{type(instance).__name__}.{attribute.name} must be in [{lo}, {hi}], got {value}"
+            )
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    block_size: int = attrs.field(default=16, validator=_in_range(1, 256))
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_in_range(0.01, 1.0))
+    #: memory budget for all cache pools on the CPU (no device to measure)
+    cpu_cache_bytes: int = attrs.field(default=256 << 20, validator=_in_range(1, 1 << 50))
+    #: fixed block count; skips sizing (tests, reproducible runs)
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = attrs.field(default=64, validator=_in_range(1, 1 << 16))
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_in_range(1, 1 << 24))
+    max_model_len: int = attrs.field(default=2048, validator=_in_range(2, 1 << 24))
+    enable_chunked_prefill: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ParallelConfig:
+    tensor_parallel_size: int = attrs.field(default=1, validator=_in_range(1, 1024))
+
+
+@attrs.frozen(kw_only=True)
+class CaptureConfig:
+    #: run every step eagerly (no graphs on CUDA, no capture pass on CPU)
+    enforce_eager: bool = False
+    #: batch sizes to capture; default 1, 2, 4, 8, then steps of 16 up to max_num_seqs
+    capture_sizes: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(sorted(set(v)))
+    )
+    #: snapshot every pool before capture and require it byte-identical after
+    audit: bool = False
+    #: blank every declared write target before capture (off only to prove tests fail)
+    blank_write_targets: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class BackendsConfig:
+    """Which backend serves each layer type (``full_attention = "paged"``)."""
+
+    full_attention: str = "paged"
+    linear_attention: str = "gdn"
+
+    def for_layer_type(self, layer_type: str) -> str:
+        try:
+            return getattr(self, layer_type)
+        except AttributeError:
+            known = ", ".join(f.name for f in attrs.fields(BackendsConfig))
+            raise ConfigError(
+                f"no backend setting for layer type {layer_type!r} (known: {known})"
+            ) from None
+
+
+_SECTIONS: dict[str, type] = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "capture": CaptureConfig,
+    "backends": BackendsConfig,
+}
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    model: str = "tiny-qwen3"
+    dtype: str = attrs.field(
+        default="auto", validator=attrs.validators.in_(("auto", "float32", "bfloat16", "float16"))
+    )
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = attrs.field(factory=CacheConfig)
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    capture: CaptureConfig = attrs.field(factory=CaptureConfig)
+    backends: BackendsConfig = attrs.field(factory=BackendsConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> EngineConfig:
+        """Build a config from an optional TOML file, then flat keyword overrides."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        if path is not None:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+            for key, value in data.items():
+                if key in _SECTIONS:
+                    if not isinstance(value, Mapping):
+                        raise ConfigError(f"{path}: [{key}] must be a table")
+                    sections[key].update(value)
+                else:
+                    top[key] = value
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            section = _FLAT_KEYS.get(key)
+            if section is None and key not in _TOP_KEYS:
+                raise ConfigError(f"unknown config key {key!r}; valid keys: {sorted(_ALL_KEYS)}")
+            if section is None:
+                top[key] = value
+            else:
+                sections[section][key] = value
+        unknown = set(top) - _TOP_KEYS
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {sorted(unknown)}; valid: {sorted(_ALL_KEYS)}")
+        built = {}
+        for name, klass in _SECTIONS.items():
+            valid = {f.name for f in attrs.fields(klass)}
+            bad = set(sections[name]) - valid
+            if bad:
+                raise ConfigError(f"unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(valid)}")
+            try:
+                built[name] = klass(**sections[name])
+            except TypeError as e:
+                raise ConfigError(f"[{name}]: {e}") from None
+        return cls(**top, **built)
+
+
+_TOP_KEYS = {f.name for f in attrs.fields(EngineConfig)} - set(_SECTIONS)
+_FLAT_KEYS = {f.name: s for s, k in _SECTIONS.items() for f in attrs.fields(k)}
+_ALL_KEYS = _TOP_KEYS | set(_FLAT_KEYS)
+assert not (_TOP_KEYS & set(_FLAT_KEYS)), "flat config names must be unique"

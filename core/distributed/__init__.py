@@ -1,0 +1,1 @@
+"""Tensor-parallel groups over torch.distributed."""

@@ -1,0 +1,1 @@
+"""Engine side: sequences, block pool and manager, scheduler. Never touches tensors."""

@@ -1,0 +1,1 @@
+"""Model definitions, the HF-format loader and the tiny-checkpoint writer."""

@@ -1,0 +1,1 @@
+"""Runner side: forward_vars, pool sizing, eager forward, capture, sleep/wake."""

@@ -1,0 +1,1 @@
+"""Conformance kit for any backend: hypothesis strategies and shared checks."""
