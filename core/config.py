@@ -134,13 +134,17 @@ class EngineConfig:
                 sections[section][key] = value
         unknown = set(top) - _TOP_KEYS
         if unknown:
-            raise ConfigError(f"unknown config key(s) {sorted(unknown)}; valid: {sorted(_ALL_KEYS)}")
+            raise ConfigError(
+                f"unknown config key(s) {sorted(unknown)}; valid: {sorted(_ALL_KEYS)}"
+            )
         built = {}
         for name, klass in _SECTIONS.items():
             valid = {f.name for f in attrs.fields(klass)}
             bad = set(sections[name]) - valid
             if bad:
-                raise ConfigError(f"unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(valid)}")
+                raise ConfigError(
+                    f"unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(valid)}"
+                )
             try:
                 built[name] = klass(**sections[name])
             except TypeError as e:

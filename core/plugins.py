@@ -52,7 +52,9 @@ class DiscoveredBackend:
         try:
             factory = self.factory if self.factory is not None else self.entry_point.load()
         except Exception as e:  # an import error inside a plugin must name the plugin
-            raise BackendError(f"backend {self.name!r} ({self.distribution}) failed to import: {e!r}") from e
+            raise BackendError(
+                f"backend {self.name!r} ({self.distribution}) failed to import: {e!r}"
+            ) from e
         _validate_factory(self.name, factory)
         return factory
 
@@ -98,7 +100,8 @@ def _validate_factory(name: str, factory: Any) -> None:
         raise BackendError(f"backend {name!r} does not declare plugin_api_version")
     if version != PLUGIN_API_VERSION:
         raise BackendError(
-            f"backend {name!r} targets plugin API {version}, this kvrunner speaks {PLUGIN_API_VERSION}"
+            f"backend {name!r} targets plugin API {version}, "
+            f"this kvrunner speaks {PLUGIN_API_VERSION}"
         )
     for attr in ("layer_types", "write_targets"):
         value = getattr(factory, attr, None)
@@ -108,18 +111,31 @@ def _validate_factory(name: str, factory: Any) -> None:
         raise BackendError(f"backend {name!r}: entry point is not callable")
 
 
-def _validate_write_targets(name: str, declared: tuple[str, ...], targets: Any) -> list[CacheWriteTarget]:
+def _validate_write_targets(
+    name: str, declared: tuple[str, ...], targets: Any
+) -> list[CacheWriteTarget]:
     if not isinstance(targets, list):
         raise BackendError(f"backend {name!r}: cache_write_targets must return a list")
     for t in targets:
         if not isinstance(t, CacheWriteTarget):
             raise BackendError(f"backend {name!r}: write target {t!r} is not a CacheWriteTarget")
         if t.backend != name:
-            raise BackendError(f"backend {name!r}: write target {t.name!r} claims backend {t.backend!r}")
-        if not isinstance(t.buffer, torch.Tensor) or t.buffer.dtype.is_floating_point or t.buffer.dtype.is_complex or t.buffer.dtype == torch.bool:
-            raise BackendError(f"backend {name!r}: write target {t.name!r} must be an integer tensor")
+            raise BackendError(
+                f"backend {name!r}: write target {t.name!r} claims backend {t.backend!r}"
+            )
+        if (
+            not isinstance(t.buffer, torch.Tensor)
+            or t.buffer.dtype.is_floating_point
+            or t.buffer.dtype.is_complex
+            or t.buffer.dtype == torch.bool
+        ):
+            raise BackendError(
+                f"backend {name!r}: write target {t.name!r} must be an integer tensor"
+            )
         if not isinstance(t.pad_value, int) or isinstance(t.pad_value, bool):
-            raise BackendError(f"backend {name!r}: write target {t.name!r} has non-integer PAD {t.pad_value!r}")
+            raise BackendError(
+                f"backend {name!r}: write target {t.name!r} has non-integer PAD {t.pad_value!r}"
+            )
     names = {t.name for t in targets}
     if names != set(declared):
         raise BackendError(
@@ -149,7 +165,9 @@ class BackendManager:
         self.declared: dict[str, tuple[str, ...]] = {}
         for name, layer_types in by_backend.items():
             if name not in available:
-                blocked = f" ({name!r} is blocked by {BLOCK_ENV})" if name in blocked_backends() else ""
+                blocked = (
+                    f" ({name!r} is blocked by {BLOCK_ENV})" if name in blocked_backends() else ""
+                )
                 raise BackendError(
                     f"backend {name!r} selected for {layer_types} is not installed{blocked}; "
                     f"installed: {sorted(available) or 'none'}"
@@ -172,7 +190,11 @@ class BackendManager:
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
-            raise BackendError(f"backend {e.plugin!r}: {e}") from e
+            name = self.pm.get_name(e.plugin) or repr(e.plugin)
+            problem = str(e).split(" in plugin ")[0]
+            raise BackendError(
+                f"backend {name!r}: {problem} (no such hook in kvrunner.hookspecs)"
+            ) from e
 
     @property
     def names(self) -> list[str]:
@@ -204,7 +226,9 @@ class BackendManager:
 
     def allocate_cache(self, *, num_blocks: int, num_slots: int) -> dict[str, torch.Tensor]:
         pools: dict[str, torch.Tensor] = {}
-        for name, named in self._call_each("allocate_cache", num_blocks=num_blocks, num_slots=num_slots).items():
+        for name, named in self._call_each(
+            "allocate_cache", num_blocks=num_blocks, num_slots=num_slots
+        ).items():
             for key, tensor in named.items():
                 pools[f"{name}.{key}"] = tensor
         return pools
@@ -214,7 +238,9 @@ class BackendManager:
 
     def persistent_buffers(self, *, max_batch: int, max_tokens: int) -> dict[str, torch.Tensor]:
         buffers: dict[str, torch.Tensor] = {}
-        for name, named in self._call_each("persistent_buffers", max_batch=max_batch, max_tokens=max_tokens).items():
+        for name, named in self._call_each(
+            "persistent_buffers", max_batch=max_batch, max_tokens=max_tokens
+        ).items():
             for key, tensor in named.items():
                 buffers[f"{name}.{key}"] = tensor
         return buffers
@@ -232,7 +258,8 @@ class BackendManager:
 
     def build_capture_metadata(self, batch_size: int) -> ForwardContext:
         return self._metadata(
-            self._call_each("build_capture_metadata", batch_size=batch_size), "build_capture_metadata"
+            self._call_each("build_capture_metadata", batch_size=batch_size),
+            "build_capture_metadata",
         )
 
     def cache_write_targets(self) -> list[CacheWriteTarget]:
@@ -250,7 +277,9 @@ class BackendManager:
         return impl
 
 
-def iter_declared(backends: Iterable[DiscoveredBackend]) -> Iterable[tuple[DiscoveredBackend, tuple[str, ...]]]:
+def iter_declared(
+    backends: Iterable[DiscoveredBackend],
+) -> Iterable[tuple[DiscoveredBackend, tuple[str, ...]]]:
     """(backend, declared write targets) for the CLI listing; loads each factory."""
     for b in backends:
         yield b, b.load().write_targets

@@ -1,0 +1,109 @@
+"""One request as the engine tracks it: its tokens, its place in the cache, its fate.
+
+A :class:`Sequence` is plain mutable bookkeeping. The scheduler moves it between
+states, the block manager fills in ``block_table`` / ``state_slot`` /
+``num_computed_tokens``; nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import attrs
+
+from kvrunner.sampling_params import SamplingParams
+
+#: Why a sequence stopped: ``stop`` (EOS or a stop token), ``length`` (``max_tokens``
+#: or ``max_model_len``), ``abort`` (the caller withdrew it).
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """A request's tokens (prompt then generated) and where its KV lives.
+
+    Invariant while RUNNING: ``num_computed_tokens <= len(token_ids)`` and the block
+    table holds at least ``ceil(num_computed_tokens / block_size)`` blocks. A token
+    just sampled is in ``token_ids`` but not yet computed: it is fed to the model in
+    the next step, so a decoding sequence has ``num_computed_tokens ==
+    len(token_ids) - 1``.
+
+    ``eq=False`` keeps identity semantics (and hashability): two requests with the
+    same prompt are still two requests.
+    """
+
+    seq_id: int
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    sampling_params: SamplingParams = attrs.field(factory=SamplingParams)
+    #: prompt followed by every generated token (generated tokens survive preemption)
+    token_ids: list[int] = attrs.field(init=False)
+    #: leading tokens of ``token_ids`` whose KV is in the cache
+    num_computed_tokens: int = attrs.field(default=0, init=False)
+    #: physical KV block ids, in logical order
+    block_table: list[int] = attrs.field(factory=list, init=False)
+    #: prefix-cache hashes of the leading full blocks of ``token_ids``; they depend on
+    #: the tokens only, so they stay valid across preemption and are reused
+    block_hashes: list[int] = attrs.field(factory=list, init=False)
+    #: recurrent-state slot while running, ``-1`` when the sequence holds none
+    state_slot: int = attrs.field(default=-1, init=False)
+    status: SequenceStatus = attrs.field(default=SequenceStatus.WAITING, init=False)
+    finish_reason: FinishReason | None = attrs.field(default=None, init=False)
+    #: the sampled token's logprob at each output position (``None`` if not asked)
+    logprobs: list[float | None] = attrs.field(factory=list, init=False)
+    #: the top-N logprobs at each output position (``None`` if not asked)
+    top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
+    #: admission order stamp given by the scheduler on ``add`` (-1 before that)
+    arrival: int = attrs.field(default=-1, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: dict[int, float] | None = None,
+    ) -> None:
+        """Record one generated token (its KV is computed in a later step)."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top_logprobs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens} "
+            f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table}, slot={self.state_slot})"
+        )

@@ -1,0 +1,250 @@
+"""Linear layers that know how to take their shard of a full checkpoint weight.
+
+Every layer here holds only this rank's slice of the weight and loads it from the
+*full* tensor a checkpoint stores, through ``param.weight_loader(param, full,
+shard_id)``. With ``tp.size == 1`` (the default) each layer is an ordinary
+``F.linear``; tensor parallelism later only has to hand in a :class:`TPGroup`
+whose collectives are real.
+
+- :class:`ColumnParallelLinear` splits the output features (no communication).
+- :class:`RowParallelLinear` splits the input features and all-reduces the output.
+- :class:`QKVParallelLinear` / :class:`MergedColumnParallelLinear` fuse several
+  projections into one matmul (one kernel launch instead of three / two); the
+  checkpoint's separate tensors load into their slices by shard id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Collective = Callable[[torch.Tensor], torch.Tensor]
+
+
+@attrs.frozen(kw_only=True)
+class TPGroup:
+    """This rank's place in a tensor-parallel group and the collectives it uses.
+
+    ``all_reduce`` sums a tensor over the group; ``all_gather`` concatenates each
+    rank's tensor along the last dimension, in rank order. Both are required when
+    ``size > 1`` and unused (identity) when ``size == 1``.
+    """
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Collective | None = None
+    all_gather: Collective | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TPGroup: rank {self.rank} is outside a group of size {self.size}")
+        if self.size > 1 and (self.all_reduce is None or self.all_gather is None):
+            raise ValueError("TPGroup: size > 1 needs all_reduce and all_gather collectives")
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.size == 1 else self.all_reduce(x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.size == 1 else self.all_gather(x)
+
+
+#: The group of one: no sharding, no communication.
+SINGLE = TPGroup()
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, refusing a split that would not be exact."""
+    if numerator % denominator:
+        raise ValueError(f"{what}: {numerator} is not divisible by tensor parallel size "
+                         f"{denominator}")
+    return numerator // denominator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def _shard(
+    loaded: torch.Tensor, dim: int, index: int, size: int, total: int, what: str
+) -> torch.Tensor:
+    """Slice number ``index`` (``size`` wide) along ``dim`` of a tensor ``total`` wide."""
+    if loaded.dim() <= dim or loaded.shape[dim] != total:
+        raise ValueError(
+            f"{what}: expected {total} along dim {dim}, got shape {tuple(loaded.shape)}"
+        )
+    return loaded.narrow(dim, index * size, size)
+
+
+class LinearBase(nn.Module):
+    """``y = x @ W.T (+ b)`` with a rank-local ``W`` of ``[out_local, in_local]``."""
+
+    def __init__(
+        self,
+        in_local: int,
+        out_local: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(
+            torch.empty(out_local, in_local, dtype=dtype, device=device), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_local, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        """Copy the full checkpoint tensor ``loaded`` (replicated layers take it whole)."""
+        _copy_checked(param, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device, tp=tp)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks; each rank returns its slice of ``y``."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+        out_local = divide(out_features, tp.size, "ColumnParallelLinear output features")
+        super().__init__(in_features, out_local, bias=bias, dtype=dtype, device=device, tp=tp)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        rows, what = param.shape[0], type(self).__name__
+        _copy_checked(param, _shard(loaded, 0, self.tp.rank, rows, rows * self.tp.size, what), what)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; the partial products are summed over ranks.
+
+    The bias is added once, after the reduction, so it is not counted ``size`` times.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+        in_local = divide(in_features, tp.size, "RowParallelLinear input features")
+        super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, tp=tp)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if param.dim() == 1:  # bias: replicated
+            _copy_checked(param, loaded, type(self).__name__)
+            return
+        cols, what = param.shape[1], type(self).__name__
+        _copy_checked(param, _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what), what)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight.
+
+    Each rank's weight is the concatenation of its slice of every part, so the
+    output splits back into parts with :meth:`torch.Tensor.split` on local sizes.
+    Shard ids are the part indices ``0, 1, ...`` (gate=0, up=1 for an MLP).
+    """
+
+    def __init__(self, in_features: int, part_sizes: Sequence[int], *, bias: bool = False,
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+        self.local_sizes = [divide(s, tp.size, "MergedColumnParallelLinear part")
+                            for s in part_sizes]
+        super().__init__(in_features, sum(part_sizes), bias=bias, dtype=dtype, device=device, tp=tp)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
+            raise ValueError(f"MergedColumnParallelLinear: bad shard id {shard_id!r}")
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        what = f"{type(self).__name__} part {shard_id}"
+        shard = _shard(loaded, 0, self.tp.rank, size, size * self.tp.size, what)
+        _copy_checked(param.narrow(0, offset, size), shard, what)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one weight, split by heads over ranks.
+
+    Query heads are divided over ranks. When there are fewer KV heads than ranks,
+    each KV head is replicated on ``size // num_kv_heads`` consecutive ranks (as
+    GQA needs every query head's KV head on the same rank). Shard ids: ``"q"``,
+    ``"k"``, ``"v"``.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
+                 bias: bool = False, dtype: torch.dtype, device: torch.device | str,
+                 tp: TPGroup = SINGLE) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = divide(num_heads, tp.size, "QKVParallelLinear query heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "QKVParallelLinear KV heads")
+            self.kv_shard = tp.rank
+        else:
+            replicas = divide(tp.size, num_kv_heads, "QKVParallelLinear KV-head replication")
+            self.num_kv_heads = 1
+            self.kv_shard = tp.rank // replicas
+        out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        # Skip ColumnParallelLinear.__init__: the local width is per head group, not out/size.
+        LinearBase.__init__(
+            self, hidden_size, out_local, bias=bias, dtype=dtype, device=device, tp=tp
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, self.tp.rank
+            total = self.total_num_heads * self.head_dim
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, index = self.kv_size, self.kv_shard
+            total = self.total_num_kv_heads * self.head_dim
+        else:
+            raise ValueError(f"QKVParallelLinear: bad shard id {shard_id!r} (want 'q', 'k' or 'v')")
+        what = f"QKVParallelLinear {shard_id}_proj"
+        shard = _shard(loaded, 0, index, size, total, what)
+        _copy_checked(param.narrow(0, offset, size), shard, what)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, q+k+v]`` -> ``q [T, q_size]``, ``k [T, kv_size]``, ``v [T, kv_size]``."""
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -1,0 +1,224 @@
+"""Pick the next token for every row of a logits batch, and report logprobs.
+
+Per row, in order: greedy rows (``temperature == 0``) take the argmax of the raw
+logits. Other rows divide by the temperature, keep the ``top_k`` largest, keep the
+smallest most-likely set whose probability reaches ``top_p`` (renormalized after
+top-k, as vLLM does), and draw with the Gumbel-max trick: ``argmax(logits + G)``
+with ``G`` standard Gumbel noise is an exact draw from ``softmax(logits)``, and
+filtered tokens at ``-inf`` can never win.
+
+Reproducibility: a request with ``seed`` draws its noise from a generator seeded
+by ``(seed, tokens generated so far)``, so its tokens do not depend on which other
+requests share the batch, on the batch order, or on preemption and recompute.
+Requests without a seed share one generator (the engine's).
+
+Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
+filtering), which is what vLLM reports by default and what an RL trainer compares
+against its own forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from kvrunner.batch import SampledToken, SeqChunk
+from kvrunner.sampling_params import SamplingParams
+
+
+def step_seed(seed: int, num_generated: int) -> int:
+    """The generator seed for a seeded request's draw after ``num_generated`` tokens.
+
+    Hashed rather than summed so ``(seed, n)`` and ``(seed + 1, n - 1)`` do not collide.
+    """
+    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@attrs.frozen(kw_only=True)
+class SamplerOutput:
+    """What :func:`sample` picked, with logprobs.
+
+    ``top_ids`` / ``top_logprobs`` are ``[N, K]`` (most likely first) with ``K`` the
+    largest ``logprobs`` any row asked for, or ``None`` when no row asked; row ``i``
+    reports its first ``num_top[i]`` columns.
+    """
+
+    token_ids: torch.Tensor  # [N] long
+    logprobs: torch.Tensor  # [N] float32, the sampled token's logprob
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    num_top: tuple[int, ...]
+
+    def top_logprobs_dict(self, row: int) -> dict[int, float] | None:
+        """``{token_id: logprob}`` of the ``num_top[row]`` most likely tokens, or ``None``."""
+        n = self.num_top[row]
+        if n == 0 or self.top_ids is None:
+            return None
+        ids = self.top_ids[row, :n].tolist()
+        return dict(zip(ids, self.top_logprobs[row, :n].tolist(), strict=True))
+
+
+def _filter(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Set every logit outside each row's top-k set / top-p nucleus to ``-inf``."""
+    rows, vocab = scaled.shape
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_ps):
+        return scaled
+    device = scaled.device
+    # Stable sort: among equal logits the lower token id ranks first, as argmax does.
+    values, order = scaled.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=device)
+    values = values.masked_fill(rank >= torch.tensor(ks, device=device)[:, None], float("-inf"))
+    if any(p < 1.0 for p in top_ps):
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # A disabled row gets a threshold no mass reaches: its cumsum may round past 1.
+        ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], device=device)
+        values = values.masked_fill(mass_before >= ps[:, None], float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+
+def _gumbel(
+    rows: int,
+    vocab: int,
+    seeds: list[int | None],
+    counts: list[int],
+    generator: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[rows, vocab]`` standard Gumbel noise; a seeded row's noise depends only on
+    its ``(seed, count)`` (and the vocabulary size and device)."""
+    u = torch.empty(rows, vocab, device=device)
+    unseeded = [i for i, s in enumerate(seeds) if s is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), vocab, generator=generator, device=device)
+    if len(unseeded) < rows:
+        # One generator re-seeded per row: creating a CUDA generator per row costs
+        # ~3x more than re-seeding one, and in-place uniform_ skips a copy.
+        g = torch.Generator(device=device)
+        for i, (seed, count) in enumerate(zip(seeds, counts, strict=True)):
+            if seed is not None:
+                g.manual_seed(step_seed(seed, count))
+                u[i].uniform_(generator=g)
+    # Keep u strictly inside (0, 1) so both logs are finite: an infinite noise value
+    # could lift a filtered (-inf) token to NaN and NaN wins argmax.
+    eps = torch.finfo(u.dtype).eps
+    u.clamp_(min=torch.finfo(u.dtype).tiny, max=1.0 - eps)
+    return -torch.log(-torch.log(u))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+    *,
+    generator: torch.Generator | None = None,
+) -> SamplerOutput:
+    """Sample one token per row.
+
+    :param logits: ``[N, V]`` raw logits (float32 preferred; other dtypes are widened).
+    :param params: one :class:`SamplingParams` per row.
+    :param num_generated: tokens each row's request has generated so far (keys seeds).
+    :param generator: for rows without a seed; ``None`` uses torch's default generator.
+        Must live on ``logits.device``.
+    """
+    n, vocab = logits.shape
+    if not len(params) == len(num_generated) == n:
+        raise ValueError(
+            f"sample: {n} logit rows but {len(params)} params and {len(num_generated)} counts"
+        )
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        scaled = logits[rows] / temps[:, None]
+        scaled = _filter(
+            scaled, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows]
+        )
+        noise = _gumbel(
+            len(random_rows),
+            vocab,
+            [params[i].seed for i in random_rows],
+            [num_generated[i] for i in random_rows],
+            generator,
+            logits.device,
+        )
+        tokens[rows] = (scaled + noise).argmax(dim=-1)
+
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    num_top = tuple(min(p.logprobs or 0, vocab) for p in params)
+    top_ids = top_values = None
+    if max(num_top, default=0) > 0:
+        top_values, top_ids = all_logprobs.topk(max(num_top), dim=-1)
+    return SamplerOutput(
+        token_ids=tokens,
+        logprobs=token_logprobs,
+        top_ids=top_ids,
+        top_logprobs=top_values,
+        num_top=num_top,
+    )
+
+
+def to_sampled_tokens(out: SamplerOutput, chunks: Sequence[SeqChunk]) -> list[SampledToken]:
+    """One :class:`SampledToken` per chunk; logprobs only where the request asked."""
+    tokens = out.token_ids.tolist()
+    logprobs = out.logprobs.tolist()
+    result = []
+    for row, chunk in enumerate(chunks):
+        wants = chunk.sampling.logprobs is not None
+        result.append(
+            SampledToken(
+                seq_id=chunk.seq_id,
+                token_id=tokens[row],
+                logprob=logprobs[row] if wants else None,
+                top_logprobs=out.top_logprobs_dict(row) if wants else None,
+            )
+        )
+    return result
+
+
+def sample_chunks(
+    logits: torch.Tensor, chunks: Sequence[SeqChunk], *, generator: torch.Generator | None = None
+) -> list[SampledToken]:
+    """:func:`sample` for the step's sampling chunks (row ``i`` of ``logits`` is chunk ``i``)."""
+    out = sample(
+        logits,
+        [c.sampling for c in chunks],
+        [c.num_output_tokens for c in chunks],
+        generator=generator,
+    )
+    return to_sampled_tokens(out, chunks)
+
+
+class Sampler:
+    """:func:`sample` with the engine's generator for unseeded requests.
+
+    The generator is created on the first call's device, seeded with ``seed``, so two
+    engines built with the same seed draw the same unseeded tokens.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generator: torch.Generator | None = None
+
+    def __call__(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]
+    ) -> SamplerOutput:
+        return sample(logits, params, num_generated, generator=self._generator_for(logits.device))
+
+    def sample_chunks(self, logits: torch.Tensor, chunks: Sequence[SeqChunk]) -> list[SampledToken]:
+        """:func:`sample_chunks` with this sampler's generator."""
+        return sample_chunks(logits, chunks, generator=self._generator_for(logits.device))
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator

@@ -1,0 +1,125 @@
+"""The public API, shaped as vLLM users expect: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import attrs
+from tqdm.auto import tqdm
+
+from kvrunner.config import EngineConfig
+from kvrunner.engine.llm_engine import LLMEngine
+from kvrunner.sampling_params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """One request's result."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    #: logprob of each generated token, when SamplingParams.logprobs was set
+    logprobs: list[float] | None
+    #: the top-N logprobs at each step, when SamplingParams.logprobs = N > 0
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+class LLM:
+    """Load a model and generate from it.
+
+    :param model: an HF-format directory or an embedded default (``tiny-qwen3``).
+    :param config_file: a TOML file with ``[cache]``, ``[scheduler]``, ``[backends]``...
+    :param config: flat overrides (``block_size=32``, ``full_attention="paged"``).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny-qwen3",
+        *,
+        dtype: str = "auto",
+        config_file: str | Path | None = None,
+        progress: bool = False,
+        **config: Any,
+    ) -> None:
+        from kvrunner.runner.model_runner import ModelRunner
+
+        self.config = EngineConfig.load(config_file, model=model, dtype=dtype, **config)
+        self.runner = ModelRunner(self.config, progress=progress)
+        self.tokenizer = self.runner.tokenizer
+        self.engine = LLMEngine(
+            self.config,
+            self.runner,
+            eos_token_ids=self.runner.model_config.eos_token_id,
+            vocab_size=self.runner.model_config.vocab_size,
+            uses_state_slots="linear_attention" in self.runner.spec.layer_types,
+        )
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt).ids
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Every prompt is checked before any is queued, so a bad one raises a
+        ``ValueError`` naming it and leaves the engine as it was.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        token_lists = [self._token_ids(p) for p in prompts]
+        seqs = [
+            self.engine.make_request(ids, sp, i)
+            for i, (ids, sp) in enumerate(zip(token_lists, params, strict=True))
+        ]
+        for seq in seqs:  # only once every request passed
+            self.engine.add_request(seq)
+        total = sum(sp.max_tokens for sp in params)
+        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                before = sum(len(s.output_token_ids) for s in seqs)
+                self.engine.step()
+                bar.update(sum(len(s.output_token_ids) for s in seqs) - before)
+        return [self._output(p, s) for p, s in zip(prompts, seqs, strict=True)]
+
+    def _output(self, prompt: Prompt, seq: Any) -> RequestOutput:
+        out = list(seq.output_token_ids)
+        wants = seq.sampling_params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(seq.token_ids[: seq.num_prompt_tokens]),
+            token_ids=out,
+            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            logprobs=list(seq.logprobs) if wants else None,
+            top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
+            finish_reason=seq.finish_reason,
+        )
+
+    def recapture(self) -> float:
+        """Capture every decode graph again (as after a weight update); returns seconds."""
+        return self.runner.capture()

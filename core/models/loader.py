@@ -1,0 +1,208 @@
+"""Load a Hugging Face-format checkpoint directory into a kvrunner model.
+
+A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` files,
+``tokenizer.json`` and optionally ``generation_config.json`` (whose
+``eos_token_id`` adds stop tokens to the config's). Tensors stream one at a time
+from the safetensors files into the model's (possibly sharded) parameters, so
+peak host memory is one tensor, not the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from torch import nn
+from tqdm import tqdm
+
+from kvrunner.contract import ModelSpec
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def rope_theta_of(d: dict[str, Any], default: float = 10000.0) -> float:
+    """``rope_theta`` from a config dict, flat or in ``rope_parameters``/``rope_scaling``.
+
+    Only plain (``default``) rotary is implemented; a scaled variant (YaRN, linear,
+    dynamic ...) is refused rather than silently computed wrong.
+    """
+    theta = d.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        sub = d.get(key)
+        if not isinstance(sub, dict):
+            continue
+        kind = sub.get("rope_type", sub.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{key}: rope type {kind!r} is not supported (only 'default')")
+        theta = sub.get("rope_theta", theta)
+    return float(default if theta is None else theta)
+
+
+def resolve_dtype(dtype: torch.dtype | str, config: Any) -> torch.dtype:
+    """A torch dtype from a dtype or its name; ``"auto"`` takes the checkpoint's."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = (getattr(config, "dtype", None) or "float32") if dtype == "auto" else dtype
+    try:
+        return _DTYPES[str(name).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def load_weights_into(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    stacked: Sequence[tuple[str, str, str | int]] = (),
+    ignore: Sequence[str] = (),
+) -> None:
+    """Copy checkpoint tensors into ``module``'s parameters by name.
+
+    :param stacked: ``(fused_fragment, checkpoint_fragment, shard_id)``: a parameter
+        whose name contains ``fused_fragment`` is filled from the checkpoint tensors
+        named with ``checkpoint_fragment`` instead, each into its ``shard_id`` slice.
+    :param ignore: checkpoint names containing any of these are skipped.
+    :raises ValueError: listing every expected tensor the checkpoint lacks and every
+        checkpoint tensor the model has no place for (after loading all the others).
+    """
+    params = dict(module.named_parameters())
+    expected: dict[str, tuple[str, str | int | None]] = {}
+    for pname in params:
+        fused = [(f, c, s) for f, c, s in stacked if f in pname]
+        for fragment, ckpt_fragment, shard in fused:
+            expected[pname.replace(fragment, ckpt_fragment)] = (pname, shard)
+        if not fused:
+            expected[pname] = (pname, None)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        target = expected.get(name)
+        if target is None:
+            if not any(frag in name for frag in ignore):
+                unexpected.append(name)
+            continue
+        pname, shard = target
+        param = params[pname]
+        loader = getattr(param, "weight_loader", _default_weight_loader)
+        try:
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing {len(missing)}: {_listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected {len(unexpected)}: {_listing(sorted(unexpected))}")
+        raise ValueError(f"{type(module).__name__} weights do not match: " + "; ".join(problems))
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` file under ``path``, floats cast to ``dtype``."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                tensor = f.get_tensor(name)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _id_list(value: Any) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """The raw ``config.json`` dict, with ``generation_config.json``'s EOS ids merged in
+    (config's first, then new ones), as generation stops on either."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    gen = path / "generation_config.json"
+    if gen.exists():
+        extra = _id_list(json.loads(gen.read_text()).get("eos_token_id"))
+        if extra:
+            base = _id_list(raw.get("eos_token_id"))
+            raw["eos_token_id"] = list(dict.fromkeys(base + extra))
+    return raw
+
+
+def parse_config(raw: Mapping[str, Any]) -> tuple[type, Any]:
+    """``(model class, parsed config)`` for a raw ``config.json`` dict."""
+    from kvrunner.models.registry import resolve
+
+    model_cls = resolve(raw)
+    return model_cls, model_cls.config_class.from_hf_dict(raw)
+
+
+def read_config(path: str | Path) -> tuple[type, Any]:
+    """``(model class, parsed config)`` for a checkpoint directory."""
+    return parse_config(load_hf_config(path))
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    make_layer: Callable[[int, str], Any],
+    progress: bool = False,
+    **model_kwargs: Any,
+) -> tuple[nn.Module, Tokenizer, Any]:
+    """Build the model a checkpoint directory describes and load its weights.
+
+    :param dtype: a torch dtype, its name, or ``"auto"`` (the checkpoint's dtype).
+    :param make_layer: ``(layer_index, layer_type) -> attention impl`` (from the backends).
+    :param progress: show a progress bar over the tensors loaded.
+    :param model_kwargs: passed to the model class (e.g. ``tp=TPGroup(...)``).
+    :returns: ``(model, tokenizer, config)``; the model is in eval mode, no grad.
+    """
+    path = Path(path)
+    model_cls, config = read_config(path)
+    dtype = resolve_dtype(dtype, config)
+    model = model_cls(config, make_layer, dtype, torch.device(device), **model_kwargs)
+    weights = iter_safetensors(path, dtype)
+    if progress:
+        weights = tqdm(weights, desc="loading weights", unit="tensor")
+    model.load_weights(weights)
+    model.eval().requires_grad_(False)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (a `tokenizers` JSON file)")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    return model, tokenizer, config
+
+
+def model_spec(config: Any, tp_size: int = 1) -> ModelSpec:
+    """The per-rank shapes backends need (heads divided by ``tp_size``).
+
+    :param config: a parsed model config, or a raw ``config.json`` dict.
+    """
+    if isinstance(config, Mapping):
+        config = parse_config(config)[1]
+    return config.model_spec(tp_size)

@@ -1,0 +1,333 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): hybrid Gated-DeltaNet + gated full attention.
+
+Layer types come from the config: ``linear_attention`` layers hand their conv and
+delta-rule recurrence to the backend selected for them (``gdn``), ``full_attention``
+layers to theirs (``paged``). Dense MLP layers only: a config whose layers would be
+mixture-of-experts is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrunner.contract import ForwardContext, ModelSpec
+from kvrunner.layers.embedding import LMHead, VocabEmbedding
+from kvrunner.layers.linear import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, divide
+from kvrunner.layers.rmsnorm import RMSNorm
+from kvrunner.layers.rotary import RotaryEmbedding
+from kvrunner.models.loader import load_weights_into
+from kvrunner.models.qwen3 import MakeLayer, Qwen3Config, Qwen3ForCausalLM, Qwen3MLP
+
+
+@attrs.frozen(kw_only=True)
+class Qwen3NextConfig(Qwen3Config):
+    """Qwen3's fields plus the linear-attention shapes and partial rotary."""
+
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"Qwen3NextConfig: {len(self.layer_types)} layer_types "
+                f"for {self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"})
+        if unknown:
+            raise ValueError(f"Qwen3NextConfig: unsupported layer types {unknown}")
+        divide(
+            self.linear_num_value_heads, self.linear_num_key_heads, "GDN value heads per key head"
+        )
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen3NextConfig:
+        n = d["num_hidden_layers"]
+        if d.get("num_experts", 0) > 0:
+            sparse = [
+                i
+                for i in range(n)
+                if i not in d.get("mlp_only_layers", [])
+                and (i + 1) % d.get("decoder_sparse_step", 1) == 0
+            ]
+            if sparse:
+                raise ValueError(
+                    f"Qwen3NextConfig: layers {sparse[:8]} are mixture-of-experts, which is not "
+                    f"supported; set mlp_only_layers to cover every layer or num_experts = 0"
+                )
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        base = attrs.asdict(Qwen3Config.from_hf_dict({**d, "layer_types": None}), recurse=False)
+        base["layer_types"] = tuple(d["layer_types"])
+        return cls(
+            **base,
+            partial_rotary_factor=rope.get(
+                "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
+            ),
+            linear_num_key_heads=d["linear_num_key_heads"],
+            linear_num_value_heads=d["linear_num_value_heads"],
+            linear_key_head_dim=d["linear_key_head_dim"],
+            linear_value_head_dim=d["linear_value_head_dim"],
+            linear_conv_kernel_dim=d["linear_conv_kernel_dim"],
+        )
+
+    def model_spec(self, tp_size: int = 1) -> ModelSpec:
+        if tp_size != 1:
+            raise ValueError("Qwen3-Next runs with tensor_parallel_size = 1 for now")
+        return attrs.evolve(
+            super().model_spec(tp_size),
+            linear_num_key_heads=self.linear_num_key_heads,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+        )
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose stored weight is an offset from 1: ``x/rms * (1 + w)``, in float32."""
+
+    def __init__(
+        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__(dim, eps, dtype=dtype, device=device)
+        nn.init.zeros_(self.weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * norm(x) * silu(z)`` per value head (norm before gate)."""
+
+    def __init__(
+        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Projections, decay and gates, gated norm and output; conv + recurrence in the backend."""
+
+    def __init__(
+        self,
+        c: Qwen3NextConfig,
+        impl: Any,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.hk, self.hv, self.kd, self.vd = hk, hv, c.linear_key_head_dim, c.linear_value_head_dim
+        self.ratio = hv // hk
+        kw = dict(dtype=dtype, device=device, tp=tp)
+        self.in_proj_qkvz = ColumnParallelLinear(
+            c.hidden_size, 2 * hk * self.kd + 2 * hv * self.vd, **kw
+        )
+        self.in_proj_ba = ColumnParallelLinear(c.hidden_size, 2 * hv, **kw)
+        conv_dim = 2 * hk * self.kd + hv * self.vd
+        self.conv_weight = nn.Parameter(
+            torch.empty(conv_dim, c.linear_conv_kernel_dim, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(hv, dtype=dtype, device=device), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(hv, dtype=dtype, device=device), requires_grad=False)
+        self.norm = GatedRMSNorm(self.vd, c.rms_norm_eps, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(hv * self.vd, c.hidden_size, **kw)
+        object.__setattr__(self, "impl", impl)  # backend-owned; not a weight
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        # Checkpoint layout groups everything by key head: [q | k | v-group | z-group].
+        qkvz = self.in_proj_qkvz(x).view(t, self.hk, -1)
+        q, k, v, z = qkvz.split(
+            [self.kd, self.kd, self.ratio * self.vd, self.ratio * self.vd], dim=-1
+        )
+        b, a = self.in_proj_ba(x).view(t, self.hk, -1).split([self.ratio, self.ratio], dim=-1)
+        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(
+            a.reshape(t, self.hv).float() + self.dt_bias.float()
+        )
+        beta = b.reshape(t, self.hv).sigmoid()
+        out = self.impl.forward(mixed_qkv, g, beta, self.conv_weight, None, ctx)
+        out = self.norm(out.reshape(-1, self.vd), z.reshape(-1, self.vd))
+        return self.out_proj(out.reshape(t, self.hv * self.vd))
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated by ``sigmoid(gate)`` from the q projection."""
+
+    def __init__(
+        self,
+        c: Qwen3NextConfig,
+        impl: Any,
+        rotary: RotaryEmbedding,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        kw = dict(dtype=dtype, device=device, tp=tp, bias=c.attention_bias)
+        self.q_proj = ColumnParallelLinear(c.hidden_size, 2 * self.h * self.d, **kw)
+        self.k_proj = ColumnParallelLinear(c.hidden_size, self.hkv * self.d, **kw)
+        self.v_proj = ColumnParallelLinear(c.hidden_size, self.hkv * self.d, **kw)
+        self.o_proj = RowParallelLinear(self.h * self.d, c.hidden_size, **kw)
+        self.q_norm = ZeroCenteredRMSNorm(self.d, c.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = ZeroCenteredRMSNorm(self.d, c.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary = rotary
+        object.__setattr__(self, "impl", impl)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.h, 2 * self.d).chunk(2, dim=-1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
+        q, k = self.rotary(positions, q, k)
+        out = self.impl.forward(q, k, self.v_proj(x).view(t, self.hkv, self.d), ctx)
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        c: Qwen3NextConfig,
+        kind: str,
+        impl: Any,
+        rotary: RotaryEmbedding,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(c, impl, tp=tp, **kw)
+        else:
+            self.self_attn = GatedAttention(c, impl, rotary, tp=tp, **kw)
+        self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.mlp = Qwen3MLP(c, tp=tp, **kw)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.kind == "linear_attention":
+            x = self.linear_attn(x, ctx)
+        else:
+            x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(
+        self,
+        c: Qwen3NextConfig,
+        make_layer: MakeLayer,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(
+            c.vocab_size, c.hidden_size, dtype=dtype, device=device, tp=tp
+        )
+        self.rotary_emb = RotaryEmbedding(
+            c.head_dim,
+            max_position=c.max_position_embeddings,
+            base=c.rope_theta,
+            rotary_dim=int(c.head_dim * c.partial_rotary_factor),
+            device=device,
+        )
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(
+                c, kind, make_layer(i, kind), self.rotary_emb, dtype=dtype, device=device, tp=tp
+            )
+            for i, kind in enumerate(c.layer_types)
+        )
+        self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3NextForCausalLM(Qwen3ForCausalLM):
+    """The Hugging Face ``Qwen3NextForCausalLM`` architecture (dense MLPs) on a flat token batch."""
+
+    config_class = Qwen3NextConfig
+
+    def __init__(
+        self,
+        config: Qwen3NextConfig,
+        make_layer: MakeLayer,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = Qwen3NextModel(config, make_layer, dtype=dtype, device=device, tp=tp)
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            device=device,
+            tp=tp,
+            tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF names; ``conv1d.weight`` ``[C, 1, K]`` is stored as ``conv_weight`` ``[C, K]``."""
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.endswith(".linear_attn.conv1d.weight"):
+                    yield name.replace("conv1d.weight", "conv_weight"), tensor.squeeze(1)
+                else:
+                    yield name, tensor
+
+        ignore = ["rotary_emb.inv_freq", "mtp."]
+        if self.config.tie_word_embeddings:
+            ignore.append("lm_head.weight")
+        load_weights_into(self, renamed(), stacked=self.STACKED[3:], ignore=ignore)

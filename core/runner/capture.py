@@ -1,0 +1,59 @@
+"""The capture loop: one decode graph per batch size, largest first, never unsafe.
+
+For each size: blank the union of every active backend's write targets to PAD,
+build the capture metadata (read side synthesized by the backend), warmup forward,
+captured forward. In audit mode every pool is snapshotted first and must be
+byte-identical after each size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvrunner.config import CaptureConfig
+from kvrunner.plugins import BackendManager
+from kvrunner.runner.capture_safety import PoolSnapshot, blank_write_targets
+from kvrunner.runner.forward_vars import ForwardVars
+from kvrunner.runner.graphs import DecodeGraph, Forward
+
+
+def capture_decode_graphs(
+    *,
+    sizes: Sequence[int],
+    backends: BackendManager,
+    forward: Forward,
+    forward_vars: ForwardVars,
+    pools: Mapping[str, torch.Tensor],
+    config: CaptureConfig,
+    device: torch.device,
+    progress: bool = False,
+) -> tuple[dict[int, DecodeGraph], float]:
+    """Capture every size; returns the graphs by batch size and the seconds it took."""
+    start = time.perf_counter()
+    snapshot = PoolSnapshot(pools) if config.audit else None
+    graphs: dict[int, DecodeGraph] = {}
+    shared_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+    ordered = sorted(sizes, reverse=True)  # largest first: later graphs reuse its memory
+    for batch_size in tqdm(ordered, desc="capturing decode graphs", disable=not progress):
+        targets = backends.cache_write_targets()
+        if config.blank_write_targets:
+            blank_write_targets(targets)
+        # The read side of the model's own inputs: token 0 at position 0.
+        forward_vars["input_ids"][:batch_size].zero_()
+        forward_vars["positions"][:batch_size].zero_()
+        graph = DecodeGraph(batch_size, backends.build_capture_metadata(batch_size))
+        graph.capture(forward, pool=shared_pool, device=device)
+        if snapshot is not None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            snapshot.require_unchanged(
+                batch_size=batch_size, blanked=targets if config.blank_write_targets else []
+            )
+        graphs[batch_size] = graph
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return graphs, time.perf_counter() - start

@@ -1,0 +1,64 @@
+"""Decode graphs: CUDA graphs on CUDA, an eager stand-in elsewhere.
+
+Both kinds are built by the same capture loop and replayed the same way: the
+step's rows are copied into forward_vars and the backends' buffers, the graph runs
+over its whole (padded) batch with the metadata built at capture, and the caller
+reads the first ``num_seqs`` rows of its output. The stand-in re-runs that forward
+eagerly, so on the CPU a backend whose captured metadata would go stale (a Python
+value that should have lived in a buffer) shows up as a wrong answer in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvrunner.contract import ForwardContext
+
+Forward = Callable[[int, ForwardContext], torch.Tensor]
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to ``max_num_seqs`` (always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraph:
+    """One captured decode forward for a fixed batch size."""
+
+    def __init__(self, batch_size: int, ctx: ForwardContext) -> None:
+        self.batch_size = batch_size
+        self.ctx = ctx
+        self.output: torch.Tensor | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._forward: Forward | None = None
+
+    def capture(self, forward: Forward, *, pool: object | None, device: torch.device) -> None:
+        """Warmup forward, then the captured forward (a real CUDA graph on CUDA)."""
+        self._forward = forward
+        forward(self.batch_size, self.ctx)  # warmup: kernels compile, workspaces settle
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph, pool=pool):
+                self.output = forward(self.batch_size, self.ctx)
+        else:
+            self.output = forward(self.batch_size, self.ctx)
+
+    @property
+    def pool(self) -> object | None:
+        return self._graph.pool() if self._graph is not None else None
+
+    def replay(self) -> torch.Tensor:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            assert self._forward is not None, "replay before capture"
+            self.output = self._forward(self.batch_size, self.ctx)
+        assert self.output is not None
+        return self.output

@@ -1,0 +1,193 @@
+"""The runner: owns the model, the backends, the pools, forward_vars and the graphs.
+
+It computes what the engine schedules and never decides who runs. One runner per
+tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from kvrunner.batch import SampledToken, StepInput
+from kvrunner.config import EngineConfig
+from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
+from kvrunner.layers.sampler import Sampler
+from kvrunner.plugins import BackendManager
+from kvrunner.runner.capture import capture_decode_graphs
+from kvrunner.runner.forward_vars import ForwardVars
+from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
+from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_path
+from kvrunner.runner.sizing import cache_budget_bytes, num_blocks_for_budget
+from kvrunner.runner.step_batch import prepare_step, profile_step
+
+#: set to 1 to run Triton kernels on the CPU too (under TRITON_INTERPRET=1)
+USE_TRITON_ENV = "KVRUNNER_USE_TRITON"
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+        from kvrunner.models.loader import load_hf_config, load_model, model_spec
+
+        self.config = config
+        self.progress = progress
+        self.device = resolve_device(config.device)
+        self.model_path = resolve_model_path(config.model)
+        hf_config = load_hf_config(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        self.spec: ModelSpec = model_spec(hf_config, tp_size=config.parallel.tensor_parallel_size)
+        sched = config.scheduler
+        self.max_batch = sched.max_num_seqs
+        self.max_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        self.num_slots = sched.max_num_seqs + 1  # the last slot is a scratch slot
+        use_triton = self.device.type == "cuda" or os.environ.get(USE_TRITON_ENV) == "1"
+        selection = {
+            t: config.backends.for_layer_type(t) for t in sorted(set(self.spec.layer_types))
+        }
+
+        def context_for(name: str, layer_types: tuple[str, ...]) -> BackendContext:
+            layers = tuple(i for i, t in enumerate(self.spec.layer_types) if t in layer_types)
+            return BackendContext(
+                name=name,
+                layers=layers,
+                model=self.spec,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=config.cache.block_size,
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=self.max_tokens,
+                max_model_len=sched.max_model_len,
+                use_triton=use_triton,
+            )
+
+        self.backends = BackendManager(selection, context_for)
+        self.model, self.tokenizer, self.model_config = load_model(
+            self.model_path,
+            dtype=self.dtype,
+            device=self.device,
+            progress=progress,
+            make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
+        )
+        self.graphs: dict[int, DecodeGraph] = {}
+        self.capture_seconds = 0.0
+        self.nan_rows = 0  # sampled rows whose logits held NaN, since start
+        self.sampler = Sampler(config.seed)
+        self.forward_vars = ForwardVars()
+        self.forward_vars.register(
+            "input_ids", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+        )
+        self.forward_vars.register(
+            "positions", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+        )
+        self.forward_vars.register_all(
+            self.backends.persistent_buffers(max_batch=self.max_batch, max_tokens=self.max_tokens)
+        )
+        self.num_blocks = self._derive_num_blocks()
+        self.pools = self.backends.allocate_cache(
+            num_blocks=self.num_blocks, num_slots=self.num_slots
+        )
+        if not config.capture.enforce_eager:
+            self.capture()
+
+    # -- sizing ------------------------------------------------------------------------
+
+    def _derive_num_blocks(self) -> int:
+        cache = self.config.cache
+        min_blocks = math.ceil(self.config.scheduler.max_model_len / cache.block_size)
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        peak = 0
+        if self.device.type == "cuda":
+            peak = self._profile_peak_bytes()
+        budget = cache_budget_bytes(cache, self.device, peak_bytes=peak)
+        return num_blocks_for_budget(
+            self.backends.cache_specs(),
+            budget_bytes=budget,
+            num_slots=self.num_slots,
+            min_blocks=min_blocks,
+        )
+
+    def _profile_peak_bytes(self) -> int:
+        """Activation peak of the largest prefill this config allows.
+
+        Runs a real step through the backends over a temporary minimal pool, which is
+        released afterwards, so the peak includes every kernel's workspace.
+        """
+        min_blocks = math.ceil(self.config.scheduler.max_model_len / self.config.cache.block_size)
+        self.pools = self.backends.allocate_cache(num_blocks=min_blocks, num_slots=self.num_slots)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.execute(
+            profile_step(self.config, num_tokens=self.max_tokens, scratch_slot=self.num_slots - 1)
+        )
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.backends.release_cache()
+        self.pools = {}
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- capture ------------------------------------------------------------------------
+
+    def capture_sizes(self) -> list[int]:
+        sizes = self.config.capture.capture_sizes or default_capture_sizes(self.max_batch)
+        return [s for s in sizes if s <= self.max_batch]
+
+    def _forward_rows(self, num_rows: int, ctx: ForwardContext) -> torch.Tensor:
+        fv = self.forward_vars
+        return self.model(fv["input_ids"][:num_rows], fv["positions"][:num_rows], ctx)
+
+    def capture(self) -> float:
+        """(Re)capture every decode graph; safe whatever forward_vars hold now."""
+        self.graphs = {}
+        with torch.inference_mode():
+            self.graphs, self.capture_seconds = capture_decode_graphs(
+                sizes=self.capture_sizes(),
+                backends=self.backends,
+                forward=self._forward_rows,
+                forward_vars=self.forward_vars,
+                pools=self.pools,
+                config=self.config.capture,
+                device=self.device,
+                progress=self.progress,
+            )
+        return self.capture_seconds
+
+    def _graph_for(self, step: StepInput) -> DecodeGraph | None:
+        if not self.graphs or not step.is_decode:
+            return None
+        fitting = [bs for bs in self.graphs if bs >= len(step.chunks)]
+        return self.graphs[min(fitting)] if fitting else None
+
+    # -- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        graph = self._graph_for(step)
+        padded = graph.batch_size if graph is not None else None
+        prepared = prepare_step(
+            step, block_size=self.config.cache.block_size, num_padded_seqs=padded
+        )
+        num_tokens = prepared.batch.num_tokens
+        rows = padded if padded is not None else num_tokens
+        fv = self.forward_vars
+        fv["input_ids"][:num_tokens].copy_(prepared.input_ids, non_blocking=True)
+        fv["positions"][:num_tokens].copy_(prepared.positions, non_blocking=True)
+        if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 at position 0
+            fv["input_ids"][num_tokens:rows].zero_()
+            fv["positions"][num_tokens:rows].zero_()
+        ctx = self.backends.build_metadata(prepared.batch)
+        if graph is not None:
+            hidden = graph.replay()
+        else:
+            hidden = self._forward_rows(num_tokens, ctx)
+        if not prepared.sample_rows:
+            return []
+        row_index = torch.tensor(prepared.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))
+        self.nan_rows += int(torch.isnan(logits).any(dim=-1).sum())
+        sampling_chunks = [c for c in step.chunks if c.sample]
+        return self.sampler.sample_chunks(logits, sampling_chunks)

@@ -1,0 +1,48 @@
+"""Resolve the device, dtype and model directory a runner is built on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrunner.config import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config: dict[str, Any]) -> torch.dtype:
+    """``auto``: float32 on the CPU; on CUDA the checkpoint's half type, else bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def resolve_model_path(model: str) -> Path:
+    """An HF-format directory, or the name of an embedded default (made on first use)."""
+    from kvrunner.models.tiny import DEFAULT_MODELS, ensure_default_model
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model directory {str(path)!r} has no config.json")
+        return path
+    if model in DEFAULT_MODELS:
+        return ensure_default_model(model)
+    raise ConfigError(
+        f"model {model!r} is neither a directory nor an embedded default "
+        f"({', '.join(sorted(DEFAULT_MODELS))}); no hub access exists here"
+    )

@@ -1,0 +1,160 @@
+"""A fake runner with a simulated KV cache, to drive the engine side in tests.
+
+The fake "model" samples a deterministic function of the whole context it reads
+*back from its own cache* through the chunk's block table - never from the
+scheduler's sequences. So a wrong block table, a prefix-cache hit on the wrong
+block, an evicted block still mapped, or a resumed sequence missing KV all change
+the sampled tokens (or fail a read), and the outputs stop matching a cache-free
+reference generation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from kvrunner.batch import SampledToken, StepInput
+from kvrunner.engine.block_manager import BlockManager
+from kvrunner.engine.scheduler import Scheduler
+from kvrunner.engine.sequence import Sequence as Seq
+from kvrunner.engine.sequence import SequenceStatus
+
+VOCAB = 1000
+
+
+def fake_next_token(context: Sequence[int]) -> int:
+    """The fake model: depends on every token of the context and on their order."""
+    h = 0
+    for t in context:
+        h = (h * 1_000_003 + t + 1) % (1 << 61)
+    return h % VOCAB
+
+
+def fake_logprob(context: Sequence[int]) -> float:
+    return -len(context) / 1000.0
+
+
+def reference_outputs(prompt: Sequence[int], max_tokens: int, max_model_len: int) -> list[int]:
+    """Cache-free greedy generation with the fake model (EOS ignored)."""
+    tokens = list(prompt)
+    while len(tokens) - len(prompt) < max_tokens and len(tokens) < max_model_len:
+        tokens.append(fake_next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakeRunner:
+    """Writes each chunk's tokens into KV slots and samples from what it reads back."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.bm = block_manager
+        self.bs = block_manager.block_size
+        self.kv: dict[int, int] = {}  # physical slot -> token id whose "KV" is there
+
+    def _slot(self, block_table: tuple[int, ...], pos: int) -> int:
+        return block_table[pos // self.bs] * self.bs + pos % self.bs
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        sampled = []
+        for c in step.chunks:
+            end = c.start_pos + len(c.token_ids)
+            assert len(c.token_ids) >= 1
+            assert len(c.block_table) * self.bs >= end, f"block table too short: {c}"
+            for pos, token in enumerate(c.token_ids, c.start_pos):
+                block = c.block_table[pos // self.bs]
+                # Writes land only in a private block that is not a published prefix.
+                assert self.bm.pool.ref_count(block) == 1, f"write into shared block {block}"
+                assert self.bm.pool.block_hash(block) is None, f"write into cached {block}"
+                self.kv[self._slot(c.block_table, pos)] = token
+            if c.sample:
+                context = [self.kv[self._slot(c.block_table, p)] for p in range(end)]
+                sampled.append(
+                    SampledToken(
+                        seq_id=c.seq_id,
+                        token_id=fake_next_token(context),
+                        logprob=fake_logprob(context),
+                    )
+                )
+        return sampled
+
+
+def check_step(sched: Scheduler, step: StepInput, seqs: list[Seq]) -> None:
+    """Invariants that must hold for every scheduled step."""
+    cfg = sched.config
+    assert step.num_tokens <= cfg.max_num_batched_tokens
+    assert len(step.chunks) == len(seqs) <= cfg.max_num_seqs
+    assert len(sched.running) <= cfg.max_num_seqs
+    assert len({c.seq_id for c in step.chunks}) == len(step.chunks)
+    for c, seq in zip(step.chunks, seqs, strict=True):
+        assert c.seq_id == seq.seq_id and seq.status is SequenceStatus.RUNNING
+        assert c.start_pos == seq.num_computed_tokens
+        assert c.token_ids == tuple(seq.token_ids[c.start_pos : c.start_pos + len(c.token_ids)])
+        assert c.sample == (c.start_pos + len(c.token_ids) == seq.num_tokens)
+        assert c.num_output_tokens == seq.num_output_tokens
+        if not cfg.enable_chunked_prefill:
+            # Whole prefills only, bar a resumed sequence that outgrew the budget.
+            assert c.sample or seq.num_tokens > cfg.max_num_batched_tokens
+    check_block_accounting(sched)
+    check_fairness(sched)
+
+
+def check_block_accounting(sched: Scheduler) -> None:
+    """Ref counts equal the number of running tables mapping a block; sharing only of
+    full, computed, published prefix blocks; every block free or held."""
+    bm = sched.block_manager
+    mapped: Counter[int] = Counter()
+    for seq in sched.running:
+        mapped.update(seq.block_table)
+        full = seq.num_computed_tokens // bm.block_size
+        for i, block in enumerate(seq.block_table):
+            if i >= full:
+                # A block this sequence may still write is its own.
+                assert bm.pool.block_hash(block) is None
+    for block, count in mapped.items():
+        assert bm.pool.ref_count(block) == count
+        if count > 1:
+            assert bm.pool.block_hash(block) is not None, f"block {block} shared uncached"
+    assert bm.num_free_blocks + len(mapped) == bm.num_blocks
+    for seq in sched.waiting:
+        assert not seq.block_table and seq.state_slot == -1 and seq.num_computed_tokens == 0
+    slots = [s.state_slot for s in sched.running]
+    if bm.num_state_slots:
+        assert -1 not in slots and len(set(slots)) == len(slots)
+        assert bm.num_free_state_slots + len(slots) == bm.num_state_slots
+    else:
+        assert set(slots) <= {-1}
+
+
+def check_fairness(sched: Scheduler) -> None:
+    """Running is in arrival order and every running sequence arrived before every
+    waiting one - so no preemption ever favoured a later arrival."""
+    running = [s.arrival for s in sched.running]
+    waiting = [s.arrival for s in sched.waiting]
+    assert running == sorted(running)
+    assert waiting == sorted(waiting)
+    if running and waiting:
+        assert running[-1] < waiting[0]
+
+
+def drive(
+    sched: Scheduler,
+    runner: FakeRunner,
+    arrivals: Iterable[tuple[int, Seq]] = (),
+    max_steps: int = 10_000,
+) -> int:
+    """Run to completion, adding ``(step, seq)`` arrivals on their step; returns steps."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    steps = 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0][0] <= steps:
+            sched.add(pending.pop(0)[1])
+        scheduled = sched.schedule()
+        steps += 1
+        assert steps <= max_steps, "no progress: scheduler livelocked"
+        if scheduled is None:
+            assert not sched.has_unfinished(), "work left but nothing scheduled"
+            continue
+        step, seqs = scheduled
+        check_step(sched, step, seqs)
+        sched.update(seqs, runner.execute(step))
+        check_block_accounting(sched)
+    return steps

@@ -1,0 +1,128 @@
+"""Scheduler properties over random workloads driven to completion by a fake runner.
+
+Every step is checked (token budget, max_num_seqs, block tables covering each chunk,
+exact ref counts, no sharing but of published full blocks, arrival-order fairness),
+and every request's outputs must equal a cache-free reference generation, whatever
+the batching, chunking, prefix hits and preemptions along the way.
+"""
+
+from __future__ import annotations
+
+import attrs
+from engine_sim import (
+    VOCAB,
+    FakeRunner,
+    drive,
+    fake_logprob,
+    fake_next_token,
+    reference_outputs,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrunner.config import SchedulerConfig
+from kvrunner.engine.block_manager import BlockManager
+from kvrunner.engine.scheduler import Scheduler
+from kvrunner.engine.sequence import Sequence, SequenceStatus
+from kvrunner.sampling_params import SamplingParams
+
+
+@attrs.frozen
+class Workload:
+    config: SchedulerConfig
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool
+    num_state_slots: int
+    requests: tuple[tuple[int, tuple[int, ...], int], ...]  # (arrival step, prompt, max_tokens)
+
+
+@st.composite
+def workloads(draw: st.DrawFn, tight_pool: bool = False) -> Workload:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.sampled_from([10, 24, 64]))
+    chunked = draw(st.booleans())
+    max_num_seqs = draw(st.integers(1, 5))
+    # Prompts share a few stems so that prefix-cache hits actually happen.
+    token = st.integers(0, VOCAB - 1)
+    stems = draw(st.lists(st.lists(token, min_size=1, max_size=10), min_size=1, max_size=2))
+    requests = []
+    for _ in range(draw(st.integers(1, 7))):
+        prompt = draw(st.sampled_from(stems)) + draw(st.lists(token, max_size=6))
+        prompt = tuple(prompt[: max_model_len - 1])
+        requests.append((draw(st.integers(0, 6)), prompt, draw(st.integers(1, 8))))
+    # The pool must let each request finish alone (add() refuses the rest), no more.
+    need = max(-(-(min(len(p) + m, max_model_len) - 1) // block_size) for _, p, m in requests)
+    num_blocks = need + (draw(st.integers(0, 2)) if tight_pool else draw(st.integers(0, 12)))
+    budget = draw(st.integers(1, 16))
+    if not chunked:
+        budget = max(budget, max(len(p) for _, p, _ in requests))
+    return Workload(
+        config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+        ),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        prefix_caching=draw(st.booleans()),
+        num_state_slots=max_num_seqs if draw(st.booleans()) else 0,
+        requests=tuple(requests),
+    )
+
+
+def run_workload(w: Workload) -> tuple[Scheduler, list[Sequence]]:
+    bm = BlockManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_state_slots)
+    sched = Scheduler(w.config, bm, eos_token_id=fake_next_token([]))
+    seqs = [
+        Sequence(i, list(prompt), SamplingParams(max_tokens=m, ignore_eos=True))
+        for i, (_, prompt, m) in enumerate(w.requests)
+    ]
+    arrivals = [(step, seq) for (step, _, _), seq in zip(w.requests, seqs, strict=True)]
+    drive(sched, FakeRunner(bm), arrivals)
+    return sched, seqs
+
+
+def check_outputs(w: Workload, sched: Scheduler, seqs: list[Sequence]) -> None:
+    max_len = w.config.max_model_len
+    for seq in seqs:
+        expected = reference_outputs(seq.prompt_token_ids, seq.sampling_params.max_tokens, max_len)
+        assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "length"
+        assert seq.output_token_ids == expected
+        assert len(expected) == min(seq.sampling_params.max_tokens, max_len - seq.num_prompt_tokens)
+        assert seq.logprobs == [
+            fake_logprob(seq.token_ids[:i]) for i in range(seq.num_prompt_tokens, seq.num_tokens)
+        ]
+        assert seq.block_table == [] and seq.state_slot == -1
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_state_slots == bm.num_state_slots
+    assert not sched.has_unfinished() and sched.schedule() is None
+
+
+@given(workloads())
+def test_every_request_finishes_with_its_reference_outputs(w: Workload) -> None:
+    sched, seqs = run_workload(w)
+    check_outputs(w, sched, seqs)
+
+
+@given(workloads(tight_pool=True))
+def test_a_tight_pool_preempts_and_every_request_still_completes_correctly(w: Workload) -> None:
+    sched, seqs = run_workload(w)
+    check_outputs(w, sched, seqs)
+
+
+def test_the_tight_pool_workloads_do_exercise_preemption() -> None:
+    """Guards the property above against silently never preempting."""
+    w = Workload(
+        config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64),
+        block_size=2,
+        num_blocks=6,
+        prefix_caching=True,
+        num_state_slots=0,
+        requests=tuple((0, tuple(range(10 * i, 10 * i + 4)), 6) for i in range(3)),
+    )
+    sched, seqs = run_workload(w)
+    assert sched.num_preemptions > 0
+    check_outputs(w, sched, seqs)

@@ -1,0 +1,149 @@
+"""Plugin discovery, selection and validation: every failure names the backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvrunner
+from kvrunner.contract import CacheWriteTarget
+from kvrunner.plugins import (
+    BLOCK_ENV,
+    BackendError,
+    discover_backends,
+    register_backend,
+    unregister_backend,
+)
+from kvrunner.testing.harness import backend_manager, small_model_spec
+
+ATTN = {"full_attention": "flatkv"}
+
+
+def test_backend_installed_from_a_separate_package_is_discovered(flatkv_installed) -> None:
+    found = discover_backends()
+    assert found["flatkv"].distribution == "kvrunner-flatkv"
+    assert found["flatkv"].version == "0.0.1"
+    assert found["flatkv"].load().write_targets == ("slot_mapping",)
+
+
+def test_only_selected_backends_are_registered(flatkv_installed) -> None:
+    manager = backend_manager(ATTN, small_model_spec())
+    assert manager.names == ["flatkv"]
+
+
+def test_a_name_not_installed_lists_the_installed_ones(flatkv_installed) -> None:
+    with pytest.raises(BackendError, match=r"'nope'.*not installed.*flatkv"):
+        backend_manager({"full_attention": "nope"}, small_model_spec())
+
+
+def test_blocked_backend_is_not_discovered_and_the_error_says_so(
+    flatkv_installed, monkeypatch
+) -> None:
+    monkeypatch.setenv(BLOCK_ENV, "flatkv, other")
+    assert "flatkv" not in discover_backends()
+    with pytest.raises(BackendError, match=f"blocked by {BLOCK_ENV}"):
+        backend_manager(ATTN, small_model_spec())
+
+
+def test_backend_that_cannot_serve_the_layer_type_is_refused(flatkv_installed) -> None:
+    with pytest.raises(BackendError, match=r"'flatkv' cannot serve.*linear_attention"):
+        backend_manager({"linear_attention": "flatkv"}, small_model_spec(("linear_attention",)))
+
+
+class _Base:
+    plugin_api_version = kvrunner.PLUGIN_API_VERSION
+    layer_types = ("full_attention",)
+    write_targets = ("slot_mapping",)
+
+    def __init__(self, context) -> None:
+        self.buffer = torch.full((8,), -1, dtype=torch.int64)
+
+
+@pytest.fixture
+def registered():
+    names: list[str] = []
+
+    def register(name, factory):
+        register_backend(name, factory)
+        names.append(name)
+
+    yield register
+    for name in names:
+        unregister_backend(name)
+
+
+def test_wrong_plugin_api_version_is_refused_at_load() -> None:
+    class Old(_Base):
+        plugin_api_version = kvrunner.PLUGIN_API_VERSION + 1
+
+    with pytest.raises(BackendError, match=r"'old' targets plugin API"):
+        register_backend("old", Old)
+
+
+def test_misspelled_hook_is_caught_by_check_pending(registered) -> None:
+    class Typo(_Base):
+        @kvrunner.hookimpl
+        def cache_write_target(self):  # missing "s"
+            return []
+
+    registered("typo", Typo)
+    with pytest.raises(BackendError, match=r"typo.*cache_write_target"):
+        backend_manager({"full_attention": "typo"}, small_model_spec())
+
+
+@pytest.mark.parametrize(
+    ("buffer", "pad", "problem"),
+    [
+        (torch.zeros(8), -1, "integer tensor"),
+        (torch.zeros(8, dtype=torch.bool), -1, "integer tensor"),
+        (torch.zeros(8, dtype=torch.int32), -1.0, "non-integer PAD"),
+    ],
+)
+def test_write_targets_must_be_integer_tensors_with_an_integer_pad(
+    registered, buffer, pad, problem
+) -> None:
+    class Bad(_Base):
+        @kvrunner.hookimpl
+        def cache_write_targets(self):
+            return [
+                CacheWriteTarget(backend="bad", name="slot_mapping", buffer=buffer, pad_value=pad)
+            ]
+
+    registered("bad", Bad)
+    manager = backend_manager({"full_attention": "bad"}, small_model_spec())
+    with pytest.raises(BackendError, match=f"'bad'.*{problem}"):
+        manager.cache_write_targets()
+
+
+def test_returned_write_targets_must_match_the_declared_names(registered) -> None:
+    class Undeclared(_Base):
+        @kvrunner.hookimpl
+        def cache_write_targets(self):
+            return [CacheWriteTarget(backend="undeclared", name="other", buffer=self.buffer)]
+
+    registered("undeclared", Undeclared)
+    manager = backend_manager({"full_attention": "undeclared"}, small_model_spec())
+    with pytest.raises(BackendError, match=r"returned \['other'\].*declares \['slot_mapping'\]"):
+        manager.cache_write_targets()
+
+
+def test_a_failing_hook_is_reported_with_backend_and_hook_names(registered) -> None:
+    class Broken(_Base):
+        @kvrunner.hookimpl
+        def build_capture_metadata(self, batch_size):
+            raise IndexError("boom")
+
+    registered("broken", Broken)
+    manager = backend_manager({"full_attention": "broken"}, small_model_spec())
+    with pytest.raises(BackendError, match=r"'broken'.*build_capture_metadata.*boom"):
+        manager.build_capture_metadata(4)
+
+
+def test_factory_that_raises_is_reported_with_its_name(registered) -> None:
+    class Crashes(_Base):
+        def __init__(self, context) -> None:
+            raise RuntimeError("no device")
+
+    registered("crashes", Crashes)
+    with pytest.raises(BackendError, match=r"'crashes' failed to load: no device"):
+        backend_manager({"full_attention": "crashes"}, small_model_spec())
