@@ -1,0 +1,72 @@
+"""The paged KV pools: one tensor per served layer, keys and values side by side."""
+
+from __future__ import annotations
+
+import torch
+
+#: Name prefix of each layer's pool in the dict ``allocate_cache`` returns.
+POOL_PREFIX = "kv."
+
+
+class PagedKVPools:
+    """Owns ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per served layer.
+
+    Index 0 holds keys, index 1 values; a slot ``s`` is block ``s // block_size``,
+    offset ``s % block_size``. Layers look their pool up on every forward, so a pool
+    re-allocated after a wake is picked up without rebuilding the layers.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: tuple[int, ...],
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self._pools: dict[int, torch.Tensor] = {}
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Keys + values of one block, over every served layer."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+        return per_layer * len(self.layers)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per pool now allocated (0 when released)."""
+        return next(iter(self._pools.values())).shape[1] if self._pools else 0
+
+    def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Allocate every layer's pool (zeroed) and return them by ``kv.<layer>``."""
+        if num_blocks < 1:
+            raise ValueError(f"paged backend needs at least one KV block, got {num_blocks}")
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # Zeroed, not empty: a freshly allocated pool never holds NaN bit patterns that
+        # a masked-but-multiplied read could leak.
+        self._pools = {
+            layer: torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for layer in self.layers
+        }
+        return {f"{POOL_PREFIX}{layer}": pool for layer, pool in self._pools.items()}
+
+    def release(self) -> None:
+        self._pools = {}
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)`` views of ``layer``'s pool, each ``[blocks, bs, kvh, dim]``."""
+        try:
+            pool = self._pools[layer]
+        except KeyError:
+            state = "released or never allocated" if not self._pools else "not served here"
+            raise RuntimeError(f"paged KV pool for layer {layer} is {state}") from None
+        return pool[0], pool[1]

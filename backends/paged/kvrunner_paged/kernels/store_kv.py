@@ -1,0 +1,106 @@
+"""Triton kernel: write this step's keys and values into the paged pool.
+
+One program per token row. The row's slot comes from ``slot_mapping``; a slot < 0
+(``PAD_SLOT_ID``) masks every load and store of the program, so a padded row or a
+capture over a blanked ``slot_mapping`` touches no cache byte at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    valid = slot >= 0
+    # Keep the address arithmetic in range even for a PAD row: its mask is all false,
+    # but an address computed from a negative slot is never formed in the first place.
+    safe_slot = tl.where(valid, slot, 0)
+    block = safe_slot // block_size
+    offset = safe_slot % block_size
+
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # ``valid`` is broadcast through a tensor-valued comparison (not combined as a
+    # scalar), which both the compiler and the interpreter accept as a mask.
+    row_slot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (row_slot >= 0)
+
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
+    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
+    tl.store(k_dst + heads * stride_kc_head + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + heads * stride_vc_head + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``k[t]``/``v[t]`` to slot ``slot_mapping[t]``; rows with a slot < 0 write nothing.
+
+    :param k: ``[num_tokens, num_kv_heads, head_dim]``; any token/head strides (``v`` too).
+    :param k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache`` too).
+    :param slot_mapping: ``[>= num_tokens]`` integer; slot ``s`` is block
+        ``s // block_size``, offset ``s % block_size``.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,118 @@
+"""The attention layer object ``make_layer`` returns: store this step's KV, then attend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvrunner.contract import ForwardContext
+from kvrunner_paged.cache import PagedKVPools
+from kvrunner_paged.kernels import torch_ops
+from kvrunner_paged.metadata import PagedMetadata
+
+
+class PagedAttention:
+    """Full (softmax) attention for one layer over its paged KV pool.
+
+    Implements :class:`kvrunner.layers.attention.FullAttentionImpl`. Kernels are chosen
+    once, at construction: the Triton launchers when ``use_triton`` (compiled on CUDA,
+    interpreted under ``TRITON_INTERPRET=1``), else the plain-torch path.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend_name: str,
+        layer_index: int,
+        pools: PagedKVPools,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_model_len: int,
+        use_triton: bool,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.backend_name = backend_name
+        self.layer_index = layer_index
+        self.pools = pools
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.max_model_len = max_model_len
+        self.use_triton = use_triton
+        self._num_sms = _streaming_multiprocessors(pools.device)
+        if use_triton:
+            # Imported here so the torch path never needs Triton installed.
+            from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
+            from kvrunner_paged.kernels.prefill import paged_prefill_attention
+            from kvrunner_paged.kernels.store_kv import store_kv
+
+            self._store: Callable[..., None] = store_kv
+            self._decode = paged_decode_attention
+            self._prefill = paged_prefill_attention
+            self._choose_splits = choose_num_splits
+        else:
+            self._store = torch_ops.store_kv_torch
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` at the step's slots (PAD rows write nothing), then attend.
+
+        ``q``: ``[rows, num_heads, head_dim]``; ``rows`` may exceed the real tokens by a
+        padded tail (graph replay), whose outputs are zeros and which write nothing.
+        """
+        md: PagedMetadata = ctx.for_backend(self.backend_name)
+        rows = q.shape[0]
+        if rows > md.slot_mapping.shape[0]:
+            raise ValueError(f"{rows} token rows but metadata for {md.slot_mapping.shape[0]}")
+        k_cache, v_cache = self.pools.kv(self.layer_index)
+        self._store(k, v, k_cache, v_cache, md.slot_mapping[:rows])
+        if md.is_decode:
+            return self._decode_attention(q, k_cache, v_cache, md)
+        return self._prefill_attention(q, k_cache, v_cache, md)
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
+    ) -> torch.Tensor:
+        rows = q.shape[0]
+        if rows > md.context_lens.shape[0]:
+            raise ValueError(f"{rows} decode rows but metadata for {md.context_lens.shape[0]}")
+        if not self.use_triton:
+            return torch_ops.paged_decode_attention_torch(
+                q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale
+            )
+        # From static shapes only: a captured graph keeps this split count forever.
+        splits = self._choose_splits(rows, self.num_kv_heads, self.max_model_len, self._num_sms)
+        return self._decode(
+            _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
+            num_splits=splits,
+        )
+
+    def _prefill_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
+    ) -> torch.Tensor:
+        if not self.use_triton:
+            return torch_ops.paged_prefill_attention_torch(
+                q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
+                self.scale, md.num_seqs,
+            )
+        # The launcher allocates zeros, so token rows owned by no sequence stay finite.
+        return self._prefill(
+            _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
+            md.context_lens, self.scale, num_seqs=md.num_seqs, max_query_len=md.max_query_len,
+        )
+
+
+def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _streaming_multiprocessors(device: torch.device) -> int:
+    """SM count on CUDA (sizes split-KV); 1 elsewhere, which turns splitting off."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1

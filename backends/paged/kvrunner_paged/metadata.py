@@ -1,0 +1,32 @@
+"""The per-step metadata the paged backend hands its layers."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen(kw_only=True)
+class PagedMetadata:
+    """Views of the backend's persistent buffers, plus host-side sizes for this step.
+
+    The tensors are slices of buffers allocated once (see :mod:`.builder`), so a graph
+    captured with one metadata object reads whatever a later ``build_metadata`` wrote
+    into them. The ints are host values fixed when the object was built; the decode
+    path depends only on tensor shapes and contents, which is what makes it replayable.
+    """
+
+    #: ``[num_padded_tokens]`` int64: slot of each token row; PAD_SLOT_ID rows write nothing
+    slot_mapping: torch.Tensor
+    #: ``[num_padded_seqs, max_blocks_per_seq]`` int32: physical block of each logical block
+    block_tables: torch.Tensor
+    #: ``[num_padded_seqs]`` int32: keys per sequence including this step's; 0 on padded rows
+    context_lens: torch.Tensor
+    #: ``[num_padded_seqs + 1]`` int32: cumulative query lengths; padded rows are empty
+    query_start_loc: torch.Tensor
+    num_seqs: int
+    num_padded_seqs: int
+    num_tokens: int
+    max_query_len: int
+    #: every sequence has exactly one new token: the decode kernel runs
+    is_decode: bool

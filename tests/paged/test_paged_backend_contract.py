@@ -1,0 +1,130 @@
+"""The paged backend as the core sees it: discovery, sizing, pools, buffers, write targets."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from kvrunner.contract import PAD_SLOT_ID, CacheSpec, ForwardContext, ModelSpec
+from kvrunner.plugins import BackendError, BackendManager
+from kvrunner.testing.harness import backend_manager
+from kvrunner_paged import PagedAttention, PagedBackend
+
+FULL, LINEAR = "full_attention", "linear_attention"
+HYBRID = (FULL, LINEAR, FULL)  # paged serves layers 0 and 2
+
+
+def _spec(num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16) -> ModelSpec:
+    return ModelSpec(
+        num_layers=len(HYBRID), layer_types=HYBRID, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )
+
+
+def _manager(**kwargs: object) -> BackendManager:
+    spec = kwargs.pop("spec", _spec())
+    return backend_manager({FULL: "paged"}, spec, **kwargs)  # type: ignore[arg-type]
+
+
+def test_entry_point_paged_loads_the_backend_class() -> None:
+    (ep,) = entry_points(group="kvrunner.backends", name="paged")
+    assert ep.load() is PagedBackend
+    assert ep.dist is not None and ep.dist.name == "kvrunner-paged"
+    assert PagedBackend.layer_types == (FULL,)
+    assert PagedBackend.write_targets == ("slot_mapping",)
+
+
+@pytest.mark.parametrize(("dtype", "element"), [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_cache_spec_counts_keys_and_values_of_every_served_layer(
+    dtype: torch.dtype, element: int
+) -> None:
+    specs = _manager(block_size=8, dtype=dtype, spec=_spec(4, 2, 32)).cache_specs()
+    per_layer = 2 * 8 * 2 * 32 * element  # k+v * block_size * kv_heads * head_dim * bytes
+    assert specs == [CacheSpec(backend="paged", bytes_per_block=2 * per_layer, bytes_per_slot=0)]
+
+
+def test_allocate_cache_returns_one_pool_per_served_layer_and_release_drops_them() -> None:
+    mgr = _manager(block_size=4)
+    pools = mgr.allocate_cache(num_blocks=7, num_slots=5)
+    assert sorted(pools) == ["paged.kv.0", "paged.kv.2"]
+    for pool in pools.values():
+        assert pool.shape == (2, 7, 4, 2, 16) and pool.dtype == torch.float32
+    assert pools["paged.kv.0"].data_ptr() != pools["paged.kv.2"].data_ptr()
+
+    mgr.persistent_buffers(max_batch=2, max_tokens=8)
+    layer = mgr.make_layer(layer_index=0, layer_type=FULL)
+    mgr.release_cache()
+    ctx = mgr.build_capture_metadata(1)
+    x = torch.zeros((1, 4, 16))
+    with pytest.raises(RuntimeError, match="released"):
+        layer.forward(x, x[:, :2], x[:, :2], ctx)
+    # A wake allocates again; the same layer object serves from the new pool.
+    mgr.allocate_cache(num_blocks=7, num_slots=5)
+    assert torch.isfinite(layer.forward(x, x[:, :2], x[:, :2], ctx)).all()
+
+
+def test_persistent_buffers_are_sized_once_for_the_longest_sequence() -> None:
+    mgr = _manager(block_size=4, max_model_len=30)  # 30 tokens need ceil(30 / 4) = 8 blocks
+    buffers = mgr.persistent_buffers(max_batch=3, max_tokens=16)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in buffers.items()} == {
+        "paged.slot_mapping": ((16,), torch.int64),
+        "paged.block_tables": ((3, 8), torch.int32),
+        "paged.context_lens": ((3,), torch.int32),
+        "paged.query_start_loc": ((4,), torch.int32),
+    }
+    assert buffers["paged.slot_mapping"].eq(PAD_SLOT_ID).all()  # nothing writes before a step
+    again = mgr.persistent_buffers(max_batch=3, max_tokens=16)
+    assert all(again[k] is buffers[k] for k in buffers)
+    with pytest.raises(BackendError, match="refusing to reallocate"):
+        mgr.persistent_buffers(max_batch=4, max_tokens=16)
+
+
+def test_cache_write_targets_declare_the_registered_slot_mapping_buffer() -> None:
+    mgr = _manager()
+    buffers = mgr.persistent_buffers(max_batch=2, max_tokens=8)
+    (target,) = mgr.cache_write_targets()
+    assert target.buffer is buffers["paged.slot_mapping"]
+    assert target.qualified_name == "paged.slot_mapping"
+    assert target.pad_value == PAD_SLOT_ID
+
+
+def test_hooks_that_need_buffers_say_so_when_called_first() -> None:
+    mgr = _manager()
+    with pytest.raises(BackendError, match="before persistent_buffers"):
+        mgr.cache_write_targets()
+    with pytest.raises(BackendError, match="before persistent_buffers"):
+        mgr.build_capture_metadata(1)
+
+
+def test_make_layer_answers_only_for_its_own_full_attention_layers() -> None:
+    mgr = _manager()
+    plugin = mgr.pm.get_plugin("paged")
+    assert isinstance(mgr.make_layer(layer_index=2, layer_type=FULL), PagedAttention)
+    assert plugin.make_layer(layer_index=1, layer_type=LINEAR) is None
+    assert plugin.make_layer(layer_index=1, layer_type=FULL) is None  # not a layer it serves
+    with pytest.raises(BackendError, match="no active backend made layer 1"):
+        mgr.make_layer(layer_index=1, layer_type=LINEAR)
+
+
+def test_a_head_count_that_does_not_group_is_refused_at_load() -> None:
+    with pytest.raises(BackendError, match="multiple of num_kv_heads"):
+        _manager(spec=_spec(num_heads=3, num_kv_heads=2))
+
+
+def test_build_capture_metadata_rejects_sizes_past_the_buffers() -> None:
+    mgr = _manager()
+    mgr.persistent_buffers(max_batch=2, max_tokens=8)
+    with pytest.raises(BackendError, match="capture batch size 3"):
+        mgr.build_capture_metadata(3)
+
+
+def test_layer_reads_metadata_under_the_backend_name() -> None:
+    mgr = _manager()
+    mgr.allocate_cache(num_blocks=2, num_slots=3)
+    mgr.persistent_buffers(max_batch=2, max_tokens=8)
+    layer = mgr.make_layer(layer_index=0, layer_type=FULL)
+    x = torch.zeros((1, 4, 16))
+    with pytest.raises(RuntimeError, match="no metadata was built for backend 'paged'"):
+        layer.forward(x, x[:, :2], x[:, :2], ForwardContext())

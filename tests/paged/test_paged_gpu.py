@@ -1,0 +1,153 @@
+"""The compiled kernels on CUDA: realistic shapes, bf16, split-KV, big pools, CUDA graphs.
+
+Skipped without CUDA (the ``gpu`` marker). The CPU suite runs the same kernels under
+the interpreter at tiny shapes; these check what only a real compile can get wrong:
+``tl.dot`` tile constraints, int32 address overflow, TF32 leaking into fp32, and
+replay of a captured graph whose metadata is filled in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import PagedCase
+
+from kvrunner.contract import ModelSpec
+from kvrunner.testing.harness import backend_manager
+from kvrunner_paged.kernels.decode import paged_decode_attention
+from kvrunner_paged.kernels.prefill import paged_prefill_attention
+from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
+from kvrunner_paged.kernels.store_kv import store_kv
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+# bf16 keeps 8 significant bits: inputs, the probabilities fed to the PV product and the
+# output are each rounded once, so a few units of 2^-8 of error is expected.
+BF16_TOL = {"rtol": 2**-6, "atol": 2**-6}
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _case(num_blocks: int, block_size: int, lens: list[tuple[int, int]]) -> PagedCase:
+    """Sequences ``(q_len, context_len)`` on blocks from the top of a shuffled pool."""
+    gen = torch.Generator().manual_seed(0)
+    free = (torch.randperm(num_blocks, generator=gen)).tolist()[::-1]
+    tables = []
+    for _, ctx in lens:
+        tables.append(tuple(free.pop() for _ in range(-(-ctx // block_size))))
+    return PagedCase(
+        block_size=block_size, num_blocks=num_blocks, num_heads=8, num_kv_heads=2,
+        head_dim=128, max_blocks_per_seq=max(len(t) for t in tables) + 3,
+        query_lens=tuple(q for q, _ in lens), context_lens=tuple(c for _, c in lens),
+        block_tables=tuple(tables), num_pad_rows=2, seed=0,
+    )
+
+
+def _inputs(case: PagedCase, dtype: torch.dtype, rows: int, seqs: int) -> dict[str, torch.Tensor]:
+    gen = case.generator()
+    pool = case.pool(gen, poison_unread=False).to(dtype)
+    return {
+        "q": torch.randn((rows, case.num_heads, case.head_dim), generator=gen).to(dtype),
+        "k_cache": pool[0],
+        "v_cache": pool[1],
+        "block_tables": case.block_table_tensor(seqs),
+        "context_lens": case.context_lens_tensor(seqs),
+    }
+
+
+def _to(x: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in x.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_compiled_decode_matches_reference(dtype: torch.dtype, num_splits: int) -> None:
+    case = _case(64, 16, [(1, 1), (1, 17), (1, 250), (1, 64)])
+    rows = case.num_seqs + case.num_pad_rows
+    x = _inputs(case, dtype, rows, rows)
+    out = paged_decode_attention(**_to(x, CUDA), scale=case.scale, num_splits=num_splits)
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    ref = reference_paged_attention(**x, query_start_loc=starts, scale=case.scale)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.cpu().float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_prefill_matches_reference(dtype: torch.dtype) -> None:
+    case = _case(64, 16, [(70, 70), (1, 33), (40, 200), (5, 5)])
+    x = _inputs(case, dtype, case.num_tokens, case.num_seqs)
+    x["query_start_loc"] = case.query_start_loc()
+    out = paged_prefill_attention(
+        **_to(x, CUDA), scale=case.scale, num_seqs=case.num_seqs, max_query_len=70
+    )
+    ref = reference_paged_attention(**x, scale=case.scale)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.cpu().float(), ref, **tol)
+
+
+def test_pools_past_two_to_the_31_elements_are_addressed_in_int64() -> None:
+    """Blocks near the top of a 2.3e9-element cache: int32 offsets would wrap."""
+    blocks, block_size, kv_heads, dim = 140_000, 16, 8, 128
+    k_cache = torch.zeros((blocks, block_size, kv_heads, dim), dtype=torch.bfloat16, device=CUDA)
+    v_cache = torch.zeros_like(k_cache)
+    assert k_cache.numel() > 2**31
+    top = [blocks - 1, blocks - 7]
+    table = torch.tensor([top], dtype=torch.int32, device=CUDA)
+    slots = torch.tensor([b * block_size + o for b in top for o in range(block_size)], device=CUDA)
+    k = torch.randn((len(slots), kv_heads, dim), device=CUDA).bfloat16()
+    v = torch.randn_like(k)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[top[1], 3], k[block_size + 3])
+    q = torch.randn((1, 32, dim), device=CUDA).bfloat16()
+    lens = torch.tensor([2 * block_size], dtype=torch.int32, device=CUDA)
+    out = paged_decode_attention(q, k_cache, v_cache, table, lens, dim**-0.5)
+    small_k = torch.stack([k_cache[b] for b in top]).cpu()
+    small_v = torch.stack([v_cache[b] for b in top]).cpu()
+    ref = reference_paged_attention(
+        q.cpu(), small_k, small_v, torch.tensor([[0, 1]], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32), lens.cpu(), dim**-0.5,
+    )
+    torch.testing.assert_close(out.cpu().float(), ref, **BF16_TOL)
+
+
+def test_cuda_graph_replay_reads_metadata_filled_after_capture() -> None:
+    """Capture a decode step on a blanked slot_mapping, then replay a real padded batch."""
+    case = _case(48, 16, [(1, 20), (1, 129), (1, 3)])
+    spec = ModelSpec(num_layers=1, layer_types=("full_attention",), num_heads=8,
+                     num_kv_heads=2, head_dim=128)
+    mgr = backend_manager({"full_attention": "paged"}, spec, block_size=16, max_num_seqs=8,
+                          max_num_batched_tokens=64, max_model_len=1024, device="cuda",
+                          use_triton=True, dtype=torch.bfloat16)
+    (pool,) = mgr.allocate_cache(num_blocks=case.num_blocks, num_slots=9).values()
+    pool.copy_(case.pool(case.generator(), poison_unread=False).to(pool))
+    mgr.persistent_buffers(max_batch=8, max_tokens=64)
+    for target in mgr.cache_write_targets():
+        target.buffer.fill_(target.pad_value)
+    rows = case.num_seqs + case.num_pad_rows
+    ctx = mgr.build_capture_metadata(rows)
+    layer = mgr.make_layer(layer_index=0, layer_type="full_attention")
+    q = torch.zeros((rows, 8, 128), dtype=torch.bfloat16, device=CUDA)
+    k = torch.zeros((rows, 2, 128), dtype=torch.bfloat16, device=CUDA)
+    v = torch.zeros_like(k)
+    snapshot = pool.clone()
+    layer.forward(q, k, v, ctx)  # warmup compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.forward(q, k, v, ctx)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, snapshot)  # capture over a blanked slot_mapping wrote nothing
+
+    gen = torch.Generator().manual_seed(5)
+    q.copy_(torch.randn(q.shape, generator=gen))
+    k.copy_(torch.randn(k.shape, generator=gen))
+    v.copy_(torch.randn(v.shape, generator=gen))
+    mgr.build_metadata(case.step_batch())
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = snapshot.cpu()
+    reference_store_kv(k.cpu(), v.cpu(), expected[0], expected[1], case.slot_mapping())
+    assert torch.equal(pool.cpu(), expected)  # real slots written, padded rows nothing
+    ref = reference_paged_attention(
+        q.cpu(), expected[0], expected[1], case.block_table_tensor(rows),
+        torch.arange(rows + 1, dtype=torch.int32), case.context_lens_tensor(rows), case.scale,
+    )
+    torch.testing.assert_close(out.cpu().float(), ref, **BF16_TOL)
