@@ -1,0 +1,150 @@
+"""Causal depthwise conv1d for decode: one new token per sequence, state updated in place.
+
+For row ``b`` the window is ``[state[read[b]] (K-1 columns, oldest first), x[b]]``;
+the output is ``silu(sum(window * weight, -1) + bias)`` and the last ``K - 1``
+columns of the window become ``state[write[b]]``. Rows whose write index is < 0
+(PAD) read nothing, write nothing and output zeros; a read index < 0 means "no
+history" (zeros), which is how a sequence starting at position 0 ignores whatever
+its slot held before.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrunner_gdn.kernels.common import check_indices, next_pow2, valid_rows
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, out_ptr, state_ptr, w_ptr, b_ptr, read_ptr, write_ptr,
+    dim,
+    stride_x_t, stride_o_t,
+    stride_s_n, stride_s_d, stride_s_w,
+    stride_w_d, stride_w_k,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_W)
+    dmask = d < dim
+    w_idx = tl.load(write_ptr + row).to(tl.int64)
+    r_idx = tl.load(read_ptr + row).to(tl.int64)
+    runs = w_idx >= 0
+    reads = runs & (r_idx >= 0)
+    # Fold the per-row conditions into the channel bound (the Triton interpreter cannot
+    # AND a block mask with a scalar): d_run is empty for PAD rows, d_read also without
+    # history.
+    d_run = d < tl.where(runs, dim, 0)
+    d_read = d < tl.where(reads, dim, 0)
+    # Clamp before forming addresses so a PAD row never builds a negative pointer.
+    r_base = state_ptr + tl.maximum(r_idx, 0) * stride_s_n + d[:, None] * stride_s_d
+    w_base = state_ptr + tl.maximum(w_idx, 0) * stride_s_n + d[:, None] * stride_s_d
+
+    xv = tl.load(x_ptr + row * stride_x_t + d, mask=d_run, other=0.0).to(tl.float32)
+    hist_mask = d_read[:, None] & (cols[None, :] < WIDTH - 1)
+    hist = tl.load(r_base + cols[None, :] * stride_s_w, mask=hist_mask, other=0.0)
+    window = tl.where(cols[None, :] == WIDTH - 1, xv[:, None], hist)
+    wmask = dmask[:, None] & (cols[None, :] < WIDTH)
+    w = tl.load(w_ptr + d[:, None] * stride_w_d + cols[None, :] * stride_w_k, mask=wmask, other=0.0)
+    acc = tl.sum(window * w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    acc = tl.where(runs, acc, 0.0)
+    tl.store(out_ptr + row * stride_o_t + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+
+    # New state column c is window column c + 1: shift by loading one column later.
+    # Both loads of the old state precede this store, so read == write slots are safe.
+    shift_mask = d_read[:, None] & (cols[None, :] + 1 < WIDTH - 1)
+    shifted = tl.load(r_base + (cols[None, :] + 1) * stride_s_w, mask=shift_mask, other=0.0)
+    new_state = tl.where(cols[None, :] + 1 == WIDTH - 1, xv[:, None], shifted)
+    store_mask = d_run[:, None] & (cols[None, :] < WIDTH - 1)
+    tl.store(w_base + cols[None, :] * stride_s_w, new_state, mask=store_mask)
+
+
+def _check(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3:
+        raise ValueError("expected x [B, D], weight [D, K], conv_state [N, D, K-1]")
+    if conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1) or weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"conv_state {tuple(conv_state.shape)}"
+        )
+
+
+def conv1d_update_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    activation: bool = True,
+) -> torch.Tensor:
+    """Triton launcher; see the module docstring. Graph-capturable (no host syncs)."""
+    _check(x, conv_state, weight)
+    rows, dim = x.shape
+    check_indices("read_indices", read_indices, rows)
+    check_indices("write_indices", write_indices, rows)
+    out = torch.empty_like(x)
+    if rows == 0:
+        return out
+    block_d = min(128, next_pow2(dim))
+    grid = (rows, triton.cdiv(dim, block_d))
+    _conv_update_kernel[grid](
+        x, out, conv_state, weight, bias if bias is not None else weight,
+        read_indices, write_indices,
+        dim,
+        x.stride(0), out.stride(0),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(1),
+        WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation,
+        BLOCK_D=block_d, BLOCK_W=next_pow2(weight.shape[1]),
+    )  # fmt: skip
+    return out
+
+
+def conv1d_update_torch(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    activation: bool = True,
+) -> torch.Tensor:
+    """Plain-torch path (CPU, and the fallback): same contract, not graph-capturable."""
+    _check(x, conv_state, weight)
+    rows = x.shape[0]
+    check_indices("read_indices", read_indices, rows)
+    check_indices("write_indices", write_indices, rows)
+    runs, reads = valid_rows(read_indices.long(), write_indices.long())
+    history = torch.zeros(rows, *conv_state.shape[1:], dtype=torch.float32, device=x.device)
+    history[reads] = conv_state[read_indices.long()[reads]].float()
+    window = torch.cat([history, x.float()[:, :, None]], dim=2)
+    acc = (window * weight.float()).sum(dim=2)
+    if bias is not None:
+        acc = acc + bias.float()
+    if activation:
+        acc = acc * torch.sigmoid(acc)
+    acc[~runs] = 0.0
+    conv_state[write_indices.long()[runs]] = window[runs, :, 1:].to(conv_state.dtype)
+    return acc.to(x.dtype)
+
+
+def conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    activation: bool = True,
+    use_triton: bool = True,
+) -> torch.Tensor:
+    """Decode conv: ``x [B, D]`` -> ``[B, D]`` (dtype of ``x``); ``conv_state`` updated in place."""
+    impl = conv1d_update_triton if use_triton else conv1d_update_torch
+    return impl(x, conv_state, weight, bias, read_indices, write_indices, activation)

@@ -1,0 +1,174 @@
+"""Gated delta rule for decode: one token per sequence, state read and written in the pool.
+
+For row ``b`` and value head ``h`` (key head ``h // (Hv // Hk)``), with ``S`` the
+``[K, V]`` state at ``state[read[b], h]`` (zeros when ``read[b] < 0``)::
+
+    S = S * exp(g[b, h])
+    S = S + k (beta[b, h] * (v - S^T k))^T
+    o = S^T q                                  # q, k L2-normalised, q scaled
+
+and ``S`` is stored at ``state[write[b], h]``. Rows with ``write[b] < 0`` (PAD) read
+nothing, write nothing and output zeros. The Triton kernel runs one program per
+(row, value head, block of V columns) and loads/stores the pool directly through
+the indices: no gathered copy of the state is ever made.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrunner_gdn.kernels.common import check_indices, next_pow2, valid_rows
+from kvrunner_gdn.kernels.reference import L2NORM_EPS, l2norm
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, read_ptr, write_ptr,
+    scale, head_k, head_v, group,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_g_t, stride_b_t, stride_o_t, stride_o_h,
+    stride_s_n, stride_s_h, stride_s_k,
+    L2NORM: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // group
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = vv < head_v
+    w_idx = tl.load(write_ptr + row).to(tl.int64)
+    r_idx = tl.load(read_ptr + row).to(tl.int64)
+    runs = w_idx >= 0
+    reads = runs & (r_idx >= 0)
+    # Row conditions folded into the K bound (the interpreter cannot AND a block mask
+    # with a scalar): k_run is empty for PAD rows, k_read also without a prior state.
+    k_run = kk < tl.where(runs, head_k, 0)
+    k_read = kk < tl.where(reads, head_k, 0)
+
+    q = tl.load(q_ptr + row * stride_q_t + hk * stride_q_h + kk, mask=k_run, other=0.0)
+    k = tl.load(k_ptr + row * stride_k_t + hk * stride_k_h + kk, mask=k_run, other=0.0)
+    v = tl.load(v_ptr + row * stride_v_t + hv * stride_v_h + vv, mask=vmask, other=0.0)
+    q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
+    q = q * scale
+    decay = tl.exp(tl.load(g_ptr + row * stride_g_t + hv).to(tl.float32))
+    beta = tl.load(beta_ptr + row * stride_b_t + hv).to(tl.float32)
+
+    offs = kk[:, None] * stride_s_k + vv[None, :]
+    r_base = state_ptr + tl.maximum(r_idx, 0) * stride_s_n + hv * stride_s_h
+    s = tl.load(r_base + offs, mask=k_read[:, None] & vmask[None, :], other=0.0) * decay
+    delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * delta[None, :]
+    o = tl.where(runs, tl.sum(s * q[:, None], axis=0), 0.0)
+    tl.store(out_ptr + row * stride_o_t + hv * stride_o_h + vv, o.to(out_ptr.dtype.element_ty),
+             mask=vmask)
+    w_base = state_ptr + tl.maximum(w_idx, 0) * stride_s_n + hv * stride_s_h
+    tl.store(w_base + offs, s, mask=k_run[:, None] & vmask[None, :])
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor) -> None:
+    """Shapes shared by both recurrences: q/k ``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta
+    ``[T, Hv]``, an fp32 contiguous pool ``[N, Hv, K, V]``; unit last-dim strides."""
+    rows, num_k_heads, head_k = k.shape
+    num_v_heads, head_v = v.shape[1:]
+    if q.shape != k.shape or v.shape[0] != rows or g.shape != (rows, num_v_heads):
+        raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} g {g.shape}")
+    if beta.shape != g.shape or num_v_heads % num_k_heads:
+        raise ValueError(f"beta {beta.shape} must match g; Hv must be a multiple of Hk")
+    if state.shape[1:] != (num_v_heads, head_k, head_v) or state.dtype != torch.float32:
+        raise ValueError(f"state pool {tuple(state.shape)} {state.dtype} does not match heads")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or not state.is_contiguous():
+        raise ValueError("q/k/v need a unit last-dim stride and the state pool must be contiguous")
+
+
+def gdn_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Triton launcher; see the module docstring. Graph-capturable (no host syncs)."""
+    check_heads(q, k, v, g, beta, state)
+    rows, num_k_heads, head_k = k.shape
+    num_v_heads, head_v = v.shape[1:]
+    check_indices("read_indices", read_indices, rows)
+    check_indices("write_indices", write_indices, rows)
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(rows, num_v_heads, head_v, dtype=v.dtype, device=v.device)
+    if rows == 0:
+        return out
+    block_v = min(32, next_pow2(head_v))
+    grid = (rows, num_v_heads, triton.cdiv(head_v, block_v))
+    _gdn_decode_kernel[grid](
+        q, k, v, g, beta, out, state, read_indices, write_indices,
+        float(scale), head_k, head_v, num_v_heads // num_k_heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, BLOCK_K=next_pow2(head_k), BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+def gdn_decode_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Plain-torch path: vectorised over rows and heads; same contract, not graph-capturable."""
+    check_heads(q, k, v, g, beta, state)
+    rows, num_k_heads, _ = k.shape
+    group = v.shape[1] // num_k_heads
+    check_indices("read_indices", read_indices, rows)
+    check_indices("write_indices", write_indices, rows)
+    runs, reads = valid_rows(read_indices.long(), write_indices.long())
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    qf = (qf * scale).repeat_interleave(group, dim=1)
+    kf = kf.repeat_interleave(group, dim=1)
+    s = torch.zeros(rows, *state.shape[1:], dtype=torch.float32, device=state.device)
+    s[reads] = state[read_indices.long()[reads]]
+    s = s * torch.exp(g.float())[:, :, None, None]
+    kv_mem = torch.einsum("bhkv,bhk->bhv", s, kf)
+    delta = beta.float()[:, :, None] * (v.float() - kv_mem)
+    s = s + kf[:, :, :, None] * delta[:, :, None, :]
+    out = torch.einsum("bhkv,bhk->bhv", s, qf)
+    out[~runs] = 0.0
+    state[write_indices.long()[runs]] = s[runs]
+    return out.to(v.dtype)
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    use_triton: bool = True,
+) -> torch.Tensor:
+    """Decode recurrence: q, k ``[B, Hk, K]``, v ``[B, Hv, V]``, g/beta ``[B, Hv]`` ->
+    ``[B, Hv, V]`` (dtype of v); ``state [N, Hv, K, V]`` fp32 updated in place."""
+    impl = gdn_decode_triton if use_triton else gdn_decode_torch
+    return impl(q, k, v, g, beta, state, read_indices, write_indices, scale, use_qk_l2norm)

@@ -1,0 +1,137 @@
+"""The object ``make_layer`` returns for a ``linear_attention`` layer: the GDN core.
+
+Division of labour with the model (Qwen3-Next ``Qwen3NextGatedDeltaNet``):
+
+The **model** owns the weights and everything that has no state: ``in_proj_qkvz`` /
+``in_proj_ba`` and their per-key-head un-interleaving into q, k, v, z, b, a; the
+decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32) and ``beta =
+sigmoid(b)``; the gated RMSNorm with ``z``; ``out_proj``.
+
+The **layer** owns the state: the causal conv over ``mixed_qkv`` with SiLU (conv
+state in the pool), the split into q/k/v, q/k L2 norm and the ``1/sqrt(head_k_dim)``
+query scale, and the gated delta rule (recurrent state in the pool): the decode
+kernel for pure-decode steps, the chunked prefill for everything else.
+
+Call::
+
+    core_attn_out = layer.forward(mixed_qkv, g, beta, conv_weight, conv_bias, ctx)
+
+- ``mixed_qkv``: ``[T, conv_dim]``, channels ``[q (Hk*K) | k (Hk*K) | v (Hv*V)]``,
+  each head-major (head ``i`` of q is columns ``i*K:(i+1)*K``), i.e. exactly HF's
+  ``torch.cat((query, key, value), -1)`` before its conv; any float dtype; the
+  last dimension must be contiguous.
+- ``g``: ``[T, Hv]`` log-decay, float32 (values <= 0).
+- ``beta``: ``[T, Hv]`` in (0, 1), any float dtype.
+- ``conv_weight``: ``[conv_dim, kernel]`` (or HF's ``conv1d.weight`` ``[conv_dim, 1,
+  kernel]``); ``conv_bias``: ``[conv_dim]`` or ``None`` (Qwen3-Next has none).
+- ``ctx``: the step's :class:`~kvrunner.contract.ForwardContext`.
+- returns ``[T, Hv, head_v_dim]`` in ``mixed_qkv``'s dtype: the input of the gated
+  norm. Rows of padded (PAD) tokens are zeros.
+
+Value head ``h`` reads key head ``h // (Hv // Hk)`` (HF's ``repeat_interleave``).
+Token rows follow the step's sequence order (``StepBatch.cu_query_lens``); in a
+decode step ``T`` may be the padded batch size of a captured graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrunner.contract import ForwardContext
+from kvrunner_gdn.kernels.chunked_prefill import DEFAULT_CHUNK, gdn_prefill
+from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill
+from kvrunner_gdn.kernels.conv_update import conv1d_update
+from kvrunner_gdn.kernels.recurrent_decode import gdn_decode
+from kvrunner_gdn.metadata import GDNMetadata
+from kvrunner_gdn.state import GDNShapes, GDNStatePool
+
+
+class GDNLayer:
+    """Conv + gated delta rule of one model layer, with its state in the backend's pool."""
+
+    def __init__(
+        self,
+        *,
+        layer_index: int,
+        backend_name: str,
+        shapes: GDNShapes,
+        pool: GDNStatePool,
+        use_triton: bool,
+        chunk_size: int = DEFAULT_CHUNK,
+    ) -> None:
+        self.layer_index = layer_index
+        self.backend_name = backend_name
+        self.shapes = shapes
+        self.pool = pool
+        self.use_triton = use_triton
+        self.chunk_size = chunk_size
+        self.scale = shapes.head_k_dim**-0.5
+
+    # Shapes the model needs to lay out its projections.
+    @property
+    def conv_dim(self) -> int:
+        return self.shapes.conv_dim
+
+    @property
+    def key_dim(self) -> int:
+        return self.shapes.key_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.shapes.value_dim
+
+    def _check(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               weight: torch.Tensor) -> None:
+        sh = self.shapes
+        tokens = mixed_qkv.shape[0]
+        if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != sh.conv_dim:
+            raise ValueError(f"mixed_qkv must be [T, {sh.conv_dim}], got {tuple(mixed_qkv.shape)}")
+        if g.shape != (tokens, sh.num_value_heads) or beta.shape != g.shape:
+            raise ValueError(
+                f"g and beta must be [{tokens}, {sh.num_value_heads}], "
+                f"got {tuple(g.shape)} and {tuple(beta.shape)}"
+            )
+        if weight.shape != (sh.conv_dim, sh.conv_kernel):
+            raise ValueError(
+                f"conv_weight must be [{sh.conv_dim}, {sh.conv_kernel}], got {tuple(weight.shape)}"
+            )
+
+    def forward(
+        self,
+        mixed_qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """Conv + SiLU, split, L2 norm, gated delta rule; see the module docstring."""
+        weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
+        self._check(mixed_qkv, g, beta, weight)
+        md: GDNMetadata = ctx.for_backend(self.backend_name)
+        conv_state, ssm_state = self.pool.layer(self.layer_index)
+        sh = self.shapes
+        tokens = mixed_qkv.shape[0]
+        if md.is_decode:
+            if tokens > md.num_rows:
+                raise ValueError(f"{tokens} decode tokens but metadata for {md.num_rows} rows")
+            # Rows past the real batch are PAD in both index views: they do nothing.
+            read, write = md.read_indices[:tokens], md.write_indices[:tokens]
+            x = conv1d_update(mixed_qkv, conv_state, weight, conv_bias, read, write,
+                              use_triton=self.use_triton)
+        else:
+            x = conv1d_prefill(mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens,
+                               md.read_indices, md.write_indices, md.max_seqlen,
+                               use_triton=self.use_triton)
+        q = x[:, : sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
+        k = x[:, sh.key_dim : 2 * sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
+        v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
+        if md.is_decode:
+            return gdn_decode(q, k, v, g, beta, ssm_state, read, write, self.scale,
+                              use_qk_l2norm=True, use_triton=self.use_triton)
+        return gdn_prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
+                           md.write_indices, self.scale, use_qk_l2norm=True,
+                           chunk_size=self.chunk_size, use_triton=self.use_triton,
+                           cu_seqlens_host=md.cu_seqlens_host or None)
+
+    __call__ = forward

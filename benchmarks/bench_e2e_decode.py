@@ -1,0 +1,213 @@
+"""End-to-end greedy decode: kvrunner vs Hugging Face transformers ``generate``.
+
+A random checkpoint shaped like Qwen3-0.6B (28 layers, hidden 1024, 16 q / 8 kv
+heads of 128, MLP 3072, vocab 151936, bf16), prompts of 128 random tokens. Prints
+decode tokens/s for both at batch 1, 64 and 256, the ratio, step time as a multiple
+of the HBM floor (weights + KV bytes over the measured copy bandwidth), graph
+replay vs eager per step at batch 1, and the capture time of every bucket.
+
+    python benchmarks/bench_e2e_decode.py [--out DIR] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import copy_bandwidth_tbps
+from safetensors.torch import save_file
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.models.tiny import write_tiny_checkpoint
+
+SHAPE = dict(hidden=1024, inter=3072, layers=28, heads=16, kv_heads=8, head_dim=128, vocab=151936)
+PROMPT, NEW = 128, 256
+BATCHES = (1, 64, 256)
+
+
+def write_checkpoint(path: Path) -> int:
+    """Random bf16 weights (std 0.02) and a config; returns the weight bytes."""
+    s = SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, d = s["hidden"], s["head_dim"]
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16).cpu()
+
+    t = {
+        "model.embed_tokens.weight": w(s["vocab"], h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}."
+        t |= {
+            p + "self_attn.q_proj.weight": w(s["heads"] * d, h),
+            p + "self_attn.k_proj.weight": w(s["kv_heads"] * d, h),
+            p + "self_attn.v_proj.weight": w(s["kv_heads"] * d, h),
+            p + "self_attn.o_proj.weight": w(h, s["heads"] * d),
+            p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "mlp.gate_proj.weight": w(s["inter"], h),
+            p + "mlp.up_proj.weight": w(s["inter"], h),
+            p + "mlp.down_proj.weight": w(h, s["inter"]),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+    import json
+
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "torch_dtype": "bfloat16",
+        "hidden_size": h,
+        "intermediate_size": s["inter"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": d,
+        "hidden_act": "silu",
+        "vocab_size": s["vocab"],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    tiny = write_tiny_checkpoint(path / "_tok", kind="qwen3")
+    shutil.copy(tiny / "tokenizer.json", path / "tokenizer.json")
+    shutil.rmtree(tiny)
+    return sum(x.numel() * x.element_size() for k, x in t.items() if k != "lm_head.weight")
+
+
+def prompts(batch: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, SHAPE["vocab"], (batch, PROMPT), generator=g).tolist()
+
+
+def timed_generate(llm: LLM, batch: int, new: int, seed: int) -> float:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts(batch, seed), params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def ours_step_ms(llm: LLM, batch: int) -> float:
+    """Decode ms per step: (time for NEW tokens - time for 1 token) / (NEW - 1)."""
+    timed_generate(llm, batch, 4, seed=99)  # warm up every kernel at this batch
+    full = timed_generate(llm, batch, NEW, seed=batch)
+    prefill = timed_generate(llm, batch, 1, seed=batch + 1)
+    return (full - prefill) / (NEW - 1) * 1e3
+
+
+def hf_step_ms(path: Path, batch: int, model) -> float:
+    def run(new: int) -> float:
+        ids = torch.tensor(prompts(batch, batch + 7), device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(2)
+    n = 32
+    return (run(n) - run(1)) / (n - 1) * 1e3
+
+
+def free(obj) -> None:
+    del obj
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    root = Path(args.out or tempfile.mkdtemp())
+    path = root / "qwen3-0.6b-random"
+    weight_bytes = write_checkpoint(path)
+    bw = copy_bandwidth_tbps() * 1e12
+    s = SHAPE
+    kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
+
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        max_num_seqs=max(BATCHES),
+        max_model_len=PROMPT + NEW + 16,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.6,
+    )
+    capture_s, num_graphs = llm.runner.capture_seconds, len(llm.runner.graphs)
+    recapture_s = llm.recapture()
+    ours = {b: ours_step_ms(llm, b) for b in BATCHES}
+    free(llm)
+    eager = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_model_len=PROMPT + NEW + 16,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+    )
+    eager_b1 = ours_step_ms(eager, 1)
+    free(eager)
+    hf = {}
+    if not args.skip_hf:
+        import transformers
+
+        model = (
+            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            .cuda()
+            .eval()
+        )
+        hf = {b: hf_step_ms(path, b, model) for b in BATCHES}
+        free(model)
+
+    print(
+        f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s; "
+        f"capture of all {num_graphs} buckets {capture_s:.2f} s "
+        f"(target < 3 s), recapture {recapture_s:.2f} s"
+    )
+    print(
+        f"{'batch':>5} {'ours ms/step':>12} {'ours tok/s':>11} {'HF ms/step':>11} {'HF tok/s':>9} "
+        f"{'speedup':>8} {'floor ms':>9} {'x floor':>8}"
+    )
+    for b in BATCHES:
+        kv = b * (PROMPT + NEW // 2) * kv_per_token
+        floor_ms = (weight_bytes + kv) / bw * 1e3
+        hf_ms = hf.get(b, float("nan"))
+        print(
+            f"{b:>5} {ours[b]:>12.3f} {b / ours[b] * 1e3:>11.0f} "
+            f"{hf_ms:>11.2f} {b / hf_ms * 1e3:>9.0f} "
+            f"{hf_ms / ours[b]:>8.1f} {floor_ms:>9.3f} {ours[b] / floor_ms:>8.2f}"
+        )
+    print(
+        f"batch 1: eager {eager_b1:.3f} ms/step, graph replay {ours[1]:.3f} ms/step, "
+        f"{eager_b1 / ours[1]:.1f}x (target >= 3x)"
+    )
+    print("targets: batch 64 speedup >= 30x; x floor < 3 at batch 1, 64, 256")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Gated-DeltaNet kernels vs flash-linear-attention, same data, same run.
+
+Decode: B64, 32 heads, K = V = 128, fp32 state in a 512-slot pool. Ours reads and
+writes the state in place through state indices; fla's
+``fused_recurrent_gated_delta_rule`` needs the state gathered out of the pool and
+scattered back, which is timed with it (and its kernel alone is shown too).
+Prefill: one sequence of T = 4096, ours vs fla's ``chunk_gated_delta_rule``.
+
+    python benchmarks/bench_gdn.py     (fla-core must be importable)
+"""
+
+from __future__ import annotations
+
+import torch
+from common import copy_bandwidth_tbps, median_ms, rel_err
+
+from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
+from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
+
+B, H, K, V, SLOTS, T = 64, 32, 128, 128, 512, 4096
+
+
+def inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(rows, H, K, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "qk")
+    v = torch.randn(rows, H, V, device="cuda", dtype=torch.bfloat16, generator=g)
+    decay = -torch.rand(rows, H, device="cuda", generator=g) * 0.1
+    beta = torch.rand(rows, H, device="cuda", generator=g).to(torch.bfloat16)
+    return q, k, v, decay, beta
+
+
+def main() -> None:
+    bw = copy_bandwidth_tbps()
+    scale = K**-0.5
+    try:
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except Exception as e:  # report ours even where the peer is missing
+        print(f"fla unavailable ({e!r}); peer columns empty")
+        chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+
+    q, k, v, decay, beta = inputs(B, 0)
+    pool = torch.randn(SLOTS, H, K, V, device="cuda") * 0.05
+    idx = torch.randperm(SLOTS, device="cuda")[:B].to(torch.int32)
+    floor_us = 2 * B * H * K * V * 4 / (bw * 1e12) * 1e6
+    ours_pool = pool.clone()
+    out_ours = gdn_decode_triton(q, k, v, decay, beta, ours_pool, idx, idx, scale)
+    t_ours = median_ms(lambda: gdn_decode_triton(q, k, v, decay, beta, pool, idx, idx, scale))
+    moved = 2 * B * H * K * V * 4
+    print(f"copy bandwidth {bw:.2f} TB/s; decode byte floor {floor_us:.0f} us")
+    print(
+        f"decode ours (in place): {t_ours * 1e3:.0f} us, {moved / (t_ours * 1e-3) / 1e12:.2f} TB/s"
+    )
+    if fused_recurrent_gated_delta_rule is not None:
+
+        def fla_decode(p: torch.Tensor) -> torch.Tensor:
+            state = p[idx.long()]
+            o, final = fused_recurrent_gated_delta_rule(
+                q[:, None],
+                k[:, None],
+                v[:, None],
+                decay[:, None],
+                beta[:, None],
+                scale=scale,
+                initial_state=state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            p[idx.long()] = final
+            return o[:, 0]
+
+        fla_pool = pool.clone()
+        out_fla = fla_decode(fla_pool)
+        state0 = pool[idx.long()]
+
+        def fla_kernel() -> None:
+            fused_recurrent_gated_delta_rule(
+                q[:, None],
+                k[:, None],
+                v[:, None],
+                decay[:, None],
+                beta[:, None],
+                scale=scale,
+                initial_state=state0,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+
+        t_fla, t_fla_k = median_ms(lambda: fla_decode(pool)), median_ms(fla_kernel)
+        print(
+            f"decode fla gather+kernel+scatter: {t_fla * 1e3:.0f} us "
+            f"(kernel alone {t_fla_k * 1e3:.0f} us)"
+        )
+        print(
+            f"decode ratio ours/fla: {t_ours / t_fla:.2f} (target <= 0.35); "
+            f"output rel err {rel_err(out_ours.float(), out_fla.float()):.1e}, "
+            f"state rel err {rel_err(ours_pool, fla_pool):.1e}"
+        )
+
+    q, k, v, decay, beta = inputs(T, 1)
+    state = torch.zeros(2, H, K, V, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    read = torch.tensor([-1], dtype=torch.int32, device="cuda")
+    write = torch.tensor([0], dtype=torch.int32, device="cuda")
+
+    def ours_prefill() -> torch.Tensor:
+        return gdn_prefill_triton(
+            q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T]
+        )
+
+    out_ours = ours_prefill()
+    t_ours = median_ms(ours_prefill)
+    line = f"prefill T={T} H={H}: ours {t_ours * 1e3:.0f} us"
+    if chunk_gated_delta_rule is not None:
+
+        def fla_prefill() -> torch.Tensor:
+            o, _ = chunk_gated_delta_rule(
+                q[None],
+                k[None],
+                v[None],
+                decay[None],
+                beta[None],
+                scale=scale,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            return o[0]
+
+        out_fla = fla_prefill()
+        t_fla = median_ms(fla_prefill)
+        line += (
+            f", fla {t_fla * 1e3:.0f} us, ratio {t_ours / t_fla:.2f}, "
+            f"rel err {rel_err(out_ours.float(), out_fla.float()):.1e}"
+        )
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Shared benchmark helpers: timing with CUDA events, the measured copy bandwidth."""
+
+from __future__ import annotations
+
+import torch
+import triton.testing
+
+
+def median_ms(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median milliseconds of ``fn()`` over repeated launches (CUDA events)."""
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    buffers = torch.empty(2, nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    ms = median_ms(lambda: buffers[1].copy_(buffers[0]))
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
