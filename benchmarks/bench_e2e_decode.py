@@ -132,8 +132,8 @@ def hf_step_ms(path: Path, batch: int, model) -> float:
     return (run(n) - run(1)) / (n - 1) * 1e3
 
 
-def free(obj) -> None:
-    del obj
+def release_memory() -> None:
+    """Return what the last dropped engine or model held (call after ``del``)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -160,8 +160,12 @@ def main() -> None:
     )
     capture_s, num_graphs = llm.runner.capture_seconds, len(llm.runner.graphs)
     recapture_s = llm.recapture()
-    ours = {b: ours_step_ms(llm, b) for b in BATCHES}
-    free(llm)
+    ours = {}
+    for b in BATCHES:
+        ours[b] = ours_step_ms(llm, b)
+        print(f"ours batch {b}: {ours[b]:.3f} ms/step", flush=True)
+    del llm
+    release_memory()
     eager = LLM(
         model=str(path),
         dtype="bfloat16",
@@ -171,7 +175,8 @@ def main() -> None:
         gpu_memory_utilization=0.3,
     )
     eager_b1 = ours_step_ms(eager, 1)
-    free(eager)
+    del eager
+    release_memory()
     hf = {}
     if not args.skip_hf:
         import transformers
@@ -182,7 +187,8 @@ def main() -> None:
             .eval()
         )
         hf = {b: hf_step_ms(path, b, model) for b in BATCHES}
-        free(model)
+        del model
+        release_memory()
 
     print(
         f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s; "

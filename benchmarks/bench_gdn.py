@@ -45,7 +45,8 @@ def main() -> None:
     pool = torch.randn(SLOTS, H, K, V, device="cuda") * 0.05
     idx = torch.randperm(SLOTS, device="cuda")[:B].to(torch.int32)
     floor_us = 2 * B * H * K * V * 4 / (bw * 1e12) * 1e6
-    ours_pool = pool.clone()
+    pristine = pool.clone()  # both sides start from this state for the comparison
+    ours_pool = pristine.clone()
     out_ours = gdn_decode_triton(q, k, v, decay, beta, ours_pool, idx, idx, scale)
     t_ours = median_ms(lambda: gdn_decode_triton(q, k, v, decay, beta, pool, idx, idx, scale))
     moved = 2 * B * H * K * V * 4
@@ -71,9 +72,9 @@ def main() -> None:
             p[idx.long()] = final
             return o[:, 0]
 
-        fla_pool = pool.clone()
+        fla_pool = pristine.clone()
         out_fla = fla_decode(fla_pool)
-        state0 = pool[idx.long()]
+        state0 = pristine[idx.long()]
 
         def fla_kernel() -> None:
             fused_recurrent_gated_delta_rule(

@@ -13,9 +13,9 @@ fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn \
   > "$LOG/install.log" 2>&1 || { tail -5 "$LOG/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -15
-for bench in bench_decode_attention bench_gdn bench_e2e_decode; do
+timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -15
+for bench in bench_decode_attention bench_e2e_decode bench_gdn; do
   [ -f "benchmarks/$bench.py" ] || continue
   echo "== $bench"
-  (cd benchmarks && timeout 200 python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -14
+  (cd benchmarks && timeout 150 python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -14
 done
