@@ -8,90 +8,24 @@ mixture-of-experts is refused with a clear error.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrunner.contract import ForwardContext, ModelSpec
+from kvrunner.contract import ForwardContext
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
-from kvrunner.layers.linear import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, divide
+from kvrunner.layers.linear import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
 from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.loader import load_weights_into
-from kvrunner.models.qwen3 import MakeLayer, Qwen3Config, Qwen3ForCausalLM, Qwen3MLP
+from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, Qwen3MLP
+from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 
 
-@attrs.frozen(kw_only=True)
-class Qwen3NextConfig(Qwen3Config):
-    """Qwen3's fields plus the linear-attention shapes and partial rotary."""
-
-    partial_rotary_factor: float = 1.0
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-
-    def __attrs_post_init__(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"Qwen3NextConfig: {len(self.layer_types)} layer_types "
-                f"for {self.num_hidden_layers} layers"
-            )
-        unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"})
-        if unknown:
-            raise ValueError(f"Qwen3NextConfig: unsupported layer types {unknown}")
-        divide(
-            self.linear_num_value_heads, self.linear_num_key_heads, "GDN value heads per key head"
-        )
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen3NextConfig:
-        n = d["num_hidden_layers"]
-        if d.get("num_experts", 0) > 0:
-            sparse = [
-                i
-                for i in range(n)
-                if i not in d.get("mlp_only_layers", [])
-                and (i + 1) % d.get("decoder_sparse_step", 1) == 0
-            ]
-            if sparse:
-                raise ValueError(
-                    f"Qwen3NextConfig: layers {sparse[:8]} are mixture-of-experts, which is not "
-                    f"supported; set mlp_only_layers to cover every layer or num_experts = 0"
-                )
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        base = attrs.asdict(Qwen3Config.from_hf_dict({**d, "layer_types": None}), recurse=False)
-        base["layer_types"] = tuple(d["layer_types"])
-        return cls(
-            **base,
-            partial_rotary_factor=rope.get(
-                "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
-            ),
-            linear_num_key_heads=d["linear_num_key_heads"],
-            linear_num_value_heads=d["linear_num_value_heads"],
-            linear_key_head_dim=d["linear_key_head_dim"],
-            linear_value_head_dim=d["linear_value_head_dim"],
-            linear_conv_kernel_dim=d["linear_conv_kernel_dim"],
-        )
-
-    def model_spec(self, tp_size: int = 1) -> ModelSpec:
-        if tp_size != 1:
-            raise ValueError("Qwen3-Next runs with tensor_parallel_size = 1 for now")
-        return attrs.evolve(
-            super().model_spec(tp_size),
-            linear_num_key_heads=self.linear_num_key_heads,
-            linear_num_value_heads=self.linear_num_value_heads,
-            linear_key_head_dim=self.linear_key_head_dim,
-            linear_value_head_dim=self.linear_value_head_dim,
-            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
-        )
-
-
+#: HF's default when a config names no partial rotary factor (Qwen3-Next rotates 1/4).
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm whose stored weight is an offset from 1: ``x/rms * (1 + w)``, in float32."""
 
@@ -266,6 +200,7 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = VocabEmbedding(
             c.vocab_size, c.hidden_size, dtype=dtype, device=device, tp=tp
         )
+        # Partial rotary: only the leading quarter (by default) of each head rotates.
         self.rotary_emb = RotaryEmbedding(
             c.head_dim,
             max_position=c.max_position_embeddings,
@@ -305,7 +240,7 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         *,
         tp: TPGroup = SINGLE,
     ) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Qwen3's: it would build Qwen3 layers
         self.config = config
         self.model = Qwen3NextModel(config, make_layer, dtype=dtype, device=device, tp=tp)
         self.lm_head = LMHead(
@@ -330,4 +265,6 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         ignore = ["rotary_emb.inv_freq", "mtp."]
         if self.config.tie_word_embeddings:
             ignore.append("lm_head.weight")
-        load_weights_into(self, renamed(), stacked=self.STACKED[3:], ignore=ignore)
+        # q/k/v stay separate here (q_proj also carries the output gate); gate/up fuse.
+        stacked = [s for s in self.STACKED if s[0] == ".gate_up_proj."]
+        load_weights_into(self, renamed(), stacked=stacked, ignore=ignore)
