@@ -62,8 +62,8 @@ def main() -> None:
                 q[:, None],
                 k[:, None],
                 v[:, None],
-                decay[:, None],
-                beta[:, None],
+                g=decay[:, None],  # keywords: fla's 5th positional is gk, not beta
+                beta=beta[:, None],
                 scale=scale,
                 initial_state=state,
                 output_final_state=True,
@@ -81,8 +81,8 @@ def main() -> None:
                 q[:, None],
                 k[:, None],
                 v[:, None],
-                decay[:, None],
-                beta[:, None],
+                g=decay[:, None],  # keywords: fla's 5th positional is gk, not beta
+                beta=beta[:, None],
                 scale=scale,
                 initial_state=state0,
                 output_final_state=True,
