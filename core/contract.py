@@ -114,10 +114,24 @@ class StepBatch:
     block_tables: list[tuple[int, ...]]
     slot_mapping: torch.Tensor  # [num_tokens] physical KV slot per token
     state_slots: torch.Tensor  # [num_seqs] recurrent-state slot per sequence
+    #: the same tables as one ``[num_seqs, longest]`` int32 tensor, zero-padded
+    #: (block 0 is valid in any pool, so even an unmasked read stays in bounds)
+    block_table_array: torch.Tensor = attrs.field(
+        default=attrs.Factory(lambda self: _pad_tables(self.block_tables), takes_self=True)
+    )
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == self.num_seqs
+
+
+def _pad_tables(tables: list[tuple[int, ...]]) -> torch.Tensor:
+    out = torch.zeros(
+        (len(tables), max((len(t) for t in tables), default=1) or 1), dtype=torch.int32
+    )
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return out
 
 
 @attrs.define

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
+import numpy as np
 import torch
 
 from kvrunner.batch import SeqChunk, StepInput
@@ -26,48 +29,60 @@ def prepare_step(
     """Lay the step's chunks out as one flat token batch.
 
     Slot of the token at position ``p`` of a sequence:
-    ``block_table[p // block_size] * block_size + p % block_size``.
+    ``block_table[p // block_size] * block_size + p % block_size``. Built with a few
+    vectorised numpy passes: this runs on the host every step, before every replay.
     """
     chunks = step.chunks
     num_seqs = len(chunks)
-    query_lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int32)
-    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int32)
-    cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    torch.cumsum(query_lens, 0, out=cu[1:])
-    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-    positions = torch.cat(
-        [
-            torch.arange(c.start_pos, c.start_pos + len(c.token_ids), dtype=torch.int64)
-            for c in chunks
-        ]
-    )
-    slot_parts = []
-    for c, seq_positions in zip(chunks, torch.split(positions, query_lens.tolist()), strict=True):
-        needed = (c.start_pos + len(c.token_ids) + block_size - 1) // block_size
-        if len(c.block_table) < needed:
-            raise ValueError(
-                f"sequence {c.seq_id}: block table holds {len(c.block_table)} blocks, "
-                f"{needed} needed for {c.start_pos + len(c.token_ids)} tokens"
-            )
-        table = torch.tensor(c.block_table, dtype=torch.int64)
-        slot_parts.append(
-            table[seq_positions // block_size] * block_size + seq_positions % block_size
+    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)
+    starts = np.fromiter((c.start_pos for c in chunks), np.int64, num_seqs)
+    table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)
+    cu = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    needed = (starts + query_lens + block_size - 1) // block_size
+    short = np.flatnonzero(table_lens < needed)
+    if short.size:
+        c = chunks[int(short[0])]
+        raise ValueError(
+            f"sequence {c.seq_id}: block table holds {len(c.block_table)} blocks, "
+            f"{int(needed[short[0]])} needed for {c.start_pos + len(c.token_ids)} tokens"
         )
+    input_ids = np.fromiter(
+        itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens
+    )
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = np.arange(num_tokens) - cu[seq_of_token] + starts[seq_of_token]
+    # Zero-padded: entries past a sequence's blocks name block 0, valid in any pool.
+    tables = np.zeros((num_seqs, max(int(table_lens.max(initial=0)), 1)), np.int32)
+    for row, c in enumerate(chunks):
+        tables[row, : len(c.block_table)] = c.block_table
+    slot_mapping = (
+        tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    )
     sample_rows = [int(cu[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
+    query_lens_t = torch.from_numpy(query_lens.astype(np.int32))
+    starts_t = torch.from_numpy(starts.astype(np.int32))
     batch = StepBatch(
         num_seqs=num_seqs,
-        num_tokens=int(cu[-1]),
+        num_tokens=num_tokens,
         num_padded_seqs=num_padded_seqs if num_padded_seqs is not None else num_seqs,
-        query_lens=query_lens,
-        start_positions=starts,
-        context_lens=starts + query_lens,
-        cu_query_lens=cu,
-        block_tables=[tuple(c.block_table) for c in chunks],
-        slot_mapping=torch.cat(slot_parts),
-        state_slots=torch.tensor([c.state_slot for c in chunks], dtype=torch.int32),
+        query_lens=query_lens_t,
+        start_positions=starts_t,
+        context_lens=starts_t + query_lens_t,
+        cu_query_lens=torch.from_numpy(cu.astype(np.int32)),
+        block_tables=[c.block_table for c in chunks],
+        block_table_array=torch.from_numpy(tables),
+        slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
+        state_slots=torch.from_numpy(
+            np.fromiter((c.state_slot for c in chunks), np.int32, num_seqs)
+        ),
     )
     return PreparedStep(
-        batch=batch, input_ids=input_ids, positions=positions, sample_rows=sample_rows
+        batch=batch,
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        sample_rows=sample_rows,
     )
 
 

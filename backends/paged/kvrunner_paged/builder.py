@@ -50,7 +50,7 @@ class MetadataBuilder:
                 f"batch of {batch.num_padded_seqs} seqs / {padded_tokens} tokens exceeds the "
                 f"paged buffers ({self.max_batch} seqs / {self.max_tokens} tokens)"
             )
-        longest = max((len(t) for t in batch.block_tables), default=0)
+        longest = max((len(t) for t in batch.block_tables[: batch.num_seqs]), default=0)
         if longest > self.max_blocks_per_seq:
             raise ValueError(
                 f"a block table of {longest} blocks exceeds max_blocks_per_seq "
@@ -74,9 +74,8 @@ class MetadataBuilder:
         # not one per sequence. Block-table entries past a sequence's blocks are 0, a
         # valid block, so even an unmasked read of them stays in bounds.
         tables = torch.zeros((padded, self.max_blocks_per_seq), dtype=torch.int32)
-        for i, table in enumerate(batch.block_tables):
-            if table:
-                tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        given = batch.block_table_array
+        tables[:n, : given.shape[1]] = given[:n]
         self.block_tables[:padded].copy_(tables)
 
         lens = torch.zeros((self.max_batch,), dtype=torch.int32)
