@@ -51,6 +51,20 @@ class SchedulerConfig:
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=_in_range(1, 1024))
+    #: torch.distributed backend: "auto" is NCCL on CUDA, gloo on the CPU
+    distributed_backend: str = attrs.field(
+        default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl"))
+    )
+    #: seconds any collective, or the driver's wait for a rank's answer to a step,
+    #: may take before it fails (also bounds a rank waiting for a slower one to load)
+    distributed_timeout_s: float = attrs.field(default=600.0, validator=_in_range(1, 1 << 20))
+    #: seconds the driver waits for every rank to load, size its pools and capture
+    startup_timeout_s: float = attrs.field(default=3600.0, validator=_in_range(1, 1 << 20))
+    #: how ranks > 0 are run: "mp" spawns one process per rank from the driver;
+    #: "torchrun" means every rank was launched externally (kvrunner.distributed.launch)
+    distributed_executor: str = attrs.field(
+        default="mp", validator=attrs.validators.in_(("mp", "torchrun"))
+    )
 
 
 @attrs.frozen(kw_only=True)

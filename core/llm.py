@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from tqdm.auto import tqdm
@@ -12,6 +12,9 @@ from tqdm.auto import tqdm
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrunner.runner.executor import DriverExecutor
 
 Prompt = str | Seq[int]
 
@@ -49,18 +52,45 @@ class LLM:
         progress: bool = False,
         **config: Any,
     ) -> None:
-        from kvrunner.runner.model_runner import ModelRunner
+        from kvrunner.runner.executor import make_executor
 
-        self.config = EngineConfig.load(config_file, model=model, dtype=dtype, **config)
-        self.runner = ModelRunner(self.config, progress=progress)
-        self.tokenizer = self.runner.tokenizer
+        loaded = EngineConfig.load(config_file, model=model, dtype=dtype, **config)
+        # tensor_parallel_size > 1 spawns one process per rank here; shutdown() (or
+        # the context manager, or interpreter exit) stops them.
+        self._start(loaded, make_executor(loaded, progress=progress))
+
+    @classmethod
+    def from_executor(cls, config: EngineConfig, executor: DriverExecutor) -> LLM:
+        """An LLM over an executor built elsewhere (torchrun's rank 0: see
+        ``kvrunner.distributed.launch``)."""
+        llm = cls.__new__(cls)
+        llm._start(config, executor)
+        return llm
+
+    def _start(self, config: EngineConfig, executor: DriverExecutor) -> None:
+        self.config = config
+        self.executor = executor
+        #: the in-process runner (rank 0's under torchrun); None when ranks are spawned
+        self.runner = executor.runner
+        info = executor.model_info
+        self.tokenizer = info.tokenizer
         self.engine = LLMEngine(
             self.config,
-            self.runner,
-            eos_token_ids=self.runner.model_config.eos_token_id,
-            vocab_size=self.runner.model_config.vocab_size,
-            uses_state_slots="linear_attention" in self.runner.spec.layer_types,
+            self.executor,
+            eos_token_ids=info.eos_token_ids,
+            vocab_size=info.vocab_size,
+            uses_state_slots=info.uses_state_slots,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (idempotent)."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -79,6 +109,7 @@ class LLM:
         Every prompt is checked before any is queued, so a bad one raises a
         ``ValueError`` naming it and leaves the engine as it was.
         """
+        self.executor.check()  # a group that failed earlier says so, naming the rank
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -122,4 +153,4 @@ class LLM:
 
     def recapture(self) -> float:
         """Capture every decode graph again (as after a weight update); returns seconds."""
-        return self.runner.capture()
+        return self.executor.capture()

@@ -14,6 +14,9 @@ import torch
 from kvrunner.batch import SampledToken, StepInput
 from kvrunner.config import EngineConfig
 from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
+from kvrunner.distributed.agreement import agree_pool_size
+from kvrunner.distributed.group import DistGroup
+from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
 from kvrunner.plugins import BackendManager
 from kvrunner.runner.capture import capture_decode_graphs
@@ -28,11 +31,27 @@ USE_TRITON_ENV = "KVRUNNER_USE_TRITON"
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+    """One rank's runner.
+
+    :param group: this rank's tensor-parallel group (``None`` for a single rank);
+        its size must be ``config.parallel.tensor_parallel_size``.
+    """
+
+    def __init__(
+        self, config: EngineConfig, *, progress: bool = False, group: DistGroup | None = None
+    ) -> None:
         from kvrunner.models.loader import load_hf_config, load_model, model_spec
 
+        tp_size = config.parallel.tensor_parallel_size
+        if (group.size if group is not None else 1) != tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} but the runner was given a group of "
+                f"{group.size if group is not None else 1}; build it through an executor "
+                f"(kvrunner.runner.executor.make_executor)"
+            )
         self.config = config
         self.progress = progress
+        self.group = group
         self.device = resolve_device(config.device)
         self.model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(self.model_path)
@@ -69,6 +88,7 @@ class ModelRunner:
             device=self.device,
             progress=progress,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
+            tp=group.tp_group() if group is not None else SINGLE,
         )
         self.graphs: dict[int, DecodeGraph] = {}
         self.capture_seconds = 0.0
@@ -84,7 +104,9 @@ class ModelRunner:
         self.forward_vars.register_all(
             self.backends.persistent_buffers(max_batch=self.max_batch, max_tokens=self.max_tokens)
         )
-        self.num_blocks = self._derive_num_blocks()
+        # own_num_blocks: what this rank could hold; num_blocks: the group's minimum,
+        # the one number every rank allocates and the engine's block manager uses.
+        self.own_num_blocks, self.num_blocks = agree_pool_size(self._derive_num_blocks, group)
         self.pools = self.backends.allocate_cache(
             num_blocks=self.num_blocks, num_slots=self.num_slots
         )

@@ -1,0 +1,80 @@
+"""The control channel of an externally launched group (torchrun): rank 0 -> all.
+
+Under torchrun every rank is its own process from the start and rank 0 runs the
+engine, so commands travel as pickled objects over a torch.distributed broadcast
+(``broadcast_object_list``) on a gloo group of their own. That group has a long
+timeout on purpose: ranks > 0 wait on it while rank 0 is idle between
+``generate`` calls, which is not a failure; a rank 0 that dies closes its sockets
+and wakes them at once. Collectives of the model itself keep the short timeout.
+
+A rank that fails leaves a :class:`RankFailure` in the rendezvous store before it
+exits; rank 0, whose own collective then fails, reads it and names that rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import pickle
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from kvrunner.distributed.errors import RankFailure
+from kvrunner.distributed.group import DistGroup
+
+#: ranks > 0 may wait this long for rank 0's next command (idle is not failure)
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+_FAILURE_KEY = "kvrunner/failure/"
+
+
+class BroadcastChannel:
+    """Commands from rank 0 to every rank, answers gathered back to rank 0."""
+
+    def __init__(self, group: DistGroup) -> None:
+        self.group = group
+        self.rank = group.rank
+        # Collective: every rank creates it, in the same order.
+        self._pg = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S)
+        )
+
+    def send(self, command: Any) -> None:
+        """Rank 0: deliver ``command`` to every rank."""
+        assert self.rank == 0, "only rank 0 sends commands"
+        dist.broadcast_object_list([command], src=0, group=self._pg)
+
+    def receive(self) -> Any:
+        """Ranks > 0: the next command from rank 0 (blocks while rank 0 is idle)."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def gather(self, answer: Any) -> list[Any] | None:
+        """Every rank's ``answer`` in rank order on rank 0; ``None`` elsewhere."""
+        out: list[Any] | None = [None] * self.group.size if self.rank == 0 else None
+        dist.gather_object(answer, out, dst=0, group=self._pg)
+        return out
+
+    def report_failure(self, failure: RankFailure) -> None:
+        """Leave this rank's failure where rank 0 looks for it (best effort)."""
+        # The store may be gone with rank 0; this rank is exiting either way.
+        with contextlib.suppress(Exception):
+            self.group.store.set(f"{_FAILURE_KEY}{failure.rank}", pickle.dumps(failure))
+
+    def peer_failures(self, wait_s: float) -> list[RankFailure]:
+        """Failures other ranks reported, waiting up to ``wait_s`` for the first."""
+        deadline = time.monotonic() + wait_s
+        keys = [f"{_FAILURE_KEY}{r}" for r in range(self.group.size) if r != self.rank]
+        while True:
+            found = []
+            for key in keys:
+                try:
+                    if self.group.store.check([key]):
+                        found.append(pickle.loads(self.group.store.get(key)))
+                except Exception:  # noqa: BLE001 - a dead store: nothing more to learn
+                    return found
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)

@@ -1,0 +1,164 @@
+"""One tensor-parallel process group on torch.distributed, and its collectives.
+
+:class:`DistGroup` is what a rank knows about its group: rank, size, device, the
+torch.distributed process group, and the key-value store the ranks met through
+(kept so a failing rank can leave a report where rank 0 finds it). It produces the
+:class:`~kvrunner.layers.linear.TPGroup` the layers take, whose ``all_reduce`` sums
+and whose ``all_gather`` concatenates along the last dimension.
+
+Every collective is bounded by ``timeout_s`` (set on the process group: gloo applies
+it per operation, NCCL's watchdog aborts a collective that overruns it), and a
+failure inside one is re-raised as :class:`CollectiveError`, so the driver can tell
+"this rank broke" from "this rank was left waiting by a peer that broke".
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from kvrunner.config import ConfigError
+from kvrunner.distributed.errors import CollectiveError
+from kvrunner.layers.linear import SINGLE, Collective, TPGroup
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``"auto"`` -> NCCL on CUDA, gloo on the CPU; an impossible pair is refused."""
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and device.type != "cuda":
+        raise ConfigError(f"distributed_backend 'nccl' needs a CUDA device, not {device}")
+    if name not in ("gloo", "nccl"):
+        raise ConfigError(f"unknown distributed_backend {name!r} (want auto, gloo or nccl)")
+    return name
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def connect_store(host: str, port: int, *, timeout_s: float, is_master: bool) -> dist.TCPStore:
+    """The TCP store ranks meet through; the master (the driver) serves it.
+
+    ``port=0`` on the master lets the OS pick a free port (``store.port``).
+    """
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=is_master,
+        timeout=_timeout(timeout_s),
+        wait_for_workers=False,
+    )
+
+
+@attrs.define(kw_only=True)
+class DistGroup:
+    """This process's rank in an initialised tensor-parallel process group."""
+
+    rank: int
+    size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    store: dist.Store
+    process_group: dist.ProcessGroup
+
+    @classmethod
+    def init(
+        cls,
+        *,
+        rank: int,
+        size: int,
+        device: torch.device,
+        backend: str,
+        timeout_s: float,
+        store: dist.Store,
+    ) -> DistGroup:
+        """Initialise torch.distributed's default group over ``store``.
+
+        On CUDA the device must already be this rank's (``torch.cuda.set_device``):
+        NCCL binds its communicator to it.
+        """
+        backend = resolve_backend(backend, device)
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=_timeout(timeout_s),
+            **kwargs,
+        )
+        return cls(
+            rank=rank,
+            size=size,
+            device=device,
+            backend=backend,
+            timeout_s=timeout_s,
+            store=store,
+            process_group=dist.group.WORLD,
+        )
+
+    def tp_group(self) -> TPGroup:
+        """The collectives the tensor-parallel layers call (identity for one rank)."""
+        if self.size == 1:
+            return SINGLE
+        return TPGroup(
+            rank=self.rank,
+            size=self.size,
+            all_reduce=_all_reduce_sum(self.process_group),
+            all_gather=_all_gather_last_dim(self.process_group, self.size),
+        )
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order, on every rank (one all-reduce).
+
+        Each rank writes its value into its own slot of a zero vector and the
+        vectors are summed, so everyone learns everyone's number (for an error that
+        names the rank) at the cost of a single all-reduce.
+        """
+        slots = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        slots[self.rank] = value
+        _all_reduce_sum(self.process_group)(slots)
+        return [int(v) for v in slots.tolist()]
+
+    def destroy(self) -> None:
+        """Leave the group (idempotent); peers still in a collective see us go."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _all_reduce_sum(group: dist.ProcessGroup) -> Collective:
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        # In place on a fresh, contiguous activation (the layers hand in one).
+        x = x.contiguous()
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+            raise CollectiveError(
+                f"all_reduce over the tensor-parallel group failed "
+                f"(a peer rank has probably failed): {e}"
+            ) from e
+        return x
+
+    return all_reduce
+
+
+def _all_gather_last_dim(group: dist.ProcessGroup, size: int) -> Collective:
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        # The list form works on gloo and NCCL alike, and under CUDA-graph capture.
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(size)]
+        try:
+            dist.all_gather(parts, x, group=group)
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"all_gather over the tensor-parallel group failed "
+                f"(a peer rank has probably failed): {e}"
+            ) from e
+        return torch.cat(parts, dim=-1)
+
+    return all_gather

@@ -1,0 +1,271 @@
+"""Executors: what the engine calls to run a step, on one rank or a whole TP group.
+
+Every executor implements the engine's ``Executor`` protocol (``num_blocks`` and
+``execute(StepInput) -> list[SampledToken]``) and adds ``model_info`` (what the
+driver needs without the weights), ``capture()``, ``describe_ranks()`` and
+``shutdown()``.
+
+- :class:`LocalExecutor`: one rank, the runner in this process.
+- :class:`MultiprocExecutor`: one spawned process per rank; the engine stays here.
+- :class:`BroadcastExecutor`: torchrun; this process is rank 0 (engine and runner),
+  other ranks serve the commands it broadcasts (:func:`serve_broadcast`).
+
+``num_blocks`` is always the group's agreed minimum: every rank reports the number
+it allocated and the executor refuses a group whose ranks disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+from tokenizers import Tokenizer
+
+from kvrunner.batch import SampledToken, StepInput
+from kvrunner.config import ConfigError, EngineConfig
+from kvrunner.distributed.control import BroadcastChannel
+from kvrunner.distributed.errors import CollectiveError, RankFailure, worker_error
+from kvrunner.distributed.group import connect_store
+from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
+from kvrunner.runner.worker import RankWorker, SpawnSpec, run_spawned_rank, runner_summary
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    """What the driver knows about the model: enough for the engine and the API."""
+
+    path: Path
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    layer_types: tuple[str, ...]
+
+    @property
+    def uses_state_slots(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @classmethod
+    def from_runner(cls, runner: Any) -> ModelInfo:
+        return cls(
+            path=runner.model_path,
+            tokenizer=runner.tokenizer,
+            eos_token_ids=tuple(runner.model_config.eos_token_id),
+            vocab_size=runner.model_config.vocab_size,
+            layer_types=tuple(runner.spec.layer_types),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, config: EngineConfig) -> ModelInfo:
+        """Read config and tokenizer only; also checks the model splits over the group."""
+        from kvrunner.models.loader import load_hf_config, model_spec, parse_config
+        from kvrunner.runner.setup import resolve_model_path
+
+        path = resolve_model_path(config.model)
+        raw = load_hf_config(path)
+        spec = model_spec(raw, tp_size=config.parallel.tensor_parallel_size)  # raises if not
+        parsed = parse_config(raw)[1]
+        return cls(
+            path=path,
+            tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+            eos_token_ids=tuple(parsed.eos_token_id),
+            vocab_size=parsed.vocab_size,
+            layer_types=tuple(spec.layer_types),
+        )
+
+
+class DriverExecutor(Protocol):
+    """The engine's ``Executor`` plus what :class:`~kvrunner.llm.LLM` uses."""
+
+    num_blocks: int
+    model_info: ModelInfo
+    #: the in-process runner (rank 0's under torchrun), or None when ranks are spawned
+    runner: Any
+
+    def execute(self, step: StepInput) -> list[SampledToken]: ...
+
+    def capture(self) -> float: ...
+
+    def describe_ranks(self) -> list[dict[str, Any]]: ...
+
+    def check(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def _agreed(descriptions: list[dict[str, Any]]) -> int:
+    counts = [d["num_blocks"] for d in descriptions]
+    if len(set(counts)) != 1:
+        raise RuntimeError(f"ranks allocated different pool sizes {counts}; they must agree")
+    return counts[0]
+
+
+class LocalExecutor:
+    """A single rank in this process."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+        from kvrunner.runner.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config, progress=progress)
+        self.num_blocks = self.runner.num_blocks
+        self.model_info = ModelInfo.from_runner(self.runner)
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        return self.runner.execute(step)
+
+    def capture(self) -> float:
+        return self.runner.capture()
+
+    def describe_ranks(self) -> list[dict[str, Any]]:
+        return [runner_summary(self.runner, 0)]
+
+    def check(self) -> None:
+        """Raise if the executor can no longer run steps (never, for one rank)."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives and dies with this process."""
+
+
+class MultiprocExecutor:
+    """Tensor parallelism over spawned rank processes; the engine stays in the driver.
+
+    Steps go to every rank over its pipe; rank 0 answers with the sampled tokens
+    (every rank samples the same ones: see :meth:`RankWorker.step`). Any rank's
+    failure, death or silence past ``distributed_timeout_s`` raises one
+    :class:`~kvrunner.distributed.errors.WorkerError` naming the rank, and stops
+    the group. Create it under ``if __name__ == "__main__":`` (spawn re-imports
+    the main module).
+    """
+
+    runner = None  # the runners live in the rank processes
+
+    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+        self.model_info = ModelInfo.from_checkpoint(config)  # fail early, before spawning
+        # Ranks load the resolved directory: a default model is written once, here.
+        config = attrs.evolve(config, model=str(self.model_info.path))
+        parallel = config.parallel
+        # A little past the collectives' own timeout: a rank left waiting by a hung
+        # peer then reports its timed-out collective first, and the driver can name
+        # the silent peer as the cause rather than the rank it was waiting on.
+        self.timeout_s = parallel.distributed_timeout_s + FAILURE_GRACE_S + 3.0
+        # The driver serves the store the ranks meet through: port 0 lets the OS pick
+        # a free one, so concurrent groups on one host never collide.
+        self._store = connect_store("127.0.0.1", 0, timeout_s=self.timeout_s, is_master=True)
+        spec = SpawnSpec(config=config, store_host="127.0.0.1", store_port=self._store.port,
+                         progress=progress)
+        self.procs = WorkerProcesses(
+            run_spawned_rank, world_size=parallel.tensor_parallel_size, args=(spec,)
+        )
+        ready = self.procs.collect(
+            range(self.procs.world_size), during="start-up (load, sizing, capture)",
+            timeout_s=parallel.startup_timeout_s,
+        )
+        self.num_blocks = _agreed([ready[r] for r in sorted(ready)])
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        self.procs.send_all(("step", step), during="a step")
+        return self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
+
+    def call(self, name: str, *args: Any) -> list[Any]:
+        """Run worker method ``name`` on every rank; the answers in rank order."""
+        during = f"call {name!r}"
+        self.procs.send_all(("call", name, args), during=during)
+        replies = self.procs.collect(range(self.procs.world_size), during=during,
+                                     timeout_s=self.timeout_s)
+        return [replies[r] for r in range(self.procs.world_size)]
+
+    def check(self) -> None:
+        """Raise the group's earlier failure (WorkerError) if it had one, or if shut down."""
+        self.procs.check_usable()
+
+    def capture(self) -> float:
+        return max(self.call("capture"))
+
+    def describe_ranks(self) -> list[dict[str, Any]]:
+        return self.call("describe")
+
+    def shutdown(self) -> None:
+        self.procs.shutdown()
+
+
+class BroadcastExecutor:
+    """torchrun's rank 0: runs the engine's steps locally and broadcasts them."""
+
+    def __init__(self, worker: RankWorker, channel: BroadcastChannel) -> None:
+        self.worker = worker
+        self.channel = channel
+        self.runner = worker.runner
+        self.model_info = ModelInfo.from_runner(worker.runner)
+        self.num_blocks = _agreed(self._all("describe"))
+        self._stopper = weakref.finalize(self, _stop_broadcast, channel)
+
+    def _peer_error(self, during: str, own: BaseException) -> BaseException:
+        peers = self.channel.peer_failures(FAILURE_GRACE_S)
+        if not peers:
+            return own
+        return worker_error([*peers, RankFailure.from_exception(0, own)], during=during)
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        self.channel.send(("step", step))
+        try:
+            return self.worker.step(step)
+        except CollectiveError as e:
+            raise self._peer_error("a step", e) from e
+
+    def _all(self, name: str, *args: Any) -> list[Any]:
+        self.channel.send(("call", name, args))
+        answers = self.channel.gather(self.worker.handle(("call", name, args)))
+        assert answers is not None
+        return answers
+
+    def check(self) -> None:
+        """Nothing to check here: a failed peer surfaces in the next collective."""
+
+    def capture(self) -> float:
+        return max(self._all("capture"))
+
+    def describe_ranks(self) -> list[dict[str, Any]]:
+        return self._all("describe")
+
+    def shutdown(self) -> None:
+        """Release ranks > 0 from their serve loop (idempotent)."""
+        self._stopper()
+
+
+def _stop_broadcast(channel: BroadcastChannel) -> None:
+    with contextlib.suppress(Exception):  # peers already gone: nothing left to release
+        channel.send(("stop",))
+
+
+def serve_broadcast(worker: RankWorker, channel: BroadcastChannel) -> None:
+    """Ranks > 0 under torchrun: run rank 0's commands until it says stop.
+
+    A failure is left in the store for rank 0 to name, then re-raised, so this
+    process exits non-zero and torchrun tears the group down.
+    """
+    try:
+        while True:
+            command = channel.receive()
+            if command[0] == "stop":
+                return
+            answer = worker.handle(command)
+            if command[0] == "call":
+                channel.gather(answer)
+    except BaseException as e:
+        channel.report_failure(RankFailure.from_exception(worker.rank, e))
+        raise
+
+
+def make_executor(config: EngineConfig, *, progress: bool = False) -> Any:
+    """The executor ``config.parallel`` asks for (torchrun's is built by ``launch``)."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size == 1:
+        return LocalExecutor(config, progress=progress)
+    if parallel.distributed_executor == "torchrun":
+        raise ConfigError(
+            "distributed_executor='torchrun': start every rank with torchrun and call "
+            "kvrunner.distributed.launch.launch(...) on each (rank 0 gets the LLM)"
+        )
+    return MultiprocExecutor(config, progress=progress)

@@ -1,0 +1,176 @@
+"""A tensor-parallel rank: one :class:`ModelRunner` serving the driver's commands.
+
+Commands are tuples, the same whichever channel carries them (a pipe from a
+spawned driver, or a broadcast from rank 0 under torchrun):
+
+- ``("step", StepInput)``: run one step. Every rank runs the whole step, sampling
+  included (see :meth:`RankWorker.step`); only rank 0's tokens are returned.
+- ``("call", name, args)``: run one of :data:`CALLS` on every rank; every rank
+  answers.
+- ``("stop",)``: leave the group and exit.
+
+A spawned rank that raises — at start-up or in any command — sends a
+:class:`RankFailure` to the driver before it exits, so the driver can name it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import torch
+
+from kvrunner.batch import SampledToken, StepInput
+from kvrunner.config import EngineConfig
+from kvrunner.distributed.errors import RankFailure
+from kvrunner.distributed.fault_injection import FaultPlan
+from kvrunner.distributed.group import DistGroup, connect_store
+from kvrunner.runner.model_runner import ModelRunner
+from kvrunner.runner.setup import resolve_device
+
+#: worker methods a ("call", name, args) command may run
+CALLS = frozenset({"capture", "describe"})
+
+#: returned by RankWorker.handle when the command wants no answer from this rank
+NO_REPLY = object()
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on its host: ``cuda:<local_rank>``
+    on CUDA (an index in ``name`` is ignored: each rank gets its own card), else CPU."""
+    device = resolve_device(name)
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
+    """What a rank holds: its pool sizes (own and agreed), graphs, device, process."""
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "device": str(runner.device),
+        "own_num_blocks": runner.own_num_blocks,
+        "num_blocks": runner.num_blocks,
+        "graph_sizes": sorted(runner.graphs),
+    }
+
+
+class RankWorker:
+    """This rank's runner and the commands it serves."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        group: DistGroup,
+        *,
+        progress: bool = False,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        self.rank = group.rank
+        self.group = group
+        device = group.device
+        config = attrs.evolve(config, device=str(device))
+        if faults is not None:  # the only place the test hooks reach (see fault_injection)
+            config = faults.config_for(self.rank, config)
+            faults.before_load(self.rank)
+        runner = ModelRunner(config, progress=progress and self.rank == 0, group=group)
+        self.runner = faults.wrap(self.rank, runner) if faults is not None else runner
+        self.last_sampled: list[SampledToken] = []
+
+    def step(self, step: StepInput) -> list[SampledToken]:
+        """Run one step on this rank.
+
+        Every rank samples, and they all draw the same tokens: after the LM head's
+        all-gather each rank holds bit-identical logits (the same shards
+        concatenated in rank order), and every rank's sampler is seeded from the
+        same ``config.seed`` and advanced by the same calls. Sampling on every rank
+        costs one small op per step and keeps the runner's step path the same for
+        one rank or many; no broadcast of the tokens is needed.
+        """
+        self.last_sampled = self.runner.execute(step)
+        return self.last_sampled
+
+    def capture(self) -> float:
+        return self.runner.capture()
+
+    def describe(self) -> dict[str, Any]:
+        """:func:`runner_summary` plus this rank's last sampled ``(seq_id, token_id)``."""
+        summary = runner_summary(self.runner, self.rank)
+        summary["last_sampled"] = [(t.seq_id, t.token_id) for t in self.last_sampled]
+        return summary
+
+    def handle(self, command: tuple) -> Any:
+        """Run one command; its answer, or :data:`NO_REPLY`."""
+        kind = command[0]
+        if kind == "step":
+            tokens = self.step(command[1])
+            return tokens if self.rank == 0 else NO_REPLY
+        if kind == "call":
+            name, args = command[1], command[2]
+            if name not in CALLS:
+                raise ValueError(f"unknown worker call {name!r}; known: {sorted(CALLS)}")
+            return getattr(self, name)(*args)
+        raise ValueError(f"unknown worker command {command!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SpawnSpec:
+    """What a spawned rank needs to start (picklable)."""
+
+    config: EngineConfig
+    store_host: str
+    store_port: int
+    progress: bool = False
+
+
+def _send(conn: Connection, kind: str, payload: Any) -> None:
+    conn.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
+    """Entry point of a rank process spawned by the driver (MultiprocExecutor)."""
+    parallel = spec.config.parallel
+    world = parallel.tensor_parallel_size
+    group: DistGroup | None = None
+    try:
+        device = rank_device(spec.config.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            # Every rank shares this host: split its cores, and keep gloo on loopback
+            # (otherwise it binds to whatever the host name resolves to).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = connect_store(
+            spec.store_host, spec.store_port, timeout_s=parallel.distributed_timeout_s,
+            is_master=False,
+        )
+        group = DistGroup.init(
+            rank=rank, size=world, device=device, backend=parallel.distributed_backend,
+            timeout_s=parallel.distributed_timeout_s, store=store,
+        )
+        worker = RankWorker(
+            spec.config, group, progress=spec.progress, faults=FaultPlan.from_env()
+        )
+        _send(conn, "ok", worker.describe())
+        while True:
+            try:
+                command = pickle.loads(conn.recv_bytes())
+            except EOFError:  # the driver is gone: nobody is left to serve
+                break
+            if command[0] == "stop":
+                break
+            reply = worker.handle(command)
+            if reply is not NO_REPLY:
+                _send(conn, "ok", reply)
+    except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
+        with contextlib.suppress(OSError):
+            _send(conn, "error", RankFailure.from_exception(rank, e))
+        # Skip the group's orderly teardown: peers may be stuck in a collective with
+        # us, and exiting (which closes our sockets) is what releases them.
+        os._exit(1)
+    if group is not None:
+        group.destroy()

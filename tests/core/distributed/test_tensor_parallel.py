@@ -1,0 +1,213 @@
+"""Tensor parallelism over real process groups: two ranks on gloo (CPU, CI), NCCL on GPU.
+
+Every group here is real: spawned rank processes (or torchrun's), torch.distributed
+collectives, the driver's engine talking to them over the control channel. Each
+start costs a few seconds on the CPU, so a group is started once per scenario and
+the healthy one is shared by the tests that only read from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.distributed.errors import WorkerError
+from kvrunner.distributed.fault_injection import TEST_HOOKS_ENV
+from kvrunner.models.tiny import write_tiny_checkpoint
+
+PROMPTS = [
+    [3, 17, 29, 101],
+    [7, 8, 9, 10, 11, 12, 13, 14, 15],
+    [200, 201],
+]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+#: small enough that three prompts decode as one padded graph batch (sizes 1, 2, 4)
+SMALL = dict(max_num_seqs=4, max_model_len=128, block_size=16)
+#: rank 1's own CPU cache budget in the shared group: far below rank 0's default
+RANK1_CACHE_BYTES = 300_000
+#: a failure must reach the driver well within this (no hang, no collective timeout)
+BOUND_S = 30.0
+
+
+@contextlib.contextmanager
+def test_hooks(plan: dict | None) -> Iterator[None]:
+    """Set the workers' test-only hooks for the ranks spawned inside the block."""
+    old = os.environ.get(TEST_HOOKS_ENV)
+    if plan is not None:
+        os.environ[TEST_HOOKS_ENV] = json.dumps(plan)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TEST_HOOKS_ENV, None)
+        else:
+            os.environ[TEST_HOOKS_ENV] = old
+
+
+test_hooks.__test__ = False  # a helper, not a test
+
+
+def token_ids(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+
+
+def rank_pids() -> set[int]:
+    """Live rank processes spawned by this test process."""
+    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("kvrunner-rank")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "qwen3", seed=3))
+
+
+@pytest.fixture(scope="module")
+def tp1_greedy(checkpoint: str) -> list[list[int]]:
+    with LLM(checkpoint, enforce_eager=True, **SMALL) as llm:
+        return token_ids(llm)
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint: str) -> Iterator[LLM]:
+    """Two ranks with decode graphs captured and *different* memory budgets."""
+    with test_hooks({"cpu_cache_bytes": {"1": RANK1_CACHE_BYTES}}):
+        llm = LLM(checkpoint, tensor_parallel_size=2, **SMALL)
+    yield llm
+    pids = set(llm.executor.procs.pids)
+    llm.shutdown()
+    assert not pids & rank_pids(), "shutdown left rank processes behind"
+
+
+def test_tp2_greedy_equals_tp1_token_for_token_through_captured_graphs(
+    tp2: LLM, tp1_greedy: list[list[int]]
+) -> None:
+    ranks = tp2.executor.describe_ranks()
+    assert [r["graph_sizes"] for r in ranks] == [[1, 2, 4], [1, 2, 4]]
+    assert len({r["pid"] for r in ranks}) == 2 and os.getpid() not in {r["pid"] for r in ranks}
+    assert token_ids(tp2) == tp1_greedy
+    assert all(len(t) == GREEDY.max_tokens for t in tp1_greedy)
+
+
+def test_ranks_with_different_budgets_agree_on_the_smallest_pool(tp2: LLM) -> None:
+    ranks = tp2.executor.describe_ranks()
+    own = [r["own_num_blocks"] for r in ranks]
+    assert own[1] < own[0], f"the budgets should differ, got own counts {own}"
+    assert [r["num_blocks"] for r in ranks] == [min(own)] * 2
+    assert tp2.executor.num_blocks == min(own)
+    assert tp2.engine.block_manager.num_blocks == min(own)
+
+
+def test_every_rank_samples_the_same_tokens(tp2: LLM) -> None:
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, ignore_eos=True)
+    outs = token_ids(tp2, sampled)
+    ranks = tp2.executor.describe_ranks()
+    last_step = ranks[0]["last_sampled"]
+    assert len(last_step) == len(PROMPTS)
+    assert ranks[1]["last_sampled"] == last_step
+    assert sorted(tok for _, tok in last_step) == sorted(t[-1] for t in outs)
+
+
+def test_a_rank_failing_at_load_stops_the_group_with_an_error_naming_it(checkpoint: str) -> None:
+    before = rank_pids()
+    start = time.monotonic()
+    with test_hooks({"fail": {"rank": 0, "at": "load"}}), pytest.raises(WorkerError) as info:
+        LLM(checkpoint, tensor_parallel_size=2, enforce_eager=True, **SMALL)
+    assert time.monotonic() - start < BOUND_S
+    message = str(info.value)
+    assert info.value.rank == 0
+    assert message.startswith("tensor-parallel rank 0 failed during start-up")
+    assert "InjectedFault: injected failure at load" in message
+    assert rank_pids() <= before, "the failed group's processes are still running"
+
+
+@pytest.mark.parametrize(
+    ("rank", "mode", "cause"),
+    [(1, "raise", "InjectedFault: injected failure in step 2"),
+     (0, "exit", "ProcessDied"),
+     (1, "hang", "TimeoutError")],
+    ids=["raises", "dies-silently", "hangs"],
+)
+def test_a_rank_failing_in_a_step_stops_the_group_with_an_error_naming_it(
+    checkpoint: str, rank: int, mode: str, cause: str
+) -> None:
+    # A hung rank is found by the collective timeout of the rank left waiting for it.
+    timeout = {"distributed_timeout_s": 6} if mode == "hang" else {}
+    plan = {"fail": {"rank": rank, "at": "step", "step": 2, "mode": mode}}
+    with test_hooks(plan):
+        llm = LLM(checkpoint, tensor_parallel_size=2, enforce_eager=True, **SMALL, **timeout)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            token_ids(llm)
+        assert time.monotonic() - start < BOUND_S
+        assert info.value.rank == rank
+        assert str(info.value).startswith(f"tensor-parallel rank {rank} failed during a step")
+        assert cause in str(info.value)
+        assert not set(llm.executor.procs.pids) & rank_pids()
+        with pytest.raises(WorkerError, match="already failed"):
+            token_ids(llm)
+    finally:
+        llm.shutdown()
+
+
+def run_torchrun(checkpoint: str, plan: dict | None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m kvrunner.distributed.launch`` over PROMPTS."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "kvrunner.distributed.launch", "--model", checkpoint, "--enforce-eager",
+           "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos", "--max-num-seqs", "4"]
+    for prompt in PROMPTS:
+        cmd += ["--prompt-ids", ",".join(map(str, prompt))]
+    env = {k: v for k, v in os.environ.items() if k != TEST_HOOKS_ENV}
+    if plan is not None:
+        env[TEST_HOOKS_ENV] = json.dumps(plan)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_torchrun_launch_matches_tp1(checkpoint: str, tp1_greedy: list[list[int]]) -> None:
+    """The standard launch: rank 0 runs the engine, rank 1 serves broadcast steps."""
+    done = run_torchrun(checkpoint, None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [line["prompt_token_ids"] for line in lines] == PROMPTS
+    assert [line["token_ids"] for line in lines] == tp1_greedy
+
+
+def test_under_torchrun_rank_0_names_the_rank_that_failed_in_a_step(checkpoint: str) -> None:
+    start = time.monotonic()
+    done = run_torchrun(checkpoint, {"fail": {"rank": 1, "at": "step", "step": 2}})
+    assert time.monotonic() - start < 60.0
+    assert done.returncode != 0
+    assert ("WorkerError: tensor-parallel rank 1 failed during a step: InjectedFault: "
+            "injected failure in step 2") in done.stderr
+    assert not any(line.startswith("{") for line in done.stdout.splitlines())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoint: str) -> None:
+    # float32: bf16 rounds the ranks' partial sums differently from one matmul's, and
+    # greedy decoding of a random tiny model would amplify that into different tokens.
+    gpu = dict(SMALL, device="cuda", dtype="float32")
+    with LLM(checkpoint, enforce_eager=False, gpu_memory_utilization=0.3, **gpu) as llm:
+        expected = token_ids(llm)
+        assert llm.runner.graphs, "the TP=1 reference should decode through CUDA graphs"
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    with LLM(checkpoint, tensor_parallel_size=2, gpu_memory_utilization=0.5, **gpu) as llm:
+        ranks = llm.executor.describe_ranks()
+        assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
+        assert [r["graph_sizes"] for r in ranks] == [[1, 2, 4], [1, 2, 4]]
+        assert len({r["num_blocks"] for r in ranks}) == 1
+        assert token_ids(llm) == expected
