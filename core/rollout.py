@@ -45,13 +45,18 @@ def run_rollout(
         SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
         for i in range(batch)
     ]
-    runner = llm.runner
-    runner.progress = False  # keep the table readable: bars only while loading
+    info = llm.executor.model_info
+
+    def rank0() -> dict[str, Any]:
+        # Every rank computes the same logits; rank 0 speaks for the group.
+        return llm.executor.describe_ranks()[0]
+
+    start_state = rank0()
     print(
-        f"model {runner.model_path.name}: {runner.spec.num_layers} layers "
-        f"{sorted(set(runner.spec.layer_types))}, backends {llm.runner.backends.names}, "
-        f"{runner.device} {str(runner.dtype).removeprefix('torch.')}, "
-        f"{runner.num_blocks} KV blocks, {len(runner.graphs)} decode graphs"
+        f"model {info.path.name}: {len(info.layer_types)} layers {sorted(set(info.layer_types))}, "
+        f"{llm.config.parallel.tensor_parallel_size} rank(s) on {start_state['device']} "
+        f"{start_state['dtype']}, {llm.engine.block_manager.num_blocks} KV blocks, "
+        f"{len(start_state['graph_sizes'])} decode graphs"
     )
     header = (
         f"{'round':>5} {'tok/s':>10} {'tokens':>7} {'KV blocks used':>15} "
@@ -60,13 +65,13 @@ def run_rollout(
     print(header)
     print("-" * len(header))
     first: list[list[int]] | None = None
-    capture_s = runner.capture_seconds
-    all_same = True
+    capture_s = start_state["capture_seconds"]
+    all_same = all_nan_free = True
     for r in range(1, rounds + 1):
         if r > 1:
             capture_s = llm.recapture()
         llm.engine.peak_blocks_used = 0
-        nan_before = runner.nan_rows
+        nan_before = rank0()["nan_rows"]
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
@@ -75,10 +80,13 @@ def run_rollout(
         same = tokens == first
         all_same &= same
         n = sum(len(t) for t in tokens)
-        blocks = f"{llm.engine.peak_blocks_used}/{runner.num_blocks}"
+        blocks = f"{llm.engine.peak_blocks_used}/{llm.engine.block_manager.num_blocks}"
+        nan_rows = rank0()["nan_rows"] - nan_before
+        all_nan_free &= nan_rows == 0
         print(
             f"{r:>5} {n / seconds:>10.1f} {n:>7} {blocks:>15} {capture_s:>10.3f} "
-            f"{runner.nan_rows - nan_before:>9} {'yes' if same else 'NO':>16}"
+            f"{nan_rows:>9} {'yes' if same else 'NO':>16}"
         )
     print(f"outputs identical across rounds: {'yes' if all_same else 'NO'}")
-    return 0 if all_same and runner.nan_rows == 0 else 1
+    llm.shutdown()
+    return 0 if all_same and all_nan_free else 1

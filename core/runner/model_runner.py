@@ -112,6 +112,7 @@ class ModelRunner:
         )
         if not config.capture.enforce_eager:
             self.capture()
+        self.progress = False  # bars while starting up; recaptures stay quiet
 
     # -- sizing ------------------------------------------------------------------------
 
@@ -208,8 +209,12 @@ class ModelRunner:
             hidden = self._forward_rows(num_tokens, ctx)
         if not prepared.sample_rows:
             return []
-        row_index = torch.tensor(prepared.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))
+        rows = prepared.sample_rows
+        if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
+            selected = hidden[: len(rows)]
+        else:
+            selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
+        logits = self.model.compute_logits(selected)
         self.nan_rows += int(torch.isnan(logits).any(dim=-1).sum())
         sampling_chunks = [c for c in step.chunks if c.sample]
         return self.sampler.sample_chunks(logits, sampling_chunks)

@@ -55,6 +55,9 @@ def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
         "own_num_blocks": runner.own_num_blocks,
         "num_blocks": runner.num_blocks,
         "graph_sizes": sorted(runner.graphs),
+        "capture_seconds": runner.capture_seconds,
+        "nan_rows": runner.nan_rows,
+        "dtype": str(runner.dtype).removeprefix("torch."),
     }
 
 
