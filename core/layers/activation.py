@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
+
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = ``[gate | up]``.
@@ -13,8 +15,15 @@ class SiluAndMul(nn.Module):
     The gate and up projections run as one matmul (:class:`MergedColumnParallelLinear`)
     and this splits the result; under tensor parallelism each rank holds its own
     ``[gate_slice | up_slice]``, so the split stays rank-local.
+
+    On CUDA (or with ``KVRUNNER_USE_TRITON=1``) this is one Triton launch with the
+    same two roundings; the torch code below is the reference.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and x.shape[-1] % 2 == 0 and same_kernel_dtype(x):
+            from kvrunner.layers.fused.silu_mul_triton import silu_mul_triton
+
+            return silu_mul_triton(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -4,12 +4,18 @@ Dimension ``i < d/2`` of a head is paired with dimension ``i + d/2`` and the pai
 rotated by ``position * theta ** (-2i / d)``. The cos/sin table is built once for
 every position up to ``max_position`` and indexed by the step's positions, so a
 forward is a gather and a few multiply-adds (and stays capturable in a graph).
+
+On CUDA (or with ``KVRUNNER_USE_TRITON=1``) the forward is one Triton launch for q
+and k together; attention layers that normalise q and k first use
+:func:`kvrunner.layers.fused.qk_norm_rope`, which folds the norms into that launch.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,9 +53,26 @@ class RotaryEmbedding(nn.Module):
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
         return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
+    def _use_kernel(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the Triton kernel applies: ``[T, heads, head_dim]`` unit-strided heads."""
+        return (
+            use_triton(q)
+            and q.dim() == 3
+            and k.dim() == 3
+            and q.shape[-1] == k.shape[-1] == self.head_dim
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and same_kernel_dtype(q, k)
+            and self.cos_sin_cache.dtype == torch.float32
+        )
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:param positions: ``[T]`` long. :returns: rotated ``q``, ``k`` (same shapes, dtypes)."""
+        if self._use_kernel(q, k):
+            from kvrunner.layers.fused.qk_norm_rope_triton import qk_norm_rope_triton
+
+            return qk_norm_rope_triton(positions, q, k, self.cos_sin_cache, None, None, 0.0)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, r/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

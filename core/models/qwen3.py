@@ -19,6 +19,7 @@ from kvrunner.contract import ForwardContext, ModelSpec
 from kvrunner.layers.activation import SiluAndMul
 from kvrunner.layers.attention import FullAttentionImpl
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
+from kvrunner.layers.fused import qk_norm_rope
 from kvrunner.layers.linear import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -139,9 +140,10 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         p = self.qkv_proj
         q, k, v = p.split(p(x))
-        q = self.q_norm(q.view(-1, p.num_heads, p.head_dim))
-        k = self.k_norm(k.view(-1, p.num_kv_heads, p.head_dim))
-        q, k = self.rotary(positions, q, k)
+        # q and k stay strided views of the qkv output: the fused kernel reads them as is.
+        q, k = qk_norm_rope(positions, q.view(-1, p.num_heads, p.head_dim),
+                            k.view(-1, p.num_kv_heads, p.head_dim),
+                            self.q_norm, self.k_norm, self.rotary)
         out = self.impl.forward(q, k, v.view(-1, p.num_kv_heads, p.head_dim), ctx)
         return self.o_proj(out.reshape(-1, p.q_size))
 

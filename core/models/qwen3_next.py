@@ -17,28 +17,13 @@ from torch import nn
 
 from kvrunner.contract import ForwardContext
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
+from kvrunner.layers.fused import qk_norm_rope
 from kvrunner.layers.linear import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
-from kvrunner.layers.rmsnorm import RMSNorm
+from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.loader import load_weights_into
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, Qwen3MLP
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
-
-
-#: HF's default when a config names no partial rotary factor (Qwen3-Next rotates 1/4).
-class ZeroCenteredRMSNorm(RMSNorm):
-    """RMSNorm whose stored weight is an offset from 1: ``x/rms * (1 + w)``, in float32."""
-
-    def __init__(
-        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        super().__init__(dim, eps, dtype=dtype, device=device)
-        nn.init.zeros_(self.weight)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -137,9 +122,9 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.h, 2 * self.d).chunk(2, dim=-1)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
-        q, k = self.rotary(positions, q, k)
+        # q is a head-strided view (interleaved with gate); the fused kernel reads it as is.
+        k = self.k_proj(x).view(t, self.hkv, self.d)
+        q, k = qk_norm_rope(positions, q, k, self.q_norm, self.k_norm, self.rotary)
         out = self.impl.forward(q, k, self.v_proj(x).view(t, self.hkv, self.d), ctx)
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
