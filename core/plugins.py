@@ -163,6 +163,7 @@ class BackendManager:
         for layer_type, name in selection.items():
             by_backend.setdefault(name, []).append(layer_type)
         self.declared: dict[str, tuple[str, ...]] = {}
+        self._subset_callers: dict[str, list[tuple[str, Any]]] = {}
         for name, layer_types in by_backend.items():
             if name not in available:
                 blocked = (
@@ -200,13 +201,22 @@ class BackendManager:
     def names(self) -> list[str]:
         return [self.pm.get_name(p) for p in self.pm.get_plugins()]
 
+    def _callers(self, hook: str) -> list[tuple[str, Any]]:
+        """One single-backend hook caller per backend, built once: this runs every step."""
+        cached = self._subset_callers.get(hook)
+        if cached is None:
+            cached = []
+            for name, plugin in self.pm.list_name_plugin():
+                others = [p for p in self.pm.get_plugins() if p is not plugin]
+                cached.append((name, self.pm.subset_hook_caller(hook, remove_plugins=others)))
+            self._subset_callers[hook] = cached
+        return cached
+
     def _call_each(self, hook: str, **kwargs: Any) -> dict[str, Any]:
         """Call ``hook`` on each backend separately (through pluggy, so wrappers and
         tracing still apply); results keyed by backend name, absent where unimplemented."""
         results: dict[str, Any] = {}
-        for name, plugin in self.pm.list_name_plugin():
-            others = [p for p in self.pm.get_plugins() if p is not plugin]
-            caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+        for name, caller in self._callers(hook):
             try:
                 answer = caller(**kwargs)
             except BackendError:
