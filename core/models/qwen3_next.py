@@ -18,7 +18,13 @@ from torch import nn
 from kvrunner.contract import ForwardContext
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
 from kvrunner.layers.fused import qk_norm_rope
-from kvrunner.layers.linear import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
+from kvrunner.layers.linear import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    divide,
+)
 from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.loader import load_weights_into
@@ -56,23 +62,68 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         super().__init__()
         hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        self.hk, self.hv, self.kd, self.vd = hk, hv, c.linear_key_head_dim, c.linear_value_head_dim
+        self.kd, self.vd = c.linear_key_head_dim, c.linear_value_head_dim
         self.ratio = hv // hk
+        self.tp = tp
+        # Heads split over ranks by key head: a key head and its value heads stay together.
+        self.hk = divide(hk, tp.size, "GDN key heads")
+        self.hv = self.hk * self.ratio
         kw = dict(dtype=dtype, device=device, tp=tp)
+        # The checkpoint groups in_proj_qkvz / in_proj_ba rows by key head, so a
+        # contiguous row shard is exactly this rank's key heads.
         self.in_proj_qkvz = ColumnParallelLinear(
             c.hidden_size, 2 * hk * self.kd + 2 * hv * self.vd, **kw
         )
         self.in_proj_ba = ColumnParallelLinear(c.hidden_size, 2 * hv, **kw)
-        conv_dim = 2 * hk * self.kd + hv * self.vd
+        conv_dim = 2 * self.hk * self.kd + self.hv * self.vd
         self.conv_weight = nn.Parameter(
             torch.empty(conv_dim, c.linear_conv_kernel_dim, dtype=dtype, device=device),
             requires_grad=False,
         )
-        self.dt_bias = nn.Parameter(torch.ones(hv, dtype=dtype, device=device), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(hv, dtype=dtype, device=device), requires_grad=False)
+        self.conv_weight.weight_loader = self._load_conv_weight
+        self.dt_bias = nn.Parameter(
+            torch.ones(self.hv, dtype=dtype, device=device), requires_grad=False
+        )
+        self.A_log = nn.Parameter(
+            torch.zeros(self.hv, dtype=dtype, device=device), requires_grad=False
+        )
+        for per_value_head in (self.dt_bias, self.A_log):
+            per_value_head.weight_loader = self._load_value_head_slice
         self.norm = GatedRMSNorm(self.vd, c.rms_norm_eps, dtype=dtype, device=device)
         self.out_proj = RowParallelLinear(hv * self.vd, c.hidden_size, **kw)
         object.__setattr__(self, "impl", impl)  # backend-owned; not a weight
+
+    def _load_conv_weight(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None
+    ) -> None:
+        """The conv's channels are ``[q all heads | k all heads | v all heads]``: take
+        this rank's heads from each of the three sections."""
+        r, size = self.tp.rank, self.tp.size
+        q_all, v_all = self.hk * size * self.kd, self.hv * size * self.vd
+        if loaded.shape != (2 * q_all + v_all, param.shape[1]):
+            raise ValueError(
+                f"conv weight: expected {(2 * q_all + v_all, param.shape[1])}, "
+                f"got {tuple(loaded.shape)}"
+            )
+        q_n, v_n = self.hk * self.kd, self.hv * self.vd
+        parts = [
+            loaded[r * q_n : (r + 1) * q_n],
+            loaded[q_all + r * q_n : q_all + (r + 1) * q_n],
+            loaded[2 * q_all + r * v_n : 2 * q_all + (r + 1) * v_n],
+        ]
+        with torch.no_grad():
+            param.copy_(torch.cat(parts))
+
+    def _load_value_head_slice(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None
+    ) -> None:
+        if loaded.shape != (self.hv * self.tp.size,):
+            raise ValueError(
+                f"per-value-head tensor: expected {(self.hv * self.tp.size,)}, "
+                f"got {tuple(loaded.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(loaded[self.tp.rank * self.hv : (self.tp.rank + 1) * self.hv])
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -106,12 +157,16 @@ class GatedAttention(nn.Module):
         tp: TPGroup,
     ) -> None:
         super().__init__()
-        self.h, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.d = c.head_dim
+        self.h = divide(c.num_attention_heads, tp.size, "attention heads")
+        self.hkv = divide(c.num_key_value_heads, tp.size, "KV heads")
         kw = dict(dtype=dtype, device=device, tp=tp, bias=c.attention_bias)
-        self.q_proj = ColumnParallelLinear(c.hidden_size, 2 * self.h * self.d, **kw)
-        self.k_proj = ColumnParallelLinear(c.hidden_size, self.hkv * self.d, **kw)
-        self.v_proj = ColumnParallelLinear(c.hidden_size, self.hkv * self.d, **kw)
-        self.o_proj = RowParallelLinear(self.h * self.d, c.hidden_size, **kw)
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        # q_proj rows are [query | gate] per head, so a contiguous shard is whole heads.
+        self.q_proj = ColumnParallelLinear(c.hidden_size, 2 * heads * self.d, **kw)
+        self.k_proj = ColumnParallelLinear(c.hidden_size, kv_heads * self.d, **kw)
+        self.v_proj = ColumnParallelLinear(c.hidden_size, kv_heads * self.d, **kw)
+        self.o_proj = RowParallelLinear(heads * self.d, c.hidden_size, **kw)
         self.q_norm = ZeroCenteredRMSNorm(self.d, c.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = ZeroCenteredRMSNorm(self.d, c.rms_norm_eps, dtype=dtype, device=device)
         self.rotary = rotary

@@ -87,12 +87,15 @@ class Qwen3NextConfig(Qwen3Config):
         )
 
     def model_spec(self, tp_size: int = 1) -> ModelSpec:
-        if tp_size != 1:
-            raise ValueError("Qwen3-Next runs with tensor_parallel_size = 1 for now")
+        """Per-rank shapes: attention, KV and GDN key heads all split evenly over ranks."""
+        # No KV-head replication here: the gated attention's projections shard whole heads.
+        divide(self.num_key_value_heads, tp_size, "KV heads")
+        key_heads = divide(self.linear_num_key_heads, tp_size, "GDN key heads")
         return attrs.evolve(
             super().model_spec(tp_size),
-            linear_num_key_heads=self.linear_num_key_heads,
-            linear_num_value_heads=self.linear_num_value_heads,
+            linear_num_key_heads=key_heads,
+            linear_num_value_heads=key_heads
+            * (self.linear_num_value_heads // self.linear_num_key_heads),
             linear_key_head_dim=self.linear_key_head_dim,
             linear_value_head_dim=self.linear_value_head_dim,
             linear_conv_kernel_dim=self.linear_conv_kernel_dim,

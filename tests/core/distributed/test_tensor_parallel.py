@@ -24,6 +24,7 @@ import torch
 from kvrunner import LLM, SamplingParams
 from kvrunner.distributed.errors import WorkerError
 from kvrunner.distributed.fault_injection import TEST_HOOKS_ENV
+from kvrunner.models.loader import load_hf_config, model_spec
 from kvrunner.models.tiny import write_tiny_checkpoint
 
 PROMPTS = [
@@ -116,6 +117,19 @@ def test_every_rank_samples_the_same_tokens(tp2: LLM) -> None:
     assert len(last_step) == len(PROMPTS)
     assert ranks[1]["last_sampled"] == last_step
     assert sorted(tok for _, tok in last_step) == sorted(t[-1] for t in outs)
+
+
+def test_hybrid_qwen3_next_splits_attention_and_gdn_heads_and_equals_tp1(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    path = str(write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "next", kind="qwen3-next"))
+    with LLM(path, enforce_eager=True, **SMALL) as one:
+        expected = token_ids(one)
+    with LLM(path, tensor_parallel_size=2, **SMALL) as two:
+        assert token_ids(two) == expected
+        assert [r["graph_sizes"] for r in two.executor.describe_ranks()] == [[1, 2, 4]] * 2
+    spec = model_spec(load_hf_config(path), tp_size=2)
+    assert (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.num_kv_heads) == (1, 2, 1)
 
 
 def test_a_rank_failing_at_load_stops_the_group_with_an_error_naming_it(checkpoint: str) -> None:
