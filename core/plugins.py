@@ -9,7 +9,7 @@ failure raises :class:`BackendError` naming the backend and the problem.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -286,10 +286,3 @@ class BackendManager:
             raise BackendError(f"no active backend made layer {layer_index} ({layer_type})")
         return impl
 
-
-def iter_declared(
-    backends: Iterable[DiscoveredBackend],
-) -> Iterable[tuple[DiscoveredBackend, tuple[str, ...]]]:
-    """(backend, declared write targets) for the CLI listing; loads each factory."""
-    for b in backends:
-        yield b, b.load().write_targets

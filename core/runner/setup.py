@@ -8,8 +8,7 @@ from typing import Any
 import torch
 
 from kvrunner.config import ConfigError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvrunner.models.loader import resolve_dtype as dtype_by_name
 
 
 def resolve_device(name: str) -> torch.device:
@@ -24,7 +23,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device, hf_config: dict[str, Any]) -> torch.dtype:
     """``auto``: float32 on the CPU; on CUDA the checkpoint's half type, else bfloat16."""
     if name != "auto":
-        return _DTYPES[name]
+        return dtype_by_name(name, None)
     if device.type != "cuda":
         return torch.float32
     stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
