@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_e2e_decode import NEW, PROMPT, ours_step_ms, write_checkpoint
+from bench_e2e_decode import NEW, PROMPT, ours_step_ms, release_memory, write_checkpoint
 
 from kvrunner import LLM
 
@@ -36,6 +36,10 @@ def main() -> None:
             gpu_memory_utilization=0.6,
         ) as llm:
             results[tp] = {b: ours_step_ms(llm, b) for b in BATCHES}
+        # The TP=1 runner lives in this process: its pool must be gone before the
+        # TP=2 ranks measure what cuda:0 has free.
+        del llm
+        release_memory()
     print(
         f"{'batch':>5} {'TP1 ms/step':>12} {'TP1 tok/s':>10} {'TP2 ms/step':>12} "
         f"{'TP2 tok/s':>10} {'TP2/TP1':>8}"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call: install, run every `gpu` test, then every benchmark.
+# One device call: install, run every `gpu` test, then the benchmarks.
 # Needs the wheels the device image lacks in .whl/ (see docs/benchmarks.md).
-#   bash benchmarks/run_gpu.sh            (logs go to $OUT when set)
+#   bash benchmarks/run_gpu.sh                      every benchmark (TP only with 2 GPUs)
+#   bash benchmarks/run_gpu.sh bench_tp_decode      only the named ones
+# Logs go to $OUT when set. GPU_TEST_TIMEOUT bounds the test run (seconds).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}
@@ -12,10 +14,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn \
   > "$LOG/install.log" 2>&1 || { tail -5 "$LOG/install.log"; exit 1; }
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -15
-for bench in bench_decode_attention bench_e2e_decode bench_gdn; do
-  [ -f "benchmarks/$bench.py" ] || continue
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
+nvidia-smi topo -m 2>/dev/null | head -4
+timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 \
+  | tee "$LOG/gpu_tests.log" | tail -15
+benches=("$@")
+if [ ${#benches[@]} -eq 0 ]; then
+  benches=(bench_decode_attention bench_e2e_decode bench_gdn)
+  [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode)
+fi
+for bench in "${benches[@]}"; do
   echo "== $bench"
-  (cd benchmarks && timeout 150 python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -14
+  (cd benchmarks && timeout 240 python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -14
 done
