@@ -30,9 +30,9 @@ PROMPT, NEW = 128, 256
 BATCHES = (1, 64, 256)
 
 
-def write_checkpoint(path: Path) -> int:
+def write_checkpoint(path: Path, shape: dict[str, int] = SHAPE) -> int:
     """Random bf16 weights (std 0.02) and a config; returns the weight bytes."""
-    s = SHAPE
+    s = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     h, d = s["hidden"], s["head_dim"]
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import attrs
 from tokenizers import Tokenizer
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, worker_error
@@ -131,8 +131,8 @@ class LocalExecutor:
 class MultiprocExecutor:
     """Tensor parallelism over spawned rank processes; the engine stays in the driver.
 
-    Steps go to every rank over its pipe; rank 0 answers with the sampled tokens
-    (every rank samples the same ones: see :meth:`RankWorker.step`). Any rank's
+    Steps go to every rank over its pipe; rank 0, the one rank that samples,
+    answers with the tokens (as columns: see :mod:`kvrunner.batch`). Any rank's
     failure, death or silence past ``distributed_timeout_s`` raises one
     :class:`~kvrunner.distributed.errors.WorkerError` naming the rank, and stops
     the group. Create it under ``if __name__ == "__main__":`` (spawn re-imports
@@ -166,7 +166,8 @@ class MultiprocExecutor:
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.procs.send_all(("step", step), during="a step")
-        return self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
+        packed = self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
+        return unpack_sampled(packed)
 
     def call(self, name: str, *args: Any) -> list[Any]:
         """Run worker method ``name`` on every rank; the answers in rank order."""

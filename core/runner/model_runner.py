@@ -94,6 +94,9 @@ class ModelRunner:
         self.capture_seconds = 0.0
         self.nan_rows = 0  # sampled rows whose logits held NaN, since start
         self.sampler = Sampler(config.seed)
+        # Only the first rank draws tokens: the engine sends the tokens each step
+        # feeds, so the other ranks never need what was sampled.
+        self.samples = group is None or group.rank == 0
         self.forward_vars = ForwardVars()
         self.forward_vars.register(
             "input_ids", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
@@ -214,7 +217,9 @@ class ModelRunner:
             selected = hidden[: len(rows)]
         else:
             selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        logits = self.model.compute_logits(selected)
+        logits = self.model.compute_logits(selected)  # every rank joins its all-gather
+        if not self.samples:
+            return []
         self.nan_rows += int(torch.isnan(logits).any(dim=-1).sum())
         sampling_chunks = [c for c in step.chunks if c.sample]
         return self.sampler.sample_chunks(logits, sampling_chunks)

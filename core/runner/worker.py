@@ -3,8 +3,8 @@
 Commands are tuples, the same whichever channel carries them (a pipe from a
 spawned driver, or a broadcast from rank 0 under torchrun):
 
-- ``("step", StepInput)``: run one step. Every rank runs the whole step, sampling
-  included (see :meth:`RankWorker.step`); only rank 0's tokens are returned.
+- ``("step", StepInput)``: run one step. Every rank runs the forward and the LM
+  head; rank 0 alone samples and answers (see :meth:`RankWorker.step`).
 - ``("call", name, args)``: run one of :data:`CALLS` on every rank; every rank
   answers.
 - ``("stop",)``: leave the group and exit.
@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import SampledToken, StepInput, pack_sampled
 from kvrunner.config import EngineConfig
 from kvrunner.distributed.errors import RankFailure
 from kvrunner.distributed.fault_injection import FaultPlan
@@ -84,14 +84,11 @@ class RankWorker:
         self.last_sampled: list[SampledToken] = []
 
     def step(self, step: StepInput) -> list[SampledToken]:
-        """Run one step on this rank.
+        """Run one step on this rank; the sampled tokens on rank 0, ``[]`` elsewhere.
 
-        Every rank samples, and they all draw the same tokens: after the LM head's
-        all-gather each rank holds bit-identical logits (the same shards
-        concatenated in rank order), and every rank's sampler is seeded from the
-        same ``config.seed`` and advanced by the same calls. Sampling on every rank
-        costs one small op per step and keeps the runner's step path the same for
-        one rank or many; no broadcast of the tokens is needed.
+        Every rank runs the forward and joins the LM head's all-gather; only rank 0
+        samples. Nothing sampled has to reach the other ranks: the engine puts the
+        tokens to feed into the next step it sends to all of them.
         """
         self.last_sampled = self.runner.execute(step)
         return self.last_sampled
@@ -110,7 +107,7 @@ class RankWorker:
         kind = command[0]
         if kind == "step":
             tokens = self.step(command[1])
-            return tokens if self.rank == 0 else NO_REPLY
+            return pack_sampled(tokens) if self.rank == 0 else NO_REPLY
         if kind == "call":
             name, args = command[1], command[2]
             if name not in CALLS:

@@ -1,0 +1,84 @@
+"""What crosses to rank processes: a step and its sampled tokens, as columns.
+
+Both directions are on the decode path of every tensor-parallel step, so they
+travel as one list per field. The properties: the round trip is exact, and the
+pickled step holds no per-sequence objects.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrunner.batch import SampledToken, SeqChunk, StepInput, pack_sampled, unpack_sampled
+from kvrunner.sampling_params import SamplingParams
+
+small = st.integers(0, 10_000)
+params = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 64),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_p=st.sampled_from([1.0, 0.9]),
+    seed=st.none() | small,
+    logprobs=st.none() | st.integers(0, 4),
+)
+
+
+@st.composite
+def steps(draw) -> StepInput:
+    shared = draw(params)  # one request's params shared by many chunks, as in generate()
+    chunks = []
+    for seq_id in draw(st.lists(small, unique=True, max_size=12)):
+        chunks.append(SeqChunk(
+            seq_id=seq_id,
+            token_ids=tuple(draw(st.lists(small, min_size=1, max_size=6))),
+            start_pos=draw(small),
+            block_table=tuple(draw(st.lists(small, max_size=8))),
+            state_slot=draw(st.integers(-1, 300)),
+            sample=draw(st.booleans()),
+            sampling=draw(st.just(shared) | params),
+            num_output_tokens=draw(small),
+        ))
+    return StepInput(chunks=tuple(chunks))
+
+
+@given(steps())
+def test_a_step_survives_the_pipe_exactly(step: StepInput) -> None:
+    back = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == step
+    assert [type(c) for c in back.chunks] == [SeqChunk] * len(step.chunks)
+
+
+@given(steps())
+def test_a_pickled_step_is_columns_not_one_object_per_sequence(step: StepInput) -> None:
+    payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+    assert b"SeqChunk" not in payload
+
+
+def test_sampling_params_shared_by_a_batch_are_pickled_once() -> None:
+    shared = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
+    step = StepInput(chunks=tuple(
+        SeqChunk(seq_id=i, token_ids=(1,), start_pos=4, block_table=(i,), state_slot=-1,
+                 sample=True, sampling=shared, num_output_tokens=0)
+        for i in range(200)
+    ))
+    back = pickle.loads(pickle.dumps(step))
+    assert len({id(c.sampling) for c in back.chunks}) == 1
+
+
+sampled = st.builds(
+    SampledToken,
+    seq_id=small,
+    token_id=small,
+    logprob=st.none() | st.floats(-50, 0),
+    top_logprobs=st.none() | st.dictionaries(small, st.floats(-50, 0), max_size=4),
+)
+
+
+@given(st.lists(sampled, max_size=12))
+def test_sampled_tokens_survive_packing_exactly(tokens: list[SampledToken]) -> None:
+    packed = pickle.loads(pickle.dumps(pack_sampled(tokens)))
+    assert unpack_sampled(packed) == tokens
+    assert b"SampledToken" not in pickle.dumps(pack_sampled(tokens))
