@@ -4,7 +4,8 @@ Same method as bench_e2e_decode.py: decode ms/step = (time for 256 new tokens -
 time for 1) / 255, batch 64 and 256, CUDA graphs on. Two random bf16 checkpoints:
 the Qwen3-0.6B shape the issue names, and a Qwen3-8B shape (embeddings tied, so
 7.6B parameters), where the weights each step reads are large enough for halving
-them to outweigh the all-reduces.
+them to outweigh the all-reduces. TP=2 runs twice: with the default all-reduce
+(symmetric memory for decode-sized tensors) and with NCCL only.
 
     python benchmarks/bench_tp_decode.py [0.6B] [8B]
 """
@@ -28,16 +29,20 @@ SHAPES = {
 }
 
 
-def measure(path: Path, tp: int) -> dict[int, float]:
+def measure(path: Path, tp: int, all_reduce: str = "auto") -> dict[int, float]:
     with LLM(
         model=str(path),
         dtype="bfloat16",
         tensor_parallel_size=tp,
+        all_reduce=all_reduce,
         max_num_seqs=max(BATCHES),
         max_model_len=PROMPT + NEW + 16,
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.6,
     ) as llm:
+        if tp > 1:
+            used = {r["all_reduce"] for r in llm.executor.describe_ranks()}
+            print(f"TP={tp} all_reduce={all_reduce!r}: ranks use {sorted(used)}", flush=True)
         result = {b: ours_step_ms(llm, b) for b in BATCHES}
     # The TP=1 runner lives in this process: its pool must be gone before the
     # TP=2 ranks measure what cuda:0 has free.
@@ -54,16 +59,16 @@ def main() -> None:
     for name in names:
         path = Path(tempfile.mkdtemp()) / f"qwen3-{name}-random"
         weight_gb = write_checkpoint(path, SHAPES[name]) / 1e9
-        one, two = measure(path, 1), measure(path, 2)
-        rows += [(name, weight_gb, b, one[b], two[b]) for b in BATCHES]
+        one, two, two_nccl = measure(path, 1), measure(path, 2), measure(path, 2, "nccl")
+        rows += [(name, weight_gb, b, one[b], two[b], two_nccl[b]) for b in BATCHES]
     print(
-        f"{'model':>5} {'GB':>5} {'batch':>5} {'TP1 ms/step':>12} {'TP1 tok/s':>10} "
-        f"{'TP2 ms/step':>12} {'TP2 tok/s':>10} {'TP2/TP1':>8}"
+        f"{'model':>5} {'GB':>5} {'batch':>5} {'TP1 ms/step':>12} {'TP2 ms/step':>12} "
+        f"{'TP2 tok/s':>10} {'TP2/TP1':>8} {'TP2 NCCL-only ms':>17} {'its TP2/TP1':>12}"
     )
-    for name, gb, b, one, two in rows:
+    for name, gb, b, one, two, two_nccl in rows:
         print(
-            f"{name:>5} {gb:>5.2f} {b:>5} {one:>12.3f} {b / one * 1e3:>10.0f} {two:>12.3f} "
-            f"{b / two * 1e3:>10.0f} {one / two:>8.2f}"
+            f"{name:>5} {gb:>5.2f} {b:>5} {one:>12.3f} {two:>12.3f} {b / two * 1e3:>10.0f} "
+            f"{one / two:>8.2f} {two_nccl:>17.3f} {one / two_nccl:>12.2f}"
         )
 
 

@@ -3,7 +3,7 @@
 # Needs the wheels the device image lacks in .whl/ (see docs/benchmarks.md).
 #   bash benchmarks/run_gpu.sh                      every benchmark (TP only with 2 GPUs)
 #   bash benchmarks/run_gpu.sh bench_tp_decode      only the named ones
-# Logs go to $OUT when set. GPU_TEST_TIMEOUT bounds the test run (seconds).
+# Logs go to $OUT when set. GPU_TEST_TIMEOUT / BENCH_TIMEOUT bound the tests / each benchmark (s).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}
@@ -25,5 +25,5 @@ if [ ${#benches[@]} -eq 0 ]; then
 fi
 for bench in "${benches[@]}"; do
   echo "== $bench"
-  (cd benchmarks && timeout 240 python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -14
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-400}" python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -14
 done

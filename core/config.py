@@ -29,6 +29,17 @@ def _in_range(lo: float, hi: float):
     return check
 
 
+def _one_of(*choices: str):
+    def check(instance: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ConfigError(
+                f"{type(instance).__name__}.{attribute.name} must be one of "
+                f"{', '.join(choices)}; got {value!r}"
+            )
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class CacheConfig:
     block_size: int = attrs.field(default=16, validator=_in_range(1, 256))
@@ -53,7 +64,7 @@ class ParallelConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=_in_range(1, 1024))
     #: torch.distributed backend: "auto" is NCCL on CUDA, gloo on the CPU
     distributed_backend: str = attrs.field(
-        default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl"))
+        default="auto", validator=_one_of("auto", "gloo", "nccl")
     )
     #: seconds any collective, or the driver's wait for a rank's answer to a step,
     #: may take before it fails (also bounds a rank waiting for a slower one to load)
@@ -63,7 +74,13 @@ class ParallelConfig:
     #: how ranks > 0 are run: "mp" spawns one process per rank from the driver;
     #: "torchrun" means every rank was launched externally (kvrunner.distributed.launch)
     distributed_executor: str = attrs.field(
-        default="mp", validator=attrs.validators.in_(("mp", "torchrun"))
+        default="mp", validator=_one_of("mp", "torchrun")
+    )
+    #: the layers' all-reduce: "auto" sends decode-sized tensors through torch
+    #: symmetric memory where every rank can (CUDA, one host), NCCL otherwise;
+    #: "nccl" never uses symmetric memory; "symm_mem" fails start-up if unavailable
+    all_reduce: str = attrs.field(
+        default="auto", validator=_one_of("auto", "nccl", "symm_mem")
     )
 
 
@@ -111,7 +128,7 @@ _SECTIONS: dict[str, type] = {
 class EngineConfig:
     model: str = "tiny-qwen3"
     dtype: str = attrs.field(
-        default="auto", validator=attrs.validators.in_(("auto", "float32", "bfloat16", "float16"))
+        default="auto", validator=_one_of("auto", "float32", "bfloat16", "float16")
     )
     device: str = "auto"
     seed: int = 0

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kvrunner.config import ConfigError
+from kvrunner.distributed import symm_all_reduce
 from kvrunner.distributed.errors import CollectiveError
 from kvrunner.layers.linear import SINGLE, Collective, TPGroup
 
@@ -65,6 +66,10 @@ class DistGroup:
     timeout_s: float
     store: dist.Store
     process_group: dist.ProcessGroup
+    #: how the layers' all-reduce runs, set by :meth:`tp_group` ("nccl", "gloo",
+    #: "symm_mem") with the reason for the choice
+    all_reduce_impl: str = ""
+    all_reduce_reason: str = ""
 
     @classmethod
     def init(
@@ -102,14 +107,34 @@ class DistGroup:
             process_group=dist.group.WORLD,
         )
 
-    def tp_group(self) -> TPGroup:
-        """The collectives the tensor-parallel layers call (identity for one rank)."""
+    def tp_group(self, *, dtype: torch.dtype, all_reduce: str = "auto") -> TPGroup:
+        """The collectives the tensor-parallel layers call (identity for one rank).
+
+        Collective when ``all_reduce`` is ``"auto"`` or ``"symm_mem"`` on NCCL: the
+        ranks agree whether small all-reduces go through symmetric memory
+        (:mod:`~kvrunner.distributed.symm_all_reduce`); ``"symm_mem"`` raises on
+        every rank if any rank cannot. ``dtype`` is the activations' dtype.
+        """
         if self.size == 1:
             return SINGLE
+        nccl_or_gloo = _all_reduce_sum(self.process_group)
+        reduce, self.all_reduce_impl = nccl_or_gloo, self.backend
+        self.all_reduce_reason = f"all_reduce={all_reduce!r}"
+        if all_reduce != "nccl" and self.backend == "nccl":
+            symmetric, self.all_reduce_reason = symm_all_reduce.setup(
+                device=self.device, dtype=dtype, group_name=self.process_group.group_name,
+                gather_ints=self.gather_ints,
+            )
+            if symmetric is not None:
+                reduce, self.all_reduce_impl = _small_first(symmetric, nccl_or_gloo), "symm_mem"
+            elif all_reduce == "symm_mem":
+                raise ConfigError(f"all_reduce='symm_mem' is unavailable: {self.all_reduce_reason}")
+        elif all_reduce == "symm_mem":
+            raise ConfigError(f"all_reduce='symm_mem' needs NCCL on CUDA, not {self.backend}")
         return TPGroup(
             rank=self.rank,
             size=self.size,
-            all_reduce=_all_reduce_sum(self.process_group),
+            all_reduce=reduce,
             all_gather=_all_gather_last_dim(self.process_group, self.size),
         )
 
@@ -143,6 +168,14 @@ def _all_reduce_sum(group: dist.ProcessGroup) -> Collective:
                 f"(a peer rank has probably failed): {e}"
             ) from e
         return x
+
+    return all_reduce
+
+
+def _small_first(symmetric: symm_all_reduce.SymmetricAllReduce, other: Collective) -> Collective:
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        return symmetric(x) if symmetric.fits(x) else other(x)
 
     return all_reduce
 

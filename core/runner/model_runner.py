@@ -88,7 +88,11 @@ class ModelRunner:
             device=self.device,
             progress=progress,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
-            tp=group.tp_group() if group is not None else SINGLE,
+            tp=(
+                group.tp_group(dtype=self.dtype, all_reduce=config.parallel.all_reduce)
+                if group is not None
+                else SINGLE
+            ),
         )
         self.graphs: dict[int, DecodeGraph] = {}
         self.capture_seconds = 0.0

@@ -58,6 +58,8 @@ def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
         "capture_seconds": runner.capture_seconds,
         "nan_rows": runner.nan_rows,
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "all_reduce": runner.group.all_reduce_impl if runner.group is not None else "none",
+        "all_reduce_reason": runner.group.all_reduce_reason if runner.group is not None else "",
     }
 
 

@@ -218,7 +218,8 @@ def test_under_torchrun_rank_0_names_the_rank_that_failed_in_a_step(checkpoint: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoint: str) -> None:
+@pytest.mark.parametrize(("all_reduce", "impl"), [("auto", "symm_mem"), ("nccl", "nccl")])
+def test_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoint: str, all_reduce: str, impl: str) -> None:
     # float32: bf16 rounds the ranks' partial sums differently from one matmul's, and
     # greedy decoding of a random tiny model would amplify that into different tokens.
     gpu = dict(SMALL, device="cuda", dtype="float32")
@@ -228,9 +229,11 @@ def test_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoint: str) -> None:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    with LLM(checkpoint, tensor_parallel_size=2, gpu_memory_utilization=0.5, **gpu) as llm:
+    with LLM(checkpoint, tensor_parallel_size=2, gpu_memory_utilization=0.5,
+             all_reduce=all_reduce, **gpu) as llm:
         ranks = llm.executor.describe_ranks()
         assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
         assert [r["graph_sizes"] for r in ranks] == [[1, 2, 4], [1, 2, 4]]
+        assert [r["all_reduce"] for r in ranks] == [impl, impl], ranks[0]["all_reduce_reason"]
         assert len({r["num_blocks"] for r in ranks}) == 1
         assert token_ids(llm) == expected
