@@ -151,8 +151,13 @@ class DistGroup:
         return [int(v) for v in slots.tolist()]
 
     def destroy(self) -> None:
-        """Leave the group (idempotent); peers still in a collective see us go."""
-        if dist.is_initialized():
+        """Leave the group (idempotent); peers still in a collective see us go.
+
+        With symmetric-memory buffers mapped, ``destroy_process_group`` hung in
+        torch 2.11 on two H200s (every collective had finished); the group is then
+        left to process exit, which releases the communicator and the mappings.
+        """
+        if dist.is_initialized() and self.all_reduce_impl != "symm_mem":
             dist.destroy_process_group()
 
 

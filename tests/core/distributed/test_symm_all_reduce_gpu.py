@@ -23,13 +23,14 @@ TOLERANCE = {"torch.bfloat16": 2.0**-7, "torch.float32": 1e-6}
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_symmetric_all_reduce_equals_nccl_eagerly_and_replayed() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_symmetric_all_reduce_equals_nccl_eagerly_and_replayed(dtype: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(RANKS_SCRIPT)],
-        capture_output=True, text=True, timeout=240,
+         str(RANKS_SCRIPT), dtype],
+        capture_output=True, text=True, timeout=150,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
     assert report["impl"] == "symm_mem"
     paths = {r["path"] for r in report["results"]}
