@@ -131,10 +131,13 @@ class LLM:
             self.engine.add_request(seq)
         total = sum(sp.max_tokens for sp in params)
         with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
+            done = 0
             while self.engine.has_unfinished():
-                before = sum(len(s.output_token_ids) for s in seqs)
                 self.engine.step()
-                bar.update(sum(len(s.output_token_ids) for s in seqs) - before)
+                if use_tqdm:  # per step, so only when someone watches the bar
+                    now = sum(s.num_output_tokens for s in seqs)
+                    bar.update(now - done)
+                    done = now
         return [self._output(p, s) for p, s in zip(prompts, seqs, strict=True)]
 
     def _output(self, prompt: Prompt, seq: Any) -> RequestOutput:

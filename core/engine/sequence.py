@@ -25,7 +25,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
 class Sequence:
     """A request's tokens (prompt then generated) and where its KV lives.
 
@@ -36,7 +36,9 @@ class Sequence:
     len(token_ids) - 1``.
 
     ``eq=False`` keeps identity semantics (and hashability): two requests with the
-    same prompt are still two requests.
+    same prompt are still two requests. Assignments are plain slot writes
+    (``on_setattr=NO_OP``): the scheduler updates every running sequence on every
+    step, and attrs' per-assignment hook cost more than the assignment.
     """
 
     seq_id: int

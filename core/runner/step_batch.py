@@ -54,9 +54,16 @@ def prepare_step(
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens) - cu[seq_of_token] + starts[seq_of_token]
     # Zero-padded: entries past a sequence's blocks name block 0, valid in any pool.
+    # Filled in one scatter from the concatenated tables (a per-row numpy assignment
+    # costs about a microsecond per sequence, every step).
     tables = np.zeros((num_seqs, max(int(table_lens.max(initial=0)), 1)), np.int32)
-    for row, c in enumerate(chunks):
-        tables[row, : len(c.block_table)] = c.block_table
+    num_entries = int(table_lens.sum())
+    entries = np.fromiter(
+        itertools.chain.from_iterable(c.block_table for c in chunks), np.int32, num_entries
+    )
+    row_of_entry = np.repeat(np.arange(num_seqs), table_lens)
+    table_starts = np.cumsum(table_lens) - table_lens
+    tables[row_of_entry, np.arange(num_entries) - table_starts[row_of_entry]] = entries
     slot_mapping = (
         tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )

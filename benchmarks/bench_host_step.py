@@ -1,0 +1,73 @@
+"""Host work per decode step, without a model: where a GPU step's non-GPU time goes.
+
+The engine (scheduler, block manager) drives a stand-in executor that does the
+runner's host-side share of a step - ``prepare_step`` on the step, a pickle round
+trip of the step and of the reply as a tensor-parallel step makes, and one
+``SampledToken`` per sequence - and samples a fixed token. Nothing runs on a
+device, so this runs anywhere; compare it with the GPU step times in
+docs/benchmarks.md to see how much of them is host work.
+
+    python benchmarks/bench_host_step.py
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+from kvrunner.batch import SampledToken, StepInput, pack_sampled, unpack_sampled
+from kvrunner.config import EngineConfig
+from kvrunner.engine.llm_engine import LLMEngine
+from kvrunner.runner.step_batch import prepare_step
+from kvrunner.sampling_params import SamplingParams
+
+BATCHES = (64, 256)
+PROMPT, NEW, BLOCK = 128, 256, 16
+
+
+class HostOnlyExecutor:
+    """The host side of a step; the model's tokens are a constant."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        step = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+        prepare_step(step, block_size=BLOCK)
+        tokens = [SampledToken(seq_id=c.seq_id, token_id=7) for c in step.chunks if c.sample]
+        return unpack_sampled(pickle.loads(pickle.dumps(pack_sampled(tokens))))
+
+
+def step_ms(batch: int) -> float:
+    """Mean host ms per decode step: (time for NEW tokens - time for 1) / (NEW - 1)."""
+
+    def run(new: int) -> float:
+        config = EngineConfig.load(
+            model="tiny-qwen3", max_num_seqs=batch, max_model_len=PROMPT + NEW + 16,
+            max_num_batched_tokens=8192, block_size=BLOCK,
+        )
+        blocks = batch * ((PROMPT + NEW + 16) // BLOCK + 1)
+        engine = LLMEngine(config, HostOnlyExecutor(blocks), eos_token_ids=(0,),
+                           vocab_size=1000, uses_state_slots=False)
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            prompt = [1 + (i * 31 + j) % 997 for j in range(PROMPT)]
+            engine.add_request(engine.make_request(prompt, params, i))
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - start
+
+    run(4)  # warm up
+    return (run(NEW) - run(1)) / (NEW - 1) * 1e3
+
+
+def main() -> None:
+    print(f"{'batch':>5} {'host ms/step':>13} {'µs/sequence':>12}")
+    for b in BATCHES:
+        ms = step_ms(b)
+        print(f"{b:>5} {ms:>13.3f} {ms / b * 1e3:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
