@@ -83,7 +83,10 @@ class LLM:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel rank processes, if any (idempotent)."""
+        """Release the model and its cache: stop the tensor-parallel rank processes,
+        or drop the in-process runner and return its GPU memory (idempotent). Later
+        calls raise an error saying the LLM was shut down."""
+        self.runner = None
         self.executor.shutdown()
 
     def __enter__(self) -> LLM:

@@ -17,11 +17,13 @@ it allocated and the executor refuses a group whose ranks disagree.
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import torch
 from tokenizers import Tokenizer
 
 from kvrunner.batch import SampledToken, StepInput, unpack_sampled
@@ -108,24 +110,37 @@ class LocalExecutor:
     def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
         from kvrunner.runner.model_runner import ModelRunner
 
-        self.runner = ModelRunner(config, progress=progress)
+        self.runner: Any = ModelRunner(config, progress=progress)
         self.num_blocks = self.runner.num_blocks
         self.model_info = ModelInfo.from_runner(self.runner)
 
     def execute(self, step: StepInput) -> list[SampledToken]:
+        self.check()
         return self.runner.execute(step)
 
     def capture(self) -> float:
+        self.check()
         return self.runner.capture()
 
     def describe_ranks(self) -> list[dict[str, Any]]:
+        self.check()
         return [runner_summary(self.runner, 0)]
 
     def check(self) -> None:
-        """Raise if the executor can no longer run steps (never, for one rank)."""
+        """Raise if this executor was shut down."""
+        if self.runner is None:
+            raise RuntimeError("this LLM was shut down; its model and cache are released")
 
     def shutdown(self) -> None:
-        """Nothing to stop: the runner lives and dies with this process."""
+        """Release the runner: weights, pools and graphs go, and so does their memory
+        once nothing else holds them (idempotent)."""
+        if self.runner is None:
+            return
+        device = self.runner.device
+        self.runner = None
+        gc.collect()  # graphs and modules hold reference cycles
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class MultiprocExecutor:
