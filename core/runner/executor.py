@@ -30,7 +30,7 @@ from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, worker_error
-from kvrunner.distributed.group import connect_store
+from kvrunner.distributed.group import connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
 from kvrunner.runner.worker import RankWorker, SpawnSpec, run_spawned_rank, runner_summary
 
@@ -157,7 +157,9 @@ class MultiprocExecutor:
     runner = None  # the runners live in the rank processes
 
     def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
-        self.model_info = ModelInfo.from_checkpoint(config)  # fail early, before spawning
+        # Fail early, before spawning: the checkpoint, and collectives this host can run.
+        self.model_info = ModelInfo.from_checkpoint(config)
+        check_collectives(config)
         # Ranks load the resolved directory: a default model is written once, here.
         config = attrs.evolve(config, model=str(self.model_info.path))
         parallel = config.parallel
@@ -272,6 +274,16 @@ def serve_broadcast(worker: RankWorker, channel: BroadcastChannel) -> None:
     except BaseException as e:
         channel.report_failure(RankFailure.from_exception(worker.rank, e))
         raise
+
+
+def check_collectives(config: EngineConfig) -> None:
+    """Raise ConfigError if the ranks could not run the configured collectives here."""
+    from kvrunner.runner.setup import resolve_device
+
+    parallel = config.parallel
+    backend = resolve_backend(parallel.distributed_backend, resolve_device(config.device))
+    if parallel.all_reduce == "symm_mem" and backend != "nccl":
+        raise ConfigError(f"all_reduce='symm_mem' needs NCCL on CUDA, not {backend}")
 
 
 def make_executor(config: EngineConfig, *, progress: bool = False) -> Any:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.config import ConfigError
 from kvrunner.distributed.errors import WorkerError
 from kvrunner.distributed.fault_injection import TEST_HOOKS_ENV
 from kvrunner.models.loader import load_hf_config, model_spec
@@ -237,3 +238,19 @@ def test_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoint: str, all_reduce: str, 
         assert [r["all_reduce"] for r in ranks] == [impl, impl], ranks[0]["all_reduce_reason"]
         assert len({r["num_blocks"] for r in ranks}) == 1
         assert token_ids(llm) == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"all_reduce": "symm_mem"}, "all_reduce='symm_mem' needs NCCL on CUDA, not gloo"),
+     ({"distributed_backend": "nccl"}, "distributed_backend 'nccl' needs a CUDA device")],
+)
+def test_collectives_this_host_cannot_run_are_refused_before_any_rank_starts(
+    checkpoint: str, overrides: dict, message: str
+) -> None:
+    before = rank_pids()
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=message):
+        LLM(checkpoint, tensor_parallel_size=2, device="cpu", **SMALL, **overrides)
+    assert time.monotonic() - start < 5.0, "refused only after the ranks started"
+    assert rank_pids() == before
