@@ -156,6 +156,31 @@ requests = st.lists(
 )
 
 
+@pytest.fixture(scope="module")
+def next_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "next", kind="qwen3-next"))
+
+
+@pytest.fixture(scope="module")
+def next_tp1(next_checkpoint: str) -> Iterator[LLM]:
+    with LLM(next_checkpoint, enforce_eager=True, **SMALL) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def next_tp2(next_checkpoint: str) -> Iterator[LLM]:
+    with LLM(next_checkpoint, tensor_parallel_size=2, **SMALL) as llm:
+        yield llm
+
+
+def assert_same_outputs(two: list, one: list) -> None:
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(two, one, strict=True):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs is not None:
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 # Derandomized: TP=2 sums partial products in another order than TP=1, so logits
 # differ in the last bits, and a fresh random example could land on a near-tie
 # that flips a token without anything being wrong.
@@ -165,25 +190,26 @@ def test_any_requests_give_tp1_tokens_and_logprobs_at_tp2(
     tp2: LLM, tp1: LLM, batch: list[tuple[list[int], SamplingParams]]
 ) -> None:
     prompts, params = [p for p, _ in batch], [sp for _, sp in batch]
-    two, one = tp2.generate(prompts, params), tp1.generate(prompts, params)
-    assert [o.token_ids for o in two] == [o.token_ids for o in one]
-    for a, b in zip(two, one, strict=True):
-        assert (a.logprobs is None) == (b.logprobs is None)
-        if a.logprobs is not None:
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert_same_outputs(tp2.generate(prompts, params), tp1.generate(prompts, params))
 
 
 def test_hybrid_qwen3_next_splits_attention_and_gdn_heads_and_equals_tp1(
-    tmp_path_factory: pytest.TempPathFactory,
+    next_checkpoint: str, next_tp1: LLM, next_tp2: LLM
 ) -> None:
-    path = str(write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "next", kind="qwen3-next"))
-    with LLM(path, enforce_eager=True, **SMALL) as one:
-        expected = token_ids(one)
-    with LLM(path, tensor_parallel_size=2, **SMALL) as two:
-        assert token_ids(two) == expected
-        assert [r["graph_sizes"] for r in two.executor.describe_ranks()] == [[1, 2, 4]] * 2
-    spec = model_spec(load_hf_config(path), tp_size=2)
+    assert token_ids(next_tp2) == token_ids(next_tp1)
+    assert [r["graph_sizes"] for r in next_tp2.executor.describe_ranks()] == [[1, 2, 4]] * 2
+    spec = model_spec(load_hf_config(next_checkpoint), tp_size=2)
     assert (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.num_kv_heads) == (1, 2, 1)
+
+
+@settings(max_examples=4, derandomize=True)  # derandomized for the reason above
+@given(requests)
+def test_any_requests_on_the_hybrid_model_give_tp1_outputs_at_tp2(
+    next_tp2: LLM, next_tp1: LLM, batch: list[tuple[list[int], SamplingParams]]
+) -> None:
+    """Queued requests reuse GDN state slots; each rank holds its heads' share."""
+    prompts, params = [p for p, _ in batch], [sp for _, sp in batch]
+    assert_same_outputs(next_tp2.generate(prompts, params), next_tp1.generate(prompts, params))
 
 
 def test_a_rank_failing_at_load_stops_the_group_with_an_error_naming_it(checkpoint: str) -> None:
