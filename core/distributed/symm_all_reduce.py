@@ -78,6 +78,8 @@ def why_unavailable(
         return f"this torch has no symmetric-memory all-reduce ({e})"
     own = device.index if device.index is not None else torch.cuda.current_device()
     for peer in peer_devices:
+        if peer < 0:
+            return "a peer rank is not on a CUDA device"
         if peer != own and not torch.cuda.can_device_access_peer(own, peer):
             return f"cuda:{own} cannot access peer cuda:{peer}"
     return None
@@ -107,9 +109,9 @@ def setup(
         reason = "the ranks span more than one host"
     refusals = gather_ints(0 if reason is None else 1)
     if any(refusals):
-        first = refusals.index(1)
-        return None, f"rank {first} cannot use symmetric memory" + (
-            f": {reason}" if reason is not None else ""
+        refusing = [r for r, refused in enumerate(refusals) if refused]
+        return None, f"ranks {refusing} cannot use symmetric memory" + (
+            f" (this rank: {reason})" if reason is not None else ""
         )
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -125,7 +127,8 @@ def setup(
         reason, failed = f"allocation failed: {e}", 1
     failures = gather_ints(failed)
     if any(failures):
-        return None, f"rank {failures.index(1)} could not set up symmetric memory" + (
-            f": {reason}" if reason else ""
+        failing = [r for r, failed in enumerate(failures) if failed]
+        return None, f"ranks {failing} could not set up symmetric memory" + (
+            f" (this rank: {reason})" if reason else ""
         )
     return made, f"symmetric memory up to {MAX_BYTES >> 20} MiB a tensor, NCCL above"
