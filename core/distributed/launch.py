@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"prompt_token_ids": out.prompt_token_ids,
                               "token_ids": out.token_ids, "text": out.text}), flush=True)
     finally:
-        llm.shutdown()
-        dist.destroy_process_group()
+        llm.shutdown()  # releases the other ranks and leaves the group
     return 0
 
 

@@ -216,8 +216,9 @@ class BroadcastExecutor:
         self.channel = channel
         self.runner = worker.runner
         self.model_info = ModelInfo.from_runner(worker.runner)
-        self.num_blocks = _agreed(self._all("describe"))
+        # Armed first: whatever happens from here, the peers are released in the end.
         self._stopper = weakref.finalize(self, _stop_broadcast, channel)
+        self.num_blocks = _agreed(self._all("describe"))
 
     def _peer_error(self, during: str, own: BaseException) -> BaseException:
         peers = self.channel.peer_failures(FAILURE_GRACE_S)
@@ -226,6 +227,7 @@ class BroadcastExecutor:
         return worker_error([*peers, RankFailure.from_exception(0, own)], during=during)
 
     def execute(self, step: StepInput) -> list[SampledToken]:
+        self.check()
         self.channel.send(("step", step))
         try:
             return self.worker.step(step)
@@ -233,13 +235,17 @@ class BroadcastExecutor:
             raise self._peer_error("a step", e) from e
 
     def _all(self, name: str, *args: Any) -> list[Any]:
+        self.check()
         self.channel.send(("call", name, args))
         answers = self.channel.gather(self.worker.handle(("call", name, args)))
         assert answers is not None
         return answers
 
     def check(self) -> None:
-        """Nothing to check here: a failed peer surfaces in the next collective."""
+        """Raise if shut down (the peers have left); a failed peer surfaces in the
+        next collective instead."""
+        if not self._stopper.alive:
+            raise RuntimeError("this LLM was shut down; the other ranks have left")
 
     def capture(self) -> float:
         return max(self._all("capture"))
@@ -248,8 +254,14 @@ class BroadcastExecutor:
         return self._all("describe")
 
     def shutdown(self) -> None:
-        """Release ranks > 0 from their serve loop (idempotent)."""
-        self._stopper()
+        """Release ranks > 0 from their serve loop, then leave the group (idempotent).
+
+        Garbage collection and interpreter exit only release the peers: leaving the
+        group is left to process exit there.
+        """
+        if self._stopper.alive:
+            self._stopper()
+            self.worker.group.destroy()
 
 
 def _stop_broadcast(channel: BroadcastChannel) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,6 +286,20 @@ def test_under_torchrun_rank_0_names_the_rank_that_failed_in_a_step(checkpoint: 
     assert ("WorkerError: tensor-parallel rank 1 failed during a step: InjectedFault: "
             "injected failure in step 2") in done.stderr
     assert not any(line.startswith("{") for line in done.stdout.splitlines())
+
+
+def test_under_torchrun_an_llm_used_after_shutdown_says_so(checkpoint: str) -> None:
+    script = Path(__file__).with_name("shutdown_under_torchrun.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), checkpoint]
+    env = {k: v for k, v in os.environ.items() if k != TEST_HOOKS_ENV}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert len(report["first"]) == 3
+    assert report["after_shutdown"] == (
+        "RuntimeError: this LLM was shut down; the other ranks have left"
+    )
 
 
 @pytest.mark.gpu
