@@ -34,7 +34,12 @@ class HostOnlyExecutor:
     def execute(self, step: StepInput) -> list[SampledToken]:
         step = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
         prepare_step(step, block_size=BLOCK)
-        tokens = [SampledToken(seq_id=c.seq_id, token_id=7) for c in step.chunks if c.sample]
+        cols = step.columns  # as the runner's sampler reads it
+        tokens = [
+            SampledToken(seq_id=seq_id, token_id=7)
+            for seq_id, sample in zip(cols.seq_id, cols.sample, strict=True)
+            if sample
+        ]
         return unpack_sampled(pickle.loads(pickle.dumps(pack_sampled(tokens))))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kvrunner.batch import SampledToken, SeqChunk
+from kvrunner.batch import SampledToken, StepInput
 from kvrunner.sampling_params import SamplingParams
 
 
@@ -166,16 +166,18 @@ def sample(
     )
 
 
-def to_sampled_tokens(out: SamplerOutput, chunks: Sequence[SeqChunk]) -> list[SampledToken]:
-    """One :class:`SampledToken` per chunk; logprobs only where the request asked."""
+def to_sampled_tokens(
+    out: SamplerOutput, seq_ids: Sequence[int], params: Sequence[SamplingParams]
+) -> list[SampledToken]:
+    """One :class:`SampledToken` per row; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
     logprobs = out.logprobs.tolist()
     result = []
-    for row, chunk in enumerate(chunks):
-        wants = chunk.sampling.logprobs is not None
+    for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
+        wants = p.logprobs is not None
         result.append(
             SampledToken(
-                seq_id=chunk.seq_id,
+                seq_id=seq_id,
                 token_id=tokens[row],
                 logprob=logprobs[row] if wants else None,
                 top_logprobs=out.top_logprobs_dict(row) if wants else None,
@@ -184,17 +186,17 @@ def to_sampled_tokens(out: SamplerOutput, chunks: Sequence[SeqChunk]) -> list[Sa
     return result
 
 
-def sample_chunks(
-    logits: torch.Tensor, chunks: Sequence[SeqChunk], *, generator: torch.Generator | None = None
+def sample_step(
+    logits: torch.Tensor, step: StepInput, *, generator: torch.Generator | None = None
 ) -> list[SampledToken]:
-    """:func:`sample` for the step's sampling chunks (row ``i`` of ``logits`` is chunk ``i``)."""
-    out = sample(
-        logits,
-        [c.sampling for c in chunks],
-        [c.num_output_tokens for c in chunks],
-        generator=generator,
-    )
-    return to_sampled_tokens(out, chunks)
+    """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
+    ``i``-th chunk with ``sample`` set. Reads the step's columns."""
+    cols = step.columns
+    rows = [i for i, wants in enumerate(cols.sample) if wants]
+    params = [cols.sampling[i] for i in rows]
+    out = sample(logits, params, [cols.num_output_tokens[i] for i in rows], generator=generator)
+    return to_sampled_tokens(out, [cols.seq_id[i] for i in rows], params)
+
 
 
 class Sampler:
@@ -213,9 +215,9 @@ class Sampler:
     ) -> SamplerOutput:
         return sample(logits, params, num_generated, generator=self._generator_for(logits.device))
 
-    def sample_chunks(self, logits: torch.Tensor, chunks: Sequence[SeqChunk]) -> list[SampledToken]:
-        """:func:`sample_chunks` with this sampler's generator."""
-        return sample_chunks(logits, chunks, generator=self._generator_for(logits.device))
+    def sample_step(self, logits: torch.Tensor, step: StepInput) -> list[SampledToken]:
+        """:func:`sample_step` with this sampler's generator."""
+        return sample_step(logits, step, generator=self._generator_for(logits.device))
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

@@ -189,7 +189,7 @@ class ModelRunner:
     def _graph_for(self, step: StepInput) -> DecodeGraph | None:
         if not self.graphs or not step.is_decode:
             return None
-        fitting = [bs for bs in self.graphs if bs >= len(step.chunks)]
+        fitting = [bs for bs in self.graphs if bs >= step.num_seqs]
         return self.graphs[min(fitting)] if fitting else None
 
     # -- one step -----------------------------------------------------------------------
@@ -225,5 +225,4 @@ class ModelRunner:
         if not self.samples:
             return []
         self.nan_rows += int(torch.isnan(logits).any(dim=-1).sum())
-        sampling_chunks = [c for c in step.chunks if c.sample]
-        return self.sampler.sample_chunks(logits, sampling_chunks)
+        return self.sampler.sample_step(logits, step)

@@ -32,25 +32,23 @@ def prepare_step(
     ``block_table[p // block_size] * block_size + p % block_size``. Built with a few
     vectorised numpy passes: this runs on the host every step, before every replay.
     """
-    chunks = step.chunks
-    num_seqs = len(chunks)
-    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)
-    starts = np.fromiter((c.start_pos for c in chunks), np.int64, num_seqs)
-    table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)
+    cols = step.columns  # one list per field: numpy reads each in a single C pass
+    num_seqs = len(cols.seq_id)
+    query_lens = np.fromiter(map(len, cols.token_ids), np.int64, num_seqs)
+    starts = np.array(cols.start_pos, np.int64)
+    table_lens = np.fromiter(map(len, cols.block_table), np.int64, num_seqs)
     cu = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(query_lens, out=cu[1:])
     num_tokens = int(cu[-1])
     needed = (starts + query_lens + block_size - 1) // block_size
     short = np.flatnonzero(table_lens < needed)
     if short.size:
-        c = chunks[int(short[0])]
+        i = int(short[0])
         raise ValueError(
-            f"sequence {c.seq_id}: block table holds {len(c.block_table)} blocks, "
-            f"{int(needed[short[0]])} needed for {c.start_pos + len(c.token_ids)} tokens"
+            f"sequence {cols.seq_id[i]}: block table holds {int(table_lens[i])} blocks, "
+            f"{int(needed[i])} needed for {int(starts[i] + query_lens[i])} tokens"
         )
-    input_ids = np.fromiter(
-        itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens
-    )
+    input_ids = np.fromiter(itertools.chain.from_iterable(cols.token_ids), np.int64, num_tokens)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens) - cu[seq_of_token] + starts[seq_of_token]
     # Zero-padded: entries past a sequence's blocks name block 0, valid in any pool.
@@ -58,16 +56,14 @@ def prepare_step(
     # costs about a microsecond per sequence, every step).
     tables = np.zeros((num_seqs, max(int(table_lens.max(initial=0)), 1)), np.int32)
     num_entries = int(table_lens.sum())
-    entries = np.fromiter(
-        itertools.chain.from_iterable(c.block_table for c in chunks), np.int32, num_entries
-    )
+    entries = np.fromiter(itertools.chain.from_iterable(cols.block_table), np.int32, num_entries)
     row_of_entry = np.repeat(np.arange(num_seqs), table_lens)
     table_starts = np.cumsum(table_lens) - table_lens
     tables[row_of_entry, np.arange(num_entries) - table_starts[row_of_entry]] = entries
     slot_mapping = (
         tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
-    sample_rows = [int(cu[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
+    sample_rows = (cu[1:] - 1)[np.array(cols.sample, bool)].tolist()
     query_lens_t = torch.from_numpy(query_lens.astype(np.int32))
     starts_t = torch.from_numpy(starts.astype(np.int32))
     batch = StepBatch(
@@ -78,12 +74,10 @@ def prepare_step(
         start_positions=starts_t,
         context_lens=starts_t + query_lens_t,
         cu_query_lens=torch.from_numpy(cu.astype(np.int32)),
-        block_tables=[c.block_table for c in chunks],
+        block_tables=list(cols.block_table),
         block_table_array=torch.from_numpy(tables),
         slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
-        state_slots=torch.from_numpy(
-            np.fromiter((c.state_slot for c in chunks), np.int32, num_seqs)
-        ),
+        state_slots=torch.from_numpy(np.array(cols.state_slot, np.int32)),
     )
     return PreparedStep(
         batch=batch,

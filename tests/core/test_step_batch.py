@@ -7,7 +7,10 @@ a chunk's tokens take consecutive rows; a sampling chunk samples its last row.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -71,6 +74,22 @@ def test_the_table_array_is_every_table_zero_padded(case: tuple[StepInput, int])
         n = len(c.block_table)
         assert array[i, :n].tolist() == list(c.block_table)
         assert array[i, n:].tolist() == [0] * (longest - n)
+
+
+@given(steps())
+def test_a_rank_prepares_an_unpickled_step_without_building_its_chunks(
+    case: tuple[StepInput, int],
+) -> None:
+    step, block_size = case
+    back = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+    prepared, expected = (prepare_step(s, block_size=block_size) for s in (back, step))
+    assert torch.equal(prepared.batch.slot_mapping, expected.batch.slot_mapping)
+    assert prepared.sample_rows == expected.sample_rows
+    assert (back.num_seqs, back.num_tokens, back.is_decode) == (
+        step.num_seqs, step.num_tokens, step.is_decode
+    )
+    assert back._chunks is None, "reading the step built one SeqChunk per sequence"
+    assert back.chunks == step.chunks  # built on demand, equal to the original
 
 
 def test_a_block_table_too_short_for_its_tokens_is_refused_naming_the_sequence() -> None:

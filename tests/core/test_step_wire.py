@@ -82,3 +82,18 @@ def test_sampled_tokens_survive_packing_exactly(tokens: list[SampledToken]) -> N
     packed = pickle.loads(pickle.dumps(pack_sampled(tokens)))
     assert unpack_sampled(packed) == tokens
     assert b"SampledToken" not in pickle.dumps(pack_sampled(tokens))
+
+
+def test_step_columns_follow_the_chunk_fields_in_order() -> None:
+    import attrs
+
+    from kvrunner.batch import StepColumns
+
+    assert [f.name for f in attrs.fields(StepColumns)] == [f.name for f in attrs.fields(SeqChunk)]
+
+
+def test_a_step_is_built_from_chunks_or_columns_not_both() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="exactly one"):
+        StepInput()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SeqChunk
+from kvrunner.batch import SeqChunk, StepInput
 from kvrunner.layers.sampler import Sampler, sample
 from kvrunner.sampling_params import SamplingParams
 
@@ -185,7 +185,7 @@ def test_seeded_and_unseeded_sampling_on_cuda() -> None:
     assert torch.equal(again.token_ids, out.token_ids)
 
 
-def test_sample_chunks_reports_logprobs_only_where_asked() -> None:
+def test_a_step_samples_its_sampling_chunks_with_logprobs_only_where_asked() -> None:
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     chunks = [
         SeqChunk(seq_id=10 + i, token_ids=(1,), start_pos=4, block_table=(0,), state_slot=i,
@@ -196,7 +196,12 @@ def test_sample_chunks_reports_logprobs_only_where_asked() -> None:
             (SamplingParams(temperature=1.0, seed=5, logprobs=2), 7),
         ])
     ]
-    got = Sampler(seed=0).sample_chunks(logits, chunks)
+    # A chunk still mid-prefill samples nothing and has no logits row.
+    prefilling = SeqChunk(seq_id=99, token_ids=(1, 2), start_pos=0, block_table=(1,),
+                          state_slot=5, sample=False, sampling=SamplingParams(),
+                          num_output_tokens=0)
+    step = StepInput(chunks=(chunks[0], prefilling, chunks[1], chunks[2]))
+    got = Sampler(seed=0).sample_step(logits, step)
     reference = torch.log_softmax(logits, dim=-1)
     assert [t.seq_id for t in got] == [10, 11, 12]
     assert [t.token_id for t in got[:2]] == logits[:2].argmax(dim=-1).tolist()
