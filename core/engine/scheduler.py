@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import SampledToken, SeqChunk, StepInput
+from kvrunner.batch import SampledToken, StepColumns, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -179,8 +179,7 @@ class Scheduler:
         if not scheduled:
             return None
         self._in_flight = {seq.seq_id: n for seq, n in scheduled}
-        chunks = tuple(self._chunk(seq, n) for seq, n in scheduled)
-        return StepInput(chunks=chunks), [seq for seq, _ in scheduled]
+        return StepInput(columns=self._columns(scheduled)), [seq for seq, _ in scheduled]
 
     def update(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, append samples, finish.
@@ -246,17 +245,22 @@ class Scheduler:
         # altogether (add() refuses such prompts) is chunked, or it could never resume.
         return budget if remaining > self.config.max_num_batched_tokens else 0
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
-        start = seq.num_computed_tokens
-        return SeqChunk(
-            seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start : start + n]),
-            start_pos=start,
-            block_table=tuple(seq.block_table),
-            state_slot=seq.state_slot,
-            sample=start + n == seq.num_tokens,
-            sampling=seq.sampling_params,
-            num_output_tokens=seq.num_output_tokens,
+    @staticmethod
+    def _columns(scheduled: list[tuple[Sequence, int]]) -> StepColumns:
+        """The step as columns (what the runner reads): sequence ``s`` feeds its ``n``
+        tokens from ``num_computed_tokens`` on, and samples if they end its tokens."""
+        return StepColumns(
+            seq_id=[s.seq_id for s, _ in scheduled],
+            token_ids=[
+                tuple(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
+                for s, n in scheduled
+            ],
+            start_pos=[s.num_computed_tokens for s, _ in scheduled],
+            block_table=[tuple(s.block_table) for s, _ in scheduled],
+            state_slot=[s.state_slot for s, _ in scheduled],
+            sample=[s.num_computed_tokens + n == len(s.token_ids) for s, n in scheduled],
+            sampling=[s.sampling_params for s, _ in scheduled],
+            num_output_tokens=[s.num_output_tokens for s, _ in scheduled],
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
