@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 import time
 
-from kvrunner.batch import SampledToken, StepInput, pack_sampled, unpack_sampled
+from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.runner.step_batch import prepare_step
@@ -34,13 +34,10 @@ class HostOnlyExecutor:
     def execute(self, step: StepInput) -> list[SampledToken]:
         step = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
         prepare_step(step, block_size=BLOCK)
-        cols = step.columns  # as the runner's sampler reads it
-        tokens = [
-            SampledToken(seq_id=seq_id, token_id=7)
-            for seq_id, sample in zip(cols.seq_id, cols.sample, strict=True)
-            if sample
-        ]
-        return unpack_sampled(pickle.loads(pickle.dumps(pack_sampled(tokens))))
+        cols = step.columns  # as the runner's sampler reads and answers it
+        seq_ids = [s for s, sample in zip(cols.seq_id, cols.sample, strict=True) if sample]
+        packed = (seq_ids, [7] * len(seq_ids), [None] * len(seq_ids), [None] * len(seq_ids))
+        return unpack_sampled(pickle.loads(pickle.dumps(packed)))
 
 
 def step_ms(batch: int) -> float:

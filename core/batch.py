@@ -3,9 +3,10 @@
 Plain, picklable data (no tensors), so the same object crosses to worker processes.
 Crossing is a per-step cost on the decode path, so both directions travel as
 columns (one list per field) rather than one pickled object per sequence: a
-``StepInput`` pickles that way by itself, and a step's sampled tokens go through
-:func:`pack_sampled` / :func:`unpack_sampled`. At batch 256 that is about 5x less
-pickling work than the per-object form.
+``StepInput`` pickles that way by itself, and the runner answers with the sampled
+tokens as columns (:data:`PackedSampled`), which become :class:`SampledToken`
+objects only in the engine's process (:func:`unpack_sampled`). At batch 256 that is
+about 5x less pickling work than the per-object form.
 """
 
 from __future__ import annotations
@@ -139,18 +140,13 @@ class SampledToken:
 PackedSampled = tuple[list[int], list[int], list[float | None], list[dict[int, float] | None]]
 
 
-def pack_sampled(tokens: list[SampledToken]) -> PackedSampled:
-    """Columns of ``tokens``, for crossing a process boundary cheaply."""
-    return (
-        [t.seq_id for t in tokens],
-        [t.token_id for t in tokens],
-        [t.logprob for t in tokens],
-        [t.top_logprobs for t in tokens],
-    )
+def no_samples() -> PackedSampled:
+    """The columns of a step that sampled nothing."""
+    return ([], [], [], [])
 
 
 def unpack_sampled(packed: PackedSampled) -> list[SampledToken]:
-    """Inverse of :func:`pack_sampled`."""
+    """One :class:`SampledToken` per row of the columns the runner answers with."""
     return [
         SampledToken(seq_id=seq_id, token_id=token_id, logprob=logprob, top_logprobs=top)
         for seq_id, token_id, logprob, top in zip(*packed, strict=True)

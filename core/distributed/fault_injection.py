@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.config import EngineConfig
 
 TEST_HOOKS_ENV = "KVRUNNER_TP_TEST_HOOKS"
@@ -106,7 +106,7 @@ class _FailingRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
-    def execute(self, step: StepInput) -> list[SampledToken]:
+    def execute(self, step: StepInput) -> PackedSampled:
         self._steps += 1
         if self._steps == self._plan.fail_step:
             self._plan._fail(f"in step {self._steps}")

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.sampling_params import SamplingParams
 
 
@@ -166,36 +166,32 @@ def sample(
     )
 
 
-def to_sampled_tokens(
-    out: SamplerOutput, seq_ids: Sequence[int], params: Sequence[SamplingParams]
-) -> list[SampledToken]:
-    """One :class:`SampledToken` per row; logprobs only where the request asked."""
+def to_packed(
+    out: SamplerOutput, seq_ids: list[int], params: Sequence[SamplingParams]
+) -> PackedSampled:
+    """The sampled tokens as columns; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
     logprobs = out.logprobs.tolist()
-    result = []
-    for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
-        wants = p.logprobs is not None
-        result.append(
-            SampledToken(
-                seq_id=seq_id,
-                token_id=tokens[row],
-                logprob=logprobs[row] if wants else None,
-                top_logprobs=out.top_logprobs_dict(row) if wants else None,
-            )
-        )
-    return result
+    wants = [p.logprobs is not None for p in params]
+    return (
+        seq_ids,
+        tokens,
+        [lp if w else None for lp, w in zip(logprobs, wants, strict=True)],
+        [out.top_logprobs_dict(row) if w else None for row, w in enumerate(wants)],
+    )
 
 
 def sample_step(
     logits: torch.Tensor, step: StepInput, *, generator: torch.Generator | None = None
-) -> list[SampledToken]:
+) -> PackedSampled:
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
-    ``i``-th chunk with ``sample`` set. Reads the step's columns."""
+    ``i``-th chunk with ``sample`` set. Reads the step's columns and answers in
+    columns (:func:`~kvrunner.batch.unpack_sampled` makes ``SampledToken`` objects)."""
     cols = step.columns
     rows = [i for i, wants in enumerate(cols.sample) if wants]
     params = [cols.sampling[i] for i in rows]
     out = sample(logits, params, [cols.num_output_tokens[i] for i in rows], generator=generator)
-    return to_sampled_tokens(out, [cols.seq_id[i] for i in rows], params)
+    return to_packed(out, [cols.seq_id[i] for i in rows], params)
 
 
 
@@ -215,7 +211,7 @@ class Sampler:
     ) -> SamplerOutput:
         return sample(logits, params, num_generated, generator=self._generator_for(logits.device))
 
-    def sample_step(self, logits: torch.Tensor, step: StepInput) -> list[SampledToken]:
+    def sample_step(self, logits: torch.Tensor, step: StepInput) -> PackedSampled:
         """:func:`sample_step` with this sampler's generator."""
         return sample_step(logits, step, generator=self._generator_for(logits.device))
 

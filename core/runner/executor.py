@@ -116,7 +116,7 @@ class LocalExecutor:
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.check()
-        return self.runner.execute(step)
+        return unpack_sampled(self.runner.execute(step))
 
     def capture(self) -> float:
         self.check()
@@ -230,7 +230,7 @@ class BroadcastExecutor:
         self.check()
         self.channel.send(("step", step))
         try:
-            return self.worker.step(step)
+            return unpack_sampled(self.worker.step(step))
         except CollectiveError as e:
             raise self._peer_error("a step", e) from e
 

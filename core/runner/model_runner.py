@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import PackedSampled, StepInput, no_samples
 from kvrunner.config import EngineConfig
 from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
 from kvrunner.distributed.agreement import agree_pool_size
@@ -195,7 +195,9 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> list[SampledToken]:
+    def execute(self, step: StepInput) -> PackedSampled:
+        """Run one step; its sampled tokens as columns (none on ranks > 0, and none
+        for a step whose chunks are all mid-prefill)."""
         graph = self._graph_for(step)
         padded = graph.batch_size if graph is not None else None
         prepared = prepare_step(
@@ -215,7 +217,7 @@ class ModelRunner:
         else:
             hidden = self._forward_rows(num_tokens, ctx)
         if not prepared.sample_rows:
-            return []
+            return no_samples()
         rows = prepared.sample_rows
         if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
             selected = hidden[: len(rows)]
@@ -223,6 +225,6 @@ class ModelRunner:
             selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
         logits = self.model.compute_logits(selected)  # every rank joins its all-gather
         if not self.samples:
-            return []
+            return no_samples()
         self.nan_rows += int(torch.isnan(logits).any(dim=-1).sum())
         return self.sampler.sample_step(logits, step)

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvrunner.batch import SampledToken, StepInput, pack_sampled
+from kvrunner.batch import PackedSampled, StepInput, no_samples
 from kvrunner.config import EngineConfig
 from kvrunner.distributed.errors import RankFailure
 from kvrunner.distributed.fault_injection import FaultPlan
@@ -83,10 +83,11 @@ class RankWorker:
             faults.before_load(self.rank)
         runner = ModelRunner(config, progress=progress and self.rank == 0, group=group)
         self.runner = faults.wrap(self.rank, runner) if faults is not None else runner
-        self.last_sampled: list[SampledToken] = []
+        self.last_sampled: PackedSampled = no_samples()
 
-    def step(self, step: StepInput) -> list[SampledToken]:
-        """Run one step on this rank; the sampled tokens on rank 0, ``[]`` elsewhere.
+    def step(self, step: StepInput) -> PackedSampled:
+        """Run one step on this rank; the sampled tokens (as columns) on rank 0, none
+        elsewhere.
 
         Every rank runs the forward and joins the LM head's all-gather; only rank 0
         samples. Nothing sampled has to reach the other ranks: the engine puts the
@@ -101,7 +102,8 @@ class RankWorker:
     def describe(self) -> dict[str, Any]:
         """:func:`runner_summary` plus this rank's last sampled ``(seq_id, token_id)``."""
         summary = runner_summary(self.runner, self.rank)
-        summary["last_sampled"] = [(t.seq_id, t.token_id) for t in self.last_sampled]
+        seq_ids, token_ids = self.last_sampled[:2]
+        summary["last_sampled"] = list(zip(seq_ids, token_ids, strict=True))
         return summary
 
     def handle(self, command: tuple) -> Any:
@@ -109,7 +111,7 @@ class RankWorker:
         kind = command[0]
         if kind == "step":
             tokens = self.step(command[1])
-            return pack_sampled(tokens) if self.rank == 0 else NO_REPLY
+            return tokens if self.rank == 0 else NO_REPLY
         if kind == "call":
             name, args = command[1], command[2]
             if name not in CALLS:

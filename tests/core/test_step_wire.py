@@ -12,7 +12,7 @@ import pickle
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SampledToken, SeqChunk, StepInput, pack_sampled, unpack_sampled
+from kvrunner.batch import SampledToken, SeqChunk, StepInput, no_samples, unpack_sampled
 from kvrunner.sampling_params import SamplingParams
 
 small = st.integers(0, 10_000)
@@ -68,20 +68,23 @@ def test_sampling_params_shared_by_a_batch_are_pickled_once() -> None:
     assert len({id(c.sampling) for c in back.chunks}) == 1
 
 
-sampled = st.builds(
-    SampledToken,
-    seq_id=small,
-    token_id=small,
-    logprob=st.none() | st.floats(-50, 0),
-    top_logprobs=st.none() | st.dictionaries(small, st.floats(-50, 0), max_size=4),
+sampled_rows = st.lists(
+    st.tuples(small, small, st.none() | st.floats(-50, 0),
+              st.none() | st.dictionaries(small, st.floats(-50, 0), max_size=4)),
+    max_size=12,
 )
 
 
-@given(st.lists(sampled, max_size=12))
-def test_sampled_tokens_survive_packing_exactly(tokens: list[SampledToken]) -> None:
-    packed = pickle.loads(pickle.dumps(pack_sampled(tokens)))
-    assert unpack_sampled(packed) == tokens
-    assert b"SampledToken" not in pickle.dumps(pack_sampled(tokens))
+@given(sampled_rows)
+def test_sampled_columns_cross_the_pipe_and_become_one_token_per_row(rows: list) -> None:
+    packed = tuple(list(column) for column in zip(*rows, strict=True)) or no_samples()
+    payload = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+    assert b"SampledToken" not in payload
+    tokens = unpack_sampled(pickle.loads(payload))
+    assert tokens == [
+        SampledToken(seq_id=s, token_id=t, logprob=lp, top_logprobs=top)
+        for s, t, lp, top in rows
+    ]
 
 
 def test_step_columns_follow_the_chunk_fields_in_order() -> None:
