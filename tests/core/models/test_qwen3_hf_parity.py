@@ -1,6 +1,6 @@
 """Qwen3ForCausalLM loaded by kvrunner computes the same logits as transformers.
 
-The attention impl here is a test fixture: causal SDPA over each sequence's own
+The attention impl is ``kvrunner.testing``'s cache-free SDPA over each sequence's own
 tokens, with the sequence boundaries passed through the ForwardContext. It stands
 in for a cache backend so the model layers (projections, norms, rotary, MLP, LM
 head, weight loading) are what is under test.
@@ -12,36 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 from kvrunner.contract import ForwardContext
 from kvrunner.models.loader import load_model
 from kvrunner.models.tiny import build_tokenizer
+from kvrunner.testing.sdpa_attention import SdpaAttention
 
 BACKEND = "test-sdpa"
 
 
-class SdpaAttention:
-    """Causal attention within each sequence of a flat batch; no cache."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        bounds: list[int] = ctx.for_backend(BACKEND)
-        groups = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
-            attended = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            out[start:end] = attended.transpose(0, 1)
-        return out
-
-
 def make_sdpa_layer(layer_index: int, layer_type: str) -> SdpaAttention:
     assert layer_type == "full_attention"
-    return SdpaAttention()
+    return SdpaAttention(BACKEND)
 
 
 def write_hf_checkpoint(

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from kvrunner.contract import ForwardContext
 from kvrunner.models.loader import load_model, parse_config
 from kvrunner.models.tiny import build_tokenizer
+from kvrunner.testing.sdpa_attention import SdpaAttention
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,22 +39,6 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def bounds_of(ctx: ForwardContext) -> list[tuple[int, int]]:
     cu: list[int] = ctx.for_backend(FIXTURE)
     return list(zip(cu[:-1], cu[1:], strict=True))
-
-
-class SdpaAttention:
-    """Causal attention within each sequence of a flat batch; no cache."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        groups = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
-        for start, end in bounds_of(ctx):
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(
-                0, 1
-            )
-        return out
 
 
 class NaiveGatedDeltaNet:
@@ -86,7 +71,7 @@ class NaiveGatedDeltaNet:
 
 
 def make_fixture_layer(layer_index: int, layer_type: str) -> object:
-    return NaiveGatedDeltaNet() if layer_type == "linear_attention" else SdpaAttention()
+    return NaiveGatedDeltaNet() if layer_type == "linear_attention" else SdpaAttention(FIXTURE)
 
 
 def write_hf_checkpoint(path: Path, *, seed: int = 0, **overrides) -> torch.nn.Module:
