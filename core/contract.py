@@ -7,6 +7,7 @@ working as long as the version does not change.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -14,7 +15,8 @@ import torch
 
 #: Version of the hook contract. A backend declares the version it was written
 #: against (``plugin_api_version`` on its factory); a mismatch is refused at load.
-PLUGIN_API_VERSION = 1
+#: 2: ``StepBatch`` carries block tables only as ``block_table_array``.
+PLUGIN_API_VERSION = 2
 
 #: Value written into every cache-write index buffer for rows that must not write.
 #: Every kernel that writes cache through an index skips an index < 0.
@@ -111,21 +113,20 @@ class StepBatch:
     start_positions: torch.Tensor  # [num_seqs] tokens already in cache before this step
     context_lens: torch.Tensor  # [num_seqs] start + query
     cu_query_lens: torch.Tensor  # [num_seqs + 1]
-    block_tables: list[tuple[int, ...]]
+    #: every sequence's block table as one ``[num_seqs, longest]`` int32 tensor,
+    #: zero-padded (block 0 is valid in any pool, so an unmasked read stays in bounds)
+    block_table_array: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens] physical KV slot per token
     state_slots: torch.Tensor  # [num_seqs] recurrent-state slot per sequence
-    #: the same tables as one ``[num_seqs, longest]`` int32 tensor, zero-padded
-    #: (block 0 is valid in any pool, so even an unmasked read stays in bounds)
-    block_table_array: torch.Tensor = attrs.field(
-        default=attrs.Factory(lambda self: _pad_tables(self.block_tables), takes_self=True)
-    )
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == self.num_seqs
 
 
-def _pad_tables(tables: list[tuple[int, ...]]) -> torch.Tensor:
+def pad_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``tables`` as a ``StepBatch.block_table_array`` (for backends' own tests; the
+    runner builds it vectorised in ``prepare_step``)."""
     out = torch.zeros(
         (len(tables), max((len(t) for t in tables), default=1) or 1), dtype=torch.int32
     )

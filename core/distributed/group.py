@@ -37,6 +37,12 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def check_all_reduce(all_reduce: str, backend: str) -> None:
+    """``all_reduce="symm_mem"`` needs NCCL (ranks on CUDA); refuse it otherwise."""
+    if all_reduce == "symm_mem" and backend != "nccl":
+        raise ConfigError(f"all_reduce='symm_mem' needs NCCL on CUDA, not {backend}")
+
+
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -117,6 +123,7 @@ class DistGroup:
         """
         if self.size == 1:
             return SINGLE
+        check_all_reduce(all_reduce, self.backend)
         nccl_or_gloo = _all_reduce_sum(self.process_group)
         reduce, self.all_reduce_impl = nccl_or_gloo, self.backend
         self.all_reduce_reason = f"all_reduce={all_reduce!r}"
@@ -129,8 +136,6 @@ class DistGroup:
                 reduce, self.all_reduce_impl = _small_first(symmetric, nccl_or_gloo), "symm_mem"
             elif all_reduce == "symm_mem":
                 raise ConfigError(f"all_reduce='symm_mem' is unavailable: {self.all_reduce_reason}")
-        elif all_reduce == "symm_mem":
-            raise ConfigError(f"all_reduce='symm_mem' needs NCCL on CUDA, not {self.backend}")
         return TPGroup(
             rank=self.rank,
             size=self.size,

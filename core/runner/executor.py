@@ -30,7 +30,7 @@ from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, worker_error
-from kvrunner.distributed.group import connect_store, resolve_backend
+from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
 from kvrunner.runner.worker import RankWorker, SpawnSpec, run_spawned_rank, runner_summary
 
@@ -294,8 +294,7 @@ def check_collectives(config: EngineConfig) -> None:
 
     parallel = config.parallel
     backend = resolve_backend(parallel.distributed_backend, resolve_device(config.device))
-    if parallel.all_reduce == "symm_mem" and backend != "nccl":
-        raise ConfigError(f"all_reduce='symm_mem' needs NCCL on CUDA, not {backend}")
+    check_all_reduce(parallel.all_reduce, backend)
 
 
 def make_executor(config: EngineConfig, *, progress: bool = False) -> Any:

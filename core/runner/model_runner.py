@@ -96,7 +96,8 @@ class ModelRunner:
         )
         self.graphs: dict[int, DecodeGraph] = {}
         self.capture_seconds = 0.0
-        self.nan_rows = 0  # sampled rows whose logits held NaN, since start
+        # Counted on the device: a host read here would stall every step.
+        self._nan_rows = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sampler = Sampler(config.seed)
         # Only the first rank draws tokens: the engine sends the tokens each step
         # feeds, so the other ranks never need what was sampled.
@@ -170,6 +171,11 @@ class ModelRunner:
         fv = self.forward_vars
         return self.model(fv["input_ids"][:num_rows], fv["positions"][:num_rows], ctx)
 
+    @property
+    def nan_rows(self) -> int:
+        """Sampled rows whose logits held NaN, since start (reading waits for the device)."""
+        return int(self._nan_rows)
+
     def capture(self) -> float:
         """(Re)capture every decode graph; safe whatever forward_vars hold now."""
         self.graphs = {}
@@ -226,5 +232,5 @@ class ModelRunner:
         logits = self.model.compute_logits(selected)  # every rank joins its all-gather
         if not self.samples:
             return no_samples()
-        self.nan_rows += int(torch.isnan(logits).any(dim=-1).sum())
+        self._nan_rows += torch.isnan(logits).any(dim=-1).sum()
         return self.sampler.sample_step(logits, step)

@@ -74,7 +74,6 @@ def prepare_step(
         start_positions=starts_t,
         context_lens=starts_t + query_lens_t,
         cu_query_lens=torch.from_numpy(cu.astype(np.int32)),
-        block_tables=list(cols.block_table),
         block_table_array=torch.from_numpy(tables),
         slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
         state_slots=torch.from_numpy(np.array(cols.state_slot, np.int32)),

@@ -15,7 +15,7 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from kvrunner.contract import BackendContext, ModelSpec, StepBatch
+from kvrunner.contract import BackendContext, ModelSpec, StepBatch, pad_block_tables
 from kvrunner.plugins import BackendManager
 
 PAD = -1
@@ -155,7 +155,7 @@ def step_batch(
         start_positions=sp,
         context_lens=sp + ql,
         cu_query_lens=cu,
-        block_tables=[()] * n,
+        block_table_array=pad_block_tables([()] * n),
         slot_mapping=torch.zeros(int(ql.sum()), dtype=torch.int32),
         state_slots=i32(slots),
     )

@@ -12,7 +12,7 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from kvrunner.contract import PAD_SLOT_ID, StepBatch
+from kvrunner.contract import PAD_SLOT_ID, StepBatch, pad_block_tables
 
 HEAD_SHAPES = [(2, 1), (2, 2), (4, 1), (4, 2)]  # (query heads, kv heads)
 #: where Triton kernels run: compiled on a GPU, interpreted (TRITON_INTERPRET=1) on the CPU
@@ -97,7 +97,7 @@ class PagedCase:
             start_positions=context - query,
             context_lens=context,
             cu_query_lens=self.query_start_loc(),
-            block_tables=list(self.block_tables),
+            block_table_array=pad_block_tables(self.block_tables),
             slot_mapping=self.slot_mapping()[: self.num_tokens].to(torch.int32),
             state_slots=torch.arange(self.num_seqs, dtype=torch.int32),
         )

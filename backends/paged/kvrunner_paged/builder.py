@@ -50,7 +50,7 @@ class MetadataBuilder:
                 f"batch of {batch.num_padded_seqs} seqs / {padded_tokens} tokens exceeds the "
                 f"paged buffers ({self.max_batch} seqs / {self.max_tokens} tokens)"
             )
-        longest = max((len(t) for t in batch.block_tables[: batch.num_seqs]), default=0)
+        longest = batch.block_table_array.shape[1]  # padded to the longest table
         if longest > self.max_blocks_per_seq:
             raise ValueError(
                 f"a block table of {longest} blocks exceeds max_blocks_per_seq "

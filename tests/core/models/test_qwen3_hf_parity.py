@@ -17,7 +17,7 @@ import transformers
 from kvrunner.contract import ForwardContext
 from kvrunner.models.loader import load_model
 from kvrunner.models.tiny import build_tokenizer
-from kvrunner.testing.sdpa_attention import SdpaAttention
+from kvrunner.testing.model_parity import SdpaAttention, flat_logits
 
 BACKEND = "test-sdpa"
 
@@ -61,16 +61,7 @@ def hf_logits(model: transformers.Qwen3ForCausalLM, ids: list[int]) -> torch.Ten
 
 
 def ours_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """One flat forward over all prompts concatenated; logits for every token."""
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    bounds = [0]
-    for p in prompts:
-        bounds.append(bounds[-1] + len(p))
-    ctx = ForwardContext(metadata={BACKEND: bounds})
-    with torch.no_grad():
-        logits = model.compute_logits(model(ids, positions, ctx))
-    return [logits[s:e] for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    return flat_logits(model, prompts, BACKEND)
 
 
 PROMPTS = [[5, 17, 3, 90, 41, 2, 8], [60, 1, 77], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 95]]

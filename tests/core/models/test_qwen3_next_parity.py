@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvrunner.contract import ForwardContext
 from kvrunner.models.loader import load_model, parse_config
 from kvrunner.models.tiny import build_tokenizer
-from kvrunner.testing.sdpa_attention import SdpaAttention
+from kvrunner.testing.model_parity import SdpaAttention, flat_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,15 +112,7 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def ours_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """One flat forward over all prompts concatenated; logits for every token."""
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    cu = [0]
-    for p in prompts:
-        cu.append(cu[-1] + len(p))
-    with torch.no_grad():
-        logits = model.compute_logits(model(ids, positions, ForwardContext({FIXTURE: cu})))
-    return [logits[s:e] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+    return flat_logits(model, prompts, FIXTURE)
 
 
 @pytest.mark.parametrize(
