@@ -132,6 +132,9 @@ class EngineConfig:
     )
     device: str = "auto"
     seed: int = 0
+    #: "auto" reads the checkpoint's safetensors; "dummy" starts from config.json alone
+    #: with small random weights, for a trainer that pushes the real ones (update_weights)
+    load_format: str = attrs.field(default="auto", validator=_one_of("auto", "dummy"))
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
+from kvrunner.llm_sleep import SleepWakeAPI
 from kvrunner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class RequestOutput:
     finish_reason: str | None
 
 
-class LLM:
+class LLM(SleepWakeAPI):
     """Load a model and generate from it.
 
     :param model: an HF-format directory or an embedded default (``tiny-qwen3``).
@@ -81,6 +82,7 @@ class LLM:
             vocab_size=info.vocab_size,
             uses_state_slots=info.uses_state_slots,
         )
+        self._init_sleep_state()
 
     def shutdown(self) -> None:
         """Release the model and its cache: stop the tensor-parallel rank processes,
@@ -113,6 +115,7 @@ class LLM:
         ``ValueError`` naming it and leaves the engine as it was.
         """
         self.executor.check()  # a group that failed earlier says so, naming the rank
+        self.sleep_state.require_servable("generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -156,7 +159,3 @@ class LLM:
             top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
             finish_reason=seq.finish_reason,
         )
-
-    def recapture(self) -> float:
-        """Capture every decode graph again (as after a weight update); returns seconds."""
-        return self.executor.capture()

@@ -9,12 +9,15 @@ check and nothing here runs. The value is JSON::
     {"fail": {"rank": 1, "at": "step", "mode": "exit"}}   # die without reporting
     {"fail": {"rank": 1, "at": "step", "mode": "hang"}}   # stop answering
     {"cpu_cache_bytes": {"1": 2000000}}                   # rank 1's own CPU budget
+    {"wake_pressure": {"rank": 1, "bytes": 10**9, "while_file": "/tmp/p"}}
 
 ``mode`` is ``"raise"`` (default: the worker reports the exception, as any real
 error), ``"exit"`` (``os._exit``: a crash that leaves no report, as a segfault or
 the OOM killer would) or ``"hang"`` (sleeps: a rank stuck without a word).
 ``cpu_cache_bytes`` gives ranks different memory budgets, so tests can check that
-the group agrees on the smallest pool.
+the group agrees on the smallest pool. ``wake_pressure`` makes a rank's wake see
+``bytes`` fewer available (as if another process held them) while ``while_file``
+exists, so a test can take the pressure away and retry.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -54,6 +58,9 @@ class FaultPlan:
         default="raise", validator=attrs.validators.in_(("raise", "exit", "hang"))
     )
     cpu_cache_bytes: dict[int, int] = attrs.field(factory=dict)
+    pressure_rank: int | None = None
+    pressure_bytes: int = 0
+    pressure_file: str | None = None
 
     @classmethod
     def from_env(cls) -> FaultPlan | None:
@@ -62,7 +69,11 @@ class FaultPlan:
             return None
         data = json.loads(raw)
         fail = data.get("fail") or {}
+        pressure = data.get("wake_pressure") or {}
         return cls(
+            pressure_rank=pressure.get("rank"),
+            pressure_bytes=int(pressure.get("bytes", 0)),
+            pressure_file=pressure.get("while_file"),
             fail_rank=fail.get("rank"),
             fail_at=fail.get("at"),
             fail_step=int(fail.get("step", 1)),
@@ -76,6 +87,13 @@ class FaultPlan:
             return config
         cache = attrs.evolve(config.cache, cpu_cache_bytes=self.cpu_cache_bytes[rank])
         return attrs.evolve(config, cache=cache)
+
+    def wake_pressure_for(self, rank: int) -> Callable[[], int]:
+        """Bytes this rank's wake should treat as taken, asked at each wake."""
+        if rank != self.pressure_rank:
+            return lambda: 0
+        path = self.pressure_file
+        return lambda: self.pressure_bytes if path is None or os.path.exists(path) else 0
 
     def _fail(self, what: str) -> None:
         if self.fail_mode == "exit":

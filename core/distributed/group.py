@@ -152,8 +152,12 @@ class DistGroup:
         """
         slots = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         slots[self.rank] = value
-        _all_reduce_sum(self.process_group)(slots)
-        return [int(v) for v in slots.tolist()]
+        return self.all_reduce_ints(slots)
+
+    def all_reduce_ints(self, values: torch.Tensor) -> list[int]:
+        """The element-wise sum of an int64 vector over every rank, as a list."""
+        _all_reduce_sum(self.process_group)(values)
+        return [int(v) for v in values.tolist()]
 
     def destroy(self) -> None:
         """Leave the group (idempotent); peers still in a collective see us go.

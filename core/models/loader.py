@@ -67,37 +67,66 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: 
         param.copy_(loaded)
 
 
+class WeightNameError(ValueError):
+    """A pushed tensor's name is not a parameter of this model (the message names it)."""
+
+
+def expected_weight_names(
+    module: nn.Module, stacked: Sequence[tuple[str, str, str | int]] = ()
+) -> dict[str, tuple[str, str | int | None]]:
+    """Checkpoint name -> ``(parameter name, shard id)`` for every tensor ``module`` loads.
+
+    :param stacked: ``(fused_fragment, checkpoint_fragment, shard_id)``: a parameter
+        whose name contains ``fused_fragment`` is filled from the checkpoint tensors
+        named with ``checkpoint_fragment`` instead, each into its ``shard_id`` slice.
+    """
+    expected: dict[str, tuple[str, str | int | None]] = {}
+    for pname, _ in module.named_parameters():
+        fused = [(f, c, s) for f, c, s in stacked if f in pname]
+        for fragment, ckpt_fragment, shard in fused:
+            expected[pname.replace(fragment, ckpt_fragment)] = (pname, shard)
+        if not fused:
+            expected[pname] = (pname, None)
+    return expected
+
+
 def load_weights_into(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     *,
     stacked: Sequence[tuple[str, str, str | int]] = (),
     ignore: Sequence[str] = (),
-) -> None:
-    """Copy checkpoint tensors into ``module``'s parameters by name.
+    require_all: bool = True,
+) -> set[str]:
+    """Copy checkpoint tensors into ``module``'s parameters by name; returns the names
+    loaded (ignored names excluded).
 
-    :param stacked: ``(fused_fragment, checkpoint_fragment, shard_id)``: a parameter
-        whose name contains ``fused_fragment`` is filled from the checkpoint tensors
-        named with ``checkpoint_fragment`` instead, each into its ``shard_id`` slice.
+    Each tensor goes through its parameter's ``weight_loader`` (which takes this
+    rank's shard of a full tensor and casts it to the parameter's dtype and device).
+
+    :param stacked: see :func:`expected_weight_names`.
     :param ignore: checkpoint names containing any of these are skipped.
-    :raises ValueError: listing every expected tensor the checkpoint lacks and every
-        checkpoint tensor the model has no place for (after loading all the others).
+    :param require_all: a whole checkpoint: raise ``ValueError`` listing every
+        expected tensor it lacks and every tensor the model has no place for, after
+        loading all the others. ``False`` (a partial update, as a trainer streams
+        them): a name the model does not have raises :class:`WeightNameError` at once.
+    :raises ValueError: naming the tensor whose shape does not fit.
     """
     params = dict(module.named_parameters())
-    expected: dict[str, tuple[str, str | int | None]] = {}
-    for pname in params:
-        fused = [(f, c, s) for f, c, s in stacked if f in pname]
-        for fragment, ckpt_fragment, shard in fused:
-            expected[pname.replace(fragment, ckpt_fragment)] = (pname, shard)
-        if not fused:
-            expected[pname] = (pname, None)
+    expected = expected_weight_names(module, stacked)
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
         target = expected.get(name)
         if target is None:
-            if not any(frag in name for frag in ignore):
-                unexpected.append(name)
+            if any(frag in name for frag in ignore):
+                continue
+            if not require_all:
+                raise WeightNameError(
+                    f"{type(module).__name__} has no parameter {name!r} (Hugging Face names "
+                    f"expected, e.g. {_listing(sorted(expected), 3)})"
+                )
+            unexpected.append(name)
             continue
         pname, shard = target
         param = params[pname]
@@ -107,7 +136,7 @@ def load_weights_into(
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
         seen.add(name)
-    missing = sorted(set(expected) - seen)
+    missing = sorted(set(expected) - seen) if require_all else []
     if missing or unexpected:
         problems = []
         if missing:
@@ -115,6 +144,7 @@ def load_weights_into(
         if unexpected:
             problems.append(f"unexpected {len(unexpected)}: {_listing(sorted(unexpected))}")
         raise ValueError(f"{type(module).__name__} weights do not match: " + "; ".join(problems))
+    return seen
 
 
 def _listing(names: list[str], limit: int = 12) -> str:
@@ -172,6 +202,8 @@ def load_model(
     device: torch.device | str,
     make_layer: Callable[[int, str], Any],
     progress: bool = False,
+    load_format: str = "auto",
+    seed: int = 0,
     **model_kwargs: Any,
 ) -> tuple[nn.Module, Tokenizer, Any]:
     """Build the model a checkpoint directory describes and load its weights.
@@ -179,6 +211,9 @@ def load_model(
     :param dtype: a torch dtype, its name, or ``"auto"`` (the checkpoint's dtype).
     :param make_layer: ``(layer_index, layer_type) -> attention impl`` (from the backends).
     :param progress: show a progress bar over the tensors loaded.
+    :param load_format: ``"auto"`` reads the safetensors files; ``"dummy"`` reads only
+        the config and fills the weights with small random values (``seed``), for a
+        trainer that pushes the real ones before the first rollout.
     :param model_kwargs: passed to the model class (e.g. ``tp=TPGroup(...)``).
     :returns: ``(model, tokenizer, config)``; the model is in eval mode, no grad.
     """
@@ -186,16 +221,29 @@ def load_model(
     model_cls, config = read_config(path)
     dtype = resolve_dtype(dtype, config)
     model = model_cls(config, make_layer, dtype, torch.device(device), **model_kwargs)
-    weights = iter_safetensors(path, dtype)
-    if progress:
-        weights = tqdm(weights, desc="loading weights", unit="tensor")
-    model.load_weights(weights)
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed=seed)
+    else:
+        weights = iter_safetensors(path, dtype)
+        if progress:
+            weights = tqdm(weights, desc="loading weights", unit="tensor")
+        model.load_weights(weights)
     model.eval().requires_grad_(False)
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (a `tokenizers` JSON file)")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return model, tokenizer, config
+
+
+def fill_dummy_weights(model: nn.Module, *, seed: int) -> None:
+    """Every parameter uniform in [-1e-3, 1e-3] from a seeded generator (as vLLM's
+    ``load_format="dummy"``): finite, small, reproducible, and meaningless."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            values = torch.rand(param.shape, generator=gen, dtype=torch.float32) * 2e-3 - 1e-3
+            param.copy_(values)
 
 
 def model_spec(config: Any, tp_size: int = 1) -> ModelSpec:

@@ -30,7 +30,7 @@ from kvrunner.layers.linear import (
 )
 from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
-from kvrunner.models.loader import load_weights_into, rope_theta_of
+from kvrunner.models.loader import expected_weight_names, load_weights_into, rope_theta_of
 
 MakeLayer = Callable[[int, str], FullAttentionImpl]
 
@@ -244,11 +244,27 @@ class Qwen3ForCausalLM(nn.Module):
         """``[N, hidden]`` (usually each sequence's last row) -> ``[N, vocab]`` float32."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors; raises naming every missing/unexpected one."""
+    def _ignored_weights(self) -> list[str]:
         # Tied checkpoints may still carry lm_head.weight; it is the embedding's copy.
         # Old checkpoints store the (recomputed) rotary inverse frequencies.
         ignore = ["rotary_emb.inv_freq"]
         if self.config.tie_word_embeddings:
             ignore.append("lm_head.weight")
-        load_weights_into(self, weights, stacked=self.STACKED, ignore=ignore)
+        return ignore
+
+    def expected_weight_names(self) -> set[str]:
+        """Every Hugging Face tensor name this model loads."""
+        return set(expected_weight_names(self, self.STACKED))
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, require_all: bool = True
+    ) -> set[str]:
+        """Load Hugging Face-named tensors; returns the names loaded.
+
+        ``require_all``: a whole checkpoint (raises naming every missing/unexpected
+        tensor); ``False`` for a partial update (an unknown name raises at once).
+        """
+        return load_weights_into(
+            self, weights, stacked=self.STACKED, ignore=self._ignored_weights(),
+            require_all=require_all,
+        )

@@ -27,7 +27,7 @@ from kvrunner.layers.linear import (
 )
 from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
-from kvrunner.models.loader import load_weights_into
+from kvrunner.models.loader import expected_weight_names, load_weights_into
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, Qwen3MLP
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 
@@ -292,8 +292,20 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
             tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
         )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF names; ``conv1d.weight`` ``[C, 1, K]`` is stored as ``conv_weight`` ``[C, K]``."""
+    #: q/k/v stay separate here (q_proj also carries the output gate); gate/up fuse.
+    NEXT_STACKED = tuple(s for s in Qwen3ForCausalLM.STACKED if s[0] == ".gate_up_proj.")
+
+    def expected_weight_names(self) -> set[str]:
+        """Every tensor name this model loads (``conv1d.weight`` as ``conv_weight``)."""
+        return set(expected_weight_names(self, self.NEXT_STACKED))
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, require_all: bool = True
+    ) -> set[str]:
+        """HF names; ``conv1d.weight`` ``[C, 1, K]`` is stored as ``conv_weight`` ``[C, K]``.
+
+        Returns the names loaded (after that renaming); ``require_all`` as for Qwen3.
+        """
 
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -302,9 +314,7 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
                 else:
                     yield name, tensor
 
-        ignore = ["rotary_emb.inv_freq", "mtp."]
-        if self.config.tie_word_embeddings:
-            ignore.append("lm_head.weight")
-        # q/k/v stay separate here (q_proj also carries the output gate); gate/up fuse.
-        stacked = [s for s in self.STACKED if s[0] == ".gate_up_proj."]
-        load_weights_into(self, renamed(), stacked=stacked, ignore=ignore)
+        ignore = [*self._ignored_weights(), "mtp."]
+        return load_weights_into(
+            self, renamed(), stacked=self.NEXT_STACKED, ignore=ignore, require_all=require_all
+        )

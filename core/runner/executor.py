@@ -2,8 +2,9 @@
 
 Every executor implements the engine's ``Executor`` protocol (``num_blocks`` and
 ``execute(StepInput) -> list[SampledToken]``) and adds ``model_info`` (what the
-driver needs without the weights), ``capture()``, ``describe_ranks()`` and
-``shutdown()``.
+driver needs without the weights), ``call_ranks(name, *args)`` (one of
+:class:`~kvrunner.runner.rank_calls.RankCalls` on every rank, answers in rank order,
+a refusal raised here), ``capture()``, ``describe_ranks()`` and ``shutdown()``.
 
 - :class:`LocalExecutor`: one rank, the runner in this process.
 - :class:`MultiprocExecutor`: one spawned process per rank; the engine stays here.
@@ -32,7 +33,8 @@ from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, worker_error
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
-from kvrunner.runner.worker import RankWorker, SpawnSpec, run_spawned_rank, runner_summary
+from kvrunner.runner.rank_calls import RankCalls, raise_refused
+from kvrunner.runner.worker import RankWorker, SpawnSpec, run_spawned_rank
 
 
 @attrs.frozen(kw_only=True)
@@ -88,6 +90,8 @@ class DriverExecutor(Protocol):
 
     def execute(self, step: StepInput) -> list[SampledToken]: ...
 
+    def call_ranks(self, name: str, *args: Any) -> list[Any]: ...
+
     def capture(self) -> float: ...
 
     def describe_ranks(self) -> list[dict[str, Any]]: ...
@@ -113,18 +117,21 @@ class LocalExecutor:
         self.runner: Any = ModelRunner(config, progress=progress)
         self.num_blocks = self.runner.num_blocks
         self.model_info = ModelInfo.from_runner(self.runner)
+        self._rank = _LocalRank(self.runner)
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.check()
         return unpack_sampled(self.runner.execute(step))
 
-    def capture(self) -> float:
+    def call_ranks(self, name: str, *args: Any) -> list[Any]:
         self.check()
-        return self.runner.capture()
+        return [getattr(self._rank, name)(*args)]
+
+    def capture(self) -> float:
+        return self.call_ranks("capture")[0]
 
     def describe_ranks(self) -> list[dict[str, Any]]:
-        self.check()
-        return [runner_summary(self.runner, 0)]
+        return self.call_ranks("describe")
 
     def check(self) -> None:
         """Raise if this executor was shut down."""
@@ -137,10 +144,15 @@ class LocalExecutor:
         if self.runner is None:
             return
         device = self.runner.device
-        self.runner = None
+        self.runner = self._rank = None
         gc.collect()  # graphs and modules hold reference cycles
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class _LocalRank(RankCalls):
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.rank = runner, 0
 
 
 class MultiprocExecutor:
@@ -194,15 +206,18 @@ class MultiprocExecutor:
                                      timeout_s=self.timeout_s)
         return [replies[r] for r in range(self.procs.world_size)]
 
+    def call_ranks(self, name: str, *args: Any) -> list[Any]:
+        return raise_refused(self.call(name, *args))
+
     def check(self) -> None:
         """Raise the group's earlier failure (WorkerError) if it had one, or if shut down."""
         self.procs.check_usable()
 
     def capture(self) -> float:
-        return max(self.call("capture"))
+        return max(self.call_ranks("capture"))
 
     def describe_ranks(self) -> list[dict[str, Any]]:
-        return self.call("describe")
+        return self.call_ranks("describe")
 
     def shutdown(self) -> None:
         self.procs.shutdown()
@@ -247,11 +262,14 @@ class BroadcastExecutor:
         if not self._stopper.alive:
             raise RuntimeError("this LLM was shut down; the other ranks have left")
 
+    def call_ranks(self, name: str, *args: Any) -> list[Any]:
+        return raise_refused(self._all(name, *args))
+
     def capture(self) -> float:
-        return max(self._all("capture"))
+        return max(self.call_ranks("capture"))
 
     def describe_ranks(self) -> list[dict[str, Any]]:
-        return self._all("describe")
+        return self.call_ranks("describe")
 
     def shutdown(self) -> None:
         """Release ranks > 0 from their serve loop, then leave the group (idempotent).

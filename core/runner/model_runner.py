@@ -24,13 +24,15 @@ from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
 from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_path
 from kvrunner.runner.sizing import cache_budget_bytes, num_blocks_for_budget
+from kvrunner.runner.sleep_wake import SleepWake
 from kvrunner.runner.step_batch import prepare_step, profile_step
+from kvrunner.sleep_state import SleepStateError
 
 #: set to 1 to run Triton kernels on the CPU too (under TRITON_INTERPRET=1)
 USE_TRITON_ENV = "KVRUNNER_USE_TRITON"
 
 
-class ModelRunner:
+class ModelRunner(SleepWake):
     """One rank's runner.
 
     :param group: this rank's tensor-parallel group (``None`` for a single rank);
@@ -87,6 +89,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             progress=progress,
+            load_format=config.load_format,
+            seed=config.seed,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
             tp=(
                 group.tp_group(dtype=self.dtype, all_reduce=config.parallel.all_reduce)
@@ -112,12 +116,15 @@ class ModelRunner:
         self.forward_vars.register_all(
             self.backends.persistent_buffers(max_batch=self.max_batch, max_tokens=self.max_tokens)
         )
+        #: the profiled activation peak (CUDA sizing): a wake leaves room for it again
+        self.activation_peak_bytes = 0
         # own_num_blocks: what this rank could hold; num_blocks: the group's minimum,
         # the one number every rank allocates and the engine's block manager uses.
         self.own_num_blocks, self.num_blocks = agree_pool_size(self._derive_num_blocks, group)
         self.pools = self.backends.allocate_cache(
             num_blocks=self.num_blocks, num_slots=self.num_slots
         )
+        self._init_sleep_wake()
         if not config.capture.enforce_eager:
             self.capture()
         self.progress = False  # bars while starting up; recaptures stay quiet
@@ -129,10 +136,9 @@ class ModelRunner:
         min_blocks = math.ceil(self.config.scheduler.max_model_len / cache.block_size)
         if cache.num_blocks is not None:
             return cache.num_blocks
-        peak = 0
         if self.device.type == "cuda":
-            peak = self._profile_peak_bytes()
-        budget = cache_budget_bytes(cache, self.device, peak_bytes=peak)
+            self.activation_peak_bytes = self._profile_peak_bytes()
+        budget = cache_budget_bytes(cache, self.device, peak_bytes=self.activation_peak_bytes)
         return num_blocks_for_budget(
             self.backends.cache_specs(),
             budget_bytes=budget,
@@ -178,6 +184,8 @@ class ModelRunner:
 
     def capture(self) -> float:
         """(Re)capture every decode graph; safe whatever forward_vars hold now."""
+        if not self.kv_resident or self.weights.state != "resident":
+            raise SleepStateError("cannot capture while asleep: wake_up() first")
         self.graphs = {}
         with torch.inference_mode():
             self.graphs, self.capture_seconds = capture_decode_graphs(

@@ -10,7 +10,10 @@ spawned driver, or a broadcast from rank 0 under torchrun):
 - ``("stop",)``: leave the group and exit.
 
 A spawned rank that raises — at start-up or in any command — sends a
-:class:`RankFailure` to the driver before it exits, so the driver can name it.
+:class:`RankFailure` to the driver before it exits, so the driver can name it. A
+call that fails but leaves the rank consistent (a refused wake, a bad weight name)
+is answered with a :class:`~kvrunner.runner.rank_calls.Refused` instead, and the rank
+keeps serving.
 """
 
 from __future__ import annotations
@@ -30,10 +33,8 @@ from kvrunner.distributed.errors import RankFailure
 from kvrunner.distributed.fault_injection import FaultPlan
 from kvrunner.distributed.group import DistGroup, connect_store
 from kvrunner.runner.model_runner import ModelRunner
+from kvrunner.runner.rank_calls import CALLS, RECOVERABLE, RankCalls, Refused, runner_summary
 from kvrunner.runner.setup import resolve_device
-
-#: worker methods a ("call", name, args) command may run
-CALLS = frozenset({"capture", "describe"})
 
 #: returned by RankWorker.handle when the command wants no answer from this rank
 NO_REPLY = object()
@@ -46,24 +47,7 @@ def rank_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
-    """What a rank holds: its pool sizes (own and agreed), graphs, device, process."""
-    return {
-        "rank": rank,
-        "pid": os.getpid(),
-        "device": str(runner.device),
-        "own_num_blocks": runner.own_num_blocks,
-        "num_blocks": runner.num_blocks,
-        "graph_sizes": sorted(runner.graphs),
-        "capture_seconds": runner.capture_seconds,
-        "nan_rows": runner.nan_rows,
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "all_reduce": runner.group.all_reduce_impl if runner.group is not None else "none",
-        "all_reduce_reason": runner.group.all_reduce_reason if runner.group is not None else "",
-    }
-
-
-class RankWorker:
+class RankWorker(RankCalls):
     """This rank's runner and the commands it serves."""
 
     def __init__(
@@ -82,6 +66,8 @@ class RankWorker:
             config = faults.config_for(self.rank, config)
             faults.before_load(self.rank)
         runner = ModelRunner(config, progress=progress and self.rank == 0, group=group)
+        if faults is not None:
+            runner.wake_pressure = faults.wake_pressure_for(self.rank)
         self.runner = faults.wrap(self.rank, runner) if faults is not None else runner
         self.last_sampled: PackedSampled = no_samples()
 
@@ -95,9 +81,6 @@ class RankWorker:
         """
         self.last_sampled = self.runner.execute(step)
         return self.last_sampled
-
-    def capture(self) -> float:
-        return self.runner.capture()
 
     def describe(self) -> dict[str, Any]:
         """:func:`runner_summary` plus this rank's last sampled ``(seq_id, token_id)``."""
@@ -116,7 +99,10 @@ class RankWorker:
             name, args = command[1], command[2]
             if name not in CALLS:
                 raise ValueError(f"unknown worker call {name!r}; known: {sorted(CALLS)}")
-            return getattr(self, name)(*args)
+            try:
+                return getattr(self, name)(*args)
+            except RECOVERABLE as e:  # this rank is still consistent: answer, do not die
+                return Refused(e)
         raise ValueError(f"unknown worker command {command!r}")
 
 

@@ -1,0 +1,183 @@
+"""The RL loop's half of the public API: sleep, wake, weight updates, cache info.
+
+Shaped as vLLM / verl users call it. A training step with a colocated trainer::
+
+    outs = llm.generate(prompt_ids, params)
+    llm.sleep(level=2, discard_weights=True)   # the trainer gets the memory
+    ...trainer step...
+    llm.wake_up(["weights"])
+    llm.update_weights(model.named_parameters())  # HF names, full tensors, any dtype
+    llm.wake_up(["kv_cache"])                  # same pool, graphs recaptured, blanked
+    outs = llm.generate(prompt_ids, params)
+
+Every call is checked against :class:`~kvrunner.sleep_state.SleepState` before a
+rank is asked anything, so an illegal order raises and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrunner.runner.rank_calls import weight_buckets
+from kvrunner.sleep_state import CacheInfo, SleepState, SleepStateError, parse_tags
+
+if TYPE_CHECKING:
+    from kvrunner.engine.llm_engine import LLMEngine
+    from kvrunner.runner.executor import DriverExecutor
+
+
+class SleepWakeAPI:
+    """Mixed into :class:`kvrunner.LLM` (which provides ``executor``, ``engine`` and
+    ``config``)."""
+
+    executor: DriverExecutor
+    engine: LLMEngine
+
+    def _init_sleep_state(self) -> None:
+        self.sleep_state = SleepState()
+        self._timings: dict[str, Any] = {
+            "sleep_level": 0, "sleep_s": 0.0, "wake_s": 0.0, "recapture_s": 0.0,
+            "freed_bytes": 0, "sleeps": 0, "wakes": 0,
+        }
+
+    def _require_idle(self, what: str) -> None:
+        if self.engine.has_unfinished():
+            raise SleepStateError(
+                f"cannot {what} while requests are unfinished (a generate call was "
+                f"interrupted); their KV would be lost"
+            )
+
+    def sleep(self, level: int = 1, *, discard_weights: bool = False) -> float:
+        """Free the device memory the engine holds; returns seconds.
+
+        Level 1 drops the decode graphs and every backend's cache pools. Level 2 also
+        frees the weights: kept in pinned host memory, or discarded
+        (``discard_weights=True``) when new ones will be pushed before generating.
+        """
+        self.executor.check()
+        self.sleep_state.require_can_sleep(level, discard_weights)
+        self._require_idle("sleep")
+        reports = self.executor.call_ranks("sleep", level, discard_weights)
+        state = self.sleep_state
+        state.level, state.kv_cache = level, "released"
+        if level == 2:
+            state.weights = "discarded" if discard_weights else "offloaded"
+            state.weights_pending = reports[0]["pending"]
+        seconds = max(r["seconds"] for r in reports)
+        self._timings.update(sleep_level=level, sleep_s=seconds,
+                             freed_bytes=reports[0]["freed_bytes"],
+                             sleeps=self._timings["sleeps"] + 1)
+        return seconds
+
+    def wake_up(self, tags: Iterable[str] | str | None = None) -> float:
+        """Bring back ``"weights"`` and/or ``"kv_cache"`` (both when ``None``), in either
+        order; returns seconds. The KV pool comes back at exactly its start-up size
+        on every rank, or :class:`~kvrunner.sleep_state.WakeError` is raised on every
+        rank with nothing allocated (retry once memory is free). The prefix cache is
+        empty afterwards; the decode graphs are recaptured, blanked, once every part
+        is back and the weights are whole."""
+        self.executor.check()
+        wanted = parse_tags(tags)
+        state = self.sleep_state
+        todo = tuple(t for t in wanted if getattr(state, t) != "resident")
+        if not todo:
+            return 0.0
+        reports = self.executor.call_ranks("wake_up", todo)
+        if "weights" in todo:
+            state.weights = "resident"
+        if "kv_cache" in todo:
+            state.kv_cache = "resident"
+            self.engine.block_manager.reset_prefix_cache()  # the KV it indexed is gone
+        if state.awake:
+            state.level = 0
+        seconds = max(r["seconds"] for r in reports)
+        recapture = max(r["recapture_s"] for r in reports)
+        self._timings.update(wake_s=seconds, wakes=self._timings["wakes"] + 1)
+        if recapture:
+            self._timings["recapture_s"] = recapture
+        return seconds
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load ``(name, tensor)`` pairs with Hugging Face names and full (unsharded)
+        tensors of any float dtype; a generator is fine, and an update may be spread
+        over several calls. Returns how many tensors were loaded.
+
+        Each rank takes its tensor-parallel shard; fused projections are filled part
+        by part. A wrong name or shape raises
+        :class:`~kvrunner.sleep_state.WeightUpdateError` naming it; the engine then
+        refuses to generate until a later call completes. After a call completes the
+        prefix cache is reset and, if the engine is awake, the graphs are recaptured.
+        """
+        self.executor.check()
+        self.sleep_state.require_weights_resident("update_weights")
+        self._require_idle("update_weights")
+        self.sleep_state.weights_torn = True  # until this call completes
+        if self.config.parallel.tensor_parallel_size == 1:
+            loaded = self.executor.call_ranks("update_weights", weights)[0]
+        else:
+            loaded = 0
+            for bucket in weight_buckets(weights):
+                loaded = loaded + self.executor.call_ranks("update_weights", bucket)[0]
+        self._finish_weight_change()
+        return loaded
+
+    def load_weights(self, path: str | Path) -> int:
+        """Load every tensor of a safetensors checkpoint directory (each rank reads it),
+        as :meth:`update_weights` does; returns how many were loaded."""
+        self.executor.check()
+        self.sleep_state.require_weights_resident("load_weights")
+        self._require_idle("load_weights")
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
+        self.sleep_state.weights_torn = True
+        loaded = self.executor.call_ranks("load_weights", str(path))[0]
+        self._finish_weight_change()
+        return loaded
+
+    def _finish_weight_change(self) -> None:
+        finished = self.executor.call_ranks("finish_weight_update")
+        self.sleep_state.weights_torn = False
+        self.sleep_state.weights_pending = finished[0]["pending"]
+        self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        recapture = max(f["recapture_s"] for f in finished)
+        if recapture:
+            self._timings["recapture_s"] = recapture
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were uncached."""
+        self._require_idle("reset_prefix_cache")
+        return self.engine.block_manager.reset_prefix_cache()
+
+    def recapture(self) -> float:
+        """Capture every decode graph again (blanked, as at start-up); returns seconds."""
+        self.sleep_state.require_weights_resident("recapture")
+        self.sleep_state.require_kv_resident("recapture")
+        seconds = self.executor.capture()
+        self._timings["recapture_s"] = seconds
+        return seconds
+
+    def cache_info(self) -> CacheInfo:
+        """A frozen record of the pool, what is resident, and the last sleep / wake."""
+        ranks = tuple(self.executor.call_ranks("cache_info"))
+        manager = self.engine.block_manager
+        t = self._timings
+        return CacheInfo(
+            num_blocks=manager.num_blocks,
+            block_size=self.config.cache.block_size,
+            num_state_slots=manager.num_state_slots,
+            prefix_cached_blocks=manager.pool.num_cached,
+            weights=self.sleep_state.weights,
+            kv_cache=self.sleep_state.kv_cache,
+            ranks=ranks,
+            last_sleep_level=t["sleep_level"],
+            last_sleep_s=t["sleep_s"],
+            last_wake_s=t["wake_s"],
+            last_recapture_s=t["recapture_s"],
+            last_freed_bytes=t["freed_bytes"],
+            num_sleeps=t["sleeps"],
+            num_wakes=t["wakes"],
+        )

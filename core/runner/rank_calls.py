@@ -1,0 +1,113 @@
+"""The calls a driver makes on every rank between steps, and how refusals come back.
+
+:class:`RankCalls` is what every rank answers to ``("call", name, args)`` (and what
+the in-process executor calls directly): capture, describe, sleep, wake, weight
+updates, cache info. A call that fails in a way that leaves the rank consistent (a
+wake refused for memory, a bad weight name) is *answered* with a :class:`Refused`
+instead of killing the rank, so the driver raises the same error and the group
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WakeError, WeightUpdateError
+
+#: errors after which a rank is still consistent and serving
+RECOVERABLE = (WakeError, WeightUpdateError, SleepStateError)
+
+#: how many bytes of weights one message to the ranks carries
+WEIGHT_BUCKET_BYTES = 512 << 20
+
+
+@attrs.frozen
+class Refused:
+    """A rank's answer when a call raised one of :data:`RECOVERABLE`."""
+
+    error: BaseException
+
+
+def raise_refused(answers: Sequence[Any]) -> list[Any]:
+    """``answers`` unchanged, or the lowest rank's refusal raised in the driver."""
+    for answer in answers:
+        if isinstance(answer, Refused):
+            raise answer.error
+    return list(answers)
+
+
+def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
+    """What a rank holds: its pool sizes (own and agreed), graphs, device, process."""
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "device": str(runner.device),
+        "own_num_blocks": runner.own_num_blocks,
+        "num_blocks": runner.num_blocks,
+        "graph_sizes": sorted(runner.graphs),
+        "capture_seconds": runner.capture_seconds,
+        "nan_rows": runner.nan_rows,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "all_reduce": runner.group.all_reduce_impl if runner.group is not None else "none",
+        "all_reduce_reason": runner.group.all_reduce_reason if runner.group is not None else "",
+    }
+
+
+def weight_buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = WEIGHT_BUCKET_BYTES
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Host copies of ``weights`` in lists of about ``bucket_bytes`` (to send to ranks);
+    a generator is consumed lazily, one bucket at a time."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        host = tensor.detach().to("cpu").contiguous()
+        bucket.append((name, host))
+        size += host.numel() * host.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class RankCalls:
+    """The between-steps calls of one rank, on ``self.runner`` (a ModelRunner)."""
+
+    runner: Any
+    rank: int
+
+    def capture(self) -> float:
+        return self.runner.capture()
+
+    def describe(self) -> dict[str, Any]:
+        return runner_summary(self.runner, self.rank)
+
+    def sleep(self, level: int, discard_weights: bool) -> dict[str, Any]:
+        return self.runner.sleep(level, discard_weights)
+
+    def wake_up(self, tags: tuple[str, ...]) -> dict[str, Any]:
+        return self.runner.wake_up(tags)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.runner.update_weights(weights)
+
+    def load_weights(self, path: str) -> int:
+        return self.runner.load_weights(path)
+
+    def finish_weight_update(self) -> dict[str, Any]:
+        return self.runner.finish_weight_update()
+
+    def cache_info(self) -> RankCacheInfo:
+        return self.runner.cache_info(self.rank)
+
+
+#: the calls a ("call", name, args) command may run
+CALLS = frozenset(
+    name for name, value in vars(RankCalls).items() if callable(value) and not name.startswith("_")
+)

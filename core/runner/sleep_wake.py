@@ -1,0 +1,184 @@
+"""One rank's sleep, wake and weight updates (a part of :class:`ModelRunner`).
+
+``sleep(level)`` drops the decode graphs and their memory pool, releases every
+backend's pools through ``release_cache`` and, at level 2, the weights (kept in
+host memory or discarded); then it returns the memory to the device. ``wake_up``
+allocates exactly the saved block and slot counts through ``allocate_cache``
+after a cross-rank preflight (:mod:`~kvrunner.runner.wake_preflight`); sizing never
+runs again. Once every part is back (and the weights are whole) the decode graphs
+are recaptured, through the same blanked capture as at start-up.
+
+The driver decides which calls are legal (:class:`~kvrunner.sleep_state.SleepState`);
+the checks here only keep a rank from being driven into a state it cannot serve.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrunner.models.loader import WeightNameError, iter_safetensors
+from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
+from kvrunner.runner.weight_residency import WeightResidency
+from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WeightUpdateError
+
+
+class SleepWake:
+    """Sleep, wake and weight updates for :class:`~kvrunner.runner.model_runner.ModelRunner`.
+
+    Uses the runner's ``config``, ``device``, ``group``, ``model``, ``backends``,
+    ``pools``, ``graphs``, ``num_blocks``, ``num_slots``, ``activation_peak_bytes``
+    and ``capture()``.
+    """
+
+    def _init_sleep_wake(self) -> None:
+        self.weights = WeightResidency(self.model, self.device)
+        self.kv_resident = True
+        #: checkpoint names not pushed since the weights were discarded
+        self.weights_pending: set[str] = set()
+        #: test hook: bytes to treat as taken by someone else when a wake checks memory
+        self.wake_pressure: Callable[[], int] = lambda: 0
+        self.device_bytes_after_sleep = 0
+        self.device_bytes_after_wake = 0
+
+    # -- what the pools and weights take ---------------------------------------------
+
+    def pool_bytes_by_backend(self) -> dict[str, int]:
+        """Each backend's pool bytes at the saved counts (resident or not)."""
+        return {
+            s.backend: s.bytes_per_block * self.num_blocks + s.bytes_per_slot * self.num_slots
+            for s in self.backends.cache_specs()
+        }
+
+    def _device_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+    def _return_memory(self) -> None:
+        gc.collect()  # graphs and modules hold reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # -- sleep -----------------------------------------------------------------------
+
+    def sleep(self, level: int, discard_weights: bool = False) -> dict[str, Any]:
+        """Release the graphs and pools (level 1) and the weights (level 2).
+
+        Returns ``{"seconds", "freed_bytes", "pending"}``: device bytes returned to the
+        device on CUDA (measured), the bytes of what was released on the CPU; weight
+        tensors that must be pushed before serving (all of them after a discard).
+        """
+        if not (self.kv_resident and self.weights.state == "resident"):
+            raise SleepStateError("this rank is already asleep")
+        start = time.perf_counter()
+        before = self._device_bytes()
+        logical = sum(self.pool_bytes_by_backend().values())
+        self.graphs = {}  # their memory pool goes with them
+        self.backends.release_cache()
+        self.pools = {}
+        self.kv_resident = False
+        if level == 2:
+            logical += self.weights.release(discard=discard_weights)
+            if discard_weights:
+                self.weights_pending = set(self.model.expected_weight_names())
+        self._return_memory()
+        self.device_bytes_after_sleep = self._device_bytes()
+        freed = before - self.device_bytes_after_sleep if self.device.type == "cuda" else logical
+        return {"seconds": time.perf_counter() - start, "freed_bytes": freed,
+                "pending": len(self.weights_pending)}
+
+    # -- wake ------------------------------------------------------------------------
+
+    def wake_up(self, tags: tuple[str, ...]) -> dict[str, Any]:
+        """Bring back the tagged parts at their saved sizes, or raise ``WakeError`` on
+        every rank with nothing allocated. Returns ``{"seconds", "recapture_s"}``."""
+        start = time.perf_counter()
+        wake_weights = "weights" in tags and self.weights.state != "resident"
+        wake_kv = "kv_cache" in tags and not self.kv_resident
+        what = repr(list(tags))
+        if wake_weights or wake_kv:
+            on_cuda = self.device.type == "cuda"
+            need = self.weights.nbytes if wake_weights and on_cuda else 0
+            if wake_kv:
+                need += sum(self.pool_bytes_by_backend().values())
+                need += self.activation_peak_bytes
+            held = 0 if not self.kv_resident else sum(self.pool_bytes_by_backend().values())
+            room = available_bytes(self.config.cache, self.device, held_bytes=held)
+            preflight(need=need, available=room - self.wake_pressure(), what=what,
+                      group=self.group)
+
+            prior_weights = self.weights.state
+
+            def allocate() -> None:
+                if wake_weights:
+                    self.weights.restore()
+                if wake_kv:
+                    # The saved counts, never re-derived: the engine's block manager
+                    # and every other rank were built on exactly these.
+                    self.pools = self.backends.allocate_cache(
+                        num_blocks=self.num_blocks, num_slots=self.num_slots
+                    )
+
+            def undo() -> None:  # whatever allocate() got done, on this rank
+                if wake_kv and self.pools:
+                    self.backends.release_cache()
+                    self.pools = {}
+                if wake_weights and self.weights.state == "resident":
+                    self.weights.release(discard=prior_weights == "discarded")
+                self._return_memory()
+
+            agree_allocated(allocate, undo, what=what, group=self.group)
+            self.kv_resident = self.kv_resident or wake_kv
+        recapture_s = self._recapture_if_whole() if wake_weights or wake_kv else 0.0
+        self.device_bytes_after_wake = self._device_bytes()
+        return {"seconds": time.perf_counter() - start, "recapture_s": recapture_s}
+
+    def _recapture_if_whole(self) -> float:
+        """Capture the decode graphs once everything is resident and the weights whole."""
+        whole = self.kv_resident and self.weights.state == "resident" and not self.weights_pending
+        if not whole or self.config.capture.enforce_eager:
+            return 0.0
+        return self.capture()
+
+    # -- weights ---------------------------------------------------------------------
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load Hugging Face-named full tensors (this rank takes its shard, in its dtype);
+        returns how many were loaded. Raises ``WeightUpdateError`` naming a bad one."""
+        if self.weights.state != "resident":
+            raise SleepStateError(f"weights are {self.weights.state}: wake them first")
+        try:
+            loaded = self.model.load_weights(weights, require_all=False)
+        except (WeightNameError, ValueError) as e:
+            raise WeightUpdateError(str(e)) from e
+        self.weights_pending -= loaded
+        return len(loaded)
+
+    def load_weights(self, path: str) -> int:
+        """Every tensor of a safetensors checkpoint directory, through :meth:`update_weights`."""
+        return self.update_weights(iter_safetensors(Path(path), self.dtype))
+
+    def finish_weight_update(self) -> dict[str, Any]:
+        """After the last tensor of an update: recapture if the engine is whole.
+
+        Returns ``{"pending", "recapture_s"}`` (tensors still missing since a discard)."""
+        return {"pending": len(self.weights_pending), "recapture_s": self._recapture_if_whole()}
+
+    # -- reporting -------------------------------------------------------------------
+
+    def cache_info(self, rank: int) -> RankCacheInfo:
+        return RankCacheInfo(
+            rank=rank,
+            device=str(self.device),
+            pool_bytes=self.pool_bytes_by_backend(),
+            weight_bytes=self.weights.nbytes,
+            kv_resident=self.kv_resident,
+            weights=self.weights.state,
+            device_bytes_after_sleep=self.device_bytes_after_sleep,
+            device_bytes_after_wake=self.device_bytes_after_wake,
+        )

@@ -1,0 +1,90 @@
+"""The cross-rank check before a wake allocates anything, and the agreement after.
+
+A wake must give every rank exactly the pool the engine's block manager was built
+on. Before any rank allocates, each computes the bytes it needs (the saved pool,
+plus the weights if they wake too) and what it may take, and the ranks exchange
+both figures in one all-reduce. If any rank is short, every rank raises the same
+:class:`~kvrunner.sleep_state.WakeError` naming each short rank, having allocated
+nothing. If the figures pass but an allocation still fails on some rank, the ranks
+agree on that too (:func:`agree_allocated`): everyone frees what it took and raises.
+Nobody waits on a peer that gave up, nobody shrinks, nobody is left half awake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvrunner.config import CacheConfig
+from kvrunner.distributed.group import DistGroup
+from kvrunner.sleep_state import WakeError
+
+MiB = 1 << 20
+
+
+def available_bytes(cache: CacheConfig, device: torch.device, *, held_bytes: int) -> int:
+    """Bytes this rank may still take for what wakes.
+
+    CUDA: ``gpu_memory_utilization`` of the card, less what other processes hold and
+    what this process holds now (the measure start-up sizing used). CPU: the
+    configured pool budget, less the pools still held (``held_bytes``).
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free - torch.cuda.memory_reserved(device)
+        ours = torch.cuda.memory_allocated(device)
+        return int(total * cache.gpu_memory_utilization) - used_by_others - ours
+    return cache.cpu_cache_bytes - held_bytes
+
+
+def _exchange(values: list[int], group: DistGroup | None) -> list[list[int]]:
+    """Every rank's ``values`` (same length everywhere), in rank order, in one all-reduce."""
+    if group is None or group.size == 1:
+        return [values]
+    n = len(values)
+    slots = torch.zeros(group.size * n, dtype=torch.int64, device=group.device)
+    slots[group.rank * n : (group.rank + 1) * n] = torch.tensor(values, dtype=torch.int64)
+    flat = group.all_reduce_ints(slots)
+    return [flat[r * n : (r + 1) * n] for r in range(group.size)]
+
+
+def preflight(*, need: int, available: int, what: str, group: DistGroup | None) -> None:
+    """Raise the same :class:`WakeError` on every rank if any rank cannot fit ``need``."""
+    figures = _exchange([need, available], group)
+    short = {r: n - a for r, (n, a) in enumerate(figures) if n > a}
+    if short:
+        detail = "; ".join(
+            f"rank {r} needs {figures[r][0] / MiB:.1f} MiB, may take "
+            f"{max(figures[r][1], 0) / MiB:.1f} MiB ({b / MiB:.1f} MiB short)"
+            for r, b in short.items()
+        )
+        raise WakeError(
+            f"wake_up({what}) refused before allocating anything: {detail}. The engine "
+            f"stays asleep with the same pool; free device memory (or raise "
+            f"gpu_memory_utilization / cpu_cache_bytes) and call wake_up again",
+            short=short,
+        )
+
+
+def agree_allocated(
+    allocate: Callable[[], None], undo: Callable[[], None], *, what: str, group: DistGroup | None
+) -> None:
+    """Run ``allocate``; if it failed on any rank, ``undo`` (whatever part of it this rank
+    got done) and raise :class:`WakeError` on every rank, chaining this rank's own error
+    where it failed."""
+    error: BaseException | None = None
+    try:
+        allocate()
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        error = e
+    failed = [r for r, (ok,) in enumerate(_exchange([0 if error else 1], group)) if not ok]
+    if not failed:
+        return
+    undo()
+    message = (
+        f"wake_up({what}) passed the preflight but allocation failed on rank(s) {failed}"
+        + (f" (here: {error})" if error is not None else "")
+        + "; every rank freed what it took and the engine stays asleep: retry wake_up"
+    )
+    raise WakeError(message) from error

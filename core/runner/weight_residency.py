@@ -1,0 +1,103 @@
+"""Where the weights live while the engine sleeps: on the device, in host memory, or nowhere.
+
+A sleep at level 2 frees the device memory of every parameter and buffer of the
+model by shrinking its *storage* to zero bytes (as FSDP frees a flat parameter).
+The ``Parameter`` objects, and every view of them a layer may keep, stay the
+same Python objects: a wake grows the storages back and every view sees them.
+The device addresses change, which is why the decode graphs are always dropped at
+sleep and recaptured at wake.
+
+Shared storages (tied embeddings) are handled once. Buffers (the rotary table) are
+not checkpoint tensors, so they are always kept in host memory, even when the
+parameters are discarded.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+
+@attrs.define
+class _Storage:
+    storage: torch.UntypedStorage
+    nbytes: int
+    is_parameter: bool
+    #: host copy while offloaded (pinned when the device is CUDA)
+    saved: torch.Tensor | None = None
+
+
+def _bytes_view(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage (to copy it in one go)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+
+
+class WeightResidency:
+    """Offload, discard and restore one model's weights, in place."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.state = "resident"  # "resident" | "offloaded" | "discarded"
+        seen: dict[int, _Storage] = {}
+        tensors = [(p, True) for p in model.parameters()] + [(b, False) for b in model.buffers()]
+        for tensor, is_parameter in tensors:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen:
+                seen[key] = _Storage(storage, storage.nbytes(), is_parameter)
+        self._storages = list(seen.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the weights while resident."""
+        return sum(s.nbytes for s in self._storages)
+
+    def release(self, *, discard: bool) -> int:
+        """Free the weights' device memory; returns the bytes released.
+
+        ``discard``: parameters are dropped (their values must be pushed again);
+        otherwise they are copied to host memory first. Buffers are always kept.
+        """
+        if self.state != "resident":
+            raise RuntimeError(f"weights are already {self.state}")
+        pin = self.device.type == "cuda"
+        for s in self._storages:
+            if s.is_parameter and discard:
+                s.saved = None
+            else:
+                s.saved = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=pin)
+                s.saved.copy_(_bytes_view(s.storage, s.nbytes, self.device), non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(self.device)  # the copies must land before the memory goes
+        for s in self._storages:
+            s.storage.resize_(0)
+        self.state = "discarded" if discard else "offloaded"
+        return self.nbytes
+
+    def restore(self) -> None:
+        """Allocate every storage again and copy back what was kept.
+
+        Discarded parameters come back with undefined contents: the caller refuses
+        to serve until they are pushed.
+        """
+        if self.state == "resident":
+            return
+        done: list[_Storage] = []
+        try:
+            for s in self._storages:
+                s.storage.resize_(s.nbytes)
+                done.append(s)
+        except BaseException:
+            for s in done:  # all or nothing: a failed wake leaves the weights asleep
+                s.storage.resize_(0)
+            raise
+        pin = self.device.type == "cuda"
+        for s in self._storages:
+            if s.saved is not None:
+                _bytes_view(s.storage, s.nbytes, self.device).copy_(s.saved, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(self.device)
+        for s in self._storages:
+            s.saved = None
+        self.state = "resident"

@@ -1,0 +1,180 @@
+"""What of the engine is asleep, which calls that allows, and the records a sleep leaves.
+
+Plain data, no tensors: the driver (``LLM``) keeps one :class:`SleepState` and checks
+every call against it *before* anything is sent to a rank, so an illegal order
+raises a clear error and changes nothing. The ranks keep their own view of the
+same facts (what they freed, what they hold); the driver's is the one that decides.
+
+The two parts that sleep are vLLM's tags: ``"weights"`` and ``"kv_cache"`` (the
+KV/state pools and the decode graphs that write into them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+#: wake_up tags, as vLLM and the RL trainers that drive it spell them
+TAGS = ("weights", "kv_cache")
+
+
+class SleepStateError(RuntimeError):
+    """A call that the engine's sleep state does not allow now; nothing was changed."""
+
+
+class WakeError(RuntimeError):
+    """A wake that could not allocate on every rank; nothing stays allocated and the
+    engine stays asleep, so the same call can be retried once memory is back.
+
+    :ivar short: ``{rank: bytes short}`` for each rank that could not fit its share.
+    """
+
+    def __init__(self, message: str, *, short: dict[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.short = dict(short or {})
+
+    def __reduce__(self) -> tuple:  # keeps ``short`` across a pipe
+        return (_rebuild_wake_error, (str(self), self.short))
+
+
+def _rebuild_wake_error(message: str, short: dict[int, int]) -> WakeError:
+    return WakeError(message, short=short)
+
+
+class WeightUpdateError(ValueError):
+    """A pushed tensor was refused (unknown name, wrong shape); the message names it.
+
+    The tensors before it were loaded, so the engine refuses to generate until a
+    later ``update_weights`` call completes.
+    """
+
+
+def parse_tags(tags: Iterable[str] | str | None) -> tuple[str, ...]:
+    """``None`` means both; a single string is one tag; unknown tags are refused."""
+    if tags is None:
+        return TAGS
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = tuple(dict.fromkeys(tags))
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown or not tags:
+        raise ValueError(f"wake_up tags must be among {list(TAGS)}; got {list(tags)}")
+    return tags
+
+
+@attrs.define
+class SleepState:
+    """The driver's view of what is resident, and whether the weights can be served."""
+
+    #: "resident", "offloaded" (in host memory) or "discarded" (must be pushed again)
+    weights: str = "resident"
+    #: "resident" or "released"
+    kv_cache: str = "resident"
+    #: weight tensors not pushed since the weights were discarded
+    weights_pending: int = 0
+    #: an update_weights call failed part way: the weights are half old, half new
+    weights_torn: bool = False
+    #: the level of the sleep in progress (0: awake)
+    level: int = 0
+
+    @property
+    def awake(self) -> bool:
+        return self.weights == "resident" and self.kv_cache == "resident"
+
+    def asleep_tags(self) -> list[str]:
+        return [t for t in TAGS if getattr(self, t) != "resident"]
+
+    def require_servable(self, what: str) -> None:
+        """Raise unless every part is resident and the weights are whole."""
+        asleep = self.asleep_tags()
+        if asleep:
+            raise SleepStateError(
+                f"cannot {what}: the engine is asleep ({', '.join(asleep)} released by "
+                f"sleep(level={self.level})); call wake_up() first"
+            )
+        if self.weights_pending:
+            raise SleepStateError(
+                f"cannot {what}: the weights were discarded by sleep(level=2, "
+                f"discard_weights=True) and {self.weights_pending} tensor(s) have not been "
+                f"pushed since; finish update_weights(...) or load_weights(path) first"
+            )
+        if self.weights_torn:
+            raise SleepStateError(
+                f"cannot {what}: the last update_weights call failed part way, so the "
+                f"weights are partly old and partly new; push them again (a call that "
+                f"completes) before generating"
+            )
+
+    def require_can_sleep(self, level: int, discard_weights: bool) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2; got {level!r}")
+        if discard_weights and level != 2:
+            raise ValueError("discard_weights=True needs sleep(level=2): level 1 keeps weights")
+        if not self.awake:
+            raise SleepStateError(
+                f"already asleep ({', '.join(self.asleep_tags())} released by "
+                f"sleep(level={self.level})); call wake_up() before sleeping again"
+            )
+
+    def require_weights_resident(self, what: str) -> None:
+        if self.weights != "resident":
+            raise SleepStateError(
+                f"cannot {what}: the weights are {self.weights} by sleep(level={self.level}); "
+                f"call wake_up(['weights']) first"
+            )
+
+    def require_kv_resident(self, what: str) -> None:
+        if self.kv_cache != "resident":
+            raise SleepStateError(
+                f"cannot {what}: the KV cache is released by sleep(level={self.level}); "
+                f"call wake_up(['kv_cache']) first"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class RankCacheInfo:
+    """One rank's pools and weights, as :meth:`kvrunner.LLM.cache_info` reports them."""
+
+    rank: int
+    device: str
+    #: bytes of each backend's pools on this rank while resident (backend -> bytes)
+    pool_bytes: dict[str, int]
+    #: bytes of this rank's weights (its TP shard) while resident
+    weight_bytes: int
+    kv_resident: bool
+    #: "resident", "offloaded" or "discarded"
+    weights: str
+    #: device memory this rank's process held after its last sleep / wake (CUDA), else 0
+    device_bytes_after_sleep: int = 0
+    device_bytes_after_wake: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class CacheInfo:
+    """A frozen record of the engine's cache pool and its last sleep / wake / recapture.
+
+    ``num_blocks`` and ``num_state_slots`` never change after start-up: a wake
+    allocates exactly these counts or fails.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_state_slots: int
+    prefix_cached_blocks: int
+    weights: str
+    kv_cache: str
+    ranks: tuple[RankCacheInfo, ...]
+    last_sleep_level: int
+    last_sleep_s: float
+    last_wake_s: float
+    last_recapture_s: float
+    #: device bytes the last sleep returned to the device (rank 0; logical bytes on CPU)
+    last_freed_bytes: int
+    num_sleeps: int
+    num_wakes: int
+
+    @property
+    def pool_bytes(self) -> int:
+        """All backends' pool bytes on rank 0."""
+        return sum(self.ranks[0].pool_bytes.values())
