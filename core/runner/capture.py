@@ -2,8 +2,9 @@
 
 For each size: blank the union of every active backend's write targets to PAD,
 build the capture metadata (read side synthesized by the backend), warmup forward,
-captured forward. In audit mode every pool is snapshotted first and must be
-byte-identical after each size.
+captured forward. In audit mode every integer buffer the core can reach that is not
+a declared write target is first seeded with in-range row indices (what serving
+leaves), and every pool's checksums must be unchanged after each size.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from tqdm.auto import tqdm
 
 from kvrunner.config import CaptureConfig
 from kvrunner.plugins import BackendManager
-from kvrunner.runner.capture_safety import PoolSnapshot, blank_write_targets
+from kvrunner.runner.capture_safety import (
+    PoolSnapshot,
+    blank_write_targets,
+    seed_undeclared_index_buffers,
+)
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, Forward
 
@@ -30,9 +35,14 @@ def capture_decode_graphs(
     pools: Mapping[str, torch.Tensor],
     config: CaptureConfig,
     device: torch.device,
+    index_bound: int,
     progress: bool = False,
 ) -> tuple[dict[int, DecodeGraph], float]:
-    """Capture every size; returns the graphs by batch size and the seconds it took."""
+    """Capture every size; returns the graphs by batch size and the seconds it took.
+
+    :param index_bound: row indices below this are valid for every pool (the audit's
+        seeding of undeclared buffers stays in range).
+    """
     start = time.perf_counter()
     snapshot = PoolSnapshot(pools) if config.audit else None
     graphs: dict[int, DecodeGraph] = {}
@@ -40,6 +50,8 @@ def capture_decode_graphs(
     ordered = sorted(sizes, reverse=True)  # largest first: later graphs reuse its memory
     for batch_size in tqdm(ordered, desc="capturing decode graphs", disable=not progress):
         targets = backends.cache_write_targets()
+        if config.audit:
+            seed_undeclared_index_buffers(forward_vars.values(), targets, bound=index_bound)
         if config.blank_write_targets:
             blank_write_targets(targets)
         # The read side of the model's own inputs: token 0 at position 0.

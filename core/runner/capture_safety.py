@@ -1,19 +1,32 @@
-"""The two capture-safety mechanisms: blanking write targets, and the audit.
+"""The capture-safety mechanisms: blanking write targets, seeding the others, the audit.
 
 A capture runs the model for real (a warmup forward, then the captured one), so every
 kernel that writes cache does write — wherever its index buffers point. Blanking
 sets every declared write target to its PAD value first, so those writes are
-skipped. The audit proves it: every pool is snapshotted before and compared after;
-a backend that writes through a buffer it did not declare is caught here.
+skipped. The audit proves it: every pool's per-chunk checksums are taken before
+and compared after; a backend that writes through a buffer it did not declare is
+caught here. Checksums are computed on the pool's device (two int64 per 4 MiB
+chunk), so the audit needs no copy of the pools and can stay on in production.
+
+An undeclared write target that still holds its start-up value (zeros, or PAD)
+writes nothing harmful at the first capture and would pass; only after serving does
+it hold live rows. So before an audited capture every integer buffer the core can
+reach that is *not* a declared write target is seeded with in-range row indices —
+what a served batch leaves — and the very first capture catches it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from kvrunner.contract import CacheWriteTarget
+
+#: 4-byte words per checksum chunk (4 MiB)
+CHUNK_WORDS = 1 << 20
+#: words checksummed per operation: bounds the int64 temporaries to 2 x 64 MiB
+GROUP_WORDS = 1 << 23
 
 
 class CaptureAuditError(RuntimeError):
@@ -26,18 +39,64 @@ def blank_write_targets(targets: Sequence[CacheWriteTarget]) -> None:
         target.buffer.fill_(target.pad_value)
 
 
+def seed_undeclared_index_buffers(
+    buffers: Iterable[torch.Tensor], declared: Sequence[CacheWriteTarget], *, bound: int
+) -> list[torch.Tensor]:
+    """Fill every integer buffer in ``buffers`` that is not a declared write target
+    with row indices ``0, 1, ..., bound - 1, 0, ...`` (in range for any block, slot or
+    state-slot index); returns the buffers seeded."""
+    declared_ptrs = {t.buffer.untyped_storage().data_ptr() for t in declared}
+    seeded = []
+    for buffer in buffers:
+        if buffer.is_floating_point() or buffer.is_complex() or buffer.dtype == torch.bool:
+            continue
+        if buffer.untyped_storage().data_ptr() in declared_ptrs:
+            continue
+        rows = torch.arange(buffer.numel(), device=buffer.device) % max(bound, 1)
+        buffer.copy_(rows.view(buffer.shape).to(buffer.dtype))
+        seeded.append(buffer)
+    return seeded
+
+
+def chunk_checksums(t: torch.Tensor) -> torch.Tensor:
+    """``[num_chunks, 2]`` int64 per 4 MiB chunk of ``t``'s bytes: the sum of its
+    32-bit words and their position-weighted sum (so a moved word counts too).
+
+    Raw bits, so NaN == NaN and -0.0 != 0.0 as in memory; computed where ``t`` lives.
+    """
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    n = words.numel()
+    chunks = -(-n // CHUNK_WORDS)
+    out = torch.empty((chunks, 2), dtype=torch.int64, device=t.device)
+    weight = torch.arange(1, CHUNK_WORDS + 1, dtype=torch.int64, device=t.device)
+    per_group = max(GROUP_WORDS // CHUNK_WORDS, 1)
+    full = n // CHUNK_WORDS
+    for first in range(0, full, per_group):
+        last = min(first + per_group, full)
+        block = words[first * CHUNK_WORDS : last * CHUNK_WORDS].view(last - first, CHUNK_WORDS)
+        wide = block.to(torch.int64)
+        out[first:last, 0] = wide.sum(dim=1)
+        out[first:last, 1] = (wide * weight).sum(dim=1)
+    if full < chunks:  # a partial last chunk
+        tail = words[full * CHUNK_WORDS :].to(torch.int64)
+        out[full, 0] = tail.sum()
+        out[full, 1] = (tail * weight[: tail.numel()]).sum()
+    return out
+
+
 class PoolSnapshot:
-    """A byte copy of every pool, to compare against after a capture."""
+    """Per-chunk checksums of every pool, to compare against after a capture."""
 
     def __init__(self, pools: Mapping[str, torch.Tensor]) -> None:
         self._pools = dict(pools)
-        self._copies = {name: _bytes_of(t).clone() for name, t in pools.items()}
+        self._sums = {name: chunk_checksums(t) for name, t in pools.items()}
 
     def changed_pools(self) -> list[str]:
         return [
             name
             for name, pool in self._pools.items()
-            if not torch.equal(_bytes_of(pool), self._copies[name])
+            if not torch.equal(chunk_checksums(pool), self._sums[name])
         ]
 
     def require_unchanged(self, *, batch_size: int, blanked: Sequence[CacheWriteTarget]) -> None:
@@ -49,8 +108,3 @@ class PoolSnapshot:
                 f"write targets blanked before it: {names}. A kernel writes through a buffer "
                 f"its backend does not declare in cache_write_targets (or blanking is off)."
             )
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    # Compare raw bytes, so NaN == NaN and -0.0 != 0.0 as in memory.
-    return t.detach().contiguous().view(torch.uint8)

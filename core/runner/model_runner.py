@@ -196,6 +196,8 @@ class ModelRunner(SleepWake):
                 pools=self.pools,
                 config=self.config.capture,
                 device=self.device,
+                # valid as a KV block, a KV slot and a state slot alike
+                index_bound=min(self.num_blocks, self.num_slots),
                 progress=self.progress,
             )
         return self.capture_seconds

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvrunner.contract import CacheSpec, CacheWriteTarget
-from kvrunner.runner.capture_safety import CaptureAuditError, PoolSnapshot, blank_write_targets
+from kvrunner.runner import capture_safety
+from kvrunner.runner.capture_safety import (
+    CaptureAuditError,
+    PoolSnapshot,
+    blank_write_targets,
+    seed_undeclared_index_buffers,
+)
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import default_capture_sizes
 from kvrunner.runner.sizing import CacheSizingError, num_blocks_for_budget
@@ -75,3 +81,40 @@ def test_audit_names_the_pool_a_capture_wrote(change: str) -> None:
     pools["kv.1"][2, 1] = {"value": 1.0, "nan": float("nan"), "negative_zero": -0.0}[change]
     with pytest.raises(CaptureAuditError, match=r"batch size 8.*\['kv.1'\]"):
         snap.require_unchanged(batch_size=8, blanked=[])
+
+
+@st.composite
+def pools_and_a_change(draw: st.DrawFn) -> tuple[torch.Tensor, int, str]:
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]))
+    numel = draw(st.integers(1, 300))
+    pool = torch.randint(-100, 100, (numel,)).to(dtype)
+    return pool, draw(st.integers(0, numel - 1)), draw(st.sampled_from(["value", "swap"]))
+
+
+@given(pools_and_a_change())
+def test_checksums_see_any_changed_or_moved_element_across_chunk_edges(case) -> None:
+    pool, index, change = case
+    if change == "swap":
+        other = (index + 1) % pool.numel()
+        assume(pool[index] != pool[other])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(capture_safety, "CHUNK_WORDS", 8)  # many chunks, a partial last one
+        mp.setattr(capture_safety, "GROUP_WORDS", 24)
+        snap = PoolSnapshot({"p": pool})
+        assert snap.changed_pools() == []  # unchanged bytes: same checksums
+        if change == "value":
+            pool[index] = pool[index] + 1
+        else:  # two different elements trade places: the plain sum alone would miss it
+            pool[index], pool[other] = pool[other].clone(), pool[index].clone()
+        assert snap.changed_pools() == ["p"]
+
+
+def test_seeding_fills_undeclared_integer_buffers_with_in_range_rows_only() -> None:
+    declared = torch.full((6,), -1, dtype=torch.int64)
+    undeclared = torch.zeros(2, 5, dtype=torch.int32)
+    floats = torch.zeros(4)
+    target = CacheWriteTarget(backend="x", name="slots", buffer=declared)
+    seeded = seed_undeclared_index_buffers([declared, undeclared, floats], [target], bound=3)
+    assert [s is undeclared for s in seeded] == [True]
+    assert declared.tolist() == [-1] * 6 and floats.tolist() == [0.0] * 4
+    assert undeclared.flatten().tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
