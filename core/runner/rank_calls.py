@@ -34,10 +34,14 @@ class Refused:
 
 
 def raise_refused(answers: Sequence[Any]) -> list[Any]:
-    """``answers`` unchanged, or the lowest rank's refusal raised in the driver."""
-    for answer in answers:
-        if isinstance(answer, Refused):
-            raise answer.error
+    """``answers`` unchanged, or the lowest rank's refusal raised in the driver, with
+    ``refused_by`` set to every refusing rank (a wake refused by the preflight is
+    refused, with the same message, by all of them)."""
+    refused = [r for r, answer in enumerate(answers) if isinstance(answer, Refused)]
+    if refused:
+        error = answers[refused[0]].error
+        error.refused_by = refused
+        raise error
     return list(answers)
 
 
