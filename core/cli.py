@@ -108,6 +108,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         batch=args.batch,
         max_tokens=args.max_tokens,
         config=_config_kwargs(args),
+        sleep_level=args.sleep_level,
+        update=args.update,
     )
 
 
@@ -135,10 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("rollout", help="RL-style loop: generate, recapture, generate again")
+    p = sub.add_parser(
+        "rollout", help="RL loop: generate, sleep, push weights, wake and recapture, per round"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--sleep-level", type=int, default=1, choices=[1, 2],
+                   help="1: free graphs and cache pools; 2: the weights too (default: 1)")
+    p.add_argument("--update", default="none", choices=["none", "same", "perturbed"],
+                   help="weights pushed before each wake: none, the checkpoint's own, or "
+                   "alternately a perturbed copy and the own again (default: none)")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_rollout)
     return parser

@@ -1,19 +1,29 @@
-"""The main job: an RL-style rollout loop on one engine.
+"""The main job: the RL rollout loop on one engine, as a trainer drives it.
 
 Each round generates the same batch (seeded sampling, so a correct runtime repeats
-itself exactly), then recaptures every decode graph the way a trainer's weight sync
-would force — with forward_vars still holding the last served batch's live rows.
-A capture that wrote into the cache would show up as NaN rows or as outputs that
-differ from round 1.
+itself exactly), then sleeps (level 1 or 2) as if a trainer took the GPU, optionally
+pushes weights back (the checkpoint's own, or a perturbed copy), wakes and
+recaptures its decode graphs — with forward_vars still holding the last served
+batch's live rows. A capture that wrote into the cache, a pool that came back at
+another size, or weights that came back wrong show up as NaN rows, a changed block
+count, or outputs that differ from round 1.
+
+With ``update="perturbed"`` the rounds alternate: even rounds serve a perturbed
+copy, odd rounds the checkpoint's own weights again, which must answer exactly as
+round 1 did.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvrunner.llm import LLM
+from kvrunner.models.loader import iter_safetensors
 from kvrunner.sampling_params import SamplingParams
 
 _TEXT = (
@@ -21,6 +31,8 @@ _TEXT = (
     "wakes recaptures its graphs and serves the next batch of prompts"
 )
 _WORDS = _TEXT.split()
+#: how weights come back after each sleep
+UPDATES = ("none", "same", "perturbed")
 
 
 def rollout_prompts(batch: int) -> list[str]:
@@ -30,6 +42,16 @@ def rollout_prompts(batch: int) -> list[str]:
     ]
 
 
+def trainer_weights(path: Path, *, perturb_seed: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as a trainer pushes them (float32, full, by HF name),
+    each scaled by ``1 + 0.05 * noise`` when ``perturb_seed`` is given."""
+    gen = torch.Generator().manual_seed(perturb_seed or 0)
+    for name, tensor in iter_safetensors(path, torch.float32):
+        if perturb_seed is not None:
+            tensor = tensor * (1 + 0.05 * torch.randn(tensor.shape, generator=gen))
+        yield name, tensor
+
+
 def run_rollout(
     *,
     config_file: str | Path | None,
@@ -37,8 +59,15 @@ def run_rollout(
     batch: int,
     max_tokens: int,
     config: dict[str, Any],
+    sleep_level: int = 1,
+    update: str = "none",
 ) -> int:
-    """Run the loop and print one table row per round; returns a process exit code."""
+    """Run the loop and print one table row per round; returns a process exit code
+    (1 when any round lost anything)."""
+    if sleep_level not in (1, 2):
+        raise ValueError(f"--sleep-level must be 1 or 2; got {sleep_level}")
+    if update not in UPDATES:
+        raise ValueError(f"--update must be one of {', '.join(UPDATES)}; got {update!r}")
     llm = LLM(config_file=config_file, progress=True, **config)
     prompts = rollout_prompts(batch)
     params = [
@@ -46,47 +75,52 @@ def run_rollout(
         for i in range(batch)
     ]
     info = llm.executor.model_info
-
-    def rank0() -> dict[str, Any]:
-        # Every rank computes the same logits; rank 0 speaks for the group.
-        return llm.executor.describe_ranks()[0]
-
-    start_state = rank0()
+    start_state = llm.executor.describe_ranks()[0]
+    start_blocks = llm.cache_info().num_blocks
     print(
         f"model {info.path.name}: {len(info.layer_types)} layers {sorted(set(info.layer_types))}, "
         f"{llm.config.parallel.tensor_parallel_size} rank(s) on {start_state['device']} "
-        f"{start_state['dtype']}, {llm.engine.block_manager.num_blocks} KV blocks, "
-        f"{len(start_state['graph_sizes'])} decode graphs"
+        f"{start_state['dtype']}, {start_blocks} KV blocks, "
+        f"{len(start_state['graph_sizes'])} decode graphs; sleep level {sleep_level}, "
+        f"weights pushed: {update}"
     )
     header = (
-        f"{'round':>5} {'tok/s':>10} {'tokens':>7} {'KV blocks used':>15} "
-        f"{'capture s':>10} {'NaN rows':>9} {'same as round 1':>16}"
+        f"{'round':>5} {'tok/s':>9} {'sleep s':>8} {'wake s':>7} {'recapture s':>12} "
+        f"{'MiB freed':>10} {'KV blocks':>10} {'NaN rows':>9} {'same as round 1':>16}"
     )
     print(header)
     print("-" * len(header))
     first: list[list[int]] | None = None
-    capture_s = start_state["capture_seconds"]
-    all_same = all_nan_free = True
+    lost = False
     for r in range(1, rounds + 1):
-        if r > 1:
-            capture_s = llm.recapture()
-        llm.engine.peak_blocks_used = 0
-        nan_before = rank0()["nan_rows"]
+        nan_before = llm.executor.describe_ranks()[0]["nan_rows"]
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         tokens = [o.token_ids for o in outs]
+        nan_rows = llm.executor.describe_ranks()[0]["nan_rows"] - nan_before
+        # Rounds served by the checkpoint's own weights must repeat round 1 exactly.
+        own_weights = update != "perturbed" or r % 2 == 1
         first = first or tokens
-        same = tokens == first
-        all_same &= same
-        n = sum(len(t) for t in tokens)
-        blocks = f"{llm.engine.peak_blocks_used}/{llm.engine.block_manager.num_blocks}"
-        nan_rows = rank0()["nan_rows"] - nan_before
-        all_nan_free &= nan_rows == 0
+        same = "yes" if tokens == first else "NO"
+        if not own_weights:
+            same = "-"  # a perturbed round: nothing to compare against
+        # As a trainer's step would: sleep, push weights, wake (graphs recaptured).
+        discard = sleep_level == 2 and update != "none"
+        sleep_s = llm.sleep(sleep_level, discard_weights=discard)
+        freed = llm.cache_info().last_freed_bytes
+        wake_s = llm.wake_up(["weights"])
+        if update != "none":
+            perturb = r if update == "perturbed" and r % 2 == 1 else None
+            llm.update_weights(trainer_weights(info.path, perturb_seed=perturb))
+        wake_s += llm.wake_up(["kv_cache"])
+        after = llm.cache_info()
+        lost |= same == "NO" or nan_rows != 0 or after.num_blocks != start_blocks
         print(
-            f"{r:>5} {n / seconds:>10.1f} {n:>7} {blocks:>15} {capture_s:>10.3f} "
-            f"{nan_rows:>9} {'yes' if same else 'NO':>16}"
+            f"{r:>5} {sum(len(t) for t in tokens) / seconds:>9.1f} {sleep_s:>8.3f} "
+            f"{wake_s:>7.3f} {after.last_recapture_s:>12.3f} {freed / 2**20:>10.1f} "
+            f"{after.num_blocks:>10} {nan_rows:>9} {same:>16}"
         )
-    print(f"outputs identical across rounds: {'yes' if all_same else 'NO'}")
+    print(f"rounds that lost anything: {'some' if lost else 'none'}")
     llm.shutdown()
-    return 0 if all_same and all_nan_free else 1
+    return 1 if lost else 0

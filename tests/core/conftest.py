@@ -36,3 +36,10 @@ def flatkv_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
     yield str(site)
     sys.path.remove(str(site))
     importlib.invalidate_caches()
+
+
+@pytest.fixture
+def kvrunner_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A private home for the embedded default models, written on first use."""
+    monkeypatch.setenv("KVRUNNER_HOME", str(tmp_path / "home"))
+    return str(tmp_path / "home")
