@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from kvrunner.contract import CacheWriteTarget
+from kvrunner.layers.fused.dispatch import use_triton
 
 #: 4-byte words per checksum chunk (4 MiB)
 CHUNK_WORDS = 1 << 20
@@ -62,10 +63,15 @@ def chunk_checksums(t: torch.Tensor) -> torch.Tensor:
     """``[num_chunks, 2]`` int64 per 4 MiB chunk of ``t``'s bytes: the sum of its
     32-bit words and their position-weighted sum (so a moved word counts too).
 
-    Raw bits, so NaN == NaN and -0.0 != 0.0 as in memory; computed where ``t`` lives.
+    Raw bits, so NaN == NaN and -0.0 != 0.0 as in memory; computed where ``t`` lives:
+    one Triton kernel reading each byte once on CUDA, grouped torch ops elsewhere.
     """
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    if use_triton(words):
+        from kvrunner.runner.checksum_triton import chunk_checksums_triton
+
+        return chunk_checksums_triton(words, CHUNK_WORDS)
     n = words.numel()
     chunks = -(-n // CHUNK_WORDS)
     out = torch.empty((chunks, 2), dtype=torch.int64, device=t.device)

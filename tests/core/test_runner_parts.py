@@ -8,6 +8,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvrunner.contract import CacheSpec, CacheWriteTarget
+from kvrunner.layers.fused.dispatch import USE_TRITON_ENV
 from kvrunner.runner import capture_safety
 from kvrunner.runner.capture_safety import (
     CaptureAuditError,
@@ -118,3 +119,14 @@ def test_seeding_fills_undeclared_integer_buffers_with_in_range_rows_only() -> N
     assert [s is undeclared for s in seeded] == [True]
     assert declared.tolist() == [-1] * 6 and floats.tolist() == [0.0] * 4
     assert undeclared.flatten().tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+
+
+@given(st.integers(1, 200), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]))
+def test_checksum_kernel_equals_the_torch_reference(numel: int, dtype: torch.dtype) -> None:
+    pool = torch.randint(-1000, 1000, (numel,)).to(dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(capture_safety, "CHUNK_WORDS", 16)
+        mp.setenv(USE_TRITON_ENV, "0")
+        reference = capture_safety.chunk_checksums(pool)
+        mp.setenv(USE_TRITON_ENV, "1")
+        assert torch.equal(capture_safety.chunk_checksums(pool), reference)
