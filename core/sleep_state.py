@@ -145,7 +145,11 @@ class RankCacheInfo:
     kv_resident: bool
     #: "resident", "offloaded" or "discarded"
     weights: str
-    #: device memory this rank's process held after its last sleep / wake (CUDA), else 0
+    #: what the last sleep returned to the device (measured on CUDA, logical on CPU)
+    last_freed_bytes: int = 0
+    #: device memory this rank's process held (reserved by torch) around its last
+    #: sleep and after its last wake; 0 on the CPU
+    device_bytes_before_sleep: int = 0
     device_bytes_after_sleep: int = 0
     device_bytes_after_wake: int = 0
 

@@ -43,8 +43,10 @@ class SleepWake:
         self.weights_pending: set[str] = set()
         #: test hook: bytes to treat as taken by someone else when a wake checks memory
         self.wake_pressure: Callable[[], int] = lambda: 0
+        self.device_bytes_before_sleep = 0
         self.device_bytes_after_sleep = 0
         self.device_bytes_after_wake = 0
+        self.last_freed_bytes = 0
 
     # -- what the pools and weights take ---------------------------------------------
 
@@ -76,7 +78,7 @@ class SleepWake:
         if not (self.kv_resident and self.weights.state == "resident"):
             raise SleepStateError("this rank is already asleep")
         start = time.perf_counter()
-        before = self._device_bytes()
+        before = self.device_bytes_before_sleep = self._device_bytes()
         logical = sum(self.pool_bytes_by_backend().values())
         self.graphs = {}  # their memory pool goes with them
         self.backends.release_cache()
@@ -89,6 +91,7 @@ class SleepWake:
         self._return_memory()
         self.device_bytes_after_sleep = self._device_bytes()
         freed = before - self.device_bytes_after_sleep if self.device.type == "cuda" else logical
+        self.last_freed_bytes = freed
         return {"seconds": time.perf_counter() - start, "freed_bytes": freed,
                 "pending": len(self.weights_pending)}
 
@@ -179,6 +182,8 @@ class SleepWake:
             weight_bytes=self.weights.nbytes,
             kv_resident=self.kv_resident,
             weights=self.weights.state,
+            last_freed_bytes=self.last_freed_bytes,
+            device_bytes_before_sleep=self.device_bytes_before_sleep,
             device_bytes_after_sleep=self.device_bytes_after_sleep,
             device_bytes_after_wake=self.device_bytes_after_wake,
         )

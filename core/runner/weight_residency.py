@@ -24,8 +24,11 @@ class _Storage:
     storage: torch.UntypedStorage
     nbytes: int
     is_parameter: bool
-    #: host copy while offloaded (pinned when the device is CUDA)
-    saved: torch.Tensor | None = None
+    #: host buffer for the offloaded bytes (pinned when the device is CUDA); kept
+    #: after a wake, since pinning gigabytes again at every sleep costs seconds
+    host: torch.Tensor | None = None
+    #: whether ``host`` holds this storage's bytes now
+    offloaded: bool = False
 
 
 def _bytes_view(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -58,16 +61,18 @@ class WeightResidency:
 
         ``discard``: parameters are dropped (their values must be pushed again);
         otherwise they are copied to host memory first. Buffers are always kept.
+        The host buffers are allocated at the first offload and reused after.
         """
         if self.state != "resident":
             raise RuntimeError(f"weights are already {self.state}")
         pin = self.device.type == "cuda"
         for s in self._storages:
-            if s.is_parameter and discard:
-                s.saved = None
-            else:
-                s.saved = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=pin)
-                s.saved.copy_(_bytes_view(s.storage, s.nbytes, self.device), non_blocking=pin)
+            s.offloaded = not (s.is_parameter and discard)
+            if not s.offloaded:
+                continue
+            if s.host is None:
+                s.host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=pin)
+            s.host.copy_(_bytes_view(s.storage, s.nbytes, self.device), non_blocking=pin)
         if pin:
             torch.cuda.synchronize(self.device)  # the copies must land before the memory goes
         for s in self._storages:
@@ -94,10 +99,9 @@ class WeightResidency:
             raise
         pin = self.device.type == "cuda"
         for s in self._storages:
-            if s.saved is not None:
-                _bytes_view(s.storage, s.nbytes, self.device).copy_(s.saved, non_blocking=pin)
+            if s.offloaded:
+                _bytes_view(s.storage, s.nbytes, self.device).copy_(s.host, non_blocking=pin)
+            s.offloaded = False
         if pin:
             torch.cuda.synchronize(self.device)
-        for s in self._storages:
-            s.saved = None
         self.state = "resident"
