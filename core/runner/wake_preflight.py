@@ -24,17 +24,20 @@ MiB = 1 << 20
 
 
 def available_bytes(cache: CacheConfig, device: torch.device, *, held_bytes: int) -> int:
-    """Bytes this rank may still take for what wakes.
+    """Bytes this rank can still take for what wakes.
 
-    CUDA: ``gpu_memory_utilization`` of the card, less what other processes hold and
-    what this process holds now (the measure start-up sizing used). CPU: the
-    configured pool budget, less the pools still held (``held_bytes``).
+    CUDA: what the device has free plus what this process's allocator holds unused.
+    Not ``gpu_memory_utilization`` again: that sized the pool once, at start-up, and
+    what came after sizing (decode graphs, NCCL's buffers) already sits above it, so
+    the same pool would never fit the same fraction twice. The question at a wake is
+    whether the same allocations succeed now, with room for the activation peak
+    (which the caller adds to what it needs). CPU: the configured pool budget, less
+    the pools still held (``held_bytes``).
     """
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free - torch.cuda.memory_reserved(device)
-        ours = torch.cuda.memory_allocated(device)
-        return int(total * cache.gpu_memory_utilization) - used_by_others - ours
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached
     return cache.cpu_cache_bytes - held_bytes
 
 
@@ -61,8 +64,8 @@ def preflight(*, need: int, available: int, what: str, group: DistGroup | None) 
         )
         raise WakeError(
             f"wake_up({what}) refused before allocating anything: {detail}. The engine "
-            f"stays asleep with the same pool; free device memory (or raise "
-            f"gpu_memory_utilization / cpu_cache_bytes) and call wake_up again",
+            f"stays asleep with the same pool; free device memory (on the CPU: raise "
+            f"cpu_cache_bytes) and call wake_up again",
             short=short,
         )
 

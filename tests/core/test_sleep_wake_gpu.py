@@ -58,6 +58,7 @@ def write_qwen3_0_6b_shape(path: Path) -> Path:
         }
     save_file(t, str(tiny / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((tiny / "config.json").read_text())
+    config.pop("layer_types", None)  # all full attention, as the architecture's default
     config.update(
         hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=d, vocab_size=vocab,
