@@ -43,6 +43,7 @@ def _one_of(*choices: str):
                 f"{', '.join(choices)}; got {value!r}"
             )
 
+    check.choices = choices  # type: ignore[attr-defined]  # the CLI lists them
     return check
 
 

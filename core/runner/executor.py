@@ -315,4 +315,7 @@ def make_executor(config: EngineConfig, *, progress: bool = False) -> Any:
             "distributed_executor='torchrun': start every rank with torchrun and call "
             "kvrunner.distributed.launch.launch(...) on each (rank 0 gets the LLM)"
         )
+    from kvrunner.main_guard import check_main_guard
+
+    check_main_guard(f"tensor_parallel_size={parallel.tensor_parallel_size}")
     return MultiprocExecutor(config, progress=progress)
