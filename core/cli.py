@@ -4,49 +4,81 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from kvrunner.config import _SECTIONS, ConfigError
+from kvrunner import __version__
+from kvrunner.cli_help import choices_of, field_help
+from kvrunner.config import _SECTIONS, ConfigError, EngineConfig
+from kvrunner.errors import KvrunnerError, RequestError
 from kvrunner.plugins import BackendError
-from kvrunner.runner.sizing import CacheSizingError
+
+DESCRIPTION = (
+    "kvrunner: an LLM inference runtime for RL rollouts with pluggable attention and "
+    "cache backends. Every engine setting is a flag (--block-size 32) or a key of the "
+    "TOML file given with --config; a flag overrides the file."
+)
+#: exit status after Ctrl-C, as a shell reports a process ended by SIGINT
+EXIT_INTERRUPTED = 130
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config field (``--block-size``), plus ``--config FILE.toml``."""
-    parser.add_argument("--config", dest="config_file", help="TOML file with engine settings")
-    parser.add_argument("--model", default=None, help="HF-format directory or embedded default")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--config", dest="config_file", metavar="FILE.toml",
+                        help="TOML file with engine settings (see docs/example.toml); "
+                        "flags override it")
+    top = parser.add_argument_group("engine")
+    for field in attrs.fields(EngineConfig):
+        if field.name not in _SECTIONS:
+            _add_field_flag(top, field, None)
     for section, klass in _SECTIONS.items():
         group = parser.add_argument_group(f"[{section}]")
         for field in attrs.fields(klass):
-            flag = "--" + field.name.replace("_", "-")
-            if field.type in ("bool", bool):
-                group.add_argument(
-                    flag, dest=field.name, default=None, action=argparse.BooleanOptionalAction
-                )
-            elif field.name == "capture_sizes":
-                group.add_argument(
-                    flag,
-                    dest=field.name,
-                    default=None,
-                    type=lambda s: tuple(int(x) for x in s.split(",")),
-                )
-            else:
-                kind = {"int": int, "float": float, "str": str}.get(str(field.type).split(" ")[0])
-                group.add_argument(flag, dest=field.name, default=None, type=kind or _int_or_none)
+            _add_field_flag(group, field, section)
+
+
+def _add_field_flag(group: Any, field: attrs.Attribute, section: str | None) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    common = dict(dest=field.name, default=None, help=field_help(field, section))
+    if field.type in ("bool", bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+    elif field.name == "capture_sizes":
+        group.add_argument(flag, type=_capture_sizes, metavar="N,N,...", **common)
+    else:
+        kind = {"int": int, "float": float, "str": str}.get(str(field.type).split(" ")[0])
+        group.add_argument(flag, type=kind or _int_or_none, choices=choices_of(field), **common)
+
+
+def _capture_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of batch sizes (like 1,2,4,8)"
+        ) from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: every batch size must be >= 1")
+    return sizes
 
 
 def _int_or_none(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (or 'none')") from None
+
+
+_int_or_none.__name__ = "integer"  # argparse names the type in its message
 
 
 def _config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {"model", "dtype", "device", "seed"} | {
+    names = {f.name for f in attrs.fields(EngineConfig) if f.name not in _SECTIONS} | {
         f.name for klass in _SECTIONS.values() for f in attrs.fields(klass)
     }
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -76,15 +108,45 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from kvrunner.models.tiny import write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(args.path, kind=args.kind, seed=args.seed)
+    target = Path(args.path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not args.force:
+        raise ConfigError(
+            f"{target} exists and is not empty; choose another directory, or pass --force "
+            f"to write the checkpoint's files into it (replacing files of the same name)"
+        )
+    path = write_tiny_checkpoint(target, kind=args.kind, seed=args.seed)
     print(f"wrote {args.kind} checkpoint to {path}")
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvrunner import LLM, SamplingParams
+def _prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
+    """The prompts as text, or as token-id lists with ``--token-ids``; checked here,
+    before any model is loaded."""
+    prompts: list[Any] = []
+    for index, text in enumerate(args.prompt):
+        if not args.token_ids:
+            if not text:
+                raise RequestError(f"request {index}: the prompt is empty")
+            prompts.append(text)
+            continue
+        try:
+            prompts.append([int(t) for t in text.replace(" ", ",").split(",") if t])
+        except ValueError:
+            raise RequestError(
+                f"request {index}: {text!r} is not a comma-separated list of token ids"
+            ) from None
+        if not prompts[-1]:
+            raise RequestError(f"request {index}: the prompt is empty")
+    return prompts
 
-    llm = LLM(config_file=args.config_file, progress=True, **_config_kwargs(args))
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvrunner import SamplingParams
+
+    # Everything that can be checked without the model is checked first: a typo
+    # should not cost a model load.
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -93,9 +155,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed,
         ignore_eos=args.ignore_eos,
     )
-    for out in llm.generate(args.prompt, params):
-        print(f"--- {out.prompt!r} -> {out.finish_reason}")
-        print(out.text)
+    prompts = _prompts(args)
+    from kvrunner.llm import LLM
+
+    llm = LLM(config_file=args.config_file, progress=True, **_config_kwargs(args))
+    try:
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=True),
+                               strict=True):
+            print(f"--- {prompt!r} -> {out.finish_reason}")
+            print(out.text if llm.tokenizer is not None else out.token_ids)
+    finally:
+        llm.shutdown()
     return 0
 
 
@@ -114,51 +184,94 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrunner", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kvrunner", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvrunner {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("backends", help="list installed backends and their write targets")
     p.set_defaults(func=_cmd_backends)
 
     p = sub.add_parser("make-tiny", help="write a random HF-format checkpoint with tokenizer.json")
-    p.add_argument("path")
-    p.add_argument("--kind", default="qwen3")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("path", help="directory to write (refused if it exists and is not empty)")
+    p.add_argument("--kind", default="qwen3", choices=_tiny_kinds(),
+                   help="architecture (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights (default: %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty directory, replacing files of the same name")
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser("generate", help="generate text for prompts")
-    p.add_argument("prompt", nargs="+")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--sample-seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("prompt", nargs="+", help="prompt text (or token ids with --token-ids)")
+    p.add_argument("--token-ids", action="store_true",
+                   help="each PROMPT is comma-separated token ids, as for a model without "
+                   "a tokenizer")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens; 0 is off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1]; 1 is off (default: %(default)s)")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="seed of each request's sampling (default: unseeded)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence tokens")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
         "rollout", help="RL loop: generate, sleep, push weights, wake and recapture, per round"
     )
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="rounds to run (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="prompts per round (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--sleep-level", type=int, default=1, choices=[1, 2],
-                   help="1: free graphs and cache pools; 2: the weights too (default: 1)")
+                   help="1: free graphs and cache pools; 2: the weights too "
+                   "(default: %(default)s)")
     p.add_argument("--update", default="none", choices=["none", "same", "perturbed"],
                    help="weights pushed before each wake: none, the checkpoint's own, or "
-                   "alternately a perturbed copy and the own again (default: none)")
+                   "alternately a perturbed copy and the own again (default: %(default)s)")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_rollout)
+
+    for command in sub.choices.values():
+        command.add_argument("-v", "--verbose", action="store_true",
+                             help="on an error, print the full traceback")
     return parser
 
 
+def _tiny_kinds() -> list[str]:
+    from kvrunner.models.tiny import TINY_KINDS
+
+    return sorted(TINY_KINDS)
+
+
+def _one_line(error: KvrunnerError) -> str:
+    """The message without a rank's traceback (which ``-v`` shows)."""
+    return str(error).split("\n--- traceback", 1)[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the process exit status.
+
+    kvrunner's own errors (configuration, checkpoint, request, backend, worker) are
+    printed as one message, exit status 2; ``-v`` adds the traceback. Anything
+    else is a bug and keeps its traceback. Ctrl-C exits with 130, quietly.
+    """
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, BackendError, CacheSizingError) as e:
-        print(f"kvrunner: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("kvrunner: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KvrunnerError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"kvrunner: error: {_one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -7,24 +7,30 @@ arguments or CLI flags. Overrides use flat names (``block_size=32``), as vLLM's
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from kvrunner.config_checks import (
+    check_device,
+    check_number,
+    check_type,
+    misplaced_section_key,
+    misplaced_top_key,
+    read_toml,
+)
+from kvrunner.errors import KvrunnerError
 
-class ConfigError(ValueError):
+
+class ConfigError(KvrunnerError, ValueError):
     """A configuration value or key is invalid; the message names it."""
 
 
 def _in_range(lo: float, hi: float):
     def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
-        if not lo <= value <= hi:
-            raise ConfigError(
-                f"{type(instance).__name__}.{attribute.name} must be in [{lo}, {hi}], got {value}"
-            )
+        check_number(f"{type(instance).__name__}.{attribute.name}", value, lo, hi)
 
     return check
 
@@ -37,6 +43,7 @@ def _one_of(*choices: str):
                 f"{', '.join(choices)}; got {value!r}"
             )
 
+    check.choices = choices  # type: ignore[attr-defined]  # the CLI lists them
     return check
 
 
@@ -130,11 +137,13 @@ class EngineConfig:
     dtype: str = attrs.field(
         default="auto", validator=_one_of("auto", "float32", "bfloat16", "float16")
     )
-    device: str = "auto"
+    device: str = attrs.field(default="auto", validator=lambda _i, _a, v: check_device(v))
     seed: int = 0
     #: "auto" reads the checkpoint's safetensors; "dummy" starts from config.json alone
     #: with small random weights, for a trainer that pushes the real ones (update_weights)
     load_format: str = attrs.field(default="auto", validator=_one_of("auto", "dummy"))
+    #: load no tokenizer even if the checkpoint has one: prompts must be token ids
+    skip_tokenizer_init: bool = False
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
@@ -147,15 +156,17 @@ class EngineConfig:
         sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         top: dict[str, Any] = {}
         if path is not None:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-            for key, value in data.items():
+            for key, value in read_toml(path).items():
                 if key in _SECTIONS:
                     if not isinstance(value, Mapping):
                         raise ConfigError(f"{path}: [{key}] must be a table")
                     sections[key].update(value)
-                else:
+                elif key in _TOP_KEYS:
                     top[key] = value
+                else:
+                    where = misplaced_top_key(key, value, sections=_SECTIONS,
+                                              flat_keys=_FLAT_KEYS, top_keys=_TOP_KEYS)
+                    raise ConfigError(f"{path}: {where}")
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -171,14 +182,18 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown config key(s) {sorted(unknown)}; valid: {sorted(_ALL_KEYS)}"
             )
+        for field in attrs.fields(cls):
+            if field.name in top:
+                check_type("", field.name, field.type, top[field.name])
         built = {}
         for name, klass in _SECTIONS.items():
-            valid = {f.name for f in attrs.fields(klass)}
-            bad = set(sections[name]) - valid
-            if bad:
-                raise ConfigError(
-                    f"unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(valid)}"
-                )
+            fields = {f.name: f for f in attrs.fields(klass)}
+            for key, value in sections[name].items():
+                if key not in fields:
+                    raise ConfigError(misplaced_section_key(
+                        name, key, valid=fields, flat_keys=_FLAT_KEYS, top_keys=_TOP_KEYS
+                    ))
+                check_type(f"[{name}]", key, fields[key].type, value)
             try:
                 built[name] = klass(**sections[name])
             except TypeError as e:

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from tqdm.auto import tqdm
 
+from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.llm_sleep import SleepWakeAPI
+from kvrunner.prompts import normalize_requests, prompt_token_ids
 from kvrunner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]
+    #: the decoded output; "" when the model has no tokenizer (token ids only)
     text: str
     #: logprob of each generated token, when SamplingParams.logprobs was set
     logprobs: list[float] | None
@@ -39,16 +42,22 @@ class RequestOutput:
 class LLM(SleepWakeAPI):
     """Load a model and generate from it.
 
-    :param model: an HF-format directory or an embedded default (``tiny-qwen3``).
+    Not thread-safe: one engine serves one call at a time, and a call from a second
+    thread while one runs raises :class:`~kvrunner.errors.ConcurrentUseError`.
+
+    :param model: an HF-format directory or an embedded default; unset, the config
+        file's ``model``, else ``tiny-qwen3``.
+    :param dtype: unset, the config file's ``dtype``, else ``auto``.
     :param config_file: a TOML file with ``[cache]``, ``[scheduler]``, ``[backends]``...
-    :param config: flat overrides (``block_size=32``, ``full_attention="paged"``).
+    :param config: flat overrides (``block_size=32``, ``full_attention="paged"``);
+        ``skip_tokenizer_init=True`` loads no tokenizer (prompts must be token ids).
     """
 
     def __init__(
         self,
-        model: str = "tiny-qwen3",
+        model: str | None = None,
         *,
-        dtype: str = "auto",
+        dtype: str | None = None,
         config_file: str | Path | None = None,
         progress: bool = False,
         **config: Any,
@@ -97,11 +106,7 @@ class LLM(SleepWakeAPI):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
-        return [int(t) for t in prompt]
-
+    @exclusive
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
@@ -112,23 +117,13 @@ class LLM(SleepWakeAPI):
         """Generate for every prompt; outputs come back in prompt order.
 
         Every prompt is checked before any is queued, so a bad one raises a
-        ``ValueError`` naming it and leaves the engine as it was.
+        :class:`~kvrunner.errors.RequestError` (a ``ValueError``) naming it and leaves
+        the engine as it was.
         """
         self.executor.check()  # a group that failed earlier says so, naming the rank
         self.sleep_state.require_servable("generate")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        token_lists = [self._token_ids(p) for p in prompts]
+        prompts, params = normalize_requests(prompts, sampling_params)
+        token_lists = [prompt_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
         seqs = [
             self.engine.make_request(ids, sp, i)
             for i, (ids, sp) in enumerate(zip(token_lists, params, strict=True))
@@ -154,7 +149,7 @@ class LLM(SleepWakeAPI):
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=list(seq.token_ids[: seq.num_prompt_tokens]),
             token_ids=out,
-            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            text=self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else "",
             logprobs=list(seq.logprobs) if wants else None,
             top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
             finish_reason=seq.finish_reason,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrunner.call_guard import exclusive
 from kvrunner.runner.rank_calls import weight_buckets
 from kvrunner.sleep_state import CacheInfo, SleepState, SleepStateError, parse_tags
 
@@ -51,6 +52,7 @@ class SleepWakeAPI:
                 f"interrupted); their KV would be lost"
             )
 
+    @exclusive
     def sleep(self, level: int = 1, *, discard_weights: bool = False) -> float:
         """Free the device memory the engine holds; returns seconds.
 
@@ -73,6 +75,7 @@ class SleepWakeAPI:
                              sleeps=self._timings["sleeps"] + 1)
         return seconds
 
+    @exclusive
     def wake_up(self, tags: Iterable[str] | str | None = None) -> float:
         """Bring back ``"weights"`` and/or ``"kv_cache"`` (both when ``None``), in either
         order; returns seconds. The KV pool comes back at exactly its start-up size
@@ -101,6 +104,7 @@ class SleepWakeAPI:
             self._timings["recapture_s"] = recapture
         return seconds
 
+    @exclusive
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load ``(name, tensor)`` pairs with Hugging Face names and full (unsharded)
         tensors of any float dtype; a generator is fine, and an update may be spread
@@ -125,6 +129,7 @@ class SleepWakeAPI:
         self._finish_weight_change()
         return loaded
 
+    @exclusive
     def load_weights(self, path: str | Path) -> int:
         """Load every tensor of a safetensors checkpoint directory (each rank reads it),
         as :meth:`update_weights` does; returns how many were loaded."""
@@ -147,11 +152,13 @@ class SleepWakeAPI:
         if recapture:
             self._timings["recapture_s"] = recapture
 
+    @exclusive
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were uncached."""
         self._require_idle("reset_prefix_cache")
         return self.engine.block_manager.reset_prefix_cache()
 
+    @exclusive
     def recapture(self) -> float:
         """Capture every decode graph again (blanked, as at start-up); returns seconds."""
         self.sleep_state.require_weights_resident("recapture")
@@ -160,6 +167,7 @@ class SleepWakeAPI:
         self._timings["recapture_s"] = seconds
         return seconds
 
+    @exclusive
     def cache_info(self) -> CacheInfo:
         """A frozen record of the pool, what is resident, and the last sleep / wake."""
         ranks = tuple(self.executor.call_ranks("cache_info"))

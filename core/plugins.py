@@ -26,6 +26,7 @@ from kvrunner.contract import (
     ForwardContext,
     StepBatch,
 )
+from kvrunner.errors import KvrunnerError
 
 ENTRY_POINT_GROUP = "kvrunner.backends"
 #: comma-separated backend names that are never loaded (like PYTEST_DISABLE_PLUGIN_AUTOLOAD)
@@ -35,7 +36,7 @@ BackendFactory = Callable[[BackendContext], Any]
 _registered: dict[str, BackendFactory] = {}
 
 
-class BackendError(RuntimeError):
+class BackendError(KvrunnerError, RuntimeError):
     """A backend could not be found, loaded, validated or called correctly."""
 
 

@@ -1,13 +1,70 @@
-"""Per-request sampling settings, shaped like vLLM's ``SamplingParams``."""
+"""Per-request sampling settings, shaped like vLLM's ``SamplingParams``.
+
+Every field is checked when the object is built, so a bad value is refused before
+any model work with a :class:`~kvrunner.errors.RequestError` (a ``ValueError``)
+naming the field: a ``max_tokens`` of 2.5 or ``"5"`` is not silently rounded or
+left to fail later, and a NaN temperature never reaches the sampler.
+"""
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
+from typing import Any
+
 import attrs
 
+from kvrunner.errors import RequestError
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"SamplingParams.{attribute.name} must be >= 1, got {value}")
+
+def is_int(value: Any) -> bool:
+    """A real integer: ``int`` or numpy's, but not ``bool`` and not a whole float."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _int_field(*, minimum: int | None = None, optional: bool = False):
+    def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        if optional and value is None:
+            return
+        name = f"SamplingParams.{attribute.name}"
+        if not is_int(value):
+            raise RequestError(f"{name} must be an integer, got {_describe(value)}")
+        if minimum is not None and value < minimum:
+            raise RequestError(f"{name} must be >= {minimum}, got {value}")
+
+    return check
+
+
+def _finite(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise RequestError(
+            f"SamplingParams.{attribute.name} must be a finite number, got {_describe(value)}"
+        )
+
+
+def _bool(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise RequestError(
+            f"SamplingParams.{attribute.name} must be True or False, got {_describe(value)}"
+        )
+
+
+def _token_ids(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise RequestError(
+            f"SamplingParams.stop_token_ids must be a list of token ids, got {_describe(value)}"
+        )
+    ids = tuple(value)
+    bad = [t for t in ids if not is_int(t) or t < 0]
+    if bad:
+        raise RequestError(
+            f"SamplingParams.stop_token_ids must hold non-negative integers, got {bad[:5]}"
+        )
+    return ids
 
 
 @attrs.frozen(kw_only=True)
@@ -18,24 +75,28 @@ class SamplingParams:
     filters. ``seed`` makes sampling reproducible per request whatever the batch.
     ``logprobs=None`` returns none; ``logprobs=N`` returns the sampled token's logprob
     and the N most likely tokens' logprobs at every step.
+
+    :raises RequestError: naming the field, for a value of the wrong type or range.
     """
 
-    max_tokens: int = attrs.field(default=16, validator=_positive)
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-    logprobs: int | None = None
+    max_tokens: int = attrs.field(default=16, validator=_int_field(minimum=1))
+    temperature: float = attrs.field(default=1.0, validator=_finite)
+    top_k: int = attrs.field(default=0, validator=_int_field())
+    top_p: float = attrs.field(default=1.0, validator=_finite)
+    seed: int | None = attrs.field(default=None, validator=_int_field(optional=True))
+    ignore_eos: bool = attrs.field(default=False, validator=_bool)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    logprobs: int | None = attrs.field(
+        default=None, validator=_int_field(minimum=0, optional=True)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+            raise RequestError(
+                f"SamplingParams.temperature must be >= 0, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"SamplingParams.logprobs must be >= 0, got {self.logprobs}")
+            raise RequestError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

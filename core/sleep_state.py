@@ -15,15 +15,17 @@ from collections.abc import Iterable
 
 import attrs
 
+from kvrunner.errors import KvrunnerError
+
 #: wake_up tags, as vLLM and the RL trainers that drive it spell them
 TAGS = ("weights", "kv_cache")
 
 
-class SleepStateError(RuntimeError):
+class SleepStateError(KvrunnerError, RuntimeError):
     """A call that the engine's sleep state does not allow now; nothing was changed."""
 
 
-class WakeError(RuntimeError):
+class WakeError(KvrunnerError, RuntimeError):
     """A wake that could not allocate on every rank; nothing stays allocated and the
     engine stays asleep, so the same call can be retried once memory is back.
 
@@ -42,7 +44,7 @@ def _rebuild_wake_error(message: str, short: dict[int, int]) -> WakeError:
     return WakeError(message, short=short)
 
 
-class WeightUpdateError(ValueError):
+class WeightUpdateError(KvrunnerError, ValueError):
     """A pushed tensor was refused (unknown name, wrong shape); the message names it.
 
     The tensors before it were loaded, so the engine refuses to generate until a

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from kvrunner.errors import KvrunnerError
+
 
 class CollectiveError(RuntimeError):
     """A collective over the tensor-parallel group failed or timed out.
@@ -29,7 +31,7 @@ class PeerRankError(RuntimeError):
     """This rank is fine but must stop because another rank reported a failure."""
 
 
-class WorkerError(RuntimeError):
+class WorkerError(KvrunnerError, RuntimeError):
     """A tensor-parallel rank failed; the message names it and its exception.
 
     :ivar rank: the rank whose failure is the cause.

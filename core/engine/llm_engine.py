@@ -15,6 +15,7 @@ from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
+from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 
 
@@ -52,30 +53,27 @@ class LLMEngine:
         self.peak_blocks_used = 0  # most KV blocks in use after any step, since reset
 
     def validate_prompt(self, token_ids: Seq[int], index: int) -> None:
-        """Raise ``ValueError`` naming the request if it can never be served."""
+        """Raise ``RequestError`` naming the request if it can never be served."""
         if not token_ids:
-            raise ValueError(f"request {index}: the prompt is empty")
+            raise RequestError(f"request {index}: the prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
+            raise RequestError(
                 f"request {index}: token id(s) {bad[:5]} outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
         limit = self.config.scheduler.max_model_len - 1
         if len(token_ids) > limit:
-            raise ValueError(
+            raise RequestError(
                 f"request {index}: prompt of {len(token_ids)} tokens exceeds "
                 f"max_model_len - 1 = {limit}"
             )
 
     def make_request(self, token_ids: Seq[int], params: SamplingParams, index: int) -> Sequence:
-        """A validated, not yet queued request; raises ``ValueError`` naming ``index``."""
+        """A validated, not yet queued request; raises ``RequestError`` naming ``index``."""
         self.validate_prompt(token_ids, index)
         seq = Sequence(next(self._ids), list(token_ids), params)
-        try:
-            self.scheduler.validate(seq)
-        except ValueError as e:
-            raise ValueError(f"request {index}: {e}") from None
+        self.scheduler.validate(seq, name=f"request {index}")
         return seq
 
     def add_request(self, seq: Sequence) -> None:

@@ -25,6 +25,7 @@ from kvrunner.batch import SampledToken, StepColumns, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvrunner.errors import RequestError
 
 
 class Scheduler:
@@ -67,29 +68,31 @@ class Scheduler:
         self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
 
-    def validate(self, seq: Sequence) -> None:
-        """Raise ValueError naming the request and the limit if it can never run here.
+    def validate(self, seq: Sequence, *, name: str | None = None) -> None:
+        """Raise RequestError naming the request and the limit if it can never run here.
 
         ``add`` calls this; call it first yourself to check a whole batch of requests
         before queueing any of them.
+
+        :param name: how the message names the request (default ``request <seq_id>``).
         """
-        name = f"request {seq.seq_id}"
+        name = name or f"request {seq.seq_id}"
         if seq.seq_id in self._unfinished:
             raise ValueError(f"{name}: a request with this id is already queued or running")
         if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
-            raise ValueError(f"{name}: only a fresh sequence can be added")
+            raise RequestError(f"{name}: only a fresh sequence can be added")
         num_prompt = seq.num_prompt_tokens
         max_len = self.config.max_model_len
         if num_prompt == 0:
-            raise ValueError(f"{name}: the prompt is empty")
+            raise RequestError(f"{name}: the prompt is empty")
         if num_prompt > max_len - 1:
-            raise ValueError(
+            raise RequestError(
                 f"{name}: prompt has {num_prompt} tokens but max_model_len={max_len} "
                 f"allows at most {max_len - 1} (one token must be generated)"
             )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and num_prompt > budget:
-            raise ValueError(
+            raise RequestError(
                 f"{name}: prompt has {num_prompt} tokens but max_num_batched_tokens={budget} "
                 f"and chunked prefill is off"
             )
@@ -98,11 +101,12 @@ class Scheduler:
         bm = self.block_manager
         need = bm.blocks_needed(final_len - 1)
         if need > bm.num_blocks:
-            raise ValueError(
+            raise RequestError(
                 f"{name}: needs up to {need} KV blocks ({final_len - 1} tokens: prompt "
                 f"{num_prompt} + max_tokens {seq.sampling_params.max_tokens}, capped by "
                 f"max_model_len={max_len}) but the whole pool has {bm.num_blocks} blocks "
-                f"of {bm.block_size} tokens"
+                f"of {bm.block_size} tokens; raise num_blocks (or the cache budget) or "
+                f"lower max_tokens"
             )
 
     def abort(self, seq_id: int) -> Sequence | None:

@@ -56,12 +56,26 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """``numerator / denominator``, refusing a split that would not be exact."""
+def divide(numerator: int, denominator: int, what: str, *, by: str = "tensor_parallel_size"
+           ) -> int:
+    """``numerator / denominator``, refusing a split that would not be exact.
+
+    :param what: names the numerator; :param by: names the denominator.
+    """
     if numerator % denominator:
-        raise ValueError(f"{what}: {numerator} is not divisible by tensor parallel size "
-                         f"{denominator}")
+        raise ValueError(f"{what}: {numerator} is not divisible by {by}={denominator}")
     return numerator // denominator
+
+
+def kv_replicas(num_kv_heads: int, tp_size: int) -> int:
+    """Ranks sharing each KV head when there are fewer KV heads than ranks."""
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"KV heads: {num_kv_heads} is not divisible by tensor_parallel_size={tp_size}, "
+            f"nor is {tp_size} a multiple of {num_kv_heads} (to replicate each KV head); use "
+            f"a tensor_parallel_size that divides {num_kv_heads} or is a multiple of it"
+        )
+    return tp_size // num_kv_heads
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -212,7 +226,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(num_kv_heads, tp.size, "QKVParallelLinear KV heads")
             self.kv_shard = tp.rank
         else:
-            replicas = divide(tp.size, num_kv_heads, "QKVParallelLinear KV-head replication")
+            replicas = kv_replicas(num_kv_heads, tp.size)
             self.num_kv_heads = 1
             self.kv_shard = tp.rank // replicas
         out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim

@@ -1,26 +1,30 @@
 """Load a Hugging Face-format checkpoint directory into a kvrunner model.
 
-A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` files,
-``tokenizer.json`` and optionally ``generation_config.json`` (whose
-``eos_token_id`` adds stop tokens to the config's). Tensors stream one at a time
-from the safetensors files into the model's (possibly sharded) parameters, so
-peak host memory is one tensor, not the whole checkpoint.
+A checkpoint directory holds ``config.json``, one ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json``, and optionally ``tokenizer.json`` and
+``generation_config.json`` (whose ``eos_token_id`` adds stop tokens to the
+config's). Tensors stream one at a time from the safetensors files into the
+model's (possibly sharded) parameters, so peak host memory is one tensor, not the
+whole checkpoint. A file that is missing, truncated or malformed raises
+:class:`~kvrunner.errors.CheckpointError` naming it (see ``checkpoint_files``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from torch import nn
 from tqdm import tqdm
 
+from kvrunner.config import ConfigError
 from kvrunner.contract import ModelSpec
+from kvrunner.errors import CheckpointError
+from kvrunner.models.checkpoint_files import check_weight_files, load_tokenizer, read_json_object
 
 _DTYPES = {
     "float32": torch.float32,
@@ -153,32 +157,61 @@ def _listing(names: list[str], limit: int = 12) -> str:
 
 
 def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every ``*.safetensors`` file under ``path``, floats cast to ``dtype``."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                tensor = f.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+    """Every tensor of the checkpoint's weight files (the index's shards, or every
+    ``*.safetensors``), floats cast to ``dtype``.
+
+    Every file's header is checked when this is called, before any tensor is read:
+    a truncated or corrupt file raises CheckpointError naming it, up front.
+    """
+    files = check_weight_files(Path(path))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        tensor = f.get_tensor(name)
+                        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(file, f"cannot be read as safetensors: {e}") from None
+
+    return tensors()
 
 
 def _id_list(value: Any) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
+def _eos_ids(file: Path, value: Any) -> list[int]:
+    ids = _id_list(value)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(file, f"eos_token_id must be a token id or a list of them, "
+                                    f"got {value!r}")
+    return ids
+
+
 def load_hf_config(path: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` dict, with ``generation_config.json``'s EOS ids merged in
-    (config's first, then new ones), as generation stops on either."""
+    (config's first, then new ones), as generation stops on either.
+
+    :raises CheckpointError: naming the file, if either is unreadable, or if
+        ``config.json`` lacks a field the model needs or describes no supported model.
+    """
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    file = path / "config.json"
+    raw = read_json_object(file)
     gen = path / "generation_config.json"
     if gen.exists():
-        extra = _id_list(json.loads(gen.read_text()).get("eos_token_id"))
+        extra = _eos_ids(gen, read_json_object(gen).get("eos_token_id"))
         if extra:
-            base = _id_list(raw.get("eos_token_id"))
+            base = _eos_ids(file, raw.get("eos_token_id"))
             raw["eos_token_id"] = list(dict.fromkeys(base + extra))
+    try:
+        parse_config(raw)  # every later parse of this dict then succeeds
+    except KeyError as e:
+        raise CheckpointError(file, f"lacks the required field {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(file, str(e)) from None
     return raw
 
 
@@ -204,8 +237,9 @@ def load_model(
     progress: bool = False,
     load_format: str = "auto",
     seed: int = 0,
+    skip_tokenizer: bool = False,
     **model_kwargs: Any,
-) -> tuple[nn.Module, Tokenizer, Any]:
+) -> tuple[nn.Module, Tokenizer | None, Any]:
     """Build the model a checkpoint directory describes and load its weights.
 
     :param dtype: a torch dtype, its name, or ``"auto"`` (the checkpoint's dtype).
@@ -214,26 +248,25 @@ def load_model(
     :param load_format: ``"auto"`` reads the safetensors files; ``"dummy"`` reads only
         the config and fills the weights with small random values (``seed``), for a
         trainer that pushes the real ones before the first rollout.
+    :param skip_tokenizer: load no tokenizer, even if the checkpoint has one.
     :param model_kwargs: passed to the model class (e.g. ``tp=TPGroup(...)``).
-    :returns: ``(model, tokenizer, config)``; the model is in eval mode, no grad.
+    :returns: ``(model, tokenizer, config)``; the model is in eval mode, no grad; the
+        tokenizer is None when the checkpoint has none (or ``skip_tokenizer``).
     """
     path = Path(path)
     model_cls, config = read_config(path)
     dtype = resolve_dtype(dtype, config)
+    # Every weight file is checked before the model is built (a dummy start reads none).
+    weights = iter_safetensors(path, dtype) if load_format != "dummy" else iter(())
     model = model_cls(config, make_layer, dtype, torch.device(device), **model_kwargs)
     if load_format == "dummy":
         fill_dummy_weights(model, seed=seed)
     else:
-        weights = iter_safetensors(path, dtype)
         if progress:
             weights = tqdm(weights, desc="loading weights", unit="tensor")
         model.load_weights(weights)
     model.eval().requires_grad_(False)
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise FileNotFoundError(f"{path} has no tokenizer.json (a `tokenizers` JSON file)")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    return model, tokenizer, config
+    return model, load_tokenizer(path, skip=skip_tokenizer), config
 
 
 def fill_dummy_weights(model: nn.Module, *, seed: int) -> None:
@@ -253,4 +286,22 @@ def model_spec(config: Any, tp_size: int = 1) -> ModelSpec:
     """
     if isinstance(config, Mapping):
         config = parse_config(config)[1]
-    return config.model_spec(tp_size)
+    try:
+        return config.model_spec(tp_size)
+    except ValueError as e:  # the heads do not split over this many ranks
+        raise ConfigError(f"tensor_parallel_size={tp_size} does not fit this model: {e}") from None
+
+
+def check_model_len(max_model_len: int, config: Any) -> None:
+    """Refuse a ``max_model_len`` beyond the positions the model was built for.
+
+    :param config: a parsed model config, or a raw ``config.json`` dict.
+    """
+    if isinstance(config, Mapping):
+        config = parse_config(config)[1]
+    limit = config.max_position_embeddings
+    if max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{limit}; set max_model_len to at most {limit}"
+        )

@@ -27,6 +27,7 @@ from kvrunner.layers.linear import (
     RowParallelLinear,
     TPGroup,
     divide,
+    kv_replicas,
 )
 from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
@@ -72,7 +73,8 @@ class Qwen3Config:
         unsupported = sorted(set(self.layer_types) - {"full_attention"})
         if unsupported:
             raise ValueError(f"Qwen3Config: unsupported layer types {unsupported}")
-        divide(self.num_attention_heads, self.num_key_value_heads, "query heads per KV head")
+        divide(self.num_attention_heads, self.num_key_value_heads, "num_attention_heads",
+               by="num_key_value_heads")
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen3Config:
@@ -106,7 +108,7 @@ class Qwen3Config:
         if kv >= tp_size:
             kv = divide(kv, tp_size, "KV heads")
         else:
-            divide(tp_size, kv, "KV-head replication")
+            kv_replicas(kv, tp_size)
             kv = 1
         return ModelSpec(
             num_layers=self.num_hidden_layers,

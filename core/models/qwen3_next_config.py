@@ -56,10 +56,10 @@ class Qwen3NextConfig(Qwen3Config):
         unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"})
         if unknown:
             raise ValueError(f"Qwen3NextConfig: unsupported layer types {unknown}")
-        divide(self.num_attention_heads, self.num_key_value_heads, "query heads per KV head")
-        divide(
-            self.linear_num_value_heads, self.linear_num_key_heads, "GDN value heads per key head"
-        )
+        divide(self.num_attention_heads, self.num_key_value_heads, "num_attention_heads",
+               by="num_key_value_heads")
+        divide(self.linear_num_value_heads, self.linear_num_key_heads, "linear_num_value_heads",
+               by="linear_num_key_heads")
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen3NextConfig:

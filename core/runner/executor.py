@@ -42,7 +42,8 @@ class ModelInfo:
     """What the driver knows about the model: enough for the engine and the API."""
 
     path: Path
-    tokenizer: Tokenizer
+    #: None when the checkpoint has no tokenizer (or skip_tokenizer_init): token ids only
+    tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     layer_types: tuple[str, ...]
@@ -64,16 +65,23 @@ class ModelInfo:
     @classmethod
     def from_checkpoint(cls, config: EngineConfig) -> ModelInfo:
         """Read config and tokenizer only; also checks the model splits over the group."""
-        from kvrunner.models.loader import load_hf_config, model_spec, parse_config
+        from kvrunner.models.checkpoint_files import load_tokenizer
+        from kvrunner.models.loader import (
+            check_model_len,
+            load_hf_config,
+            model_spec,
+            parse_config,
+        )
         from kvrunner.runner.setup import resolve_model_path
 
         path = resolve_model_path(config.model)
         raw = load_hf_config(path)
         spec = model_spec(raw, tp_size=config.parallel.tensor_parallel_size)  # raises if not
+        check_model_len(config.scheduler.max_model_len, raw)
         parsed = parse_config(raw)[1]
         return cls(
             path=path,
-            tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+            tokenizer=load_tokenizer(path, skip=config.skip_tokenizer_init),
             eos_token_ids=tuple(parsed.eos_token_id),
             vocab_size=parsed.vocab_size,
             layer_types=tuple(spec.layer_types),
@@ -325,4 +333,7 @@ def make_executor(config: EngineConfig, *, progress: bool = False) -> Any:
             "distributed_executor='torchrun': start every rank with torchrun and call "
             "kvrunner.distributed.launch.launch(...) on each (rank 0 gets the LLM)"
         )
+    from kvrunner.main_guard import check_main_guard
+
+    check_main_guard(f"tensor_parallel_size={parallel.tensor_parallel_size}")
     return MultiprocExecutor(config, progress=progress)

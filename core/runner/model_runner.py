@@ -42,7 +42,7 @@ class ModelRunner(SleepWake):
     def __init__(
         self, config: EngineConfig, *, progress: bool = False, group: DistGroup | None = None
     ) -> None:
-        from kvrunner.models.loader import load_hf_config, load_model, model_spec
+        from kvrunner.models.loader import check_model_len, load_hf_config, load_model, model_spec
 
         tp_size = config.parallel.tensor_parallel_size
         if (group.size if group is not None else 1) != tp_size:
@@ -59,6 +59,7 @@ class ModelRunner(SleepWake):
         hf_config = load_hf_config(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         self.spec: ModelSpec = model_spec(hf_config, tp_size=config.parallel.tensor_parallel_size)
+        check_model_len(config.scheduler.max_model_len, hf_config)  # before any weight loads
         sched = config.scheduler
         self.max_batch = sched.max_num_seqs
         self.max_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -91,6 +92,7 @@ class ModelRunner(SleepWake):
             progress=progress,
             load_format=config.load_format,
             seed=config.seed,
+            skip_tokenizer=config.skip_tokenizer_init,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
             tp=(
                 group.tp_group(dtype=self.dtype, all_reduce=config.parallel.all_reduce)

@@ -17,10 +17,11 @@ from typing import Any
 import attrs
 import torch
 
+from kvrunner.errors import CheckpointError
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WakeError, WeightUpdateError
 
 #: errors after which a rank is still consistent and serving
-RECOVERABLE = (WakeError, WeightUpdateError, SleepStateError)
+RECOVERABLE = (WakeError, WeightUpdateError, SleepStateError, CheckpointError)
 
 #: how many bytes of weights one message to the ranks carries
 WEIGHT_BUCKET_BYTES = 512 << 20

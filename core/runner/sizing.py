@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrunner.config import CacheConfig
+from kvrunner.config import CacheConfig, ConfigError
 from kvrunner.contract import CacheSpec
 
 
-class CacheSizingError(RuntimeError):
+class CacheSizingError(ConfigError, RuntimeError):
     """The memory budget cannot hold the pools the configuration asks for."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -122,6 +123,9 @@ def _send(conn: Connection, kind: str, payload: Any) -> None:
 
 def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
     """Entry point of a rank process spawned by the driver (MultiprocExecutor)."""
+    # Ctrl-C reaches every process of the terminal's group; the driver alone handles it
+    # (by stopping the ranks), so a rank never dies half-way and leaks what it holds.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parallel = spec.config.parallel
     world = parallel.tensor_parallel_size
     group: DistGroup | None = None

@@ -144,8 +144,14 @@ def test_dtype_names_and_auto(tiny: Path) -> None:
         resolve_dtype("float8", config)
 
 
-def test_missing_tokenizer_is_a_clear_error(tiny: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_without_tokenizer_loads_with_no_tokenizer(tiny: Path, tmp_path: Path) -> None:
     ckpt = copy_with_weights(tiny, tmp_path / "c", lambda t: None)
     (ckpt / "tokenizer.json").unlink()
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        load_model(ckpt, dtype="auto", device="cpu", make_layer=no_layer)
+    model, tokenizer, _ = load_model(ckpt, dtype="auto", device="cpu", make_layer=no_layer)
+    assert tokenizer is None and model.lm_head.weight.shape[0] == 448  # weights did load
+
+
+def test_skip_tokenizer_loads_none_even_when_the_checkpoint_has_one(tiny: Path) -> None:
+    _, tokenizer, _ = load_model(tiny, dtype="auto", device="cpu", make_layer=no_layer,
+                                 skip_tokenizer=True)
+    assert tokenizer is None

@@ -1,0 +1,78 @@
+"""Help text for the command line's config flags, one line per config field.
+
+The flags are generated from the config classes (``--block-size`` for
+``[cache] block_size``); this module says what each one does. The flag's default
+and its choices are appended from the config class itself, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+#: config field -> what it does (a test checks every field has an entry)
+FIELD_HELP: dict[str, str] = {
+    # top level
+    "model": "HF-format checkpoint directory, or an embedded default (tiny-qwen3, "
+    "tiny-qwen3-next: random weights)",
+    "dtype": "weight and activation dtype; auto is float32 on the CPU, the checkpoint's "
+    "half type (else bfloat16) on CUDA",
+    "device": "auto (CUDA if available, else CPU), cpu, cuda or cuda:N",
+    "seed": "seed of the sampler for requests without their own seed",
+    "load_format": "auto reads the checkpoint's weights; dummy starts from config.json "
+    "alone with small random weights (a trainer pushes the real ones)",
+    "skip_tokenizer_init": "load no tokenizer even if the checkpoint has one "
+    "(prompts must be token ids)",
+    # [cache]
+    "block_size": "tokens per KV-cache block",
+    "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "
+    "(weights, activations and cache)",
+    "cpu_cache_bytes": "bytes for all cache pools on the CPU",
+    "num_blocks": "fixed number of KV blocks (skips sizing; 'none' to size)",
+    "enable_prefix_caching": "reuse KV blocks of prompts that share a prefix",
+    # [scheduler]
+    "max_num_seqs": "most sequences in one step (and most decode graphs' batch size)",
+    "max_num_batched_tokens": "most tokens in one step",
+    "max_model_len": "most tokens per sequence, prompt and output together "
+    "(at most the model's max_position_embeddings)",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    # [parallel]
+    "tensor_parallel_size": "ranks to split the model over (one process each)",
+    "distributed_backend": "torch.distributed backend; auto is NCCL on CUDA, gloo on the CPU",
+    "distributed_timeout_s": "seconds a collective or a step may take before it fails",
+    "startup_timeout_s": "seconds the ranks may take to load, size and capture",
+    "distributed_executor": "mp spawns the ranks; torchrun means they were launched "
+    "by torchrun (kvrunner.distributed.launch)",
+    "all_reduce": "decode all-reduces through symmetric memory where possible (auto), "
+    "never (nccl), or always (symm_mem)",
+    # [capture]
+    "enforce_eager": "run every step eagerly: no decode graphs",
+    "capture_sizes": "comma-separated decode batch sizes to capture (default 1,2,4,8, "
+    "then every 16 up to max_num_seqs)",
+    "audit": "check that no capture changed a byte of any cache pool",
+    "blank_write_targets": "blank backends' cache-write buffers before capture",
+    # [backends]
+    "full_attention": "backend serving full-attention layers (see `kvrunner backends`)",
+    "linear_attention": "backend serving linear-attention layers (see `kvrunner backends`)",
+}
+
+
+def choices_of(field: attrs.Attribute) -> tuple[str, ...] | None:
+    """The values a field's ``_one_of`` validator allows, if it has one."""
+    return getattr(field.validator, "choices", None)
+
+
+def field_help(field: attrs.Attribute, section: str | None) -> str:
+    """A flag's help: what it does, where it lives in a TOML file, and its default."""
+    where = f"[{section}] {field.name}" if section else field.name
+    default: Any = field.default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        default = default.factory()
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif default is None:
+        shown = "none"
+    else:
+        shown = str(default)
+    return f"{FIELD_HELP.get(field.name, field.name)} (TOML: {where}; default: {shown})"

@@ -1,0 +1,55 @@
+"""The error types kvrunner raises for faults a user can fix, one per kind of fault.
+
+Every one derives from :class:`KvrunnerError`, so a caller (the command line among
+them) can tell "you asked for something that cannot work" from a bug:
+
+============================  ====================================================
+kind of fault                  error type
+============================  ====================================================
+configuration                  :class:`kvrunner.config.ConfigError`
+checkpoint files               :class:`CheckpointError`
+a request (prompt, sampling)   :class:`RequestError`
+a backend plugin               :class:`kvrunner.plugins.BackendError`
+a tensor-parallel rank         :class:`kvrunner.distributed.errors.WorkerError`
+an order sleep state forbids   :class:`kvrunner.sleep_state.SleepStateError`
+a wake that cannot fit         :class:`kvrunner.sleep_state.WakeError`
+a pushed weight                :class:`kvrunner.sleep_state.WeightUpdateError`
+============================  ====================================================
+
+Each keeps the built-in base its callers already catch (``ValueError`` for bad
+values, ``RuntimeError`` for failures at run time). This module imports nothing
+from kvrunner, so any module may import it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class KvrunnerError(Exception):
+    """Base of every error kvrunner raises for a fault the user can fix; the message
+    names the field, file, request or rank, and what to do."""
+
+
+class CheckpointError(KvrunnerError, ValueError):
+    """A checkpoint file is missing, truncated, malformed or inconsistent.
+
+    :ivar path: the file (or directory) at fault.
+    """
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+
+
+class RequestError(KvrunnerError, ValueError):
+    """A prompt or its sampling settings can never be served; the message names the
+    request (by its position in the call) and the field."""
+
+
+class ConcurrentUseError(KvrunnerError, RuntimeError):
+    """An ``LLM`` was called from a second thread while a call was still running.
+
+    ``LLM`` is not thread-safe: use one per thread, or serialise the calls.
+    """

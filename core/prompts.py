@@ -1,0 +1,95 @@
+"""Turning what a caller passes to ``LLM.generate`` into checked token-id requests.
+
+A prompt is text or a sequence of token ids; one prompt or a list of them may be
+passed, with one ``SamplingParams`` for all or one each. Everything is checked
+before anything is queued, and a fault is a :class:`~kvrunner.errors.RequestError`
+naming the request by its position: a float token id is refused rather than
+truncated, and a text prompt for a model without a tokenizer says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Real
+from typing import Any
+
+from kvrunner.errors import RequestError
+from kvrunner.sampling_params import SamplingParams, is_int
+
+Prompt = str | Sequence[int]
+
+
+def _as_list(value: Any) -> Any:
+    # numpy arrays and torch tensors hold ids too; tolist() gives their Python values.
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, Sequence) and prompts:
+        first = prompts[0]
+        return isinstance(first, Real) and not isinstance(first, bool) or is_int(first)
+    return False
+
+
+def normalize_requests(
+    prompts: Any, sampling_params: Any
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """``(prompts, params)`` as two lists of equal length, one entry per request."""
+    prompts = _as_list(prompts)
+    if _is_one_prompt(prompts):
+        prompts = [prompts]
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        raise RequestError(
+            f"prompts must be a string, a list of token ids, or a list of those; "
+            f"got {type(prompts).__name__}"
+        )
+    prompts = [_as_list(p) for p in prompts]
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * len(prompts)
+    elif isinstance(sampling_params, Sequence):
+        params = list(sampling_params)
+    else:
+        raise RequestError(
+            f"sampling_params must be a SamplingParams or a list of them, "
+            f"got {type(sampling_params).__name__}"
+        )
+    if len(params) != len(prompts):
+        raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    for index, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise RequestError(
+                f"request {index}: sampling params must be a SamplingParams, "
+                f"got {type(sp).__name__}"
+            )
+    return prompts, params
+
+
+def prompt_token_ids(prompt: Any, index: int, tokenizer: Any | None) -> list[int]:
+    """The token ids of one prompt; RequestError naming request ``index`` if it has none.
+
+    :param tokenizer: a ``tokenizers.Tokenizer``, or None when the model has none
+        (then only token-id prompts are accepted).
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError(
+                f"request {index}: a text prompt needs a tokenizer, but this model has none "
+                f"(no tokenizer.json, or skip_tokenizer_init is set); pass token ids instead"
+            )
+        return list(tokenizer.encode(prompt).ids)
+    if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+        raise RequestError(
+            f"request {index}: a prompt must be text or a list of token ids, "
+            f"got {type(prompt).__name__}"
+        )
+    for position, token in enumerate(prompt):
+        if not is_int(token):
+            raise RequestError(
+                f"request {index}: token ids must be integers; position {position} holds "
+                f"{token!r} ({type(token).__name__})"
+            )
+    return [int(t) for t in prompt]
