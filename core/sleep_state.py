@@ -154,6 +154,10 @@ class RankCacheInfo:
     device_bytes_before_sleep: int = 0
     device_bytes_after_sleep: int = 0
     device_bytes_after_wake: int = 0
+    #: bytes of live tensors after the last wake (CUDA): the same after every wake
+    #: unless something leaks; the reserved figure above also moves with the
+    #: allocator's segment layout (a level-2 wake reallocates the weights)
+    allocated_bytes_after_wake: int = 0
 
 
 @attrs.frozen(kw_only=True)

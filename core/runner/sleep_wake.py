@@ -46,6 +46,7 @@ class SleepWake:
         self.device_bytes_before_sleep = 0
         self.device_bytes_after_sleep = 0
         self.device_bytes_after_wake = 0
+        self.allocated_bytes_after_wake = 0
         self.last_freed_bytes = 0
 
     # -- what the pools and weights take ---------------------------------------------
@@ -139,6 +140,8 @@ class SleepWake:
             self.kv_resident = self.kv_resident or wake_kv
         recapture_s = self._recapture_if_whole() if wake_weights or wake_kv else 0.0
         self.device_bytes_after_wake = self._device_bytes()
+        if self.device.type == "cuda":
+            self.allocated_bytes_after_wake = torch.cuda.memory_allocated(self.device)
         return {"seconds": time.perf_counter() - start, "recapture_s": recapture_s}
 
     def _recapture_if_whole(self) -> float:
@@ -186,4 +189,5 @@ class SleepWake:
             device_bytes_before_sleep=self.device_bytes_before_sleep,
             device_bytes_after_sleep=self.device_bytes_after_sleep,
             device_bytes_after_wake=self.device_bytes_after_wake,
+            allocated_bytes_after_wake=self.allocated_bytes_after_wake,
         )
