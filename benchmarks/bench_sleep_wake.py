@@ -117,7 +117,7 @@ def bench(name: str, root: Path) -> None:
     # the capture audit: one checksum pass over every pool, and a capture with it on
     pools = llm.runner.pools
     PoolSnapshot(pools)
-    pass_s, _ = synced(lambda: PoolSnapshot(pools))
+    pass_s, _ = synced(lambda pools=pools: PoolSnapshot(pools))
     floor_s = pool_bytes / copy_bw
     print(f"checksum pass over {pool_bytes / 1e9:.1f} GB of pools: {pass_s * 1e3:.1f} ms, "
           f"{pool_bytes / pass_s / 1e12:.2f} TB/s = {pass_s / floor_s:.2f}x the HBM floor")
@@ -128,6 +128,7 @@ def bench(name: str, root: Path) -> None:
     audited_s = llm.recapture()
     print(f"capture of {graphs} graphs: {plain_s:.3f} s without the audit, {audited_s:.3f} s "
           f"with it (+{(audited_s - plain_s) * 1e3:.0f} ms, {graphs + 1} checksum passes)")
+    del runner, pools  # the runner holds the pools: drop every reference before shutdown
     llm.shutdown()
     release_memory()
 

@@ -36,12 +36,15 @@ def capture_decode_graphs(
     config: CaptureConfig,
     device: torch.device,
     index_bound: int,
+    warmup: bool = True,
     progress: bool = False,
 ) -> tuple[dict[int, DecodeGraph], float]:
     """Capture every size; returns the graphs by batch size and the seconds it took.
 
     :param index_bound: row indices below this are valid for every pool (the audit's
         seeding of undeclared buffers stays in range).
+    :param warmup: run a warmup forward before each capture (needed the first time,
+        when kernels compile; a recapture can skip it).
     """
     start = time.perf_counter()
     snapshot = PoolSnapshot(pools) if config.audit else None
@@ -58,7 +61,7 @@ def capture_decode_graphs(
         forward_vars["input_ids"][:batch_size].zero_()
         forward_vars["positions"][:batch_size].zero_()
         graph = DecodeGraph(batch_size, backends.build_capture_metadata(batch_size))
-        graph.capture(forward, pool=shared_pool, device=device)
+        graph.capture(forward, pool=shared_pool, device=device, warmup=warmup)
         if snapshot is not None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

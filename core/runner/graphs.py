@@ -38,10 +38,17 @@ class DecodeGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._forward: Forward | None = None
 
-    def capture(self, forward: Forward, *, pool: object | None, device: torch.device) -> None:
-        """Warmup forward, then the captured forward (a real CUDA graph on CUDA)."""
+    def capture(
+        self, forward: Forward, *, pool: object | None, device: torch.device, warmup: bool = True
+    ) -> None:
+        """Warmup forward, then the captured forward (a real CUDA graph on CUDA).
+
+        ``warmup=False`` skips the first: on a recapture every kernel is compiled and
+        every workspace exists already, and the warmup was half the capture's time.
+        """
         self._forward = forward
-        forward(self.batch_size, self.ctx)  # warmup: kernels compile, workspaces settle
+        if warmup:
+            forward(self.batch_size, self.ctx)  # kernels compile, workspaces settle
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             self._graph = torch.cuda.CUDAGraph()

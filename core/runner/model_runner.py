@@ -101,6 +101,7 @@ class ModelRunner(SleepWake):
             ),
         )
         self.graphs: dict[int, DecodeGraph] = {}
+        self._captured_before = False  # a recapture skips the warmup forwards
         self.capture_seconds = 0.0
         # Counted on the device: a host read here would stall every step.
         self._nan_rows = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -200,8 +201,10 @@ class ModelRunner(SleepWake):
                 device=self.device,
                 # valid as a KV block, a KV slot and a state slot alike
                 index_bound=min(self.num_blocks, self.num_slots),
+                warmup=not self._captured_before,
                 progress=self.progress,
             )
+        self._captured_before = True
         return self.capture_seconds
 
     def _graph_for(self, step: StepInput) -> DecodeGraph | None:
