@@ -32,6 +32,19 @@ from kvrunner.sleep_state import SleepStateError
 USE_TRITON_ENV = "KVRUNNER_USE_TRITON"
 
 
+def _create_library_workspaces(device: torch.device, dtype: torch.dtype) -> None:
+    """Make cuBLAS / cuBLASLt allocate their workspaces now, before any weight.
+
+    They are allocated lazily, through the caching allocator, and live for the whole
+    process; made after the weights, one can land in the unused tail of a weight's
+    segment, and a level-2 sleep could then never return that segment (the embedding's
+    is over a GiB at the 8B shape) to the device.
+    """
+    x = torch.ones(8, 8, device=device, dtype=dtype)
+    torch.nn.functional.linear(x, x, x[0])  # cuBLASLt (matmul with bias)
+    torch.mm(x, x)  # cuBLAS
+
+
 class ModelRunner(SleepWake):
     """One rank's runner.
 
@@ -85,6 +98,8 @@ class ModelRunner(SleepWake):
             )
 
         self.backends = BackendManager(selection, context_for)
+        if self.device.type == "cuda":
+            _create_library_workspaces(self.device, self.dtype)
         self.model, self.tokenizer, self.model_config = load_model(
             self.model_path,
             dtype=self.dtype,
