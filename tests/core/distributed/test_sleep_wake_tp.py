@@ -5,6 +5,10 @@ one rank refused by every rank with nothing allocated.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +18,7 @@ import torch
 from test_tensor_parallel import test_hooks
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.distributed.fault_injection import TEST_HOOKS_ENV
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.sleep_state import SleepStateError, WakeError
@@ -109,3 +114,18 @@ def test_a_wake_short_on_rank_1_is_refused_by_every_rank_and_retried(
         llm.wake_up()
         assert llm.cache_info().num_blocks == blocks
         assert tokens(llm) == tp1_answers[checkpoints[0]]
+
+
+def test_under_torchrun_sleep_wake_and_pushed_weights_change_nothing(checkpoints) -> None:
+    script = Path(__file__).with_name("sleep_wake_under_torchrun.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), checkpoints[0]]
+    env = {k: v for k, v in os.environ.items() if k != TEST_HOOKS_ENV}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert report["ranks"] == [0, 1]
+    assert len(set(report["blocks"])) == 1
+    first = report["rounds"][0]
+    assert all(len(t) == 4 for t in first)
+    assert report["rounds"] == [first] * 4
