@@ -83,9 +83,19 @@ def expected_weight_names(
     :param stacked: ``(fused_fragment, checkpoint_fragment, shard_id)``: a parameter
         whose name contains ``fused_fragment`` is filled from the checkpoint tensors
         named with ``checkpoint_fragment`` instead, each into its ``shard_id`` slice.
+
+    A parameter may also carry ``checkpoint_shards``, ``{name relative to its module:
+    shard id}``: it is filled from exactly those tensors (the stacked experts of a
+    mixture-of-experts layer, one checkpoint tensor per expert and projection).
     """
     expected: dict[str, tuple[str, str | int | None]] = {}
-    for pname, _ in module.named_parameters():
+    for pname, param in module.named_parameters():
+        shards = getattr(param, "checkpoint_shards", None)
+        if shards is not None:
+            prefix = pname.rpartition(".")[0]
+            for suffix, shard in shards.items():
+                expected[f"{prefix}.{suffix}" if prefix else suffix] = (pname, shard)
+            continue
         fused = [(f, c, s) for f, c, s in stacked if f in pname]
         for fragment, ckpt_fragment, shard in fused:
             expected[pname.replace(fragment, ckpt_fragment)] = (pname, shard)
