@@ -41,9 +41,9 @@ def _widen(model: torch.nn.Module, *, zero_centred_norms: bool) -> None:
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # decays from slow to fast across heads
                 p.copy_(torch.empty_like(p).uniform_(0.5, 4.0).log())
-            elif "embed" in name:
+            elif "embed" in name and zero_centred_norms:
                 p.normal_(0.0, 1.0)
-            elif p.dim() > 1:
+            elif p.dim() > 1:  # (Qwen3's embedding too: at std 1 it would drown the layers)
                 p.normal_(0.0, 0.2)
             elif "norm" in name and not zero_centred_norms:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))  # Qwen3's norms scale by w
