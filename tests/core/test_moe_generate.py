@@ -112,3 +112,21 @@ def test_a_push_by_per_expert_names_equals_a_fresh_engine(tmp_path: Path, kind: 
                                            "down_proj.weight")) for n, _ in experts)
         llm.update_weights(iter_safetensors(pushed, torch.float32))
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_expert_weights_count_as_weights_and_a_level_2_sleep_frees_them() -> None:
+    with LLM(model="tiny-qwen3-next-moe", max_num_seqs=4, max_model_len=64,
+             num_blocks=32) as llm:
+        before = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        model = llm.runner.model
+        experts = [m.experts for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        expert_bytes = sum(e.w13.nbytes + e.w2.nbytes for e in experts)
+        weight_bytes = llm.cache_info().ranks[0].weight_bytes
+        assert weight_bytes == sum(p.nbytes for p in model.parameters()) + sum(
+            b.nbytes for b in model.buffers())
+        assert expert_bytes > weight_bytes / 3, "precondition: the experts weigh"
+        llm.sleep(2)
+        assert all(e.w13.untyped_storage().nbytes() == 0 for e in experts)
+        assert llm.cache_info().last_freed_bytes >= weight_bytes
+        llm.wake_up()
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
