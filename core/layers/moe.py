@@ -57,7 +57,7 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, self.i_local, dtype=dtype, device=device),
             requires_grad=False,
         )
-        # Checkpoint names relative to this module -> shard id (see loader.expected_weight_names).
+        # Checkpoint names relative to this module -> shard id (see models/weight_names.py).
         self.w13.checkpoint_shards = {
             f"{e}.{PROJECTIONS[part]}.weight": (part, e)
             for e in range(num_experts) for part in ("gate", "up")
@@ -65,12 +65,24 @@ class FusedMoE(nn.Module):
         self.w2.checkpoint_shards = {
             f"{e}.down_proj.weight": ("down", e) for e in range(num_experts)
         }
+        # transformers 5 keeps the experts stacked in this very layout (``experts.gate_up_proj``
+        # [E, 2I, H], ``experts.down_proj`` [E, H, I]); a trainer on it pushes those names.
+        self.w13.checkpoint_aliases = {
+            "gate_up_proj": (("gate_up", None), list(self.w13.checkpoint_shards))
+        }
+        self.w2.checkpoint_aliases = {
+            "down_proj": (("down", None), list(self.w2.checkpoint_shards))
+        }
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard: tuple[str, int] | Any = None) -> None:
-        """Copy this rank's slice of one expert's full checkpoint projection."""
+                      shard: tuple[str, int | None] | Any = None) -> None:
+        """Copy this rank's slice of one expert's full checkpoint projection, or of every
+        expert's at once (``expert`` None: the stacked ``[E, ...]`` tensor)."""
         part, expert = shard
+        if expert is None:
+            self._load_stacked(param, loaded, part)
+            return
         i, r, size = self.i_local, self.tp.rank, self.tp.size
         hidden = self.w2.shape[1]
         name = f"expert {expert} {PROJECTIONS[part]}"
@@ -84,6 +96,19 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{name}: expected shape {want}, got {tuple(loaded.shape)}")
         with torch.no_grad():
             target.copy_(piece)
+
+    def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
+        full_i, hidden = self.i_local * self.tp.size, self.w2.shape[1]
+        want = (self.num_experts, hidden, full_i) if part == "down" else (
+            self.num_experts, 2 * full_i, hidden)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"stacked experts: expected shape {want}, got {tuple(loaded.shape)}")
+        for e in range(self.num_experts):
+            if part == "down":
+                self.weight_loader(param, loaded[e], ("down", e))
+            else:
+                self.weight_loader(param, loaded[e, :full_i], ("gate", e))
+                self.weight_loader(param, loaded[e, full_i:], ("up", e))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,9 @@ from kvrunner.layers.linear import (
 from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
-from kvrunner.models.loader import expected_weight_names, load_weights_into, rope_theta_of
+from kvrunner.models.loader import rope_theta_of
 from kvrunner.models.moe_config import MoeConfig
+from kvrunner.models.weight_names import expected_weight_names, load_weights_into
 
 MakeLayer = Callable[[int, str], FullAttentionImpl]
 

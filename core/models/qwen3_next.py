@@ -28,9 +28,9 @@ from kvrunner.layers.linear import (
 )
 from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
-from kvrunner.models.loader import expected_weight_names, load_weights_into
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
+from kvrunner.models.weight_names import expected_weight_names, load_weights_into
 
 
 class GatedRMSNorm(nn.Module):

@@ -130,3 +130,25 @@ def test_expert_weights_count_as_weights_and_a_level_2_sleep_frees_them() -> Non
         assert llm.cache_info().last_freed_bytes >= weight_bytes
         llm.wake_up()
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+
+
+def test_a_push_of_transformers_stacked_experts_equals_a_fresh_engine(tmp_path: Path) -> None:
+    """A trainer on transformers 5 holds each layer's experts stacked
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and
+    pushes its parameters under those names; each stands for its per-expert tensors."""
+    served, pushed = tmp_path / "a", tmp_path / "b"
+    save_hf_qwen3_moe(served, seed=1)
+    trainer = save_hf_qwen3_moe(pushed, seed=2)
+    for path in (served, pushed):
+        shutil.copy(write_tiny_checkpoint(tmp_path / "tok", seed=0) / "tokenizer.json", path)
+    names = dict(trainer.named_parameters())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names, "precondition: stacked names"
+    with LLM(model=str(pushed), **BASE) as fresh:
+        want = [o.token_ids for o in fresh.generate(PROMPTS, GREEDY)]
+    with LLM(model=str(served), **BASE) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] != want
+        llm.sleep(2, discard_weights=True)
+        llm.wake_up(["weights"])
+        llm.update_weights((n, p.detach()) for n, p in trainer.named_parameters())
+        llm.wake_up(["kv_cache"])  # serves only if every per-expert tensor counts as pushed
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want

@@ -187,7 +187,7 @@ def test_two_ranks_partial_sums_add_up_to_the_whole_block(shared: int) -> None:
 
 
 def load(block: SparseMoeBlock, checkpoint: dict[str, torch.Tensor]) -> None:
-    from kvrunner.models.loader import load_weights_into
+    from kvrunner.models.weight_names import load_weights_into
 
     stacked = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
     load_weights_into(block, checkpoint.items(), stacked=stacked)
