@@ -209,3 +209,24 @@ def test_the_triton_path_runs_the_kernels_not_the_torch_loop(monkeypatch) -> Non
     torch.testing.assert_close(out, expected(r), **TOL)
     with triton_path(False), pytest.raises(AssertionError, match="the torch path ran"):
         fused(r)(r["x"], r["weights"], r["ids"])
+
+
+@pytest.mark.parametrize("per_expert", [1, 6, 16, 48, 200])
+def test_every_tile_configuration_computes_the_same(per_expert: int) -> None:
+    """Tile sizes follow the mean rows per expert (decode: thin, prefill: square);
+    each configuration the layer can pick equals the naive loop."""
+    from kvrunner.layers.fused.moe_triton import grouped_experts_triton, kernel_config
+
+    experts, top_k = 3, 2
+    config = kernel_config(per_expert * experts, experts)
+    gen = torch.Generator().manual_seed(per_expert)
+    tokens = 37  # not a multiple of any block: partial blocks everywhere
+    r = dict(x=torch.randn(tokens, 40, generator=gen),
+             w13=torch.randn(experts, 2 * 24, 40, generator=gen) * 0.2,
+             w2=torch.randn(experts, 40, 24, generator=gen) * 0.2,
+             weights=torch.rand(tokens, top_k, generator=gen),
+             ids=torch.stack([torch.randperm(experts, generator=gen)[:top_k]
+                              for _ in range(tokens)]).to(torch.int32))
+    blocks = align_to_blocks(r["ids"], experts, config["BLOCK_M"])
+    out = grouped_experts_triton(r["x"], r["w13"], r["w2"], r["weights"], blocks, config)
+    torch.testing.assert_close(out.sum(dim=1), expected(r), **TOL)
