@@ -152,3 +152,21 @@ def test_a_push_of_transformers_stacked_experts_equals_a_fresh_engine(tmp_path: 
         llm.update_weights((n, p.detach()) for n, p in trainer.named_parameters())
         llm.wake_up(["kv_cache"])  # serves only if every per-expert tensor counts as pushed
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+SEEDED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=11, logprobs=2,
+                        ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "qwen3-next-moe"])
+def test_two_ranks_sample_and_score_as_one(kind: str) -> None:
+    """Seeded sampling and logprobs at TP=2 (each rank half of every expert, one
+    all-reduce per block) equal TP=1's."""
+    settings = dict(model=f"tiny-{kind}", max_num_seqs=4, max_model_len=64, num_blocks=32)
+    with LLM(**settings, enforce_eager=True) as one:
+        want = one.generate(PROMPTS, SEEDED)
+    with LLM(**settings, tensor_parallel_size=2) as two:
+        got = two.generate(PROMPTS, SEEDED)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
