@@ -4,6 +4,7 @@
 #   bash benchmarks/run_gpu.sh                      every benchmark (TP only with 2 GPUs)
 #   bash benchmarks/run_gpu.sh bench_tp_decode      only the named ones
 # Logs go to $OUT when set. GPU_TEST_TIMEOUT / BENCH_TIMEOUT bound the tests / each benchmark (s).
+# GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}
@@ -16,11 +17,11 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged 
   > "$LOG/install.log" 2>&1 || { tail -5 "$LOG/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 nvidia-smi topo -m 2>/dev/null | head -4
-timeout "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 \
+timeout "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs ${GPU_TESTS:-tests} 2>&1 \
   | tee "$LOG/gpu_tests.log" | tail -15
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
-  benches=(bench_decode_attention bench_e2e_decode bench_gdn bench_sleep_wake)
+  benches=(bench_decode_attention bench_e2e_decode bench_gdn bench_moe bench_sleep_wake)
   [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode)
 fi
 for bench in "${benches[@]}"; do

@@ -15,7 +15,7 @@ import attrs
 FIELD_HELP: dict[str, str] = {
     # top level
     "model": "HF-format checkpoint directory, or an embedded default (tiny-qwen3, "
-    "tiny-qwen3-next: random weights)",
+    "tiny-qwen3-next, tiny-qwen3-moe, tiny-qwen3-next-moe: random weights)",
     "dtype": "weight and activation dtype; auto is float32 on the CPU, the checkpoint's "
     "half type (else bfloat16) on CUDA",
     "device": "auto (CUDA if available, else CPU), cpu, cuda or cuda:N",

@@ -160,12 +160,18 @@ class RowParallelLinear(LinearBase):
     """Input features split over ranks; the partial products are summed over ranks.
 
     The bias is added once, after the reduction, so it is not counted ``size`` times.
+    ``reduce_output=False`` returns this rank's partial sum instead, for a caller that
+    adds more partial sums first and reduces them all in one all-reduce (no bias then).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE,
+                 reduce_output: bool = True) -> None:
+        if bias and not reduce_output:
+            raise ValueError("RowParallelLinear: a bias needs reduce_output (it is added once)")
         in_local = divide(in_features, tp.size, "RowParallelLinear input features")
         super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, tp=tp)
+        self.reduce_output = reduce_output
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -177,7 +183,10 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what), what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if not self.reduce_output:
+            return y
+        y = self.tp.reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -11,7 +11,7 @@ whole checkpoint. A file that is missing, truncated or malformed raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,11 @@ from kvrunner.config import ConfigError
 from kvrunner.contract import ModelSpec
 from kvrunner.errors import CheckpointError
 from kvrunner.models.checkpoint_files import check_weight_files, load_tokenizer, read_json_object
+from kvrunner.models.weight_names import (  # noqa: F401 - re-exported: callers import them from here
+    WeightNameError,
+    expected_weight_names,
+    load_weights_into,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -62,98 +67,6 @@ def resolve_dtype(dtype: torch.dtype | str, config: Any) -> torch.dtype:
         return _DTYPES[str(name).removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
-
-
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    with torch.no_grad():
-        param.copy_(loaded)
-
-
-class WeightNameError(ValueError):
-    """A pushed tensor's name is not a parameter of this model (the message names it)."""
-
-
-def expected_weight_names(
-    module: nn.Module, stacked: Sequence[tuple[str, str, str | int]] = ()
-) -> dict[str, tuple[str, str | int | None]]:
-    """Checkpoint name -> ``(parameter name, shard id)`` for every tensor ``module`` loads.
-
-    :param stacked: ``(fused_fragment, checkpoint_fragment, shard_id)``: a parameter
-        whose name contains ``fused_fragment`` is filled from the checkpoint tensors
-        named with ``checkpoint_fragment`` instead, each into its ``shard_id`` slice.
-    """
-    expected: dict[str, tuple[str, str | int | None]] = {}
-    for pname, _ in module.named_parameters():
-        fused = [(f, c, s) for f, c, s in stacked if f in pname]
-        for fragment, ckpt_fragment, shard in fused:
-            expected[pname.replace(fragment, ckpt_fragment)] = (pname, shard)
-        if not fused:
-            expected[pname] = (pname, None)
-    return expected
-
-
-def load_weights_into(
-    module: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    *,
-    stacked: Sequence[tuple[str, str, str | int]] = (),
-    ignore: Sequence[str] = (),
-    require_all: bool = True,
-) -> set[str]:
-    """Copy checkpoint tensors into ``module``'s parameters by name; returns the names
-    loaded (ignored names excluded).
-
-    Each tensor goes through its parameter's ``weight_loader`` (which takes this
-    rank's shard of a full tensor and casts it to the parameter's dtype and device).
-
-    :param stacked: see :func:`expected_weight_names`.
-    :param ignore: checkpoint names containing any of these are skipped.
-    :param require_all: a whole checkpoint: raise ``ValueError`` listing every
-        expected tensor it lacks and every tensor the model has no place for, after
-        loading all the others. ``False`` (a partial update, as a trainer streams
-        them): a name the model does not have raises :class:`WeightNameError` at once.
-    :raises ValueError: naming the tensor whose shape does not fit.
-    """
-    params = dict(module.named_parameters())
-    expected = expected_weight_names(module, stacked)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for name, tensor in weights:
-        target = expected.get(name)
-        if target is None:
-            if any(frag in name for frag in ignore):
-                continue
-            if not require_all:
-                raise WeightNameError(
-                    f"{type(module).__name__} has no parameter {name!r} (Hugging Face names "
-                    f"expected, e.g. {_listing(sorted(expected), 3)})"
-                )
-            unexpected.append(name)
-            continue
-        pname, shard = target
-        param = params[pname]
-        loader = getattr(param, "weight_loader", _default_weight_loader)
-        try:
-            loader(param, tensor, shard)
-        except ValueError as e:
-            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
-        seen.add(name)
-    missing = sorted(set(expected) - seen) if require_all else []
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append(f"missing {len(missing)}: {_listing(missing)}")
-        if unexpected:
-            problems.append(f"unexpected {len(unexpected)}: {_listing(sorted(unexpected))}")
-        raise ValueError(f"{type(module).__name__} weights do not match: " + "; ".join(problems))
-    return seen
-
-
-def _listing(names: list[str], limit: int = 12) -> str:
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

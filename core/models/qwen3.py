@@ -29,9 +29,12 @@ from kvrunner.layers.linear import (
     divide,
     kv_replicas,
 )
+from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
-from kvrunner.models.loader import expected_weight_names, load_weights_into, rope_theta_of
+from kvrunner.models.loader import rope_theta_of
+from kvrunner.models.moe_config import MoeConfig
+from kvrunner.models.weight_names import expected_weight_names, load_weights_into
 
 MakeLayer = Callable[[int, str], FullAttentionImpl]
 
@@ -61,6 +64,8 @@ class Qwen3Config:
     eos_token_id: tuple[int, ...] = attrs.field(default=(), converter=_eos_tuple)
     layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     dtype: str | None = None  # the checkpoint's dtype name, for dtype="auto"
+    #: mixture-of-experts layers (None: every MLP dense)
+    moe: MoeConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.layer_types:
@@ -104,6 +109,8 @@ class Qwen3Config:
 
     def model_spec(self, tp_size: int = 1) -> ModelSpec:
         """Shapes per tensor-parallel rank (KV heads are replicated below one per rank)."""
+        if self.moe is not None:
+            self.moe.check_tp(tp_size)
         kv = self.num_key_value_heads
         if kv >= tp_size:
             kv = divide(kv, tp_size, "KV heads")
@@ -165,18 +172,33 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def make_mlp(c: Qwen3Config, layer_index: int, *, dtype: torch.dtype,
+             device: torch.device | str, tp: TPGroup) -> nn.Module:
+    """Layer ``layer_index``'s MLP: a sparse block where ``c.moe`` says, else dense."""
+    moe = c.moe
+    if moe is None or layer_index not in moe.sparse_layers:
+        return Qwen3MLP(c, dtype=dtype, device=device, tp=tp)
+    return SparseMoeBlock(
+        hidden_size=c.hidden_size, num_experts=moe.num_experts, top_k=moe.top_k,
+        intermediate_size=moe.intermediate_size, renormalize=moe.norm_topk_prob,
+        shared_intermediate_size=moe.shared_expert_intermediate_size,
+        dtype=dtype, device=device, tp=tp,
+    )
+
+
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following norm."""
 
     def __init__(self, c: Qwen3Config, impl: FullAttentionImpl, rotary: RotaryEmbedding,
-                 *, dtype: torch.dtype, device: torch.device | str, tp: TPGroup) -> None:
+                 *, dtype: torch.dtype, device: torch.device | str, tp: TPGroup,
+                 layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
         self.self_attn = Qwen3Attention(c, impl, rotary, dtype=dtype, device=device, tp=tp)
         self.post_attention_layernorm = RMSNorm(
             c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device
         )
-        self.mlp = Qwen3MLP(c, dtype=dtype, device=device, tp=tp)
+        self.mlp = make_mlp(c, layer_index, dtype=dtype, device=device, tp=tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +221,7 @@ class Qwen3Model(nn.Module):
                                           base=c.rope_theta, device=device)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(c, make_layer(i, kind), self.rotary_emb, dtype=dtype,
-                              device=device, tp=tp)
+                              device=device, tp=tp, layer_index=i)
             for i, kind in enumerate(c.layer_types)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)

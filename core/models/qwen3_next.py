@@ -2,8 +2,9 @@
 
 Layer types come from the config: ``linear_attention`` layers hand their conv and
 delta-rule recurrence to the backend selected for them (``gdn``), ``full_attention``
-layers to theirs (``paged``). Dense MLP layers only: a config whose layers would be
-mixture-of-experts is refused with a clear error.
+layers to theirs (``paged``). MLPs are sparse mixture-of-experts blocks with a
+gated shared expert where the config says (every released checkpoint), dense
+elsewhere (:func:`kvrunner.models.qwen3.make_mlp`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from kvrunner.layers.linear import (
 )
 from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
-from kvrunner.models.loader import expected_weight_names, load_weights_into
-from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, Qwen3MLP
+from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
+from kvrunner.models.weight_names import expected_weight_names, load_weights_into
 
 
 class GatedRMSNorm(nn.Module):
@@ -195,6 +196,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TPGroup,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -205,7 +207,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(c, impl, rotary, tp=tp, **kw)
         self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
-        self.mlp = Qwen3MLP(c, tp=tp, **kw)
+        self.mlp = make_mlp(c, layer_index, tp=tp, **kw)
 
     def forward(
         self,
@@ -250,7 +252,8 @@ class Qwen3NextModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(
-                c, kind, make_layer(i, kind), self.rotary_emb, dtype=dtype, device=device, tp=tp
+                c, kind, make_layer(i, kind), self.rotary_emb, dtype=dtype, device=device, tp=tp,
+                layer_index=i,
             )
             for i, kind in enumerate(c.layer_types)
         )
@@ -267,7 +270,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(Qwen3ForCausalLM):
-    """The Hugging Face ``Qwen3NextForCausalLM`` architecture (dense MLPs) on a flat token batch."""
+    """The Hugging Face ``Qwen3NextForCausalLM`` architecture on a flat token batch."""
 
     config_class = Qwen3NextConfig
 
@@ -292,7 +295,8 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
             tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
         )
 
-    #: q/k/v stay separate here (q_proj also carries the output gate); gate/up fuse.
+    #: q/k/v stay separate here (q_proj also carries the output gate); gate/up fuse
+    #: (the dense MLPs' and the shared experts').
     NEXT_STACKED = tuple(s for s in Qwen3ForCausalLM.STACKED if s[0] == ".gate_up_proj.")
 
     def expected_weight_names(self) -> set[str]:

@@ -9,18 +9,10 @@ import attrs
 
 from kvrunner.contract import ModelSpec
 from kvrunner.layers.linear import divide
+from kvrunner.models.moe_config import MoeConfig
 from kvrunner.models.qwen3 import Qwen3Config
 
 DEFAULT_PARTIAL_ROTARY = 0.25
-
-
-def _sparse_layers(d: Mapping[str, Any], num_layers: int) -> list[int]:
-    """Layers that transformers builds as mixture-of-experts blocks for config ``d``."""
-    if (d.get("num_experts") or 0) <= 0:
-        return []
-    dense = set(d.get("mlp_only_layers") or ())  # null in a config.json means "none"
-    step = d.get("decoder_sparse_step") or 1
-    return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
 
 
 def _layer_types(d: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
@@ -37,7 +29,8 @@ def _layer_types(d: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
 
 @attrs.frozen(kw_only=True)
 class Qwen3NextConfig(Qwen3Config):
-    """Qwen3's fields plus the linear-attention shapes and partial rotary."""
+    """Qwen3's fields plus the linear-attention shapes and partial rotary; ``moe``
+    (with a shared expert) for the sparse layers."""
 
     partial_rotary_factor: float = DEFAULT_PARTIAL_ROTARY
     linear_num_key_heads: int
@@ -66,16 +59,11 @@ class Qwen3NextConfig(Qwen3Config):
         """Parse a Hugging Face ``config.json`` dict, in transformers 5's layout or the
         released checkpoints' (``full_attention_interval``, flat ``partial_rotary_factor``)."""
         n = d["num_hidden_layers"]
-        sparse = _sparse_layers(d, n)
-        if sparse:
-            raise ValueError(
-                f"Qwen3NextConfig: layers {sparse[:8]} are mixture-of-experts, which is not "
-                f"supported; set mlp_only_layers to cover every layer or num_experts = 0"
-            )
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
         base = attrs.asdict(Qwen3Config.from_hf_dict({**d, "layer_types": None}), recurse=False)
         base["layer_types"] = _layer_types(d, n)
+        base["moe"] = MoeConfig.from_hf_dict(d, n, shared_expert=True)
         return cls(
             **base,
             partial_rotary_factor=DEFAULT_PARTIAL_ROTARY if partial is None else partial,

@@ -15,11 +15,13 @@ from typing import Any
 #: HF ``architectures[0]`` -> "module:Class"
 ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "kvrunner.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "kvrunner.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM": "kvrunner.models.qwen3_next:Qwen3NextForCausalLM",
 }
 #: HF ``model_type`` -> architecture name, for configs without ``architectures``
 MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
 }
 

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kvrunner.models.tiny_moe_weights import tiny_qwen3_moe, tiny_qwen3_next_moe
 from kvrunner.models.tiny_weights import tiny_qwen3, tiny_qwen3_next
 
 # ---------------------------------------------------------------------------
@@ -91,7 +92,12 @@ def build_tokenizer() -> Tokenizer:
 TinyKind = Callable[[torch.Generator, int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 
 
-TINY_KINDS: dict[str, TinyKind] = {"qwen3": tiny_qwen3, "qwen3-next": tiny_qwen3_next}
+TINY_KINDS: dict[str, TinyKind] = {
+    "qwen3": tiny_qwen3,
+    "qwen3-next": tiny_qwen3_next,
+    "qwen3-moe": tiny_qwen3_moe,
+    "qwen3-next-moe": tiny_qwen3_next_moe,
+}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -135,6 +141,9 @@ def write_tiny_checkpoint(path: str | Path, *, kind: str = "qwen3", seed: int = 
 DEFAULT_MODELS: dict[str, Callable[[Path], Any]] = {
     "tiny-qwen3": lambda path: write_tiny_checkpoint(path, kind="qwen3", seed=0),
     "tiny-qwen3-next": lambda path: write_tiny_checkpoint(path, kind="qwen3-next", seed=0),
+    "tiny-qwen3-moe": lambda path: write_tiny_checkpoint(path, kind="qwen3-moe", seed=0),
+    "tiny-qwen3-next-moe": lambda path: write_tiny_checkpoint(path, kind="qwen3-next-moe",
+                                                              seed=0),
 }
 
 

@@ -32,7 +32,7 @@ SETTINGS = dict(
 CYCLES = 50
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-next"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-next", "qwen3-next-moe"])
 def checkpoints(request, tmp_path_factory) -> tuple[str, str]:
     """Two checkpoints of one architecture: the served one and a trainer's next one."""
     root = tmp_path_factory.mktemp(request.param)

@@ -186,11 +186,18 @@ def test_released_checkpoint_style_config_parses_as_transformers_reads_it() -> N
     assert config.layer_types == ("linear_attention", "full_attention") * 2
 
 
-def test_mixture_of_experts_layers_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"layers \[1, 3\] are mixture-of-experts"):
-        parse_config(hf_config_dict(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[]))
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
+    _, config = parse_config(hf_config_dict(num_experts=8, decoder_sparse_step=2,
+                                            mlp_only_layers=[], num_experts_per_tok=3,
+                                            moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=24))
+    assert config.moe.sparse_layers == (1, 3)
+    assert (config.moe.num_experts, config.moe.top_k) == (8, 3)
+    assert config.moe.intermediate_size == 16 and config.moe.shared_expert_intermediate_size == 24
     # mlp_only_layers covering every sparse layer makes it dense; null means "none".
     _, config = parse_config(hf_config_dict(num_experts=8, mlp_only_layers=[0, 1, 2, 3]))
-    assert config.num_hidden_layers == 4
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        parse_config(hf_config_dict(num_experts=8) | {"mlp_only_layers": None})
+    assert config.moe is None
+    _, config = parse_config(
+        hf_config_dict(num_experts=8, num_experts_per_tok=2) | {"mlp_only_layers": None}
+    )
+    assert config.moe.sparse_layers == (0, 1, 2, 3)

@@ -1,0 +1,176 @@
+"""Mixture-of-experts layers: the fused experts and the sparse block around them.
+
+:class:`FusedMoE` holds every expert's weights stacked in the layout the grouped
+kernels read: ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and
+``w2`` ``[E, H, I]``. The checkpoint's per-expert tensors
+(``experts.{e}.gate_proj.weight`` ...) load into their slices by name, so a whole
+checkpoint and a partial ``update_weights`` take the same path. Under tensor
+parallelism each expert's intermediate dimension is split over ranks (``I / tp``
+gate and up rows, the matching ``w2`` columns): every rank runs every expert on its
+slice and the partial sums meet in the block's one all-reduce. The expert axis is
+kept whole and first, so expert parallelism can later hold a subset of it.
+
+:class:`SparseMoeBlock` is the router, the experts and (Qwen3-Next) a shared expert
+scaled by a sigmoid gate, with one all-reduce for all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrunner.layers.activation import SiluAndMul
+from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
+from kvrunner.layers.linear import (
+    SINGLE,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TPGroup,
+    divide,
+)
+from kvrunner.layers.moe_align import align_to_blocks
+from kvrunner.layers.moe_experts import grouped_experts_torch
+from kvrunner.layers.moe_routing import topk_softmax
+
+#: the checkpoint projection names, by the part of ``w13``/``w2`` they fill
+PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+class FusedMoE(nn.Module):
+    """Every expert's SwiGLU MLP, stacked; ``forward`` returns this rank's partial sum."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.i_local = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.i_local, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.i_local, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        # Checkpoint names relative to this module -> shard id (see models/weight_names.py).
+        self.w13.checkpoint_shards = {
+            f"{e}.{PROJECTIONS[part]}.weight": (part, e)
+            for e in range(num_experts) for part in ("gate", "up")
+        }
+        self.w2.checkpoint_shards = {
+            f"{e}.down_proj.weight": ("down", e) for e in range(num_experts)
+        }
+        # transformers 5 keeps the experts stacked in this very layout (``experts.gate_up_proj``
+        # [E, 2I, H], ``experts.down_proj`` [E, H, I]); a trainer on it pushes those names.
+        self.w13.checkpoint_aliases = {
+            "gate_up_proj": (("gate_up", None), list(self.w13.checkpoint_shards))
+        }
+        self.w2.checkpoint_aliases = {
+            "down_proj": (("down", None), list(self.w2.checkpoint_shards))
+        }
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: tuple[str, int | None] | Any = None) -> None:
+        """Copy this rank's slice of one expert's full checkpoint projection, or of every
+        expert's at once (``expert`` None: the stacked ``[E, ...]`` tensor)."""
+        part, expert = shard
+        if expert is None:
+            self._load_stacked(param, loaded, part)
+            return
+        i, r, size = self.i_local, self.tp.rank, self.tp.size
+        hidden = self.w2.shape[1]
+        name = f"expert {expert} {PROJECTIONS[part]}"
+        if part == "down":
+            want, piece = (hidden, i * size), loaded[:, r * i : (r + 1) * i]
+            target = param[expert]
+        else:
+            want, piece = (i * size, hidden), loaded[r * i : (r + 1) * i]
+            target = param[expert, (0 if part == "gate" else i) : (i if part == "gate" else 2 * i)]
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(loaded.shape)}")
+        with torch.no_grad():
+            target.copy_(piece)
+
+    def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
+        full_i, hidden = self.i_local * self.tp.size, self.w2.shape[1]
+        want = (self.num_experts, hidden, full_i) if part == "down" else (
+            self.num_experts, 2 * full_i, hidden)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"stacked experts: expected shape {want}, got {tuple(loaded.shape)}")
+        for e in range(self.num_experts):
+            if part == "down":
+                self.weight_loader(param, loaded[e], ("down", e))
+            else:
+                self.weight_loader(param, loaded[e, :full_i], ("gate", e))
+                self.weight_loader(param, loaded[e, full_i:], ("up", e))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` and the routing (``[T, top_k]``) -> ``[T, H]``, not yet all-reduced."""
+        if use_triton(x) and same_kernel_dtype(x, self.w13, topk_weights):
+            from kvrunner.layers.fused.moe_triton import grouped_experts_triton, kernel_config
+
+            config = kernel_config(topk_ids.numel(), self.num_experts)
+            blocks = align_to_blocks(topk_ids, self.num_experts, config["BLOCK_M"])
+            per_slot = grouped_experts_triton(x, self.w13, self.w2, topk_weights, blocks, config)
+        else:
+            per_slot = grouped_experts_torch(x, self.w13, self.w2, topk_weights, topk_ids)
+        return per_slot.sum(dim=1)
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP whose down projection leaves its partial sum unreduced."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
+                 device: torch.device | str, tp: TPGroup) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, **kw)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_output=False,
+                                           **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``), top-k experts, optional gated shared expert; one all-reduce.
+
+    Module names follow the checkpoints (``mlp.gate``, ``mlp.experts.{e}.*``,
+    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``).
+    """
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int,
+                 intermediate_size: int, renormalize: bool, shared_intermediate_size: int = 0,
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        self.tp, self.top_k, self.renormalize = tp, top_k, renormalize
+        kw = dict(dtype=dtype, device=device)
+        # The router is replicated: every rank routes the same (identical) input alike.
+        self.gate = ReplicatedLinear(hidden_size, num_experts, **kw)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp=tp, **kw)
+        if shared_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size, tp=tp, **kw)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, **kw)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k] x's dtype, topk_ids [T, k] int32)``."""
+        return topk_softmax(self.gate(x), self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.route(x))
+        if self.shared_expert is not None:
+            # The gate is replicated, so scaling each rank's partial sum scales the total.
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.reduce(out)

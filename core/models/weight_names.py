@@ -1,0 +1,140 @@
+"""Checkpoint tensor names -> a model's (possibly fused, sharded) parameters.
+
+A model's parameters rarely carry the checkpoint's names one for one: q/k/v and
+gate/up projections are fused (``stacked``), experts are stacked into one tensor per
+layer (``checkpoint_shards``, ``checkpoint_aliases`` on the parameter), and each rank
+holds its shard. :func:`expected_weight_names` lists every checkpoint name a model
+loads and where it goes; :func:`load_weights_into` streams tensors there through
+each parameter's ``weight_loader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+class WeightNameError(ValueError):
+    """A pushed tensor's name is not a parameter of this model (the message names it)."""
+
+
+def expected_weight_names(
+    module: nn.Module, stacked: Sequence[tuple[str, str, str | int]] = ()
+) -> dict[str, tuple[str, Any]]:
+    """Checkpoint name -> ``(parameter name, shard id)`` for every tensor ``module`` loads.
+
+    :param stacked: ``(fused_fragment, checkpoint_fragment, shard_id)``: a parameter
+        whose name contains ``fused_fragment`` is filled from the checkpoint tensors
+        named with ``checkpoint_fragment`` instead, each into its ``shard_id`` slice.
+
+    A parameter may also carry ``checkpoint_shards``, ``{name relative to its module:
+    shard id}``: it is filled from exactly those tensors (the stacked experts of a
+    mixture-of-experts layer, one checkpoint tensor per expert and projection).
+    """
+    expected: dict[str, tuple[str, Any]] = {}
+    for pname, param in module.named_parameters():
+        shards = getattr(param, "checkpoint_shards", None)
+        if shards is not None:
+            prefix = pname.rpartition(".")[0]
+            for suffix, shard in shards.items():
+                expected[f"{prefix}.{suffix}" if prefix else suffix] = (pname, shard)
+            continue
+        fused = [(f, c, s) for f, c, s in stacked if f in pname]
+        for fragment, ckpt_fragment, shard in fused:
+            expected[pname.replace(fragment, ckpt_fragment)] = (pname, shard)
+        if not fused:
+            expected[pname] = (pname, None)
+    return expected
+
+
+def alias_weight_names(module: nn.Module) -> dict[str, tuple[str, Any, list[str]]]:
+    """Alternative name -> ``(parameter name, shard id, expected names it stands for)``.
+
+    A parameter's ``checkpoint_aliases``, ``{name relative to its module: (shard id,
+    [expected names relative to its module])}``, lets one tensor stand for several
+    expected ones: transformers 5 holds a mixture-of-experts layer's experts stacked
+    (``mlp.experts.gate_up_proj``), and a trainer built on it pushes them so.
+    """
+    aliases: dict[str, tuple[str, Any, list[str]]] = {}
+    for pname, param in module.named_parameters():
+        prefix = pname.rpartition(".")[0]
+        for suffix, (shard, covers) in getattr(param, "checkpoint_aliases", {}).items():
+            aliases[f"{prefix}.{suffix}"] = (pname, shard, [f"{prefix}.{c}" for c in covers])
+    return aliases
+
+
+def load_weights_into(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    stacked: Sequence[tuple[str, str, str | int]] = (),
+    ignore: Sequence[str] = (),
+    require_all: bool = True,
+) -> set[str]:
+    """Copy checkpoint tensors into ``module``'s parameters by name; returns the names
+    loaded (ignored names excluded).
+
+    Each tensor goes through its parameter's ``weight_loader`` (which takes this
+    rank's shard of a full tensor and casts it to the parameter's dtype and device).
+
+    :param stacked: see :func:`expected_weight_names`; a name from
+        :func:`alias_weight_names` loads too, and counts as the names it stands for.
+    :param ignore: checkpoint names containing any of these are skipped.
+    :param require_all: a whole checkpoint: raise ``ValueError`` listing every
+        expected tensor it lacks and every tensor the model has no place for, after
+        loading all the others. ``False`` (a partial update, as a trainer streams
+        them): a name the model does not have raises :class:`WeightNameError` at once.
+    :raises ValueError: naming the tensor whose shape does not fit.
+    """
+    params = dict(module.named_parameters())
+    expected = expected_weight_names(module, stacked)
+    aliases = alias_weight_names(module)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        target, covers = expected.get(name), [name]
+        if target is None and name in aliases:
+            pname, shard, covers = aliases[name]
+            target = (pname, shard)
+        if target is None:
+            if any(frag in name for frag in ignore):
+                continue
+            if not require_all:
+                raise WeightNameError(
+                    f"{type(module).__name__} has no parameter {name!r} (Hugging Face names "
+                    f"expected, e.g. {_listing(sorted(expected), 3)})"
+                )
+            unexpected.append(name)
+            continue
+        pname, shard = target
+        param = params[pname]
+        loader = getattr(param, "weight_loader", _default_weight_loader)
+        try:
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        seen.update(covers)
+    missing = sorted(set(expected) - seen) if require_all else []
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing {len(missing)}: {_listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected {len(unexpected)}: {_listing(sorted(unexpected))}")
+        raise ValueError(f"{type(module).__name__} weights do not match: " + "; ".join(problems))
+    return seen
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
