@@ -8,7 +8,7 @@ working as long as the version does not change.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -16,7 +16,9 @@ import torch
 #: Version of the hook contract. A backend declares the version it was written
 #: against (``plugin_api_version`` on its factory); a mismatch is refused at load.
 #: 2: ``StepBatch`` carries block tables only as ``block_table_array``.
-PLUGIN_API_VERSION = 2
+#: 3: one declaration of write targets (the hook); hooks answer without their name;
+#: the core builds the shared read side of a step once (:class:`StepMetadata`).
+PLUGIN_API_VERSION = 3
 
 #: Value written into every cache-write index buffer for rows that must not write.
 #: Every kernel that writes cache through an index skips an index < 0.
@@ -58,6 +60,11 @@ class BackendContext:
     max_model_len: int
     use_triton: bool
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Columns of :attr:`StepMetadata.block_tables`: blocks of the longest sequence."""
+        return -(-self.max_model_len // self.block_size)
+
 
 @attrs.frozen(kw_only=True)
 class CacheSpec:
@@ -67,13 +74,14 @@ class CacheSpec:
     ``num_blocks = (budget - bytes_per_slot * num_slots) // bytes_per_block``.
     """
 
-    backend: str
+    #: bytes of one KV block over every layer the backend serves (0: no block pool)
     bytes_per_block: int = 0
+    #: bytes of one request slot's state over every layer it serves (0: no slot state)
     bytes_per_slot: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.bytes_per_block < 0 or self.bytes_per_slot < 0:
-            raise ValueError(f"backend {self.backend!r}: cache spec bytes must be >= 0")
+            raise ValueError("cache spec bytes must be >= 0")
 
 
 @attrs.frozen(kw_only=True)
@@ -83,13 +91,19 @@ class CacheWriteTarget:
     Before every capture the core fills ``buffer`` with ``pad_value``; the backend's
     kernels skip that value, so a capture (which runs the model for real) writes
     nothing into a live cache row. ``buffer`` may live anywhere: in forward_vars or
-    on the backend's own builder.
+    on the backend's own builder. The backend sets ``name``, ``buffer`` and
+    ``pad_value``; the manager fills ``backend`` with the name of the backend that
+    answered.
     """
 
-    backend: str
+    #: unique among the backend's targets; reported as ``"<backend>.<name>"``
     name: str
+    #: integer tensor on the backend's device, any shape; blanked whole
     buffer: torch.Tensor
+    #: the value the kernels skip
     pad_value: int = PAD_SLOT_ID
+    #: set by the manager, never by the backend
+    backend: str = ""
 
     @property
     def qualified_name(self) -> str:
@@ -98,30 +112,85 @@ class CacheWriteTarget:
 
 @attrs.frozen(kw_only=True)
 class StepBatch:
-    """One step's batch as backends see it when building metadata (host side).
+    """One step's batch on the host: what the engine scheduled, as CPU tensors.
 
     Sequences are in order; the token rows of sequence ``i`` are
-    ``cu_query_lens[i]:cu_query_lens[i+1]``. Tensors are int32 on the CPU.
-    ``num_padded_seqs`` >= ``num_seqs`` when a captured graph will replay with a
-    padded tail; the backend must make the tail rows write nothing.
+    ``cu_query_lens[i]:cu_query_lens[i+1]``. ``num_padded_seqs`` >= ``num_seqs``
+    when a captured graph will replay with a padded tail; the backend must make the
+    tail rows write nothing.
     """
 
     num_seqs: int
     num_tokens: int
     num_padded_seqs: int
-    query_lens: torch.Tensor  # [num_seqs] new tokens this step
-    start_positions: torch.Tensor  # [num_seqs] tokens already in cache before this step
-    context_lens: torch.Tensor  # [num_seqs] start + query
-    cu_query_lens: torch.Tensor  # [num_seqs + 1]
-    #: every sequence's block table as one ``[num_seqs, longest]`` int32 tensor,
-    #: zero-padded (block 0 is valid in any pool, so an unmasked read stays in bounds)
+    #: ``[num_seqs]`` int32, CPU: new tokens this step
+    query_lens: torch.Tensor
+    #: ``[num_seqs]`` int32, CPU: tokens already in cache before this step
+    start_positions: torch.Tensor
+    #: ``[num_seqs]`` int32, CPU: ``start_positions + query_lens``
+    context_lens: torch.Tensor
+    #: ``[num_seqs + 1]`` int32, CPU: cumulative query lengths, from 0
+    cu_query_lens: torch.Tensor
+    #: ``[num_seqs, longest]`` int32, CPU: every block table, zero-padded (block 0 is
+    #: valid in any pool, so an unmasked read stays in bounds)
     block_table_array: torch.Tensor
-    slot_mapping: torch.Tensor  # [num_tokens] physical KV slot per token
-    state_slots: torch.Tensor  # [num_seqs] recurrent-state slot per sequence
+    #: ``[num_tokens]`` int64, CPU: physical KV slot of each token
+    slot_mapping: torch.Tensor
+    #: ``[num_seqs]`` int32, CPU: recurrent-state slot of each sequence
+    state_slots: torch.Tensor
+    #: ``[num_tokens]`` int64, CPU: position of each token in its sequence
+    positions: torch.Tensor
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == self.num_seqs
+
+
+@attrs.frozen(kw_only=True)
+class StepMetadata:
+    """A step's shared read side, built once by the core and handed to every backend.
+
+    The tensors are views of persistent device buffers the core owns (a captured
+    graph reads them by address, so a later step's fill reaches it); ``host`` holds
+    the CPU copies. Padded rows (``num_seqs .. num_padded_seqs``) read nothing: their
+    context length is 0, their query range empty, their table all block 0.
+
+    A micro-batch is a contiguous range of sequences: sequence rows ``a:b`` and token
+    rows ``host.cu_query_lens[a]:host.cu_query_lens[b]`` of every tensor, with
+    ``query_start_loc`` rebased by its first entry (:meth:`token_rows`).
+    """
+
+    #: the same step on the host (CPU tensors)
+    host: StepBatch
+    #: ``[num_padded_seqs + 1]`` int32, device: token row where each sequence starts;
+    #: padded sequences are empty (their entries equal ``num_tokens``)
+    query_start_loc: torch.Tensor
+    #: ``[num_padded_seqs]`` int32, device: keys each sequence attends to, this step's
+    #: included; 0 on padded rows
+    context_lens: torch.Tensor
+    #: ``[num_padded_seqs, max_blocks_per_seq]`` int32, device: physical block of each
+    #: logical block; 0 past a sequence's blocks and on padded rows
+    block_tables: torch.Tensor
+    #: ``[num_padded_tokens]`` int64, device: position of each token row; 0 on padded rows
+    positions: torch.Tensor
+    num_seqs: int
+    num_padded_seqs: int
+    num_tokens: int
+    #: ``num_tokens`` plus one row per padded sequence
+    num_padded_tokens: int
+    max_query_len: int
+    max_context_len: int
+    #: every sequence has exactly one new token
+    is_decode: bool
+    #: synthesized by the core for a graph capture (each row reads one key at block 0)
+    is_capture: bool = False
+
+    def token_rows(self, first_seq: int, end_seq: int) -> slice:
+        """Token rows of sequences ``first_seq .. end_seq - 1`` (a micro-batch's slice)."""
+        cu = self.host.cu_query_lens
+        start = int(cu[first_seq]) if first_seq < self.num_seqs else self.num_tokens
+        stop = int(cu[end_seq]) if end_seq <= self.num_seqs else self.num_padded_tokens
+        return slice(start, stop)
 
 
 def pad_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -135,14 +204,23 @@ def pad_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
     return out
 
 
+T = TypeVar("T")
+
+
 @attrs.define
 class ForwardContext:
     """Per-step metadata handed down the model: backend name -> that backend's metadata."""
 
     metadata: dict[str, Any] = attrs.field(factory=dict)
 
-    def for_backend(self, name: str) -> Any:
+    def for_backend(self, name: str, kind: type[T] | None = None) -> T:
+        """The metadata ``name`` built this step; with ``kind``, checked to be one."""
         try:
-            return self.metadata[name]
+            found = self.metadata[name]
         except KeyError:
             raise RuntimeError(f"no metadata was built for backend {name!r} this step") from None
+        if kind is not None and not isinstance(found, kind):
+            raise TypeError(
+                f"backend {name!r} built {type(found).__name__}, not {kind.__name__}"
+            )
+        return found

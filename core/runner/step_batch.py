@@ -18,7 +18,6 @@ from kvrunner.sampling_params import SamplingParams
 class PreparedStep:
     batch: StepBatch
     input_ids: torch.Tensor  # [num_tokens] int64, CPU
-    positions: torch.Tensor  # [num_tokens] int64, CPU
     #: token row whose hidden state is sampled, for each chunk that samples
     sample_rows: list[int]
 
@@ -77,11 +76,11 @@ def prepare_step(
         block_table_array=torch.from_numpy(tables),
         slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
         state_slots=torch.from_numpy(np.array(cols.state_slot, np.int32)),
+        positions=torch.from_numpy(positions),
     )
     return PreparedStep(
         batch=batch,
         input_ids=torch.from_numpy(input_ids),
-        positions=torch.from_numpy(positions),
         sample_rows=sample_rows,
     )
 

@@ -52,7 +52,7 @@ def test_every_token_lands_where_its_block_table_says(case: tuple[StepInput, int
         for k, token in enumerate(c.token_ids):
             pos = c.start_pos + k
             assert int(prepared.input_ids[row]) == token
-            assert int(prepared.positions[row]) == pos
+            assert int(batch.positions[row]) == pos
             expected = c.block_table[pos // block_size] * block_size + pos % block_size
             assert int(batch.slot_mapping[row]) == expected
             row += 1
