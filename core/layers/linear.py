@@ -133,14 +133,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """The whole weight on every rank."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device, tp=tp)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; each rank returns its slice of ``y``."""
 

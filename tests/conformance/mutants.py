@@ -90,18 +90,20 @@ class CaptureSnapshot(PagedBackend):
 
 
 class KeepsFirstPools(PagedBackend):
-    """A wake hands the core new pools, but the layers keep writing the first ones."""
+    """A wake hands the core new pools, but the layers keep the first ones."""
+
+    first: dict[str, torch.Tensor] | None = None
 
     @hookimpl
     def release_cache(self) -> None:
-        pass  # keeps the pools the layers look up
+        pass  # the layers go on looking up the first pools
 
     @hookimpl
     def allocate_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
-        if self.pools.num_blocks:
-            return {f"kv.{i}": torch.zeros_like(self.pools.kv(i)[0]).expand(2, -1, -1, -1, -1)
-                    .clone() for i in self.context.layers}
-        return self.pools.allocate(num_blocks)
+        if self.first is None:
+            self.first = self.pools.allocate(num_blocks)
+            return self.first
+        return {name: torch.zeros_like(pool) for name, pool in self.first.items()}
 
 
 #: check -> (mutant name, factory)

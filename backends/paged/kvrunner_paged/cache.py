@@ -50,11 +50,6 @@ class PagedKVPools:
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * element
         return per_layer * len(self.layers)
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per pool now allocated (0 when released)."""
-        return next(iter(self._pools.values())).shape[1] if self._pools else 0
-
     def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
         """Allocate every layer's pool (zeroed) and return them by ``kv.<layer>``."""
         if num_blocks < 1:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from kvrunner.batch import StepColumns, StepInput
+from kvrunner.batch import StepInput
 from kvrunner.contract import ForwardContext, ModelSpec, StepMetadata
 from kvrunner.plugins import BackendError, discover_backends
 from kvrunner.runner.forward_vars import ForwardVars
@@ -187,7 +187,7 @@ class Rig:
 
     def step(self, rows: Rows, *, padded: int | None = None) -> StepMetadata:
         """The core's shared metadata for these rows (padded to ``padded`` sequences)."""
-        columns = StepColumns(
+        columns = StepInput(
             seq_id=[s.uid for s, _, _ in rows],
             token_ids=[(0,) * (end - start) for _, start, end in rows],
             start_pos=[start for _, start, _ in rows],
@@ -198,7 +198,7 @@ class Rig:
             num_output_tokens=[0] * len(rows),
         )
         prepared = prepare_step(
-            StepInput(columns=columns), block_size=cases.BLOCK_SIZE, num_padded_seqs=padded
+            columns, block_size=cases.BLOCK_SIZE, num_padded_seqs=padded
         )
         return self.step_builder.fill(prepared.batch)
 
