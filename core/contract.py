@@ -1,8 +1,9 @@
 """Data that crosses the boundary between the core and a backend plugin.
 
-Everything a hook receives or returns is one of these typed, frozen classes (or a
-plain tensor), so a backend written against API version ``PLUGIN_API_VERSION`` keeps
-working as long as the version does not change.
+Everything the core hands a hook is one of these typed classes (or a plain
+tensor), so a backend written against API version ``PLUGIN_API_VERSION`` keeps
+working as long as the version does not change. docs/plugins.md documents every
+field; a test checks the two agree.
 """
 
 from __future__ import annotations
@@ -155,9 +156,9 @@ class StepMetadata:
     the CPU copies. Padded rows (``num_seqs .. num_padded_seqs``) read nothing: their
     context length is 0, their query range empty, their table all block 0.
 
-    A micro-batch is a contiguous range of sequences: sequence rows ``a:b`` and token
-    rows ``host.cu_query_lens[a]:host.cu_query_lens[b]`` of every tensor, with
-    ``query_start_loc`` rebased by its first entry (:meth:`token_rows`).
+    A micro-batch is a contiguous range of sequences (:meth:`micro_batch`): sequence
+    rows ``a:b`` and token rows :meth:`token_rows` of every tensor, with
+    ``query_start_loc`` rebased to start at 0.
     """
 
     #: the same step on the host (CPU tensors)
@@ -186,11 +187,59 @@ class StepMetadata:
     is_capture: bool = False
 
     def token_rows(self, first_seq: int, end_seq: int) -> slice:
-        """Token rows of sequences ``first_seq .. end_seq - 1`` (a micro-batch's slice)."""
-        cu = self.host.cu_query_lens
-        start = int(cu[first_seq]) if first_seq < self.num_seqs else self.num_tokens
-        stop = int(cu[end_seq]) if end_seq <= self.num_seqs else self.num_padded_tokens
-        return slice(start, stop)
+        """Token rows of sequences ``first_seq .. end_seq - 1``; a padded sequence owns
+        one row after the real tokens."""
+        cu, n, tokens = self.host.cu_query_lens, self.num_seqs, self.num_tokens
+        row = lambda seq: int(cu[seq]) if seq <= n else tokens + seq - n
+        return slice(row(first_seq), row(end_seq))
+
+    def micro_batch(self, first_seq: int, end_seq: int) -> StepMetadata:
+        """Sequences ``first_seq .. end_seq - 1`` as a step of their own (padded rows
+        count as sequences of zero real tokens, so a range may include the tail).
+
+        Every tensor is a view of this step's rows except ``query_start_loc``, rebased
+        to start at 0 (a new tensor of ``end_seq - first_seq + 1`` entries).
+        """
+        if not 0 <= first_seq < end_seq <= self.num_padded_seqs:
+            raise ValueError(f"sequences {first_seq}:{end_seq} not in 0:{self.num_padded_seqs}")
+        tokens = self.token_rows(first_seq, end_seq)
+        real_end = min(end_seq, self.num_seqs)
+        real_first = min(first_seq, real_end)
+        host = self.host
+        cu = host.cu_query_lens[real_first : real_end + 1] - host.cu_query_lens[real_first]
+        seqs, real = slice(real_first, real_end), slice(int(host.cu_query_lens[real_first]),
+                                                        int(host.cu_query_lens[real_end]))
+        sub_host = StepBatch(
+            num_seqs=real_end - real_first,
+            num_tokens=real.stop - real.start,
+            num_padded_seqs=end_seq - first_seq,
+            query_lens=host.query_lens[seqs],
+            start_positions=host.start_positions[seqs],
+            context_lens=host.context_lens[seqs],
+            cu_query_lens=cu,
+            block_table_array=host.block_table_array[seqs],
+            slot_mapping=host.slot_mapping[real],
+            state_slots=host.state_slots[seqs],
+            positions=host.positions[real],
+        )
+        return StepMetadata(
+            host=sub_host,
+            # Padded sequences start where the real tokens end: clamped, an all-padded
+            # range starts at 0.
+            query_start_loc=(self.query_start_loc[first_seq : end_seq + 1] - tokens.start)
+            .clamp_(min=0),
+            context_lens=self.context_lens[first_seq:end_seq],
+            block_tables=self.block_tables[first_seq:end_seq],
+            positions=self.positions[tokens],
+            num_seqs=sub_host.num_seqs,
+            num_padded_seqs=end_seq - first_seq,
+            num_tokens=sub_host.num_tokens,
+            num_padded_tokens=tokens.stop - tokens.start,
+            max_query_len=int(sub_host.query_lens.max()) if sub_host.num_seqs else 0,
+            max_context_len=int(sub_host.context_lens.max()) if sub_host.num_seqs else 0,
+            is_decode=self.is_decode,
+            is_capture=self.is_capture,
+        )
 
 
 def pad_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -50,16 +50,27 @@ def pip_install_into(site: Path, package: Path) -> None:
     )
 
 
-@pytest.fixture(scope="session")
-def flatkv_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """pip-install tests/fixtures/flatkv_backend into a private site dir for this run."""
+def _installed(tmp_path_factory: pytest.TempPathFactory, package: Path):
+    """``package`` pip-installed into a private site dir, on ``sys.path`` meanwhile."""
     site = tmp_path_factory.mktemp("site")
-    pip_install_into(site, FIXTURES / "flatkv_backend")
+    pip_install_into(site, package)
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     yield str(site)
     sys.path.remove(str(site))
     importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="session")
+def flatkv_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tests/fixtures/flatkv_backend (backends ``flatkv`` and ``leaky``), installed."""
+    yield from _installed(tmp_path_factory, FIXTURES / "flatkv_backend")
+
+
+@pytest.fixture(scope="session")
+def minimal_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """examples/minimal_backend (backend ``minimal``, the docs' tutorial), installed."""
+    yield from _installed(tmp_path_factory, ROOT / "examples" / "minimal_backend")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvrunner import contract
-from kvrunner.batch import StepColumns, StepInput
+from kvrunner.batch import StepInput
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
@@ -52,11 +52,11 @@ def _steps() -> list[contract.StepMetadata]:
     for token_ids, starts, padded in [([(1,), (2,), (3,)], [5, 9, 2], 5),
                                       ([(1, 2, 3), (4,)], [0, 7], None)]:
         n = len(token_ids)
-        cols = StepColumns(seq_id=list(range(n)), token_ids=token_ids, start_pos=starts,
-                           block_table=[(1, 2, 3)] * n, state_slot=list(range(n)),
-                           sample=[True] * n, sampling=[SamplingParams()] * n,
-                           num_output_tokens=[0] * n)
-        batch = prepare_step(StepInput(columns=cols), block_size=4, num_padded_seqs=padded).batch
+        step = StepInput(seq_id=list(range(n)), token_ids=token_ids, start_pos=starts,
+                         block_table=[(1, 2, 3)] * n, state_slot=list(range(n)),
+                         sample=[True] * n, sampling=[SamplingParams()] * n,
+                         num_output_tokens=[0] * n)
+        batch = prepare_step(step, block_size=4, num_padded_seqs=padded).batch
         out.append(builder.fill(batch))
     out.append(builder.fill_capture(3))
     return out

@@ -5,9 +5,8 @@ docs/plugins.md shows its files verbatim; this keeps the two the same.
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,22 +15,9 @@ from kvrunner.cli import main
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.testing.conformance import CHECKS, Target, run_check
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "minimal_backend"
 FILES = ["pyproject.toml", "kvrunner_minimal/__init__.py"]
-
-
-@pytest.fixture(scope="module")
-def minimal_installed(tmp_path_factory):
-    from conftest import pip_install_into
-
-    site = tmp_path_factory.mktemp("example-site")
-    pip_install_into(site, EXAMPLE)
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    yield site
-    sys.path.remove(str(site))
-    importlib.invalidate_caches()
 
 
 @pytest.mark.parametrize("name", FILES)
