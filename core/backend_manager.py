@@ -31,6 +31,7 @@ from kvrunner.plugins import (
     BackendHookError,
     blocked_backends,
     discover_backends,
+    refuse_unmarked_hooks,
 )
 from kvrunner.write_targets import validate_write_targets
 
@@ -83,6 +84,8 @@ class BackendManager:
             self.contexts[name] = context_for(name, tuple(layer_types))
             try:
                 instance = factory(self.contexts[name])
+                # A factory function's product is checked here, a class's at load.
+                refuse_unmarked_hooks(name, type(instance))
                 self.pm.register(instance, name=name)
             except BackendError:
                 raise

@@ -103,7 +103,12 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_backend(args: argparse.Namespace) -> int:
-    from kvrunner.testing.conformance.command import check_backend
+    try:
+        from kvrunner.testing.conformance.command import check_backend
+    except ImportError as e:  # the kit's strategies need hypothesis, an optional extra
+        print(f"kvrunner: check-backend needs {e.name}: pip install 'kvrunner[conformance]'",
+              file=sys.stderr)
+        return 2
 
     return check_backend(args.name, checks=args.check, examples=args.examples,
                          use_triton=args.triton)

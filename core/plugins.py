@@ -126,10 +126,10 @@ def _validate_factory(name: str, factory: Any) -> None:
     if not callable(factory):
         raise BackendError(f"backend {name!r}: entry point is not callable")
     if isinstance(factory, type):
-        _refuse_unmarked_hooks(name, factory)
+        refuse_unmarked_hooks(name, factory)
 
 
-def _refuse_unmarked_hooks(name: str, cls: type) -> None:
+def refuse_unmarked_hooks(name: str, cls: type) -> None:
     """A method named like a hook but without ``@hookimpl`` is never called: pluggy
     ignores it, and the mistake shows up far from its cause (a capture with no
     metadata). Refuse it at load instead."""
@@ -157,6 +157,7 @@ __all__ = [
     "DiscoveredBackend",
     "discover_backends",
     "hook_names",
+    "refuse_unmarked_hooks",
     "register_backend",
     "unregister_backend",
 ]

@@ -142,3 +142,20 @@ def test_a_hook_named_method_without_hookimpl_is_refused_at_load() -> None:
 
     with pytest.raises(BackendError, match=r"'forgot'.*build_capture_metadata.*no @kvrunner"):
         register_backend("forgot", Forgot)
+
+
+def test_a_factory_functions_backend_is_checked_for_unmarked_hooks_when_built() -> None:
+    class Forgot(Minimal):
+        def cache_write_targets(self):  # no @kvrunner.hookimpl
+            return []
+
+    def factory(context):
+        return Forgot(context)
+
+    factory.plugin_api_version, factory.layer_types = kvrunner.PLUGIN_API_VERSION, (FULL,)
+    register_backend("forgot-later", factory)  # a function: nothing to inspect yet
+    try:
+        with pytest.raises(BackendError, match=r"'forgot-later'.*cache_write_targets.*no @"):
+            backend_manager({FULL: "forgot-later"}, small_model_spec())
+    finally:
+        unregister_backend("forgot-later")

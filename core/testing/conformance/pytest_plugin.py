@@ -1,6 +1,8 @@
 """A pytest plugin for the conformance kit.
 
-Enable it with ``pytest_plugins = ["kvrunner.testing.conformance.pytest_plugin"]``.
+Enable it in a ``conftest.py`` with
+``pytest_plugins = ["kvrunner.testing.conformance.pytest_plugin"]`` (or ``-p
+kvrunner.testing.conformance.pytest_plugin``).
 
 Gives a ``backend_conformance`` fixture, a function ``(backend, check=None)`` that
 runs one check (or all) on every layer type the installed backend serves, and the
