@@ -179,14 +179,24 @@ def replay_sees_later_fill(rig: Rig, case: StepCase) -> None:
 
 
 def _capture_under_audit(rig: Rig, case: StepCase) -> None:
-    """The core's own capture loop, audit on, over a forward of the served layers."""
-    first = case.live[0]
+    """The core's own capture loop, audit on, over a forward of the served layers.
+
+    The inputs are made once, before the loop: on CUDA the forward is captured into a
+    real graph, where no host-to-device copy may happen.
+    """
+    sizes = [1, 2, 4]
+    inputs = {i: rig.layer_inputs([(case.live[0], 0, 1)], i, pad_rows=max(sizes) - 1)
+              for i in rig.served}
 
     def forward(rows: int, ctx: ForwardContext) -> torch.Tensor:
-        return rig.forward([(first, 0, 1)], ctx, pad_rows=rows - 1)[rig.served[0]]
+        out = torch.empty(0)
+        for i, layer in rig.layers.items():
+            per_token, rest = inputs[i][:3], inputs[i][3:]
+            out = layer.forward(*[t[:rows] for t in per_token], *rest, ctx)
+        return out
 
     capture_decode_graphs(
-        sizes=[1, 2, 4], backends=rig.manager, forward=forward, forward_vars=rig.forward_vars,
+        sizes=sizes, backends=rig.manager, forward=forward, forward_vars=rig.forward_vars,
         step_builder=rig.step_builder, pools=rig.pools, config=CaptureConfig(audit=True),
         device=rig.device, index_bound=rig.pools_bound(),
     )  # fmt: skip

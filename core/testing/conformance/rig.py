@@ -202,18 +202,23 @@ class Rig:
         )
         return self.step_builder.fill(prepared.batch)
 
+    def layer_inputs(self, rows: Rows, layer: int, pad_rows: int = 0) -> list[torch.Tensor]:
+        """The layer's forward arguments before ``ctx``, on the device: three per-token
+        tensors (q, k, v; or mixed_qkv, g, beta), then a linear layer's conv weight
+        and bias."""
+        inputs = self.step_inputs(rows, layer, pad_rows)
+        if self.target.layer_type == LINEAR:
+            inputs += [t.to(self.device) for t in self.conv_params(layer)]
+        return inputs
+
     def forward(
         self, rows: Rows, ctx: ForwardContext, *, pad_rows: int = 0
     ) -> dict[int, torch.Tensor]:
         """Every served layer's output for these rows (CPU)."""
-        out = {}
-        for i, layer in self.layers.items():
-            inputs = self.step_inputs(rows, i, pad_rows)
-            if self.target.layer_type == LINEAR:
-                weight, bias = (t.to(self.device) for t in self.conv_params(i))
-                inputs = [*inputs, weight, bias]
-            out[i] = layer.forward(*inputs, ctx).cpu()
-        return out
+        return {
+            i: layer.forward(*self.layer_inputs(rows, i, pad_rows), ctx).cpu()
+            for i, layer in self.layers.items()
+        }
 
     def serve(self, rows: Rows, *, pad_rows: int = 0) -> dict[int, torch.Tensor]:
         """Build metadata for a real step and run it (padded with ``pad_rows`` PAD rows)."""
