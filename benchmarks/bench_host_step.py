@@ -34,7 +34,7 @@ class HostOnlyExecutor:
     def execute(self, step: StepInput) -> list[SampledToken]:
         step = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
         prepare_step(step, block_size=BLOCK)
-        cols = step.columns  # as the runner's sampler reads and answers it
+        cols = step  # as the runner's sampler reads and answers it
         seq_ids = [s for s, sample in zip(cols.seq_id, cols.sample, strict=True) if sample]
         packed = (seq_ids, [7] * len(seq_ids), [None] * len(seq_ids), [None] * len(seq_ids))
         return unpack_sampled(pickle.loads(pickle.dumps(packed)))

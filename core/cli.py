@@ -1,4 +1,4 @@
-"""The ``kvrunner`` command: backends, generate, make-tiny, rollout."""
+"""The ``kvrunner`` command: backends, check-backend, generate, make-tiny, rollout."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvrunner import __version__
 from kvrunner.cli_help import choices_of, field_help
 from kvrunner.config import _SECTIONS, ConfigError, EngineConfig
 from kvrunner.errors import KvrunnerError, RequestError
-from kvrunner.plugins import BackendError
+from kvrunner.plugins import BackendError, BackendHookError
 
 DESCRIPTION = (
     "kvrunner: an LLM inference runtime for RL rollouts with pluggable attention and "
@@ -91,18 +91,27 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     if not found:
         print("no backends installed (group kvrunner.backends)")
         return 1
-    print(f"{'name':<10} {'distribution':<18} {'version':<9} {'layer types':<28} write targets")
+    print(f"{'name':<10} {'distribution':<18} {'version':<9} {'layer types':<34} plugin API")
     for name, backend in sorted(found.items()):
         try:
             factory = backend.load()
-            layer_types, targets = ", ".join(factory.layer_types), ", ".join(factory.write_targets)
+            layer_types, api = ", ".join(factory.layer_types), str(factory.plugin_api_version)
         except BackendError as e:
-            layer_types, targets = "-", f"LOAD ERROR: {e}"
-        print(
-            f"{name:<10} {backend.distribution:<18} {backend.version:<9} "
-            f"{layer_types:<28} {targets}"
-        )
+            layer_types, api = "-", f"LOAD ERROR: {e}"
+        print(f"{name:<10} {backend.distribution:<18} {backend.version:<9} {layer_types:<34} {api}")
     return 0
+
+
+def _cmd_check_backend(args: argparse.Namespace) -> int:
+    try:
+        from kvrunner.testing.conformance.command import check_backend
+    except ImportError as e:  # the kit's strategies need hypothesis, an optional extra
+        print(f"kvrunner: check-backend needs {e.name}: pip install 'kvrunner[conformance]'",
+              file=sys.stderr)
+        return 2
+
+    return check_backend(args.name, checks=args.check, examples=args.examples,
+                         use_triton=args.triton)
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -188,8 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvrunner {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("backends", help="list installed backends and their write targets")
+    p = sub.add_parser("backends", help="list installed backends, their layer types and API")
     p.set_defaults(func=_cmd_backends)
+
+    p = sub.add_parser("check-backend",
+                       help="run the conformance kit on an installed backend (needs hypothesis)")
+    p.add_argument("name", help="the backend's entry-point name")
+    p.add_argument("--check", action="append", default=None,
+                   help="run only this check (repeatable; default: every check)")
+    p.add_argument("--examples", type=int, default=8,
+                   help="hypothesis cases per check (default: %(default)s)")
+    p.add_argument("--triton", action="store_true",
+                   help="run the backend's Triton kernels (interpreted without CUDA)")
+    p.set_defaults(func=_cmd_check_backend)
 
     p = sub.add_parser("make-tiny", help="write a random HF-format checkpoint with tokenizer.json")
     p.add_argument("path", help="directory to write (refused if it exists and is not empty)")
@@ -239,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_rollout)
 
     for command in sub.choices.values():
-        command.add_argument("-v", "--verbose", action="store_true",
+        command.add_argument("-v", "--verbose", "--traceback", action="store_true",
                              help="on an error, print the full traceback")
     return parser
 
@@ -259,8 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; the process exit status.
 
     kvrunner's own errors (configuration, checkpoint, request, backend, worker) are
-    printed as one message, exit status 2; ``-v`` adds the traceback. Anything
-    else is a bug and keeps its traceback. Ctrl-C exits with 130, quietly.
+    printed as one message, exit status 2; ``-v``/``--traceback`` adds the traceback.
+    Anything else is a bug and keeps its traceback, and so does a backend hook that
+    raised (:class:`BackendHookError`). Ctrl-C exits with 130, quietly.
     """
     args = build_parser().parse_args(argv)
     try:
@@ -269,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvrunner: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except KvrunnerError as e:
-        if args.verbose:
+        # A backend's hook that raised is a bug in the backend: its traceback is the news.
+        if args.verbose or isinstance(e, BackendHookError):
             traceback.print_exc()
         print(f"kvrunner: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -1,14 +1,15 @@
 """Data that crosses the boundary between the core and a backend plugin.
 
-Everything a hook receives or returns is one of these typed, frozen classes (or a
-plain tensor), so a backend written against API version ``PLUGIN_API_VERSION`` keeps
-working as long as the version does not change.
+Everything the core hands a hook is one of these typed classes (or a plain
+tensor), so a backend written against API version ``PLUGIN_API_VERSION`` keeps
+working as long as the version does not change. docs/plugins.md documents every
+field; a test checks the two agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -16,7 +17,9 @@ import torch
 #: Version of the hook contract. A backend declares the version it was written
 #: against (``plugin_api_version`` on its factory); a mismatch is refused at load.
 #: 2: ``StepBatch`` carries block tables only as ``block_table_array``.
-PLUGIN_API_VERSION = 2
+#: 3: one declaration of write targets (the hook); hooks answer without their name;
+#: the core builds the shared read side of a step once (:class:`StepMetadata`).
+PLUGIN_API_VERSION = 3
 
 #: Value written into every cache-write index buffer for rows that must not write.
 #: Every kernel that writes cache through an index skips an index < 0.
@@ -58,6 +61,11 @@ class BackendContext:
     max_model_len: int
     use_triton: bool
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Columns of :attr:`StepMetadata.block_tables`: blocks of the longest sequence."""
+        return -(-self.max_model_len // self.block_size)
+
 
 @attrs.frozen(kw_only=True)
 class CacheSpec:
@@ -67,13 +75,14 @@ class CacheSpec:
     ``num_blocks = (budget - bytes_per_slot * num_slots) // bytes_per_block``.
     """
 
-    backend: str
+    #: bytes of one KV block over every layer the backend serves (0: no block pool)
     bytes_per_block: int = 0
+    #: bytes of one request slot's state over every layer it serves (0: no slot state)
     bytes_per_slot: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.bytes_per_block < 0 or self.bytes_per_slot < 0:
-            raise ValueError(f"backend {self.backend!r}: cache spec bytes must be >= 0")
+            raise ValueError("cache spec bytes must be >= 0")
 
 
 @attrs.frozen(kw_only=True)
@@ -83,13 +92,19 @@ class CacheWriteTarget:
     Before every capture the core fills ``buffer`` with ``pad_value``; the backend's
     kernels skip that value, so a capture (which runs the model for real) writes
     nothing into a live cache row. ``buffer`` may live anywhere: in forward_vars or
-    on the backend's own builder.
+    on the backend's own builder. The backend sets ``name``, ``buffer`` and
+    ``pad_value``; the manager fills ``backend`` with the name of the backend that
+    answered.
     """
 
-    backend: str
+    #: unique among the backend's targets; reported as ``"<backend>.<name>"``
     name: str
+    #: integer tensor on the backend's device, any shape; blanked whole
     buffer: torch.Tensor
+    #: the value the kernels skip
     pad_value: int = PAD_SLOT_ID
+    #: set by the manager, never by the backend
+    backend: str = ""
 
     @property
     def qualified_name(self) -> str:
@@ -98,30 +113,133 @@ class CacheWriteTarget:
 
 @attrs.frozen(kw_only=True)
 class StepBatch:
-    """One step's batch as backends see it when building metadata (host side).
+    """One step's batch on the host: what the engine scheduled, as CPU tensors.
 
     Sequences are in order; the token rows of sequence ``i`` are
-    ``cu_query_lens[i]:cu_query_lens[i+1]``. Tensors are int32 on the CPU.
-    ``num_padded_seqs`` >= ``num_seqs`` when a captured graph will replay with a
-    padded tail; the backend must make the tail rows write nothing.
+    ``cu_query_lens[i]:cu_query_lens[i+1]``. ``num_padded_seqs`` >= ``num_seqs``
+    when a captured graph will replay with a padded tail; the backend must make the
+    tail rows write nothing.
     """
 
     num_seqs: int
     num_tokens: int
     num_padded_seqs: int
-    query_lens: torch.Tensor  # [num_seqs] new tokens this step
-    start_positions: torch.Tensor  # [num_seqs] tokens already in cache before this step
-    context_lens: torch.Tensor  # [num_seqs] start + query
-    cu_query_lens: torch.Tensor  # [num_seqs + 1]
-    #: every sequence's block table as one ``[num_seqs, longest]`` int32 tensor,
-    #: zero-padded (block 0 is valid in any pool, so an unmasked read stays in bounds)
+    #: ``[num_seqs]`` int32, CPU: new tokens this step
+    query_lens: torch.Tensor
+    #: ``[num_seqs]`` int32, CPU: tokens already in cache before this step
+    start_positions: torch.Tensor
+    #: ``[num_seqs]`` int32, CPU: ``start_positions + query_lens``
+    context_lens: torch.Tensor
+    #: ``[num_seqs + 1]`` int32, CPU: cumulative query lengths, from 0
+    cu_query_lens: torch.Tensor
+    #: ``[num_seqs, longest]`` int32, CPU: every block table, zero-padded (block 0 is
+    #: valid in any pool, so an unmasked read stays in bounds)
     block_table_array: torch.Tensor
-    slot_mapping: torch.Tensor  # [num_tokens] physical KV slot per token
-    state_slots: torch.Tensor  # [num_seqs] recurrent-state slot per sequence
+    #: ``[num_tokens]`` int64, CPU: physical KV slot of each token
+    slot_mapping: torch.Tensor
+    #: ``[num_seqs]`` int32, CPU: recurrent-state slot of each sequence
+    state_slots: torch.Tensor
+    #: ``[num_tokens]`` int64, CPU: position of each token in its sequence
+    positions: torch.Tensor
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == self.num_seqs
+
+
+@attrs.frozen(kw_only=True)
+class StepMetadata:
+    """A step's shared read side, built once by the core and handed to every backend.
+
+    The tensors are views of persistent device buffers the core owns (a captured
+    graph reads them by address, so a later step's fill reaches it); ``host`` holds
+    the CPU copies. Padded rows (``num_seqs .. num_padded_seqs``) read nothing: their
+    context length is 0, their query range empty, their table all block 0.
+
+    A micro-batch is a contiguous range of sequences (:meth:`micro_batch`): sequence
+    rows ``a:b`` and token rows :meth:`token_rows` of every tensor, with
+    ``query_start_loc`` rebased to start at 0.
+    """
+
+    #: the same step on the host (CPU tensors)
+    host: StepBatch
+    #: ``[num_padded_seqs + 1]`` int32, device: token row where each sequence starts;
+    #: padded sequences are empty (their entries equal ``num_tokens``)
+    query_start_loc: torch.Tensor
+    #: ``[num_padded_seqs]`` int32, device: keys each sequence attends to, this step's
+    #: included; 0 on padded rows
+    context_lens: torch.Tensor
+    #: ``[num_padded_seqs, max_blocks_per_seq]`` int32, device: physical block of each
+    #: logical block; 0 past a sequence's blocks and on padded rows
+    block_tables: torch.Tensor
+    #: ``[num_padded_tokens]`` int64, device: position of each token row; 0 on padded rows
+    positions: torch.Tensor
+    num_seqs: int
+    num_padded_seqs: int
+    num_tokens: int
+    #: ``num_tokens`` plus one row per padded sequence
+    num_padded_tokens: int
+    max_query_len: int
+    max_context_len: int
+    #: every sequence has exactly one new token
+    is_decode: bool
+    #: synthesized by the core for a graph capture (each row reads one key at block 0)
+    is_capture: bool = False
+
+    def token_rows(self, first_seq: int, end_seq: int) -> slice:
+        """Token rows of sequences ``first_seq .. end_seq - 1``; a padded sequence owns
+        one row after the real tokens."""
+        cu, n, tokens = self.host.cu_query_lens, self.num_seqs, self.num_tokens
+        row = lambda seq: int(cu[seq]) if seq <= n else tokens + seq - n
+        return slice(row(first_seq), row(end_seq))
+
+    def micro_batch(self, first_seq: int, end_seq: int) -> StepMetadata:
+        """Sequences ``first_seq .. end_seq - 1`` as a step of their own (padded rows
+        count as sequences of zero real tokens, so a range may include the tail).
+
+        Every tensor is a view of this step's rows except ``query_start_loc``, rebased
+        to start at 0 (a new tensor of ``end_seq - first_seq + 1`` entries).
+        """
+        if not 0 <= first_seq < end_seq <= self.num_padded_seqs:
+            raise ValueError(f"sequences {first_seq}:{end_seq} not in 0:{self.num_padded_seqs}")
+        tokens = self.token_rows(first_seq, end_seq)
+        real_end = min(end_seq, self.num_seqs)
+        real_first = min(first_seq, real_end)
+        host = self.host
+        cu = host.cu_query_lens[real_first : real_end + 1] - host.cu_query_lens[real_first]
+        seqs, real = slice(real_first, real_end), slice(int(host.cu_query_lens[real_first]),
+                                                        int(host.cu_query_lens[real_end]))
+        sub_host = StepBatch(
+            num_seqs=real_end - real_first,
+            num_tokens=real.stop - real.start,
+            num_padded_seqs=end_seq - first_seq,
+            query_lens=host.query_lens[seqs],
+            start_positions=host.start_positions[seqs],
+            context_lens=host.context_lens[seqs],
+            cu_query_lens=cu,
+            block_table_array=host.block_table_array[seqs],
+            slot_mapping=host.slot_mapping[real],
+            state_slots=host.state_slots[seqs],
+            positions=host.positions[real],
+        )
+        return StepMetadata(
+            host=sub_host,
+            # Padded sequences start where the real tokens end: clamped, an all-padded
+            # range starts at 0.
+            query_start_loc=(self.query_start_loc[first_seq : end_seq + 1] - tokens.start)
+            .clamp_(min=0),
+            context_lens=self.context_lens[first_seq:end_seq],
+            block_tables=self.block_tables[first_seq:end_seq],
+            positions=self.positions[tokens],
+            num_seqs=sub_host.num_seqs,
+            num_padded_seqs=end_seq - first_seq,
+            num_tokens=sub_host.num_tokens,
+            num_padded_tokens=tokens.stop - tokens.start,
+            max_query_len=int(sub_host.query_lens.max()) if sub_host.num_seqs else 0,
+            max_context_len=int(sub_host.context_lens.max()) if sub_host.num_seqs else 0,
+            is_decode=self.is_decode,
+            is_capture=self.is_capture,
+        )
 
 
 def pad_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -135,14 +253,23 @@ def pad_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
     return out
 
 
+T = TypeVar("T")
+
+
 @attrs.define
 class ForwardContext:
     """Per-step metadata handed down the model: backend name -> that backend's metadata."""
 
     metadata: dict[str, Any] = attrs.field(factory=dict)
 
-    def for_backend(self, name: str) -> Any:
+    def for_backend(self, name: str, kind: type[T] | None = None) -> T:
+        """The metadata ``name`` built this step; with ``kind``, checked to be one."""
         try:
-            return self.metadata[name]
+            found = self.metadata[name]
         except KeyError:
             raise RuntimeError(f"no metadata was built for backend {name!r} this step") from None
+        if kind is not None and not isinstance(found, kind):
+            raise TypeError(
+                f"backend {name!r} built {type(found).__name__}, not {kind.__name__}"
+            )
+        return found

@@ -8,8 +8,14 @@ simply not called on it.
 
 Hooks are always called with keyword arguments (pluggy refuses positional ones) and
 the core never calls ``pm.hook.*`` directly: :class:`kvrunner.plugins.BackendManager`
-is the typed facade. Collecting hooks return one result per backend; ``firstresult``
-hooks stop at the first backend that answers with something other than ``None``.
+is the typed facade. It calls each backend on its own and keys the answers by
+backend name, so no answer carries the name.
+
+Lifecycle (enforced by the manager, documented in docs/plugins.md): construction;
+``make_layer`` per layer while the model loads; ``persistent_buffers`` once;
+``cache_spec``; ``allocate_cache``; then any number of steps (``build_metadata``)
+and captures (``cache_write_targets``, then ``build_capture_metadata``);
+``release_cache`` and ``allocate_cache`` again, in pairs, around each sleep.
 
 Sections: sizing, allocation, forward_vars, metadata, capture safety, layers.
 """
@@ -21,7 +27,7 @@ from typing import Any
 import pluggy
 import torch
 
-from kvrunner.contract import CacheSpec, CacheWriteTarget, StepBatch
+from kvrunner.contract import CacheSpec, CacheWriteTarget, StepMetadata
 
 hookspec = pluggy.HookspecMarker("kvrunner")
 hookimpl = pluggy.HookimplMarker("kvrunner")
@@ -61,7 +67,12 @@ def allocate_cache(num_blocks: int, num_slots: int) -> dict[str, torch.Tensor]:
 
 @hookspec
 def release_cache() -> None:
-    """Drop every reference to the pools made by :func:`allocate_cache`."""
+    """Drop every reference to the pools made by :func:`allocate_cache`.
+
+    Called once per allocation (sleep, or the end of the sizing profile); the next
+    :func:`allocate_cache` comes with the same counts. Persistent buffers and layer
+    objects stay: a layer must look its pool up again on its next forward.
+    """
 
 
 # ---------------------------------------------------------------------------
@@ -84,22 +95,29 @@ def persistent_buffers(max_batch: int, max_tokens: int) -> dict[str, torch.Tenso
 
 
 @hookspec
-def build_metadata(batch: StepBatch) -> tuple[str, Any]:
-    """Fill this backend's buffers for a real batch and return ``(name, metadata)``.
+def build_metadata(step: StepMetadata) -> Any:
+    """Fill this backend's own buffers for a real step and return its metadata.
 
-    Prefill, decode and mixed batches all come through here. Rows past
-    ``batch.num_seqs`` / ``batch.num_tokens`` (the padded tail a graph replays) must
-    hold the PAD value in every write target.
+    ``step`` carries the shared read side the core already placed on the device
+    (query start offsets, context lengths, block tables, positions) and the host
+    batch (``step.host``); the backend adds only what its kernels need beyond that
+    and fills its write targets. Prefill, decode and mixed steps all come here. Rows
+    past ``step.num_seqs`` / ``step.num_tokens`` (the padded tail a graph replays)
+    must hold the PAD value in every write target. The returned object is what the
+    layers read with ``ctx.for_backend(name)``; when a graph replays, the object
+    built at capture is used instead, so anything a replay depends on must live in a
+    buffer.
     """
 
 
 @hookspec
-def build_capture_metadata(batch_size: int) -> tuple[str, Any]:
-    """Return ``(name, metadata)`` for capturing a decode graph of ``batch_size`` rows.
+def build_capture_metadata(step: StepMetadata) -> Any:
+    """Return this backend's metadata for capturing a decode graph of ``step.num_seqs`` rows.
 
-    Synthesize the *read* side (indptr, indices, lengths) so kernels stay in bounds.
-    Do not touch the write side: the core has already blanked every declared write
-    target to its PAD value before calling this.
+    ``step`` is the core's synthesized capture step (every row one token reading one
+    key at block 0). Derive only the backend's own *read* side from it. Do not touch
+    the write side: the core has blanked every declared write target to its PAD
+    value just before.
     """
 
 
@@ -112,10 +130,11 @@ def build_capture_metadata(batch_size: int) -> tuple[str, Any]:
 def cache_write_targets() -> list[CacheWriteTarget]:
     """Return every buffer through which this backend's kernels write cache or state.
 
-    Include buffers that live on the backend's builder and not in forward_vars. The
-    core blanks the union over all active backends to each target's PAD value
-    before every capture; a write through an undeclared buffer is caught by the
-    capture audit.
+    This is the one declaration of the backend's write targets: the names must be
+    the same at every call. Include buffers that live on the backend's builder and
+    not in forward_vars. The core blanks the union over all active backends to each
+    target's PAD value before every capture; a write through an undeclared buffer is
+    caught by the capture audit.
     """
 
 
@@ -124,13 +143,15 @@ def cache_write_targets() -> list[CacheWriteTarget]:
 # ---------------------------------------------------------------------------
 
 
-@hookspec(firstresult=True)
-def make_layer(layer_index: int, layer_type: str) -> Any | None:
-    """Return the attention/state implementation for one model layer, or ``None``.
+@hookspec
+def make_layer(layer_index: int, layer_type: str) -> Any:
+    """Return the attention/state implementation for one model layer.
 
-    The backend the config selected for ``layer_type`` answers for the layers it
-    serves; every other backend returns ``None``. The returned object exposes
-    ``forward(...)`` as the model's layer type expects (see
-    :mod:`kvrunner.layers.attention`) and reads its per-step metadata from the
-    :class:`~kvrunner.contract.ForwardContext` passed to it.
+    Called once per layer while the model loads, before ``persistent_buffers``, and
+    only on the backend the config selected for ``layer_type``, for a layer in its
+    ``context.layers``: a backend never filters. The returned object
+    implements the protocol of its layer type (:mod:`kvrunner.layers.attention`:
+    ``FullAttentionImpl``, ``LinearAttentionImpl``) and reads its per-step metadata
+    from the :class:`~kvrunner.contract.ForwardContext` passed to it. The core wraps
+    it so an exception in its ``forward`` names the backend and the layer.
     """

@@ -2,29 +2,25 @@
 
 Backends are discovered from the ``kvrunner.backends`` entry-point group (and from
 :func:`register_backend`, for in-process registration). Only the backends the
-config selects are constructed and registered on a runner's plugin manager. Every
-failure raises :class:`BackendError` naming the backend and the problem.
+config selects are constructed and registered on a runner's plugin manager
+(:mod:`kvrunner.backend_manager`). Every failure raises :class:`BackendError`
+naming the backend and the problem.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import attrs
-import pluggy
-import torch
 
 from kvrunner import hookspecs
 from kvrunner.contract import (
     PLUGIN_API_VERSION,
     BackendContext,
-    CacheSpec,
-    CacheWriteTarget,
-    ForwardContext,
-    StepBatch,
 )
 from kvrunner.errors import KvrunnerError
 
@@ -38,6 +34,10 @@ _registered: dict[str, BackendFactory] = {}
 
 class BackendError(KvrunnerError, RuntimeError):
     """A backend could not be found, loaded, validated or called correctly."""
+
+
+class BackendHookError(BackendError):
+    """A backend's hook raised: a bug in the backend, reported with its traceback."""
 
 
 @attrs.frozen
@@ -61,12 +61,19 @@ class DiscoveredBackend:
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:
-    """Make ``factory`` selectable as ``name`` in this process (beside entry points)."""
+    """Make ``factory`` selectable as ``name`` in this process, beside entry points.
+
+    For backends that are not installed as a distribution (a notebook, a test). The
+    factory is validated now, exactly as an entry point's is at load; a registered
+    name shadows an installed backend of the same name until
+    :func:`unregister_backend`.
+    """
     _validate_factory(name, factory)
     _registered[name] = factory
 
 
 def unregister_backend(name: str) -> None:
+    """Forget a :func:`register_backend` registration (no error if there is none)."""
     _registered.pop(name, None)
 
 
@@ -95,6 +102,15 @@ def discover_backends() -> dict[str, DiscoveredBackend]:
     return found
 
 
+def hook_names() -> frozenset[str]:
+    """Every hook name in :mod:`kvrunner.hookspecs`."""
+    return frozenset(
+        name
+        for name, fn in vars(hookspecs).items()
+        if inspect.isfunction(fn) and hasattr(fn, "kvrunner_spec")
+    )
+
+
 def _validate_factory(name: str, factory: Any) -> None:
     version = getattr(factory, "plugin_api_version", None)
     if version is None:
@@ -104,186 +120,44 @@ def _validate_factory(name: str, factory: Any) -> None:
             f"backend {name!r} targets plugin API {version}, "
             f"this kvrunner speaks {PLUGIN_API_VERSION}"
         )
-    for attr in ("layer_types", "write_targets"):
-        value = getattr(factory, attr, None)
-        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-            raise BackendError(f"backend {name!r}: {attr} must be a tuple of str, got {value!r}")
+    value = getattr(factory, "layer_types", None)
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise BackendError(f"backend {name!r}: layer_types must be a tuple of str, got {value!r}")
     if not callable(factory):
         raise BackendError(f"backend {name!r}: entry point is not callable")
+    if isinstance(factory, type):
+        refuse_unmarked_hooks(name, factory)
 
 
-def _validate_write_targets(
-    name: str, declared: tuple[str, ...], targets: Any
-) -> list[CacheWriteTarget]:
-    if not isinstance(targets, list):
-        raise BackendError(f"backend {name!r}: cache_write_targets must return a list")
-    for t in targets:
-        if not isinstance(t, CacheWriteTarget):
-            raise BackendError(f"backend {name!r}: write target {t!r} is not a CacheWriteTarget")
-        if t.backend != name:
+def refuse_unmarked_hooks(name: str, cls: type) -> None:
+    """A method named like a hook but without ``@hookimpl`` is never called: pluggy
+    ignores it, and the mistake shows up far from its cause (a capture with no
+    metadata). Refuse it at load instead."""
+    for hook in sorted(hook_names()):
+        method = inspect.getattr_static(cls, hook, None)
+        if method is None:
+            continue
+        function = getattr(method, "__func__", method)
+        if callable(function) and not hasattr(function, "kvrunner_impl"):
             raise BackendError(
-                f"backend {name!r}: write target {t.name!r} claims backend {t.backend!r}"
+                f"backend {name!r}: method {hook} is named like a hook but has no "
+                f"@kvrunner.hookimpl, so it would never be called"
             )
-        if (
-            not isinstance(t.buffer, torch.Tensor)
-            or t.buffer.dtype.is_floating_point
-            or t.buffer.dtype.is_complex
-            or t.buffer.dtype == torch.bool
-        ):
-            raise BackendError(
-                f"backend {name!r}: write target {t.name!r} must be an integer tensor"
-            )
-        if not isinstance(t.pad_value, int) or isinstance(t.pad_value, bool):
-            raise BackendError(
-                f"backend {name!r}: write target {t.name!r} has non-integer PAD {t.pad_value!r}"
-            )
-    names = {t.name for t in targets}
-    if names != set(declared):
-        raise BackendError(
-            f"backend {name!r}: cache_write_targets returned {sorted(names)} "
-            f"but the backend declares {sorted(declared)}"
-        )
-    return targets
 
 
-class BackendManager:
-    """The active backends of one runner and the only caller of their hooks."""
+# The manager lives in its own module; imported last because it needs BackendError.
+from kvrunner.backend_manager import BackendManager  # noqa: E402
 
-    def __init__(
-        self,
-        selection: Mapping[str, str],
-        context_for: Callable[[str, tuple[str, ...]], BackendContext],
-    ) -> None:
-        """:param selection: layer type -> backend name, for the layer types the model has.
-        :param context_for: builds the context for a backend given the layer types it serves.
-        """
-        self.pm = pluggy.PluginManager("kvrunner")
-        self.pm.add_hookspecs(hookspecs)
-        available = discover_backends()
-        by_backend: dict[str, list[str]] = {}
-        for layer_type, name in selection.items():
-            by_backend.setdefault(name, []).append(layer_type)
-        self.declared: dict[str, tuple[str, ...]] = {}
-        self._subset_callers: dict[str, list[tuple[str, Any]]] = {}
-        for name, layer_types in by_backend.items():
-            if name not in available:
-                blocked = (
-                    f" ({name!r} is blocked by {BLOCK_ENV})" if name in blocked_backends() else ""
-                )
-                raise BackendError(
-                    f"backend {name!r} selected for {layer_types} is not installed{blocked}; "
-                    f"installed: {sorted(available) or 'none'}"
-                )
-            factory = available[name].load()
-            unsupported = set(layer_types) - set(factory.layer_types)
-            if unsupported:
-                raise BackendError(
-                    f"backend {name!r} cannot serve layer type(s) {sorted(unsupported)}; "
-                    f"it serves {list(factory.layer_types)}"
-                )
-            try:
-                instance = factory(context_for(name, tuple(layer_types)))
-                self.pm.register(instance, name=name)
-            except BackendError:
-                raise
-            except Exception as e:
-                raise BackendError(f"backend {name!r} failed to load: {e}") from e
-            self.declared[name] = factory.write_targets
-        try:
-            self.pm.check_pending()
-        except pluggy.PluginValidationError as e:
-            name = self.pm.get_name(e.plugin) or repr(e.plugin)
-            problem = str(e).split(" in plugin ")[0]
-            raise BackendError(
-                f"backend {name!r}: {problem} (no such hook in kvrunner.hookspecs)"
-            ) from e
-
-    @property
-    def names(self) -> list[str]:
-        return [self.pm.get_name(p) for p in self.pm.get_plugins()]
-
-    def _callers(self, hook: str) -> list[tuple[str, Any]]:
-        """One single-backend hook caller per backend, built once: this runs every step."""
-        cached = self._subset_callers.get(hook)
-        if cached is None:
-            cached = []
-            for name, plugin in self.pm.list_name_plugin():
-                others = [p for p in self.pm.get_plugins() if p is not plugin]
-                cached.append((name, self.pm.subset_hook_caller(hook, remove_plugins=others)))
-            self._subset_callers[hook] = cached
-        return cached
-
-    def _call_each(self, hook: str, **kwargs: Any) -> dict[str, Any]:
-        """Call ``hook`` on each backend separately (through pluggy, so wrappers and
-        tracing still apply); results keyed by backend name, absent where unimplemented."""
-        results: dict[str, Any] = {}
-        for name, caller in self._callers(hook):
-            try:
-                answer = caller(**kwargs)
-            except BackendError:
-                raise
-            except Exception as e:
-                raise BackendError(f"backend {name!r}: hook {hook} failed: {e!r}") from e
-            if answer:
-                results[name] = answer[0]
-        return results
-
-    def cache_specs(self) -> list[CacheSpec]:
-        specs = self._call_each("cache_spec")
-        for name, spec in specs.items():
-            if not isinstance(spec, CacheSpec):
-                raise BackendError(f"backend {name!r}: cache_spec returned {type(spec).__name__}")
-        return list(specs.values())
-
-    def allocate_cache(self, *, num_blocks: int, num_slots: int) -> dict[str, torch.Tensor]:
-        pools: dict[str, torch.Tensor] = {}
-        for name, named in self._call_each(
-            "allocate_cache", num_blocks=num_blocks, num_slots=num_slots
-        ).items():
-            for key, tensor in named.items():
-                pools[f"{name}.{key}"] = tensor
-        return pools
-
-    def release_cache(self) -> None:
-        self._call_each("release_cache")
-
-    def persistent_buffers(self, *, max_batch: int, max_tokens: int) -> dict[str, torch.Tensor]:
-        buffers: dict[str, torch.Tensor] = {}
-        for name, named in self._call_each(
-            "persistent_buffers", max_batch=max_batch, max_tokens=max_tokens
-        ).items():
-            for key, tensor in named.items():
-                buffers[f"{name}.{key}"] = tensor
-        return buffers
-
-    def _metadata(self, results: dict[str, Any], hook: str) -> ForwardContext:
-        ctx = ForwardContext()
-        for name, result in results.items():
-            if not (isinstance(result, tuple) and len(result) == 2 and result[0] == name):
-                raise BackendError(f"backend {name!r}: {hook} must return ({name!r}, metadata)")
-            ctx.metadata[name] = result[1]
-        return ctx
-
-    def build_metadata(self, batch: StepBatch) -> ForwardContext:
-        return self._metadata(self._call_each("build_metadata", batch=batch), "build_metadata")
-
-    def build_capture_metadata(self, batch_size: int) -> ForwardContext:
-        return self._metadata(
-            self._call_each("build_capture_metadata", batch_size=batch_size),
-            "build_capture_metadata",
-        )
-
-    def cache_write_targets(self) -> list[CacheWriteTarget]:
-        """The union of every active backend's write targets, validated."""
-        union: list[CacheWriteTarget] = []
-        results = self._call_each("cache_write_targets")
-        for name, declared in self.declared.items():
-            union += _validate_write_targets(name, declared, results.get(name, []))
-        return union
-
-    def make_layer(self, *, layer_index: int, layer_type: str) -> Any:
-        impl = self.pm.hook.make_layer(layer_index=layer_index, layer_type=layer_type)
-        if impl is None:
-            raise BackendError(f"no active backend made layer {layer_index} ({layer_type})")
-        return impl
-
+__all__ = [
+    "BLOCK_ENV",
+    "ENTRY_POINT_GROUP",
+    "BackendError",
+    "BackendHookError",
+    "BackendManager",
+    "DiscoveredBackend",
+    "discover_backends",
+    "hook_names",
+    "refuse_unmarked_hooks",
+    "register_backend",
+    "unregister_backend",
+]

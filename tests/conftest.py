@@ -1,4 +1,5 @@
-"""Shared test set-up: hypothesis profiles, the ``gpu`` marker, the Triton interpreter.
+"""Shared test set-up: hypothesis profiles, the ``gpu`` marker, the Triton interpreter,
+and test backends installed as real packages.
 
 Profiles: ``ci`` (default, few examples, keeps CI fast) and ``thorough`` (many
 examples): ``HYPOTHESIS_PROFILE=thorough pytest``.
@@ -6,7 +7,11 @@ examples): ``HYPOTHESIS_PROFILE=thorough pytest``.
 
 from __future__ import annotations
 
+import importlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # Without CUDA, Triton kernels run under the interpreter; this must be set before
 # triton is first imported anywhere.
@@ -31,6 +36,41 @@ settings.register_profile(
     "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def pip_install_into(site: Path, package: Path) -> None:
+    """``pip install --target site package`` (no dependencies, no build isolation)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(package)],
+        check=True,
+    )
+
+
+def _installed(tmp_path_factory: pytest.TempPathFactory, package: Path):
+    """``package`` pip-installed into a private site dir, on ``sys.path`` meanwhile."""
+    site = tmp_path_factory.mktemp("site")
+    pip_install_into(site, package)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    yield str(site)
+    sys.path.remove(str(site))
+    importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="session")
+def flatkv_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tests/fixtures/flatkv_backend (backends ``flatkv`` and ``leaky``), installed."""
+    yield from _installed(tmp_path_factory, FIXTURES / "flatkv_backend")
+
+
+@pytest.fixture(scope="session")
+def minimal_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """examples/minimal_backend (backend ``minimal``, the docs' tutorial), installed."""
+    yield from _installed(tmp_path_factory, ROOT / "examples" / "minimal_backend")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

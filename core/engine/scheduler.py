@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import SampledToken, StepColumns, StepInput
+from kvrunner.batch import SampledToken, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -131,14 +131,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     # -- one step ---------------------------------------------------------------------
 
     def schedule(self) -> tuple[StepInput, list[Sequence]] | None:
@@ -183,7 +175,7 @@ class Scheduler:
         if not scheduled:
             return None
         self._in_flight = {seq.seq_id: n for seq, n in scheduled}
-        return StepInput(columns=self._columns(scheduled)), [seq for seq, _ in scheduled]
+        return self._columns(scheduled), [seq for seq, _ in scheduled]
 
     def update(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, append samples, finish.
@@ -250,10 +242,10 @@ class Scheduler:
         return budget if remaining > self.config.max_num_batched_tokens else 0
 
     @staticmethod
-    def _columns(scheduled: list[tuple[Sequence, int]]) -> StepColumns:
+    def _columns(scheduled: list[tuple[Sequence, int]]) -> StepInput:
         """The step as columns (what the runner reads): sequence ``s`` feeds its ``n``
         tokens from ``num_computed_tokens`` on, and samples if they end its tokens."""
-        return StepColumns(
+        return StepInput(
             seq_id=[s.seq_id for s, _ in scheduled],
             token_ids=[
                 tuple(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])

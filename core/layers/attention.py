@@ -27,3 +27,41 @@ class FullAttentionImpl(Protocol):
         :returns: ``[num_tokens, num_heads, head_dim]``; scale is ``head_dim ** -0.5``.
         """
         ...
+
+
+class LinearAttentionImpl(Protocol):
+    """Gated-DeltaNet state (layer type ``linear_attention``): causal conv + delta rule.
+
+    The model keeps the projections, the decay and gates, the gated norm and the
+    output projection; the backend's object owns the conv state and the recurrent
+    state of every request slot.
+    """
+
+    #: channels of ``mixed_qkv``: ``2 * key_dim + value_dim``
+    conv_dim: int
+    #: ``num_key_heads * head_k_dim`` (per rank)
+    key_dim: int
+    #: ``num_value_heads * head_v_dim`` (per rank)
+    value_dim: int
+
+    def forward(
+        self,
+        mixed_qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """Conv + SiLU over each sequence's history, split, q/k L2 norm, gated delta rule.
+
+        :param mixed_qkv: ``[num_tokens, conv_dim]``, channels ``[q | k | v]`` head-major.
+        :param g: ``[num_tokens, num_value_heads]`` float32 log-decay (<= 0).
+        :param beta: ``[num_tokens, num_value_heads]`` in (0, 1).
+        :param conv_weight: ``[conv_dim, kernel]`` (or ``[conv_dim, 1, kernel]``).
+        :param conv_bias: ``[conv_dim]`` or ``None``.
+        :returns: ``[num_tokens, num_value_heads, head_v_dim]`` in ``mixed_qkv``'s dtype;
+            padded rows are zeros. Value head ``h`` reads key head ``h // (Hv // Hk)``;
+            q is scaled by ``head_k_dim ** -0.5`` after its L2 norm.
+        """
+        ...

@@ -134,7 +134,7 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """The whole weight on every rank."""
+    """The whole weight on every rank (a MoE router, the shared expert's gate)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:

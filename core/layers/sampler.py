@@ -187,7 +187,7 @@ def sample_step(
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
     ``i``-th chunk with ``sample`` set. Reads the step's columns and answers in
     columns (:func:`~kvrunner.batch.unpack_sampled` makes ``SampledToken`` objects)."""
-    cols = step.columns
+    cols = step
     rows = [i for i, wants in enumerate(cols.sample) if wants]
     params = [cols.sampling[i] for i in rows]
     out = sample(logits, params, [cols.num_output_tokens[i] for i in rows], generator=generator)

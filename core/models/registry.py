@@ -26,13 +26,6 @@ MODEL_TYPES: dict[str, str] = {
 }
 
 
-def register_architecture(architecture: str, target: str, model_type: str | None = None) -> None:
-    """Make ``architecture`` (and optionally ``model_type``) load as ``target``."""
-    ARCHITECTURES[architecture] = target
-    if model_type is not None:
-        MODEL_TYPES[model_type] = architecture
-
-
 def supported() -> list[str]:
     return sorted(ARCHITECTURES)
 

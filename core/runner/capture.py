@@ -1,7 +1,8 @@
 """The capture loop: one decode graph per batch size, largest first, never unsafe.
 
 For each size: blank the union of every active backend's write targets to PAD,
-build the capture metadata (read side synthesized by the backend), warmup forward,
+synthesize the shared read side (the core's step builder) and each backend's own
+(``build_capture_metadata``), warmup forward,
 captured forward. In audit mode every integer buffer the core can reach that is not
 a declared write target is first seeded with in-range row indices (what serving
 leaves), and every pool's checksums must be unchanged after each size.
@@ -24,6 +25,7 @@ from kvrunner.runner.capture_safety import (
 )
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, Forward
+from kvrunner.runner.step_metadata import StepMetadataBuilder
 
 
 def capture_decode_graphs(
@@ -32,6 +34,7 @@ def capture_decode_graphs(
     backends: BackendManager,
     forward: Forward,
     forward_vars: ForwardVars,
+    step_builder: StepMetadataBuilder,
     pools: Mapping[str, torch.Tensor],
     config: CaptureConfig,
     device: torch.device,
@@ -57,10 +60,11 @@ def capture_decode_graphs(
             seed_undeclared_index_buffers(forward_vars.values(), targets, bound=index_bound)
         if config.blank_write_targets:
             blank_write_targets(targets)
-        # The read side of the model's own inputs: token 0 at position 0.
+        # The read side: token 0 at position 0, one key at block 0 (positions and the
+        # shared step buffers are filled by the step builder).
         forward_vars["input_ids"][:batch_size].zero_()
-        forward_vars["positions"][:batch_size].zero_()
-        graph = DecodeGraph(batch_size, backends.build_capture_metadata(batch_size))
+        step = step_builder.fill_capture(batch_size)
+        graph = DecodeGraph(batch_size, backends.build_capture_metadata(step))
         graph.capture(forward, pool=shared_pool, device=device, warmup=warmup)
         if snapshot is not None:
             if device.type == "cuda":

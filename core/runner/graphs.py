@@ -57,10 +57,6 @@ class DecodeGraph:
         else:
             self.output = forward(self.batch_size, self.ctx)
 
-    @property
-    def pool(self) -> object | None:
-        return self._graph.pool() if self._graph is not None else None
-
     def replay(self) -> torch.Tensor:
         if self._graph is not None:
             self._graph.replay()

@@ -26,6 +26,7 @@ from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_p
 from kvrunner.runner.sizing import cache_budget_bytes, num_blocks_for_budget
 from kvrunner.runner.sleep_wake import SleepWake
 from kvrunner.runner.step_batch import prepare_step, profile_step
+from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sleep_state import SleepStateError
 
 #: set to 1 to run Triton kernels on the CPU too (under TRITON_INTERPRET=1)
@@ -128,9 +129,14 @@ class ModelRunner(SleepWake):
         self.forward_vars.register(
             "input_ids", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
         )
-        self.forward_vars.register(
-            "positions", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+        #: the shared read side of every step (positions included), built once per step
+        self.step_builder = StepMetadataBuilder(
+            max_batch=self.max_batch,
+            max_tokens=self.max_tokens,
+            max_blocks_per_seq=math.ceil(sched.max_model_len / config.cache.block_size),
+            device=self.device,
         )
+        self.forward_vars.register_all(self.step_builder.buffers())
         self.forward_vars.register_all(
             self.backends.persistent_buffers(max_batch=self.max_batch, max_tokens=self.max_tokens)
         )
@@ -158,7 +164,7 @@ class ModelRunner(SleepWake):
             self.activation_peak_bytes = self._profile_peak_bytes()
         budget = cache_budget_bytes(cache, self.device, peak_bytes=self.activation_peak_bytes)
         return num_blocks_for_budget(
-            self.backends.cache_specs(),
+            list(self.backends.cache_specs().values()),
             budget_bytes=budget,
             num_slots=self.num_slots,
             min_blocks=min_blocks,
@@ -211,6 +217,7 @@ class ModelRunner(SleepWake):
                 backends=self.backends,
                 forward=self._forward_rows,
                 forward_vars=self.forward_vars,
+                step_builder=self.step_builder,
                 pools=self.pools,
                 config=self.config.capture,
                 device=self.device,
@@ -243,11 +250,9 @@ class ModelRunner(SleepWake):
         rows = padded if padded is not None else num_tokens
         fv = self.forward_vars
         fv["input_ids"][:num_tokens].copy_(prepared.input_ids, non_blocking=True)
-        fv["positions"][:num_tokens].copy_(prepared.positions, non_blocking=True)
-        if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 at position 0
+        if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 (position 0)
             fv["input_ids"][num_tokens:rows].zero_()
-            fv["positions"][num_tokens:rows].zero_()
-        ctx = self.backends.build_metadata(prepared.batch)
+        ctx = self.backends.build_metadata(self.step_builder.fill(prepared.batch))
         if graph is not None:
             hidden = graph.replay()
         else:

@@ -54,8 +54,8 @@ class SleepWake:
     def pool_bytes_by_backend(self) -> dict[str, int]:
         """Each backend's pool bytes at the saved counts (resident or not)."""
         return {
-            s.backend: s.bytes_per_block * self.num_blocks + s.bytes_per_slot * self.num_slots
-            for s in self.backends.cache_specs()
+            name: s.bytes_per_block * self.num_blocks + s.bytes_per_slot * self.num_slots
+            for name, s in self.backends.cache_specs().items()
         }
 
     def _device_bytes(self) -> int:

@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvrunner.batch import SeqChunk, StepInput
+from kvrunner.batch import StepInput
 from kvrunner.config import EngineConfig
 from kvrunner.contract import StepBatch
 from kvrunner.sampling_params import SamplingParams
@@ -18,7 +18,6 @@ from kvrunner.sampling_params import SamplingParams
 class PreparedStep:
     batch: StepBatch
     input_ids: torch.Tensor  # [num_tokens] int64, CPU
-    positions: torch.Tensor  # [num_tokens] int64, CPU
     #: token row whose hidden state is sampled, for each chunk that samples
     sample_rows: list[int]
 
@@ -32,7 +31,7 @@ def prepare_step(
     ``block_table[p // block_size] * block_size + p % block_size``. Built with a few
     vectorised numpy passes: this runs on the host every step, before every replay.
     """
-    cols = step.columns  # one list per field: numpy reads each in a single C pass
+    cols = step  # one list per field: numpy reads each in a single C pass
     num_seqs = len(cols.seq_id)
     query_lens = np.fromiter(map(len, cols.token_ids), np.int64, num_seqs)
     starts = np.array(cols.start_pos, np.int64)
@@ -77,11 +76,11 @@ def prepare_step(
         block_table_array=torch.from_numpy(tables),
         slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
         state_slots=torch.from_numpy(np.array(cols.state_slot, np.int32)),
+        positions=torch.from_numpy(positions),
     )
     return PreparedStep(
         batch=batch,
         input_ids=torch.from_numpy(input_ids),
-        positions=torch.from_numpy(positions),
         sample_rows=sample_rows,
     )
 
@@ -94,21 +93,19 @@ def profile_step(config: EngineConfig, *, num_tokens: int, scratch_slot: int) ->
     """
     max_len = config.scheduler.max_model_len - 1
     block_size = config.cache.block_size
-    chunks = []
+    lengths = []
     remaining = num_tokens
-    while remaining > 0 and len(chunks) < config.scheduler.max_num_seqs:
-        n = min(remaining, max_len)
-        chunks.append(
-            SeqChunk(
-                seq_id=-1 - len(chunks),
-                token_ids=(0,) * n,
-                start_pos=0,
-                block_table=tuple(range((n + block_size - 1) // block_size)),
-                state_slot=scratch_slot,
-                sample=True,
-                sampling=SamplingParams(temperature=0.0),
-                num_output_tokens=0,
-            )
-        )
-        remaining -= n
-    return StepInput(chunks=tuple(chunks))
+    while remaining > 0 and len(lengths) < config.scheduler.max_num_seqs:
+        lengths.append(min(remaining, max_len))
+        remaining -= lengths[-1]
+    n = len(lengths)
+    return StepInput(
+        seq_id=[-1 - i for i in range(n)],
+        token_ids=[(0,) * length for length in lengths],
+        start_pos=[0] * n,
+        block_table=[tuple(range(-(-length // block_size))) for length in lengths],
+        state_slot=[scratch_slot] * n,
+        sample=[True] * n,
+        sampling=[SamplingParams(temperature=0.0)] * n,
+        num_output_tokens=[0] * n,
+    )

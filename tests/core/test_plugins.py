@@ -14,6 +14,7 @@ from kvrunner.plugins import (
     register_backend,
     unregister_backend,
 )
+from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager, small_model_spec
 
 ATTN = {"full_attention": "flatkv"}
@@ -23,7 +24,7 @@ def test_backend_installed_from_a_separate_package_is_discovered(flatkv_installe
     found = discover_backends()
     assert found["flatkv"].distribution == "kvrunner-flatkv"
     assert found["flatkv"].version == "0.0.1"
-    assert found["flatkv"].load().write_targets == ("slot_mapping",)
+    assert found["flatkv"].load().layer_types == ("full_attention",)
 
 
 def test_only_selected_backends_are_registered(flatkv_installed) -> None:
@@ -53,10 +54,21 @@ def test_backend_that_cannot_serve_the_layer_type_is_refused(flatkv_installed) -
 class _Base:
     plugin_api_version = kvrunner.PLUGIN_API_VERSION
     layer_types = ("full_attention",)
-    write_targets = ("slot_mapping",)
 
     def __init__(self, context) -> None:
         self.buffer = torch.full((8,), -1, dtype=torch.int64)
+
+
+def _with_buffers(manager):
+    """The manager as the runner leaves it before any metadata or capture hook."""
+    manager.persistent_buffers(max_batch=4, max_tokens=8)
+    return manager
+
+
+def _capture_step(batch_size: int = 4):
+    builder = StepMetadataBuilder(max_batch=4, max_tokens=8, max_blocks_per_seq=2,
+                                  device=torch.device("cpu"))
+    return builder.fill_capture(batch_size)
 
 
 @pytest.fixture
@@ -106,37 +118,67 @@ def test_write_targets_must_be_integer_tensors_with_an_integer_pad(
         @kvrunner.hookimpl
         def cache_write_targets(self):
             return [
-                CacheWriteTarget(backend="bad", name="slot_mapping", buffer=buffer, pad_value=pad)
+                CacheWriteTarget(name="slot_mapping", buffer=buffer, pad_value=pad)
             ]
 
     registered("bad", Bad)
-    manager = backend_manager({"full_attention": "bad"}, small_model_spec())
+    manager = _with_buffers(backend_manager({"full_attention": "bad"}, small_model_spec()))
     with pytest.raises(BackendError, match=f"'bad'.*{problem}"):
         manager.cache_write_targets()
 
 
-def test_returned_write_targets_must_match_the_declared_names(registered) -> None:
-    class Undeclared(_Base):
+def test_the_set_of_write_targets_is_fixed_by_the_first_answer(registered) -> None:
+    class Changing(_Base):
+        calls = 0
+
         @kvrunner.hookimpl
         def cache_write_targets(self):
-            return [CacheWriteTarget(backend="undeclared", name="other", buffer=self.buffer)]
+            Changing.calls += 1
+            name = "slot_mapping" if Changing.calls == 1 else "other"
+            return [CacheWriteTarget(name=name, buffer=self.buffer)]
 
-    registered("undeclared", Undeclared)
-    manager = backend_manager({"full_attention": "undeclared"}, small_model_spec())
-    with pytest.raises(BackendError, match=r"returned \['other'\].*declares \['slot_mapping'\]"):
+    registered("changing", Changing)
+    manager = _with_buffers(backend_manager({"full_attention": "changing"}, small_model_spec()))
+    (first,) = manager.cache_write_targets()
+    assert first.qualified_name == "changing.slot_mapping"  # the manager names the owner
+    with pytest.raises(BackendError, match=r"returned \['other'\], earlier \['slot_mapping'\]"):
+        manager.cache_write_targets()
+
+
+def test_a_write_target_claiming_another_backend_is_refused(registered) -> None:
+    class Impostor(_Base):
+        @kvrunner.hookimpl
+        def cache_write_targets(self):
+            return [CacheWriteTarget(name="slot_mapping", buffer=self.buffer, backend="paged")]
+
+    registered("impostor", Impostor)
+    manager = _with_buffers(backend_manager({"full_attention": "impostor"}, small_model_spec()))
+    with pytest.raises(BackendError, match="claims backend 'paged'"):
+        manager.cache_write_targets()
+
+
+def test_repeated_write_target_names_are_refused(registered) -> None:
+    class Twice(_Base):
+        @kvrunner.hookimpl
+        def cache_write_targets(self):
+            return [CacheWriteTarget(name="a", buffer=self.buffer)] * 2
+
+    registered("twice", Twice)
+    manager = _with_buffers(backend_manager({"full_attention": "twice"}, small_model_spec()))
+    with pytest.raises(BackendError, match="names repeat"):
         manager.cache_write_targets()
 
 
 def test_a_failing_hook_is_reported_with_backend_and_hook_names(registered) -> None:
     class Broken(_Base):
         @kvrunner.hookimpl
-        def build_capture_metadata(self, batch_size):
+        def build_capture_metadata(self, step):
             raise IndexError("boom")
 
     registered("broken", Broken)
-    manager = backend_manager({"full_attention": "broken"}, small_model_spec())
+    manager = _with_buffers(backend_manager({"full_attention": "broken"}, small_model_spec()))
     with pytest.raises(BackendError, match=r"'broken'.*build_capture_metadata.*boom"):
-        manager.build_capture_metadata(4)
+        manager.build_capture_metadata(_capture_step())
 
 
 def test_factory_that_raises_is_reported_with_its_name(registered) -> None:

@@ -39,8 +39,8 @@ def test_forward_vars_refuses_to_replace_a_buffer() -> None:
 def test_sizing_never_exceeds_the_budget_and_uses_it_up_to_one_block(
     per_block, per_slot, budget, slots
 ) -> None:
-    specs = [CacheSpec(backend=f"b{i}", bytes_per_block=b) for i, b in enumerate(per_block)]
-    specs += [CacheSpec(backend=f"s{i}", bytes_per_slot=s) for i, s in enumerate(per_slot)]
+    specs = [CacheSpec(bytes_per_block=b) for b in per_block]
+    specs += [CacheSpec(bytes_per_slot=s) for s in per_slot]
     block, slot = sum(per_block), sum(per_slot)
     try:
         n = num_blocks_for_budget(specs, budget_bytes=budget, num_slots=slots, min_blocks=1)

@@ -14,9 +14,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SeqChunk, StepInput
+from kvrunner.batch import StepInput
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.testing.steps import Row, rows_of, step_of
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -32,13 +33,13 @@ def steps(draw) -> tuple[StepInput, int]:
         spare = draw(st.integers(0, 2))  # tables may hold more blocks than needed
         table = draw(st.lists(st.integers(0, 500), min_size=needed + spare,
                               max_size=needed + spare, unique=True))
-        chunks.append(SeqChunk(
+        chunks.append(Row(
             seq_id=seq_id, token_ids=tuple(draw(st.lists(st.integers(0, 99), min_size=n,
                                                          max_size=n))),
             start_pos=start, block_table=tuple(table), state_slot=draw(st.integers(-1, 9)),
             sample=draw(st.booleans()), sampling=GREEDY, num_output_tokens=0,
         ))
-    return StepInput(chunks=tuple(chunks)), block_size
+    return step_of(chunks), block_size
 
 
 @given(steps())
@@ -47,19 +48,19 @@ def test_every_token_lands_where_its_block_table_says(case: tuple[StepInput, int
     prepared = prepare_step(step, block_size=block_size)
     batch = prepared.batch
     row = 0
-    for i, c in enumerate(step.chunks):
+    for i, c in enumerate(rows_of(step)):
         assert int(batch.cu_query_lens[i]) == row
         for k, token in enumerate(c.token_ids):
             pos = c.start_pos + k
             assert int(prepared.input_ids[row]) == token
-            assert int(prepared.positions[row]) == pos
+            assert int(batch.positions[row]) == pos
             expected = c.block_table[pos // block_size] * block_size + pos % block_size
             assert int(batch.slot_mapping[row]) == expected
             row += 1
         assert int(batch.context_lens[i]) == c.start_pos + len(c.token_ids)
         assert int(batch.state_slots[i]) == c.state_slot
     assert batch.num_tokens == row == int(batch.cu_query_lens[-1])
-    last_rows = [int(batch.cu_query_lens[i + 1]) - 1 for i, c in enumerate(step.chunks)
+    last_rows = [int(batch.cu_query_lens[i + 1]) - 1 for i, c in enumerate(rows_of(step))
                  if c.sample]
     assert prepared.sample_rows == last_rows
 
@@ -68,16 +69,16 @@ def test_every_token_lands_where_its_block_table_says(case: tuple[StepInput, int
 def test_the_table_array_is_every_table_zero_padded(case: tuple[StepInput, int]) -> None:
     step, block_size = case
     array = prepare_step(step, block_size=block_size).batch.block_table_array
-    longest = max(len(c.block_table) for c in step.chunks)
-    assert tuple(array.shape) == (len(step.chunks), longest)
-    for i, c in enumerate(step.chunks):
+    longest = max(len(c.block_table) for c in rows_of(step))
+    assert tuple(array.shape) == (len(rows_of(step)), longest)
+    for i, c in enumerate(rows_of(step)):
         n = len(c.block_table)
         assert array[i, :n].tolist() == list(c.block_table)
         assert array[i, n:].tolist() == [0] * (longest - n)
 
 
 @given(steps())
-def test_a_rank_prepares_an_unpickled_step_without_building_its_chunks(
+def test_a_rank_prepares_an_unpickled_step_exactly_as_the_original(
     case: tuple[StepInput, int],
 ) -> None:
     step, block_size = case
@@ -88,12 +89,11 @@ def test_a_rank_prepares_an_unpickled_step_without_building_its_chunks(
     assert (back.num_seqs, back.num_tokens, back.is_decode) == (
         step.num_seqs, step.num_tokens, step.is_decode
     )
-    assert back._chunks is None, "reading the step built one SeqChunk per sequence"
-    assert back.chunks == step.chunks  # built on demand, equal to the original
+    assert back == step
 
 
 def test_a_block_table_too_short_for_its_tokens_is_refused_naming_the_sequence() -> None:
-    chunk = SeqChunk(seq_id=7, token_ids=(1, 2, 3), start_pos=14, block_table=(4,),
-                     state_slot=-1, sample=True, sampling=GREEDY, num_output_tokens=0)
+    chunk = Row(seq_id=7, token_ids=(1, 2, 3), start_pos=14, block_table=(4,),
+                state_slot=-1, sample=True, sampling=GREEDY, num_output_tokens=0)
     with pytest.raises(ValueError, match="sequence 7: block table holds 1 blocks, 2 needed"):
-        prepare_step(StepInput(chunks=(chunk,)), block_size=16)
+        prepare_step(step_of([chunk]), block_size=16)

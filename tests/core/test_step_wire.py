@@ -12,8 +12,9 @@ import pickle
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SampledToken, SeqChunk, StepInput, no_samples, unpack_sampled
+from kvrunner.batch import SampledToken, StepInput, no_samples, unpack_sampled
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.testing.steps import Row, rows_of, step_of
 
 small = st.integers(0, 10_000)
 params = st.builds(
@@ -31,7 +32,7 @@ def steps(draw) -> StepInput:
     shared = draw(params)  # one request's params shared by many chunks, as in generate()
     chunks = []
     for seq_id in draw(st.lists(small, unique=True, max_size=12)):
-        chunks.append(SeqChunk(
+        chunks.append(Row(
             seq_id=seq_id,
             token_ids=tuple(draw(st.lists(small, min_size=1, max_size=6))),
             start_pos=draw(small),
@@ -41,31 +42,31 @@ def steps(draw) -> StepInput:
             sampling=draw(st.just(shared) | params),
             num_output_tokens=draw(small),
         ))
-    return StepInput(chunks=tuple(chunks))
+    return step_of(chunks)
 
 
 @given(steps())
 def test_a_step_survives_the_pipe_exactly(step: StepInput) -> None:
     back = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert back == step
-    assert [type(c) for c in back.chunks] == [SeqChunk] * len(step.chunks)
+    assert rows_of(back) == rows_of(step)
 
 
 @given(steps())
 def test_a_pickled_step_is_columns_not_one_object_per_sequence(step: StepInput) -> None:
     payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-    assert b"SeqChunk" not in payload
+    assert b"Row" not in payload  # no object per sequence, only lists
 
 
 def test_sampling_params_shared_by_a_batch_are_pickled_once() -> None:
     shared = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
-    step = StepInput(chunks=tuple(
-        SeqChunk(seq_id=i, token_ids=(1,), start_pos=4, block_table=(i,), state_slot=-1,
-                 sample=True, sampling=shared, num_output_tokens=0)
+    step = step_of(
+        Row(seq_id=i, token_ids=(1,), start_pos=4, block_table=(i,), state_slot=-1,
+            sample=True, sampling=shared, num_output_tokens=0)
         for i in range(200)
-    ))
+    )
     back = pickle.loads(pickle.dumps(step))
-    assert len({id(c.sampling) for c in back.chunks}) == 1
+    assert len({id(p) for p in back.sampling}) == 1
 
 
 sampled_rows = st.lists(
@@ -87,16 +88,7 @@ def test_sampled_columns_cross_the_pipe_and_become_one_token_per_row(rows: list)
     ]
 
 
-def test_step_columns_follow_the_chunk_fields_in_order() -> None:
+def test_the_row_helper_follows_the_step_fields_in_order() -> None:
     import attrs
 
-    from kvrunner.batch import StepColumns
-
-    assert [f.name for f in attrs.fields(StepColumns)] == [f.name for f in attrs.fields(SeqChunk)]
-
-
-def test_a_step_is_built_from_chunks_or_columns_not_both() -> None:
-    import pytest
-
-    with pytest.raises(ValueError, match="exactly one"):
-        StepInput()
+    assert list(Row._fields) == [f.name for f in attrs.fields(StepInput)]

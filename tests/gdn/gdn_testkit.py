@@ -15,8 +15,9 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from kvrunner.contract import BackendContext, ModelSpec, StepBatch, pad_block_tables
+from kvrunner.contract import BackendContext, ModelSpec, StepBatch, StepMetadata, pad_block_tables
 from kvrunner.plugins import BackendManager
+from kvrunner.runner.step_metadata import StepMetadataBuilder
 
 PAD = -1
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,16 +139,22 @@ def qkvgb(h: Heads, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ..
     return tuple(x.to(DEVICE) for x in (q, k, v, g, beta))
 
 
-def step_batch(
+#: the core's shared step metadata, as the runner builds it (one per test process)
+STEP_BUILDER = StepMetadataBuilder(max_batch=8, max_tokens=256, max_blocks_per_seq=16,
+                                   device=DEVICE)
+
+
+def step_metadata(
     query_lens: list[int], starts: list[int], slots: list[int], num_padded: int | None = None
-) -> StepBatch:
-    """A host-side StepBatch as the runner would hand it to build_metadata."""
+) -> StepMetadata:
+    """The core's metadata for a step, as the runner would hand it to build_metadata."""
     n = len(query_lens)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
     ql, sp = i32(query_lens), i32(starts)
     cu = torch.zeros(n + 1, dtype=torch.int32)
     cu[1:] = ql.cumsum(0)
-    return StepBatch(
+    positions = [p for s, q in zip(starts, query_lens, strict=True) for p in range(s, s + q)]
+    return STEP_BUILDER.fill(StepBatch(
         num_seqs=n,
         num_tokens=int(ql.sum()),
         num_padded_seqs=n if num_padded is None else num_padded,
@@ -156,9 +163,10 @@ def step_batch(
         context_lens=sp + ql,
         cu_query_lens=cu,
         block_table_array=pad_block_tables([()] * n),
-        slot_mapping=torch.zeros(int(ql.sum()), dtype=torch.int32),
+        slot_mapping=torch.zeros(int(ql.sum()), dtype=torch.int64),
         state_slots=i32(slots),
-    )
+        positions=torch.tensor(positions, dtype=torch.int64),
+    ))
 
 
 #: A tiny hybrid model: GDN layers 0 and 2, softmax attention in 1 and 3. Value heads

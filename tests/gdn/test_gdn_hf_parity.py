@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gdn_testkit import DEVICE, MAX_SEQS, TOL, make_manager, rel_rms, step_batch
+from gdn_testkit import DEVICE, MAX_SEQS, TOL, make_manager, rel_rms, step_metadata
 
 from kvrunner.contract import ModelSpec
 from kvrunner_gdn.kernels.reference import ref_causal_conv1d, ref_gated_delta_rule
@@ -75,9 +75,10 @@ def test_layer_inside_hf_gated_deltanet_reproduces_its_output(use_triton):
             linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         )
         manager = make_manager(use_triton, model=spec)
+        manager.persistent_buffers(max_batch=MAX_SEQS, max_tokens=128)
         manager.allocate_cache(num_blocks=1, num_slots=MAX_SEQS + 1)
         layer = manager.make_layer(layer_index=0, layer_type="linear_attention")
-        ctx = manager.build_metadata(step_batch([21], [0], [2]))
+        ctx = manager.build_metadata(step_metadata([21], [0], [2]))
 
         q, k, v, z, b, a = mod.fix_query_key_value_ordering(
             mod.in_proj_qkvz(hidden), mod.in_proj_ba(hidden)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gdn_testkit import DEVICE, MAX_SEQS, TINY_MODEL, TOL, make_manager, rel_rms, step_batch
+from gdn_testkit import DEVICE, MAX_SEQS, TINY_MODEL, TOL, make_manager, rel_rms, step_metadata
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,13 +65,13 @@ def test_prefill_mixed_and_padded_decode_steps_equal_one_recurrence(use_triton, 
     history = [[] for _ in range(n)]  # per sequence: (mixed_qkv, g, beta, out) per step
     starts = [0] * n
     for lens, rows in ((prompts, None), (second, None), ([1] * n, padded)):
-        batch = step_batch(lens, starts, slots, rows)
+        batch = step_metadata(lens, starts, slots, rows)
         ctx = manager.build_metadata(batch)
         tokens = rows if rows is not None else sum(lens)
         x, g, beta = inputs(tokens)  # padded rows carry garbage input, as a graph replay does
         out = layer.forward(x, g, beta, weight, None, ctx)
         assert out.shape == (tokens, sh.num_value_heads, sh.head_v_dim)
-        cu = batch.cu_query_lens.tolist()
+        cu = batch.host.cu_query_lens.tolist()
         for i in range(n):
             piece = slice(cu[i], cu[i + 1])
             history[i].append((x[piece], g[piece], beta[piece], out[piece]))
@@ -87,6 +87,7 @@ def test_prefill_mixed_and_padded_decode_steps_equal_one_recurrence(use_triton, 
 def test_layer_accepts_hf_conv_weight_layout():
     """HF keeps conv1d.weight as [conv_dim, 1, kernel]; the layer takes it unchanged."""
     manager = make_manager(use_triton=False)
+    manager.persistent_buffers(max_batch=MAX_SEQS, max_tokens=128)
     manager.allocate_cache(num_blocks=8, num_slots=MAX_SEQS + 1)
     layer = manager.make_layer(layer_index=LAYER, layer_type="linear_attention")
     sh = layer.shapes
@@ -95,6 +96,6 @@ def test_layer_accepts_hf_conv_weight_layout():
     g = (-torch.rand(6, sh.num_value_heads, generator=gen)).to(DEVICE)
     beta = torch.rand(6, sh.num_value_heads, generator=gen).to(DEVICE)
     w = torch.randn(sh.conv_dim, sh.conv_kernel, generator=gen).to(DEVICE)
-    ctx = manager.build_metadata(step_batch([6], [0], [1]))
+    ctx = manager.build_metadata(step_metadata([6], [0], [1]))
     out = layer.forward(x, g, beta, w[:, None, :], None, ctx)
     assert rel_rms(out, reference_layer(layer, x, g, beta, w)) < TOL

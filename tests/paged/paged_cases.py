@@ -98,8 +98,11 @@ class PagedCase:
             context_lens=context,
             cu_query_lens=self.query_start_loc(),
             block_table_array=pad_block_tables(self.block_tables),
-            slot_mapping=self.slot_mapping()[: self.num_tokens].to(torch.int32),
+            slot_mapping=self.slot_mapping()[: self.num_tokens],
             state_slots=torch.arange(self.num_seqs, dtype=torch.int32),
+            positions=torch.tensor(
+                [p for i in range(self.num_seqs) for p in self.positions(i)], dtype=torch.int64
+            ),
         )
 
     def generator(self) -> torch.Generator:

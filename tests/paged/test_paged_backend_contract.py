@@ -9,6 +9,7 @@ import torch
 
 from kvrunner.contract import PAD_SLOT_ID, CacheSpec, ForwardContext, ModelSpec
 from kvrunner.plugins import BackendError, BackendManager
+from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged import PagedAttention, PagedBackend
 
@@ -23,6 +24,11 @@ def _spec(num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16) -> Mode
     )
 
 
+def _step_builder() -> StepMetadataBuilder:
+    return StepMetadataBuilder(max_batch=4, max_tokens=8, max_blocks_per_seq=16,
+                               device=torch.device("cpu"))
+
+
 def _manager(**kwargs: object) -> BackendManager:
     spec = kwargs.pop("spec", _spec())
     return backend_manager({FULL: "paged"}, spec, **kwargs)  # type: ignore[arg-type]
@@ -33,7 +39,6 @@ def test_entry_point_paged_loads_the_backend_class() -> None:
     assert ep.load() is PagedBackend
     assert ep.dist is not None and ep.dist.name == "kvrunner-paged"
     assert PagedBackend.layer_types == (FULL,)
-    assert PagedBackend.write_targets == ("slot_mapping",)
 
 
 @pytest.mark.parametrize(("dtype", "element"), [(torch.float32, 4), (torch.bfloat16, 2)])
@@ -42,7 +47,7 @@ def test_cache_spec_counts_keys_and_values_of_every_served_layer(
 ) -> None:
     specs = _manager(block_size=8, dtype=dtype, spec=_spec(4, 2, 32)).cache_specs()
     per_layer = 2 * 8 * 2 * 32 * element  # k+v * block_size * kv_heads * head_dim * bytes
-    assert specs == [CacheSpec(backend="paged", bytes_per_block=2 * per_layer, bytes_per_slot=0)]
+    assert specs == {"paged": CacheSpec(bytes_per_block=2 * per_layer, bytes_per_slot=0)}
 
 
 def test_allocate_cache_returns_one_pool_per_served_layer_and_release_drops_them() -> None:
@@ -56,7 +61,7 @@ def test_allocate_cache_returns_one_pool_per_served_layer_and_release_drops_them
     mgr.persistent_buffers(max_batch=2, max_tokens=8)
     layer = mgr.make_layer(layer_index=0, layer_type=FULL)
     mgr.release_cache()
-    ctx = mgr.build_capture_metadata(1)
+    ctx = mgr.build_capture_metadata(_step_builder().fill_capture(1))
     x = torch.zeros((1, 4, 16))
     with pytest.raises(RuntimeError, match="released"):
         layer.forward(x, x[:, :2], x[:, :2], ctx)
@@ -65,14 +70,12 @@ def test_allocate_cache_returns_one_pool_per_served_layer_and_release_drops_them
     assert torch.isfinite(layer.forward(x, x[:, :2], x[:, :2], ctx)).all()
 
 
-def test_persistent_buffers_are_sized_once_for_the_longest_sequence() -> None:
-    mgr = _manager(block_size=4, max_model_len=30)  # 30 tokens need ceil(30 / 4) = 8 blocks
+def test_persistent_buffers_are_only_its_write_side_sized_once() -> None:
+    mgr = _manager(block_size=4, max_model_len=30)
     buffers = mgr.persistent_buffers(max_batch=3, max_tokens=16)
+    # The read side (block tables, lengths, offsets) is the core's shared step metadata.
     assert {k: (tuple(v.shape), v.dtype) for k, v in buffers.items()} == {
         "paged.slot_mapping": ((16,), torch.int64),
-        "paged.block_tables": ((3, 8), torch.int32),
-        "paged.context_lens": ((3,), torch.int32),
-        "paged.query_start_loc": ((4,), torch.int32),
     }
     assert buffers["paged.slot_mapping"].eq(PAD_SLOT_ID).all()  # nothing writes before a step
     again = mgr.persistent_buffers(max_batch=3, max_tokens=16)
@@ -95,16 +98,14 @@ def test_hooks_that_need_buffers_say_so_when_called_first() -> None:
     with pytest.raises(BackendError, match="before persistent_buffers"):
         mgr.cache_write_targets()
     with pytest.raises(BackendError, match="before persistent_buffers"):
-        mgr.build_capture_metadata(1)
+        mgr.build_capture_metadata(_step_builder().fill_capture(1))
 
 
-def test_make_layer_answers_only_for_its_own_full_attention_layers() -> None:
+def test_make_layer_builds_attention_over_the_layers_own_pool() -> None:
     mgr = _manager()
-    plugin = mgr.pm.get_plugin("paged")
-    assert isinstance(mgr.make_layer(layer_index=2, layer_type=FULL), PagedAttention)
-    assert plugin.make_layer(layer_index=1, layer_type=LINEAR) is None
-    assert plugin.make_layer(layer_index=1, layer_type=FULL) is None  # not a layer it serves
-    with pytest.raises(BackendError, match="no active backend made layer 1"):
+    layer = mgr.make_layer(layer_index=2, layer_type=FULL)
+    assert isinstance(layer.impl, PagedAttention) and layer.impl.layer_index == 2
+    with pytest.raises(BackendError, match="no active backend serves layer 1"):
         mgr.make_layer(layer_index=1, layer_type=LINEAR)
 
 
@@ -113,11 +114,11 @@ def test_a_head_count_that_does_not_group_is_refused_at_load() -> None:
         _manager(spec=_spec(num_heads=3, num_kv_heads=2))
 
 
-def test_build_capture_metadata_rejects_sizes_past_the_buffers() -> None:
+def test_build_capture_metadata_rejects_rows_past_its_slot_mapping() -> None:
     mgr = _manager()
-    mgr.persistent_buffers(max_batch=2, max_tokens=8)
-    with pytest.raises(BackendError, match="capture batch size 3"):
-        mgr.build_capture_metadata(3)
+    mgr.persistent_buffers(max_batch=2, max_tokens=2)
+    with pytest.raises(BackendError, match="3 token rows exceed the paged slot_mapping"):
+        mgr.build_capture_metadata(_step_builder().fill_capture(3))
 
 
 def test_layer_reads_metadata_under_the_backend_name() -> None:

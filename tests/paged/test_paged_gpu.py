@@ -13,6 +13,7 @@ import torch
 from paged_cases import PagedCase
 
 from kvrunner.contract import ModelSpec
+from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged.kernels.decode import paged_decode_attention
 from kvrunner_paged.kernels.prefill import paged_prefill_attention
@@ -120,10 +121,12 @@ def test_cuda_graph_replay_reads_metadata_filled_after_capture() -> None:
     (pool,) = mgr.allocate_cache(num_blocks=case.num_blocks, num_slots=9).values()
     pool.copy_(case.pool(case.generator(), poison_unread=False).to(pool))
     mgr.persistent_buffers(max_batch=8, max_tokens=64)
+    step_builder = StepMetadataBuilder(max_batch=8, max_tokens=64, max_blocks_per_seq=64,
+                                       device=torch.device(CUDA))
     for target in mgr.cache_write_targets():
         target.buffer.fill_(target.pad_value)
     rows = case.num_seqs + case.num_pad_rows
-    ctx = mgr.build_capture_metadata(rows)
+    ctx = mgr.build_capture_metadata(step_builder.fill_capture(rows))
     layer = mgr.make_layer(layer_index=0, layer_type="full_attention")
     q = torch.zeros((rows, 8, 128), dtype=torch.bfloat16, device=CUDA)
     k = torch.zeros((rows, 2, 128), dtype=torch.bfloat16, device=CUDA)
@@ -140,7 +143,7 @@ def test_cuda_graph_replay_reads_metadata_filled_after_capture() -> None:
     q.copy_(torch.randn(q.shape, generator=gen))
     k.copy_(torch.randn(k.shape, generator=gen))
     v.copy_(torch.randn(v.shape, generator=gen))
-    mgr.build_metadata(case.step_batch())
+    mgr.build_metadata(step_builder.fill(case.step_batch()))
     graph.replay()
     torch.cuda.synchronize()
     expected = snapshot.cpu()

@@ -1,11 +1,9 @@
-"""``GDNBackend``: the ``gdn`` entry point, serving ``linear_attention`` layers.
+"""``GDNBackend``: the ``gdn`` plugin, serving ``linear_attention`` layers.
 
-One instance per runner, built by :class:`kvrunner.plugins.BackendManager` from a
-:class:`~kvrunner.contract.BackendContext`. It owns the per-slot state pools
-(:mod:`kvrunner_gdn.state`), the index buffers and their builder
-(:mod:`kvrunner_gdn.metadata`) and hands the model one :class:`GDNLayer` per layer.
-
-Write targets (every buffer through which a kernel writes state; PAD = -1):
+The hooks are thin: the per-slot state pools live in :mod:`.state`, the backend's
+own index buffers and the metadata around them in :mod:`.metadata`, the per-layer
+kernels in :mod:`.layer`. Write targets (every buffer through which a kernel writes
+state; PAD = -1):
 
 - ``decode_state_indices``: decode write side, in forward_vars;
 - ``prefill_state_indices_in_tensor``: prefill/mixed write side, on the builder
@@ -14,23 +12,14 @@ Write targets (every buffer through which a kernel writes state; PAD = -1):
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from kvrunner.contract import (
-    PAD_SLOT_ID,
-    PLUGIN_API_VERSION,
-    BackendContext,
-    CacheSpec,
-    CacheWriteTarget,
-    StepBatch,
-)
-from kvrunner.hookspecs import hookimpl
-from kvrunner_gdn.kernels.chunked_prefill import DEFAULT_CHUNK
+from kvrunner import PAD_SLOT_ID, PLUGIN_API_VERSION, hookimpl
+from kvrunner.contract import BackendContext, CacheSpec, CacheWriteTarget, StepMetadata
+from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
 from kvrunner_gdn.layer import GDNLayer
 from kvrunner_gdn.metadata import GDNMetadata, GDNMetadataBuilder
-from kvrunner_gdn.state import GDNShapes, GDNStatePool
+from kvrunner_gdn.state import GDNShapes, GDNStatePool, cache_rows
 
 LAYER_TYPE = "linear_attention"
 
@@ -40,76 +29,83 @@ class GDNBackend:
 
     plugin_api_version = PLUGIN_API_VERSION
     layer_types = (LAYER_TYPE,)
-    write_targets = ("decode_state_indices", "prefill_state_indices_in_tensor")
+    #: how the conformance kit reads one request slot of a pool
+    cache_rows = staticmethod(cache_rows)
     #: tokens per chunk of the chunked prefill (rounded up to a power of two >= 16 by
     #: the Triton kernel); an instance attribute may override it before make_layer.
     chunk_size = DEFAULT_CHUNK
 
     def __init__(self, context: BackendContext) -> None:
+        wrong = [i for i in context.layers if context.model.layer_types[i] != LAYER_TYPE]
+        if wrong:
+            raise ValueError(f"gdn serves only {LAYER_TYPE} layers; asked for layers {wrong}")
         self.context = context
         self.name = context.name
         self.shapes = GDNShapes.from_model(context.model)
-        types = context.model.layer_types
-        wrong = [i for i in context.layers if types[i] != LAYER_TYPE]
-        if wrong:
-            raise ValueError(f"gdn serves only {LAYER_TYPE} layers; asked for layers {wrong}")
-        self.layers = tuple(context.layers)
-        self.pool = GDNStatePool(self.shapes, self.layers, context.device)
-        self.builder = GDNMetadataBuilder(context.max_num_seqs, context.device)
+        self.pool = GDNStatePool(self.shapes, context.layers, context.device)
+        #: built by persistent_buffers, which the core calls before any metadata hook
+        self.builder: GDNMetadataBuilder | None = None
 
-    # -- sizing / allocation -------------------------------------------------------
+    # -- sizing and allocation -------------------------------------------------------
 
     @hookimpl
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(
-            backend=self.name, bytes_per_block=0, bytes_per_slot=self.pool.bytes_per_slot
-        )
+        """Conv and recurrent state of one request slot over every served layer."""
+        return CacheSpec(bytes_per_slot=self.pool.bytes_per_slot)
 
     @hookimpl
-    def allocate_cache(self, num_blocks: int, num_slots: int) -> dict[str, torch.Tensor]:
-        # num_blocks is irrelevant: GDN state is per request slot, not per KV block.
+    def allocate_cache(self, num_slots: int) -> dict[str, torch.Tensor]:
+        """``conv.<layer>`` and ``ssm.<layer>`` per served layer, one row per slot."""
         return self.pool.allocate(num_slots)
 
     @hookimpl
     def release_cache(self) -> None:
+        """Drop the pools; layers find the next allocation by looking them up again."""
         self.pool.release()
 
-    # -- forward_vars / metadata ---------------------------------------------------
+    # -- forward_vars and metadata ---------------------------------------------------
 
     @hookimpl
     def persistent_buffers(self, max_batch: int, max_tokens: int) -> dict[str, torch.Tensor]:
-        self.builder.ensure_decode_capacity(max_batch)
-        return {
-            "decode_state_indices": self.builder.decode_state_indices,
-            "decode_read_indices": self.builder.decode_read_indices,
-        }
+        """The decode state indices (the prefill side stays on the builder)."""
+        del max_tokens  # state is indexed per sequence, never per token
+        self.builder = GDNMetadataBuilder(
+            max_batch=max_batch, max_num_seqs=self.context.max_num_seqs,
+            device=self.context.device,
+        )
+        return self.builder.buffers()
 
     @hookimpl
-    def build_metadata(self, batch: StepBatch) -> tuple[str, GDNMetadata]:
-        return self.name, self.builder.build(batch)
+    def build_metadata(self, step: StepMetadata) -> GDNMetadata:
+        """Fill the read and write state indices (PAD past the real sequences)."""
+        assert self.builder is not None  # the manager calls persistent_buffers first
+        return self.builder.build(step)
 
     @hookimpl
-    def build_capture_metadata(self, batch_size: int) -> tuple[str, GDNMetadata]:
-        return self.name, self.builder.build_capture(batch_size)
+    def build_capture_metadata(self, step: StepMetadata) -> GDNMetadata:
+        """Read indices PAD (no history); the write side untouched."""
+        assert self.builder is not None
+        return self.builder.build_capture(step)
 
-    # -- capture safety ------------------------------------------------------------
+    # -- capture safety ----------------------------------------------------------------
 
     @hookimpl
     def cache_write_targets(self) -> list[CacheWriteTarget]:
+        """Both write-index buffers, the one outside forward_vars included."""
+        assert self.builder is not None
         b = self.builder
         return [
-            CacheWriteTarget(backend=self.name, name="decode_state_indices",
-                             buffer=b.decode_state_indices, pad_value=PAD_SLOT_ID),
-            CacheWriteTarget(backend=self.name, name="prefill_state_indices_in_tensor",
+            CacheWriteTarget(name="decode_state_indices", buffer=b.decode_state_indices,
+                             pad_value=PAD_SLOT_ID),
+            CacheWriteTarget(name="prefill_state_indices_in_tensor",
                              buffer=b.prefill_state_indices_in_tensor, pad_value=PAD_SLOT_ID),
         ]
 
-    # -- layers --------------------------------------------------------------------
+    # -- layers ------------------------------------------------------------------------
 
     @hookimpl
-    def make_layer(self, layer_index: int, layer_type: str) -> Any | None:
-        if layer_type != LAYER_TYPE or layer_index not in self.layers:
-            return None
+    def make_layer(self, layer_index: int) -> GDNLayer:
+        """A :class:`GDNLayer` over the layer's own conv and recurrent state."""
         return GDNLayer(
             layer_index=layer_index,
             backend_name=self.name,

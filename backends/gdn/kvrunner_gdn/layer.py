@@ -38,16 +38,21 @@ from __future__ import annotations
 import torch
 
 from kvrunner.contract import ForwardContext
-from kvrunner_gdn.kernels.chunked_prefill import DEFAULT_CHUNK, gdn_prefill
-from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill
-from kvrunner_gdn.kernels.conv_update import conv1d_update
-from kvrunner_gdn.kernels.recurrent_decode import gdn_decode
+from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
+from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
+from kvrunner_gdn.kernels.conv_torch import conv1d_prefill_torch, conv1d_update_torch
+from kvrunner_gdn.kernels.recurrent_decode_torch import gdn_decode_torch
 from kvrunner_gdn.metadata import GDNMetadata
 from kvrunner_gdn.state import GDNShapes, GDNStatePool
 
 
 class GDNLayer:
-    """Conv + gated delta rule of one model layer, with its state in the backend's pool."""
+    """Conv + gated delta rule of one model layer, with its state in the backend's pool.
+
+    Implements :class:`kvrunner.layers.attention.LinearAttentionImpl`. Kernels are
+    chosen once, at construction: the Triton launchers when ``use_triton`` (compiled
+    on CUDA, interpreted under ``TRITON_INTERPRET=1``), else the plain-torch path.
+    """
 
     def __init__(
         self,
@@ -66,6 +71,21 @@ class GDNLayer:
         self.use_triton = use_triton
         self.chunk_size = chunk_size
         self.scale = shapes.head_k_dim**-0.5
+        self._conv_update = conv1d_update_torch
+        self._conv_prefill = conv1d_prefill_torch
+        self._decode = gdn_decode_torch
+        self._prefill = gdn_prefill_torch
+        if use_triton:
+            # Imported here so the torch path never needs Triton installed.
+            from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
+            from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_triton
+            from kvrunner_gdn.kernels.conv_update import conv1d_update_triton
+            from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
+
+            self._conv_update = conv1d_update_triton
+            self._conv_prefill = conv1d_prefill_triton
+            self._decode = gdn_decode_triton
+            self._prefill = gdn_prefill_triton
 
     # Shapes the model needs to lay out its projections.
     @property
@@ -108,7 +128,7 @@ class GDNLayer:
         """Conv + SiLU, split, L2 norm, gated delta rule; see the module docstring."""
         weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
         self._check(mixed_qkv, g, beta, weight)
-        md: GDNMetadata = ctx.for_backend(self.backend_name)
+        md = ctx.for_backend(self.backend_name, GDNMetadata)
         conv_state, ssm_state = self.pool.layer(self.layer_index)
         sh = self.shapes
         tokens = mixed_qkv.shape[0]
@@ -117,21 +137,20 @@ class GDNLayer:
                 raise ValueError(f"{tokens} decode tokens but metadata for {md.num_rows} rows")
             # Rows past the real batch are PAD in both index views: they do nothing.
             read, write = md.read_indices[:tokens], md.write_indices[:tokens]
-            x = conv1d_update(mixed_qkv, conv_state, weight, conv_bias, read, write,
-                              use_triton=self.use_triton)
+            x = self._conv_update(mixed_qkv, conv_state, weight, conv_bias, read, write)
         else:
-            x = conv1d_prefill(mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens,
-                               md.read_indices, md.write_indices, md.max_seqlen,
-                               use_triton=self.use_triton)
+            x = self._conv_prefill(mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens,
+                                   md.read_indices, md.write_indices, md.max_seqlen)
         q = x[:, : sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
         k = x[:, sh.key_dim : 2 * sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
         v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
         if md.is_decode:
-            return gdn_decode(q, k, v, g, beta, ssm_state, read, write, self.scale,
-                              use_qk_l2norm=True, use_triton=self.use_triton)
-        return gdn_prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
-                           md.write_indices, self.scale, use_qk_l2norm=True,
-                           chunk_size=self.chunk_size, use_triton=self.use_triton,
-                           cu_seqlens_host=md.cu_seqlens_host or None)
+            return self._decode(q, k, v, g, beta, ssm_state, read, write, self.scale, True)
+        if self.use_triton:
+            return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
+                                 md.write_indices, self.scale, True, self.chunk_size,
+                                 md.cu_seqlens_host or None)
+        return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
+                             md.write_indices, self.scale, True, self.chunk_size)
 
     __call__ = forward

@@ -16,9 +16,10 @@ Buffers, all int32 on the backend's device, created once at their largest size:
 - ``decode_state_indices`` / ``decode_read_indices`` ``[max_batch]``: the decode
   path, in forward_vars, read by captured graphs by address;
 - ``prefill_state_indices_in_tensor`` / ``prefill_read_indices_in_tensor``
-  ``[max_num_seqs]`` and ``cu_seqlens_in_tensor``: the prefill/mixed path. These
-  live on this builder only, *not* in forward_vars; the write side is still a
-  declared write target, so the core's blanking reaches it.
+  ``[max_num_seqs]``: the prefill/mixed path. These live on this builder only,
+  *not* in forward_vars; the write side is still a declared write target, so the
+  core's blanking reaches it. The sequence offsets are the core's shared
+  ``query_start_loc``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvrunner.contract import PAD_SLOT_ID, StepBatch
+from kvrunner.buffers import fill_head
+from kvrunner.contract import PAD_SLOT_ID, StepBatch, StepMetadata
 
 INDEX_DTYPE = torch.int32
 
@@ -59,23 +61,21 @@ def _new_index_buffer(rows: int, device: torch.device) -> torch.Tensor:
 
 
 class GDNMetadataBuilder:
-    """Fills the index buffers in place from a :class:`StepBatch` and hands out views."""
+    """Owns the state-index buffers, fills them in place and hands out views."""
 
-    def __init__(self, max_num_seqs: int, device: torch.device) -> None:
-        self.device = device
-        self.max_num_seqs = max_num_seqs
-        self.decode_state_indices = _new_index_buffer(max_num_seqs, device)
-        self.decode_read_indices = _new_index_buffer(max_num_seqs, device)
+    def __init__(self, *, max_batch: int, max_num_seqs: int, device: torch.device) -> None:
+        self.max_batch = max_batch
+        self.decode_state_indices = _new_index_buffer(max_batch, device)
+        self.decode_read_indices = _new_index_buffer(max_batch, device)
         self.prefill_state_indices_in_tensor = _new_index_buffer(max_num_seqs, device)
         self.prefill_read_indices_in_tensor = _new_index_buffer(max_num_seqs, device)
-        self.cu_seqlens_in_tensor = torch.zeros(max_num_seqs + 1, dtype=INDEX_DTYPE, device=device)
 
-    def ensure_decode_capacity(self, max_batch: int) -> None:
-        """Grow the decode buffers to ``max_batch`` rows (only before any graph exists:
-        this is called from ``persistent_buffers``, which the runner calls once)."""
-        if max_batch > self.decode_state_indices.shape[0]:
-            self.decode_state_indices = _new_index_buffer(max_batch, self.device)
-            self.decode_read_indices = _new_index_buffer(max_batch, self.device)
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The decode side, which captured graphs read by address (forward_vars)."""
+        return {
+            "decode_state_indices": self.decode_state_indices,
+            "decode_read_indices": self.decode_read_indices,
+        }
 
     @staticmethod
     def _indices(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,62 +85,50 @@ class GDNMetadataBuilder:
         read = torch.where(has_history, slots, torch.full_like(slots, PAD_SLOT_ID))
         return read, slots
 
-    @staticmethod
-    def _fill(buffer: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy ``values`` into the head of ``buffer`` and PAD the tail, in place."""
-        n = values.shape[0]
-        if n > buffer.shape[0]:
-            raise ValueError(f"{n} sequences do not fit a GDN index buffer of {buffer.shape[0]}")
-        buffer[:n].copy_(values)
-        buffer[n:].fill_(PAD_SLOT_ID)
-
-    def build(self, batch: StepBatch) -> GDNMetadata:
-        """Metadata for a real batch. Pure decode batches (one token per sequence) take
-        the decode path, padded to ``num_padded_seqs`` rows; all others the prefill path."""
-        read, write = self._indices(batch)
-        if batch.is_decode:
-            rows = max(batch.num_padded_seqs, batch.num_seqs)
-            if rows > self.decode_state_indices.shape[0]:
+    def build(self, step: StepMetadata) -> GDNMetadata:
+        """Metadata for a real step. Pure decode steps (one token per sequence) take the
+        decode path, padded to ``num_padded_seqs`` rows; all others the prefill path."""
+        read, write = self._indices(step.host)
+        if step.is_decode:
+            rows = step.num_padded_seqs
+            if rows > self.max_batch:
                 raise ValueError(
-                    f"decode batch of {rows} rows exceeds the GDN decode buffers "
-                    f"({self.decode_state_indices.shape[0]})"
+                    f"decode batch of {rows} rows exceeds the GDN decode buffers ({self.max_batch})"
                 )
-            self._fill(self.decode_state_indices, write)
-            self._fill(self.decode_read_indices, read)
+            fill_head(self.decode_state_indices, write, PAD_SLOT_ID)
+            fill_head(self.decode_read_indices, read, PAD_SLOT_ID)
             return GDNMetadata(
                 is_decode=True,
                 read_indices=self.decode_read_indices[:rows],
                 write_indices=self.decode_state_indices[:rows],
             )
-        n = batch.num_seqs
-        self._fill(self.prefill_state_indices_in_tensor, write)
-        self._fill(self.prefill_read_indices_in_tensor, read)
-        self.cu_seqlens_in_tensor[: n + 1].copy_(batch.cu_query_lens[: n + 1])
-        max_seqlen = int(batch.query_lens[:n].max()) if n else 0
+        n = step.num_seqs
+        fill_head(self.prefill_state_indices_in_tensor, write, PAD_SLOT_ID)
+        fill_head(self.prefill_read_indices_in_tensor, read, PAD_SLOT_ID)
         return GDNMetadata(
             is_decode=False,
             read_indices=self.prefill_read_indices_in_tensor[:n],
             write_indices=self.prefill_state_indices_in_tensor[:n],
-            cu_seqlens=self.cu_seqlens_in_tensor[: n + 1],
-            cu_seqlens_host=tuple(batch.cu_query_lens[: n + 1].tolist()),
-            max_seqlen=max_seqlen,
+            cu_seqlens=step.query_start_loc[: n + 1],
+            cu_seqlens_host=tuple(step.host.cu_query_lens[: n + 1].tolist()),
+            max_seqlen=step.max_query_len,
         )
 
-    def build_capture(self, batch_size: int) -> GDNMetadata:
-        """Decode metadata for capturing a graph of ``batch_size`` rows.
+    def build_capture(self, step: StepMetadata) -> GDNMetadata:
+        """Decode metadata for capturing a graph of ``step.num_seqs`` rows.
 
         Only the read side is synthesized (PAD: no history, nothing read). The write
         side is left exactly as the core left it (blanked to PAD before capture), so
         the warmup and captured forwards write no state anywhere.
         """
-        if batch_size > self.decode_state_indices.shape[0]:
+        rows = step.num_seqs
+        if rows > self.max_batch:
             raise ValueError(
-                f"capture batch {batch_size} exceeds the GDN decode buffers "
-                f"({self.decode_state_indices.shape[0]})"
+                f"capture batch {rows} exceeds the GDN decode buffers ({self.max_batch})"
             )
-        self.decode_read_indices[:batch_size].fill_(PAD_SLOT_ID)
+        self.decode_read_indices[:rows].fill_(PAD_SLOT_ID)
         return GDNMetadata(
             is_decode=True,
-            read_indices=self.decode_read_indices[:batch_size],
-            write_indices=self.decode_state_indices[:batch_size],
+            read_indices=self.decode_read_indices[:rows],
+            write_indices=self.decode_state_indices[:rows],
         )

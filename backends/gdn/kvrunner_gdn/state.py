@@ -79,6 +79,12 @@ class GDNShapes:
         return elems * STATE_DTYPE.itemsize
 
 
+def cache_rows(pool_name: str, pool: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Every pool is indexed by request slot first (for the conformance kit)."""
+    del pool_name
+    return "state", pool
+
+
 class GDNStatePool:
     """The conv and recurrent state tensors of every layer one backend serves."""
 

@@ -1,27 +1,19 @@
 """``PagedBackend``: the ``paged`` plugin, serving ``full_attention`` layers from a paged pool.
 
-The hooks are thin: sizing and pools live in :mod:`.cache`, the persistent buffers
-and the metadata they hold in :mod:`.builder`, the per-layer kernels in :mod:`.layer`.
-Its one write target is ``slot_mapping``: the only buffer through which its kernels
-write cache.
+The hooks are thin: sizing and pools live in :mod:`.cache`, the backend's own
+buffer and the metadata around it in :mod:`.builder`, the per-layer kernels in
+:mod:`.layer`. Its one write target is ``slot_mapping``: the only buffer through
+which its kernels write cache.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-import kvrunner
-from kvrunner.contract import (
-    PAD_SLOT_ID,
-    BackendContext,
-    CacheSpec,
-    CacheWriteTarget,
-    StepBatch,
-)
-from kvrunner_paged.builder import MetadataBuilder
-from kvrunner_paged.cache import PagedKVPools
+from kvrunner import PAD_SLOT_ID, PLUGIN_API_VERSION, hookimpl
+from kvrunner.contract import BackendContext, CacheSpec, CacheWriteTarget, StepMetadata
+from kvrunner_paged.builder import PagedMetadataBuilder
+from kvrunner_paged.cache import PagedKVPools, cache_rows
 from kvrunner_paged.layer import PagedAttention
 from kvrunner_paged.metadata import PagedMetadata
 
@@ -31,9 +23,10 @@ LAYER_TYPE = "full_attention"
 class PagedBackend:
     """Paged KV cache + store/decode/prefill attention kernels, as a kvrunner backend."""
 
-    plugin_api_version = kvrunner.PLUGIN_API_VERSION
+    plugin_api_version = PLUGIN_API_VERSION
     layer_types = (LAYER_TYPE,)
-    write_targets = ("slot_mapping",)
+    #: how the conformance kit reads one KV slot of a pool
+    cache_rows = staticmethod(cache_rows)
 
     def __init__(self, context: BackendContext) -> None:
         model = context.model
@@ -42,13 +35,11 @@ class PagedBackend:
                 f"num_heads {model.num_heads} must be a positive multiple of "
                 f"num_kv_heads {model.num_kv_heads}"
             )
-        foreign = [i for i in context.layers if model.layer_types[i] != LAYER_TYPE]
-        if foreign:
-            raise ValueError(f"paged serves {LAYER_TYPE} layers only; asked for layers {foreign}")
+        wrong = [i for i in context.layers if model.layer_types[i] != LAYER_TYPE]
+        if wrong:
+            raise ValueError(f"paged serves only {LAYER_TYPE} layers; asked for layers {wrong}")
         self.context = context
         self.name = context.name
-        #: enough logical blocks for the longest sequence the model allows
-        self.max_blocks_per_seq = -(-context.max_model_len // context.block_size)
         self.pools = PagedKVPools(
             layers=context.layers,
             block_size=context.block_size,
@@ -57,78 +48,62 @@ class PagedBackend:
             dtype=context.dtype,
             device=context.device,
         )
-        self.builder: MetadataBuilder | None = None
+        #: built by persistent_buffers, which the core calls before any metadata hook
+        self.builder: PagedMetadataBuilder | None = None
 
-    def _require_builder(self, hook: str) -> MetadataBuilder:
-        if self.builder is None:
-            raise RuntimeError(f"{hook} called before persistent_buffers")
-        return self.builder
+    # -- sizing and allocation -------------------------------------------------------
 
-    # --- sizing and allocation -------------------------------------------------------
-
-    @kvrunner.hookimpl
+    @hookimpl
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(backend=self.name, bytes_per_block=self.pools.bytes_per_block)
+        """Keys and values of one block over every served layer; no per-slot state."""
+        return CacheSpec(bytes_per_block=self.pools.bytes_per_block)
 
-    @kvrunner.hookimpl
-    def allocate_cache(self, num_blocks: int, num_slots: int) -> dict[str, torch.Tensor]:
-        del num_slots  # paged KV has no per-request state
+    @hookimpl
+    def allocate_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """One zeroed ``kv.<layer>`` pool per served layer."""
         return self.pools.allocate(num_blocks)
 
-    @kvrunner.hookimpl
+    @hookimpl
     def release_cache(self) -> None:
+        """Drop the pools; layers find the next allocation by looking them up again."""
         self.pools.release()
 
-    # --- forward_vars and metadata ---------------------------------------------------
+    # -- forward_vars and metadata ---------------------------------------------------
 
-    @kvrunner.hookimpl
+    @hookimpl
     def persistent_buffers(self, max_batch: int, max_tokens: int) -> dict[str, torch.Tensor]:
-        """Created once; a repeated call with the same sizes returns the same tensors."""
-        if self.builder is not None:
-            same = (self.builder.max_batch, self.builder.max_tokens) == (max_batch, max_tokens)
-            if not same:
-                raise RuntimeError(
-                    "paged persistent buffers already exist for "
-                    f"({self.builder.max_batch}, {self.builder.max_tokens}); refusing to "
-                    f"reallocate them for ({max_batch}, {max_tokens}) under captured graphs"
-                )
-            return self.builder.buffers()
-        self.builder = MetadataBuilder(
-            max_batch=max_batch,
-            max_tokens=max_tokens,
-            max_blocks_per_seq=self.max_blocks_per_seq,
-            device=self.context.device,
+        """``slot_mapping``: the only buffer paged owns (the read side is the core's)."""
+        self.builder = PagedMetadataBuilder(
+            max_batch=max_batch, max_tokens=max_tokens, device=self.context.device
         )
         return self.builder.buffers()
 
-    @kvrunner.hookimpl
-    def build_metadata(self, batch: StepBatch) -> tuple[str, PagedMetadata]:
-        return self.name, self._require_builder("build_metadata").fill(batch)
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        """Fill ``slot_mapping`` (PAD past the real tokens); the read side is shared."""
+        assert self.builder is not None  # the manager calls persistent_buffers first
+        return self.builder.fill(step)
 
-    @kvrunner.hookimpl
-    def build_capture_metadata(self, batch_size: int) -> tuple[str, PagedMetadata]:
-        return self.name, self._require_builder("build_capture_metadata").fill_capture(batch_size)
+    @hookimpl
+    def build_capture_metadata(self, step: StepMetadata) -> PagedMetadata:
+        """The core's capture read side as is; ``slot_mapping`` untouched."""
+        assert self.builder is not None
+        return self.builder.fill_capture(step)
 
-    # --- capture safety --------------------------------------------------------------
+    # -- capture safety ----------------------------------------------------------------
 
-    @kvrunner.hookimpl
+    @hookimpl
     def cache_write_targets(self) -> list[CacheWriteTarget]:
-        builder = self._require_builder("cache_write_targets")
-        return [
-            CacheWriteTarget(
-                backend=self.name,
-                name="slot_mapping",
-                buffer=builder.slot_mapping,
-                pad_value=PAD_SLOT_ID,
-            )
-        ]
+        """``slot_mapping``: where ``store_kv`` writes each token's keys and values."""
+        assert self.builder is not None
+        return [CacheWriteTarget(name="slot_mapping", buffer=self.builder.slot_mapping,
+                                 pad_value=PAD_SLOT_ID)]
 
-    # --- layers ----------------------------------------------------------------------
+    # -- layers ------------------------------------------------------------------------
 
-    @kvrunner.hookimpl
-    def make_layer(self, layer_index: int, layer_type: str) -> Any | None:
-        if layer_type != LAYER_TYPE or layer_index not in self.context.layers:
-            return None
+    @hookimpl
+    def make_layer(self, layer_index: int) -> PagedAttention:
+        """A :class:`PagedAttention` over the layer's own pool."""
         model = self.context.model
         return PagedAttention(
             backend_name=self.name,

@@ -8,6 +8,15 @@ import torch
 POOL_PREFIX = "kv."
 
 
+def cache_rows(pool_name: str, pool: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One row per KV slot (``block * block_size + offset``): its keys and values.
+
+    For the conformance kit, which reads a slot without knowing this layout.
+    """
+    del pool_name  # every pool of this backend has the same layout
+    return "kv", pool.permute(1, 2, 0, 3, 4).flatten(0, 1)
+
+
 class PagedKVPools:
     """Owns ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per served layer.
 
@@ -40,11 +49,6 @@ class PagedKVPools:
         element = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * element
         return per_layer * len(self.layers)
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per pool now allocated (0 when released)."""
-        return next(iter(self._pools.values())).shape[1] if self._pools else 0
 
     def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
         """Allocate every layer's pool (zeroed) and return them by ``kv.<layer>``."""

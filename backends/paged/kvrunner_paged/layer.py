@@ -65,7 +65,7 @@ class PagedAttention:
         ``q``: ``[rows, num_heads, head_dim]``; ``rows`` may exceed the real tokens by a
         padded tail (graph replay), whose outputs are zeros and which write nothing.
         """
-        md: PagedMetadata = ctx.for_backend(self.backend_name)
+        md = ctx.for_backend(self.backend_name, PagedMetadata)
         rows = q.shape[0]
         if rows > md.slot_mapping.shape[0]:
             raise ValueError(f"{rows} token rows but metadata for {md.slot_mapping.shape[0]}")

@@ -8,11 +8,12 @@ import torch
 
 @attrs.frozen(kw_only=True)
 class PagedMetadata:
-    """Views of the backend's persistent buffers, plus host-side sizes for this step.
+    """Views of persistent buffers, plus host-side sizes for this step.
 
-    The tensors are slices of buffers allocated once (see :mod:`.builder`), so a graph
-    captured with one metadata object reads whatever a later ``build_metadata`` wrote
-    into them. The ints are host values fixed when the object was built; the decode
+    ``slot_mapping`` is the backend's own buffer (:mod:`.builder`); the read side is
+    the core's shared step metadata. All are slices of buffers allocated once, so a
+    graph captured with one metadata object reads whatever a later step wrote into
+    them. The ints are host values fixed when the object was built; the decode
     path depends only on tensor shapes and contents, which is what makes it replayable.
     """
 

@@ -18,6 +18,7 @@ from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence as Seq
 from kvrunner.engine.sequence import SequenceStatus
+from kvrunner.testing.steps import rows_of
 
 VOCAB = 1000
 
@@ -55,7 +56,7 @@ class FakeRunner:
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         sampled = []
-        for c in step.chunks:
+        for c in rows_of(step):
             end = c.start_pos + len(c.token_ids)
             assert len(c.token_ids) >= 1
             assert len(c.block_table) * self.bs >= end, f"block table too short: {c}"
@@ -81,10 +82,10 @@ def check_step(sched: Scheduler, step: StepInput, seqs: list[Seq]) -> None:
     """Invariants that must hold for every scheduled step."""
     cfg = sched.config
     assert step.num_tokens <= cfg.max_num_batched_tokens
-    assert len(step.chunks) == len(seqs) <= cfg.max_num_seqs
+    assert step.num_seqs == len(seqs) <= cfg.max_num_seqs
     assert len(sched.running) <= cfg.max_num_seqs
-    assert len({c.seq_id for c in step.chunks}) == len(step.chunks)
-    for c, seq in zip(step.chunks, seqs, strict=True):
+    assert len(set(step.seq_id)) == step.num_seqs
+    for c, seq in zip(rows_of(step), seqs, strict=True):
         assert c.seq_id == seq.seq_id and seq.status is SequenceStatus.RUNNING
         assert c.start_pos == seq.num_computed_tokens
         assert c.token_ids == tuple(seq.token_ids[c.start_pos : c.start_pos + len(c.token_ids)])

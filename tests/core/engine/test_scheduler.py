@@ -11,6 +11,7 @@ from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.testing.steps import rows_of
 
 
 def make(
@@ -33,7 +34,7 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple:
     step_input, seqs = scheduled
     check_step(sched, step_input, seqs)
     finished = sched.update(seqs, runner.execute(step_input))
-    return step_input.chunks, finished
+    return rows_of(step_input), finished
 
 
 def params(max_tokens: int = 4, **kw: object) -> SamplingParams:

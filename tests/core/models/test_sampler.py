@@ -9,9 +9,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SeqChunk, StepInput, unpack_sampled
+from kvrunner.batch import unpack_sampled
 from kvrunner.layers.sampler import Sampler, sample
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.testing.steps import Row, step_of
 
 # Logit values drawn partly from a tiny set so ties (the awkward case) are common.
 logit_value = st.one_of(
@@ -188,7 +189,7 @@ def test_seeded_and_unseeded_sampling_on_cuda() -> None:
 def test_a_step_samples_its_sampling_chunks_with_logprobs_only_where_asked() -> None:
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     chunks = [
-        SeqChunk(seq_id=10 + i, token_ids=(1,), start_pos=4, block_table=(0,), state_slot=i,
+        Row(seq_id=10 + i, token_ids=(1,), start_pos=4, block_table=(0,), state_slot=i,
                  sample=True, sampling=sp, num_output_tokens=n)
         for i, (sp, n) in enumerate([
             (SamplingParams(temperature=0.0), 0),
@@ -197,10 +198,10 @@ def test_a_step_samples_its_sampling_chunks_with_logprobs_only_where_asked() -> 
         ])
     ]
     # A chunk still mid-prefill samples nothing and has no logits row.
-    prefilling = SeqChunk(seq_id=99, token_ids=(1, 2), start_pos=0, block_table=(1,),
+    prefilling = Row(seq_id=99, token_ids=(1, 2), start_pos=0, block_table=(1,),
                           state_slot=5, sample=False, sampling=SamplingParams(),
                           num_output_tokens=0)
-    step = StepInput(chunks=(chunks[0], prefilling, chunks[1], chunks[2]))
+    step = step_of([chunks[0], prefilling, chunks[1], chunks[2]])
     got = unpack_sampled(Sampler(seed=0).sample_step(logits, step))
     reference = torch.log_softmax(logits, dim=-1)
     assert [t.seq_id for t in got] == [10, 11, 12]

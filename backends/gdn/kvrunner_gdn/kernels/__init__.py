@@ -1,11 +1,8 @@
-"""GDN kernels: one file per op, each a Triton kernel, its launcher and a plain-torch path.
+"""GDN kernels: per op a Triton launcher and a plain-torch path, plus naive oracles.
 
-``reference`` holds the naive fp32 token-by-token oracles the others are tested against.
+Triton modules (``conv_update``, ``conv_prefill``, ``recurrent_decode``,
+``chunked_prefill``) are imported only where Triton runs; the torch paths
+(``conv_torch``, ``recurrent_decode_torch``, ``chunked_prefill_torch``) and
+``reference`` (the naive fp32 token-by-token oracles) never import Triton, so the
+backend serves on a machine without it.
 """
-
-from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill
-from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill
-from kvrunner_gdn.kernels.conv_update import conv1d_update
-from kvrunner_gdn.kernels.recurrent_decode import gdn_decode
-
-__all__ = ["conv1d_prefill", "conv1d_update", "gdn_decode", "gdn_prefill"]

@@ -35,12 +35,15 @@ import triton
 import triton.language as tl
 
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.common import check_indices, dot_block, next_pow2
-from kvrunner_gdn.kernels.recurrent_decode import check_heads
+from kvrunner_gdn.kernels.common import (
+    DEFAULT_CHUNK,
+    check_heads,
+    check_indices,
+    dot_block,
+    next_pow2,
+)
 from kvrunner_gdn.kernels.reference import L2NORM_EPS
 from kvrunner_gdn.kernels.tril_inverse import unit_lower_inverse
-
-DEFAULT_CHUNK = 64
 
 
 @triton.jit

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner_gdn.kernels.common import check_indices, valid_rows
-from kvrunner_gdn.kernels.recurrent_decode import check_heads
+from kvrunner_gdn.kernels.common import check_heads, check_indices, valid_rows
 from kvrunner_gdn.kernels.reference import l2norm
 
 

@@ -1,8 +1,14 @@
-"""Small helpers shared by the kernel launchers (argument checks, block sizes)."""
+"""Small helpers shared by the kernel launchers (argument checks, block sizes).
+
+No Triton import here: the plain-torch paths use it too."""
 
 from __future__ import annotations
 
 import torch
+
+#: tokens per chunk of the chunked prefill (the Triton kernel rounds it up to a power
+#: of two >= 16)
+DEFAULT_CHUNK = 64
 
 
 def next_pow2(n: int) -> int:
@@ -32,3 +38,19 @@ def valid_rows(read: torch.Tensor, write: torch.Tensor) -> tuple[torch.Tensor, t
     """
     runs = write >= 0
     return runs, runs & (read >= 0)
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor) -> None:
+    """Shapes shared by both recurrences: q/k ``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta
+    ``[T, Hv]``, an fp32 contiguous pool ``[N, Hv, K, V]``; unit last-dim strides."""
+    rows, num_k_heads, head_k = k.shape
+    num_v_heads, head_v = v.shape[1:]
+    if q.shape != k.shape or v.shape[0] != rows or g.shape != (rows, num_v_heads):
+        raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} g {g.shape}")
+    if beta.shape != g.shape or num_v_heads % num_k_heads:
+        raise ValueError(f"beta {beta.shape} must match g; Hv must be a multiple of Hk")
+    if state.shape[1:] != (num_v_heads, head_k, head_v) or state.dtype != torch.float32:
+        raise ValueError(f"state pool {tuple(state.shape)} {state.dtype} does not match heads")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or not state.is_contiguous():
+        raise ValueError("q/k/v need a unit last-dim stride and the state pool must be contiguous")

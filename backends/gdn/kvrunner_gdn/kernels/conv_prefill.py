@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_gdn.kernels.common import check_indices, next_pow2, valid_rows
+from kvrunner_gdn.kernels.common import next_pow2
+from kvrunner_gdn.kernels.conv_torch import check_prefill, conv1d_prefill_torch
 
 
 @triton.jit
@@ -106,23 +107,6 @@ def _conv_prefill_state_kernel(
              mask=d_run[None, :] & cmask[:, None])
 
 
-def _check(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-           cu_seqlens: torch.Tensor, read: torch.Tensor, write: torch.Tensor) -> int:
-    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3 or cu_seqlens.dim() != 1:
-        raise ValueError(
-            "expected x [T, D], weight [D, K], conv_state [N, D, K-1], cu_seqlens [S+1]"
-        )
-    if conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1) or weight.shape[0] != x.shape[1]:
-        raise ValueError(
-            f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-            f"conv_state {tuple(conv_state.shape)}"
-        )
-    seqs = cu_seqlens.shape[0] - 1
-    check_indices("read_indices", read, seqs)
-    check_indices("write_indices", write, seqs)
-    return seqs
-
-
 def conv1d_prefill_triton(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -136,7 +120,7 @@ def conv1d_prefill_triton(
 ) -> torch.Tensor:
     """Triton launcher; ``max_seqlen`` (a host int) sizes the grid. Rows of ``x`` past
     ``cu_seqlens[-1]`` come back as zeros."""
-    seqs = _check(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
+    seqs = check_prefill(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
     dim = x.shape[1]
     width = weight.shape[1]
     out = torch.zeros_like(x)
@@ -160,45 +144,6 @@ def conv1d_prefill_triton(
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         WIDTH=width, BLOCK_D=block_d, BLOCK_W=next_pow2(max(width - 1, 1)),
     )  # fmt: skip
-    return out
-
-
-def conv1d_prefill_torch(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    max_seqlen: int | None = None,
-    activation: bool = True,
-) -> torch.Tensor:
-    """Plain-torch path: one ``conv1d`` per sequence (host loop), same contract."""
-    seqs = _check(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
-    width = weight.shape[1]
-    out = torch.zeros_like(x)
-    cu = cu_seqlens.tolist()
-    runs, reads = valid_rows(read_indices.long().cpu(), write_indices.long().cpu())
-    w = weight.float()[:, None, :]
-    b = bias.float() if bias is not None else None
-    # Gather every left context before any write, so a slot read by one sequence and
-    # written by another in the same step is read as it was before the step.
-    history = []
-    for s in range(seqs):
-        h = torch.zeros(x.shape[1], width - 1, dtype=torch.float32, device=x.device)
-        if reads[s]:
-            h = conv_state[int(read_indices[s])].float().clone()
-        history.append(h)
-    for s in range(seqs):
-        if not runs[s]:
-            continue
-        full = torch.cat([history[s], x[cu[s] : cu[s + 1]].float().T], dim=1)
-        y = torch.nn.functional.conv1d(full[None], w, b, groups=x.shape[1])[0].T
-        if activation:
-            y = y * torch.sigmoid(y)
-        out[cu[s] : cu[s + 1]] = y.to(x.dtype)
-        conv_state[int(write_indices[s])] = full[:, full.shape[1] - (width - 1) :]
     return out
 
 

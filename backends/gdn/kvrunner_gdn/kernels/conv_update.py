@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_gdn.kernels.common import check_indices, next_pow2, valid_rows
+from kvrunner_gdn.kernels.common import check_indices, next_pow2
+from kvrunner_gdn.kernels.conv_torch import check_update, conv1d_update_torch
 
 
 @triton.jit
@@ -65,16 +66,6 @@ def _conv_update_kernel(
     tl.store(w_base + cols[None, :] * stride_s_w, new_state, mask=store_mask)
 
 
-def _check(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3:
-        raise ValueError("expected x [B, D], weight [D, K], conv_state [N, D, K-1]")
-    if conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1) or weight.shape[0] != x.shape[1]:
-        raise ValueError(
-            f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-            f"conv_state {tuple(conv_state.shape)}"
-        )
-
-
 def conv1d_update_triton(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -85,7 +76,7 @@ def conv1d_update_triton(
     activation: bool = True,
 ) -> torch.Tensor:
     """Triton launcher; see the module docstring. Graph-capturable (no host syncs)."""
-    _check(x, conv_state, weight)
+    check_update(x, conv_state, weight)
     rows, dim = x.shape
     check_indices("read_indices", read_indices, rows)
     check_indices("write_indices", write_indices, rows)
@@ -105,34 +96,6 @@ def conv1d_update_triton(
         BLOCK_D=block_d, BLOCK_W=next_pow2(weight.shape[1]),
     )  # fmt: skip
     return out
-
-
-def conv1d_update_torch(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    activation: bool = True,
-) -> torch.Tensor:
-    """Plain-torch path (CPU, and the fallback): same contract, not graph-capturable."""
-    _check(x, conv_state, weight)
-    rows = x.shape[0]
-    check_indices("read_indices", read_indices, rows)
-    check_indices("write_indices", write_indices, rows)
-    runs, reads = valid_rows(read_indices.long(), write_indices.long())
-    history = torch.zeros(rows, *conv_state.shape[1:], dtype=torch.float32, device=x.device)
-    history[reads] = conv_state[read_indices.long()[reads]].float()
-    window = torch.cat([history, x.float()[:, :, None]], dim=2)
-    acc = (window * weight.float()).sum(dim=2)
-    if bias is not None:
-        acc = acc + bias.float()
-    if activation:
-        acc = acc * torch.sigmoid(acc)
-    acc[~runs] = 0.0
-    conv_state[write_indices.long()[runs]] = window[runs, :, 1:].to(conv_state.dtype)
-    return acc.to(x.dtype)
 
 
 def conv1d_update(

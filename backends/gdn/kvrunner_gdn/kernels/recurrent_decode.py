@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_gdn.kernels.common import check_indices, next_pow2, valid_rows
-from kvrunner_gdn.kernels.reference import L2NORM_EPS, l2norm
+from kvrunner_gdn.kernels.common import check_heads, check_indices, next_pow2
+from kvrunner_gdn.kernels.recurrent_decode_torch import gdn_decode_torch
+from kvrunner_gdn.kernels.reference import L2NORM_EPS
 
 
 @triton.jit
@@ -68,22 +69,6 @@ def _gdn_decode_kernel(
     tl.store(w_base + offs, s, mask=k_run[:, None] & vmask[None, :])
 
 
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor) -> None:
-    """Shapes shared by both recurrences: q/k ``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta
-    ``[T, Hv]``, an fp32 contiguous pool ``[N, Hv, K, V]``; unit last-dim strides."""
-    rows, num_k_heads, head_k = k.shape
-    num_v_heads, head_v = v.shape[1:]
-    if q.shape != k.shape or v.shape[0] != rows or g.shape != (rows, num_v_heads):
-        raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} g {g.shape}")
-    if beta.shape != g.shape or num_v_heads % num_k_heads:
-        raise ValueError(f"beta {beta.shape} must match g; Hv must be a multiple of Hk")
-    if state.shape[1:] != (num_v_heads, head_k, head_v) or state.dtype != torch.float32:
-        raise ValueError(f"state pool {tuple(state.shape)} {state.dtype} does not match heads")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or not state.is_contiguous():
-        raise ValueError("q/k/v need a unit last-dim stride and the state pool must be contiguous")
-
-
 def gdn_decode_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,42 +102,6 @@ def gdn_decode_triton(
         L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, BLOCK_K=next_pow2(head_k), BLOCK_V=block_v,
     )  # fmt: skip
     return out
-
-
-def gdn_decode_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
-    """Plain-torch path: vectorised over rows and heads; same contract, not graph-capturable."""
-    check_heads(q, k, v, g, beta, state)
-    rows, num_k_heads, _ = k.shape
-    group = v.shape[1] // num_k_heads
-    check_indices("read_indices", read_indices, rows)
-    check_indices("write_indices", write_indices, rows)
-    runs, reads = valid_rows(read_indices.long(), write_indices.long())
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = (qf * scale).repeat_interleave(group, dim=1)
-    kf = kf.repeat_interleave(group, dim=1)
-    s = torch.zeros(rows, *state.shape[1:], dtype=torch.float32, device=state.device)
-    s[reads] = state[read_indices.long()[reads]]
-    s = s * torch.exp(g.float())[:, :, None, None]
-    kv_mem = torch.einsum("bhkv,bhk->bhv", s, kf)
-    delta = beta.float()[:, :, None] * (v.float() - kv_mem)
-    s = s + kf[:, :, :, None] * delta[:, :, None, :]
-    out = torch.einsum("bhkv,bhk->bhv", s, qf)
-    out[~runs] = 0.0
-    state[write_indices.long()[runs]] = s[runs]
-    return out.to(v.dtype)
 
 
 def gdn_decode(

@@ -22,10 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2_E = 1.4426950408889634
-# A finite stand-in for -inf as the running max: exp2(x - _NEG_BIG) stays 0 and
-# _NEG_BIG - _NEG_BIG stays 0, so all-masked tiles never produce NaN.
-_NEG_BIG = tl.constexpr(-1.0e30)
+from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
 
 
 @triton.jit
@@ -68,29 +65,17 @@ def _decode_kernel(
     lo = split * per_split
     hi = tl.minimum(lo + per_split, ctx_len)
 
-    m_i = tl.full([GROUP_PAD], _NEG_BIG, dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + row * stride_bt
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < hi
-        # int64 before the multiply: block * stride overflows int32 on large pools.
-        block = tl.load(table + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
-        offset = (pos % block_size).to(tl.int64)
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            kv_head, block_size, dims, dim_mask, scale_log2,
+            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -210,7 +195,7 @@ def paged_decode_attention(
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse,
-        scale * _LOG2_E,
+        scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

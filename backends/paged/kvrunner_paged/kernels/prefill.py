@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2_E = 1.4426950408889634
-# Finite running-max seed (a constexpr: jit code may read no other global); see decode.py.
-_NEG_BIG = tl.constexpr(-1.0e30)
+from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
 
 
 @triton.jit
@@ -59,31 +57,19 @@ def _prefill_kernel(
         q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
                     mask=q_mask, other=0.0)
 
-        m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         table = block_tables_ptr + seq * stride_bt
         # Causality bounds the keys this tile needs: up to its last real query.
         kv_end = tl.minimum(ctx_len, prefix + tl.minimum((tile + 1) * BLOCK_M, q_len))
         for start in range(0, kv_end, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            pos_mask = pos < kv_end
-            block = tl.load(table + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
-            offset = (pos % block_size).to(tl.int64)
-            kv_mask = pos_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = pos_mask[None, :] & (pos[None, :] <= query_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(
+                q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                kv_head, block_size, dims, dim_mask, scale_log2,
+                CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -132,7 +118,7 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         out,
-        scale * _LOG2_E,
+        scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -1,0 +1,18 @@
+"""In-place fills of persistent buffers, shared by the core and the backends."""
+
+from __future__ import annotations
+
+import torch
+
+
+def fill_head(buffer: torch.Tensor, values: torch.Tensor, pad: int) -> None:
+    """Copy ``values`` into the first rows of ``buffer`` and ``pad`` into the rest.
+
+    The tail matters as much as the head: a row a previous (longer) step left there
+    would otherwise still point at a live cache row.
+    """
+    n = values.shape[0]
+    if n > buffer.shape[0]:
+        raise ValueError(f"{n} rows do not fit a buffer of {buffer.shape[0]}")
+    buffer[:n].copy_(values, non_blocking=True)
+    buffer[n:].fill_(pad)

@@ -1,0 +1,44 @@
+"""What a backend's ``cache_write_targets`` answer must look like, checked at every call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from kvrunner.contract import CacheWriteTarget
+from kvrunner.plugins import BackendError
+
+
+def validate_write_targets(name: str, targets: Any) -> list[CacheWriteTarget]:
+    """``targets`` checked (integer tensors, integer PAD, unique names) and stamped
+    with ``name`` as their backend."""
+    if not isinstance(targets, list):
+        raise BackendError(f"backend {name!r}: cache_write_targets must return a list")
+    owned: list[CacheWriteTarget] = []
+    for t in targets:
+        if not isinstance(t, CacheWriteTarget):
+            raise BackendError(f"backend {name!r}: write target {t!r} is not a CacheWriteTarget")
+        if t.backend not in ("", name):
+            raise BackendError(
+                f"backend {name!r}: write target {t.name!r} claims backend {t.backend!r}"
+            )
+        if (
+            not isinstance(t.buffer, torch.Tensor)
+            or t.buffer.dtype.is_floating_point
+            or t.buffer.dtype.is_complex
+            or t.buffer.dtype == torch.bool
+        ):
+            raise BackendError(
+                f"backend {name!r}: write target {t.name!r} must be an integer tensor"
+            )
+        if not isinstance(t.pad_value, int) or isinstance(t.pad_value, bool):
+            raise BackendError(
+                f"backend {name!r}: write target {t.name!r} has non-integer PAD {t.pad_value!r}"
+            )
+        owned.append(attrs.evolve(t, backend=name))
+    names = [t.name for t in owned]
+    if len(set(names)) != len(names):
+        raise BackendError(f"backend {name!r}: write target names repeat: {sorted(names)}")
+    return owned

@@ -1,0 +1,119 @@
+"""Backends that each break exactly one property, to show the kit's checks can fail.
+
+Every mutant is the ``paged`` backend with one change; :data:`MUTANTS` maps each
+check to the mutant that breaks what it guards.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvrunner import PAD_SLOT_ID, hookimpl
+from kvrunner.contract import CacheWriteTarget, StepMetadata
+from kvrunner_paged import PagedAttention, PagedBackend, PagedMetadata
+
+
+class WrongScale(PagedBackend):
+    """Attends with the wrong softmax scale: outputs differ from the reference."""
+
+    @hookimpl
+    def make_layer(self, layer_index: int) -> PagedAttention:
+        layer = super().make_layer(layer_index)
+        layer.scale *= 1.25
+        return layer
+
+
+class ShiftedSlots(PagedBackend):
+    """Stores each token one slot past where its block table says."""
+
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        md = super().build_metadata(step)
+        sm = self.builder.slot_mapping
+        sm[: step.num_tokens] += 1
+        return md
+
+
+def _store_ignoring_pad(k, v, k_cache, v_cache, slots) -> None:  # noqa: ANN001
+    """Writes every row, PAD ones included (a PAD index wraps to the last slot)."""
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    rows = slots.long() % flat_k.shape[0]
+    flat_k[rows] = k.to(flat_k.dtype)
+    flat_v[rows] = v.to(flat_v.dtype)
+
+
+class StoresPadRows(PagedBackend):
+    """Its store kernel does not skip PAD rows."""
+
+    @hookimpl
+    def make_layer(self, layer_index: int) -> PagedAttention:
+        layer = super().make_layer(layer_index)
+        layer._store = _store_ignoring_pad
+        return layer
+
+
+class NoTailPad(PagedBackend):
+    """Fills the live rows of ``slot_mapping`` and leaves the tail as the last step left it."""
+
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        sm = self.builder.slot_mapping
+        sm[: step.num_tokens].copy_(step.host.slot_mapping[: step.num_tokens])
+        return self.builder._metadata(step)
+
+
+class BlanksAtCapture(PagedBackend):
+    """Blanks its own write side in ``build_capture_metadata`` (the core's job)."""
+
+    @hookimpl
+    def build_capture_metadata(self, step: StepMetadata) -> PagedMetadata:
+        self.builder.slot_mapping.fill_(PAD_SLOT_ID)
+        return super().build_capture_metadata(step)
+
+
+class DeclaresACopy(PagedBackend):
+    """Declares a copy of ``slot_mapping`` as its write target, so blanking misses it."""
+
+    @hookimpl
+    def cache_write_targets(self) -> list[CacheWriteTarget]:
+        return [CacheWriteTarget(name="slot_mapping", buffer=self.builder.slot_mapping.clone())]
+
+
+class CaptureSnapshot(PagedBackend):
+    """Captures a snapshot of ``slot_mapping``: a replay never sees the step's slots."""
+
+    @hookimpl
+    def build_capture_metadata(self, step: StepMetadata) -> PagedMetadata:
+        md = super().build_capture_metadata(step)
+        return attrs.evolve(md, slot_mapping=md.slot_mapping.clone())
+
+
+class KeepsFirstPools(PagedBackend):
+    """A wake hands the core new pools, but the layers keep the first ones."""
+
+    first: dict[str, torch.Tensor] | None = None
+
+    @hookimpl
+    def release_cache(self) -> None:
+        pass  # the layers go on looking up the first pools
+
+    @hookimpl
+    def allocate_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        if self.first is None:
+            self.first = self.pools.allocate(num_blocks)
+            return self.first
+        return {name: torch.zeros_like(pool) for name, pool in self.first.items()}
+
+
+#: check -> (mutant name, factory)
+MUTANTS = {
+    "step_matches_reference": ("mutant-wrong-scale", WrongScale),
+    "only_live_rows_change": ("mutant-shifted-slots", ShiftedSlots),
+    "pad_rows_write_nothing": ("mutant-stores-pad-rows", StoresPadRows),
+    "write_targets_pad_past_live_rows": ("mutant-no-tail-pad", NoTailPad),
+    "capture_metadata_leaves_write_side": ("mutant-blanks-at-capture", BlanksAtCapture),
+    "blanked_capture_writes_nothing": ("mutant-declares-a-copy", DeclaresACopy),
+    "replay_sees_later_fill": ("mutant-capture-snapshot", CaptureSnapshot),
+    "serve_sleep_wake_recapture_under_audit": ("mutant-keeps-first-pools", KeepsFirstPools),
+}

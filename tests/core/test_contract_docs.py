@@ -1,0 +1,94 @@
+"""docs/plugins.md documents every contract type field by field, and the code agrees.
+
+Names and order of every field, and for tensor fields their dtype, device and
+shape, evaluated on a real padded decode step and a real prefill step.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from kvrunner import contract
+from kvrunner.batch import StepInput
+from kvrunner.runner.step_batch import prepare_step
+from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.sampling_params import SamplingParams
+
+DOCS = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+TYPES = ["ModelSpec", "BackendContext", "CacheSpec", "CacheWriteTarget", "StepBatch",
+         "StepMetadata", "ForwardContext"]
+MAX_BLOCKS = 6
+
+
+def documented(type_name: str) -> list[tuple[str, str, str, str]]:
+    """(field, dtype, device, shape) per row of the type's table."""
+    section = DOCS.split(f"#### `{type_name}`", 1)[1].split("\n#### ", 1)[0].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \| ([^|]+) \| ([^|]+) \|", section, re.M)
+    return [(name, dtype.strip(), device.strip(), shape.strip().strip("`"))
+            for name, dtype, device, shape in rows]
+
+
+def test_every_public_contract_type_is_documented() -> None:
+    public = {name for name, obj in vars(contract).items()
+              if attrs.has(obj) and obj.__module__ == contract.__name__}
+    assert public == set(TYPES)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_table_lists_every_field_in_order(type_name: str) -> None:
+    fields = [f.name for f in attrs.fields(getattr(contract, type_name))]
+    assert [row[0] for row in documented(type_name)] == fields
+
+
+def _steps() -> list[contract.StepMetadata]:
+    builder = StepMetadataBuilder(max_batch=8, max_tokens=32, max_blocks_per_seq=MAX_BLOCKS,
+                                  device=torch.device("cpu"))
+    out = []
+    for token_ids, starts, padded in [([(1,), (2,), (3,)], [5, 9, 2], 5),
+                                      ([(1, 2, 3), (4,)], [0, 7], None)]:
+        n = len(token_ids)
+        step = StepInput(seq_id=list(range(n)), token_ids=token_ids, start_pos=starts,
+                         block_table=[(1, 2, 3)] * n, state_slot=list(range(n)),
+                         sample=[True] * n, sampling=[SamplingParams()] * n,
+                         num_output_tokens=[0] * n)
+        batch = prepare_step(step, block_size=4, num_padded_seqs=padded).batch
+        out.append(builder.fill(batch))
+    out.append(builder.fill_capture(3))
+    return out
+
+
+def _check_tensor(obj, field: str, dtype: str, device: str, shape: str, sizes: dict) -> None:
+    value = getattr(obj, field)
+    assert value.dtype == getattr(torch, dtype), field
+    assert value.device.type == "cpu", field  # "CPU" and "device" are both the CPU here
+    dims = [eval(d, {}, sizes) for d in shape.strip("[]").split(",")]  # noqa: S307
+    assert list(value.shape) == dims, field
+
+
+@pytest.mark.parametrize("type_name", ["StepBatch", "StepMetadata"])
+def test_tensor_fields_have_the_documented_dtype_device_and_shape(type_name: str) -> None:
+    for step in _steps():
+        obj = step.host if type_name == "StepBatch" else step
+        sizes = dict(num_seqs=step.num_seqs, num_tokens=step.num_tokens,
+                     num_padded_seqs=step.num_padded_seqs,
+                     num_padded_tokens=step.num_padded_tokens, max_blocks_per_seq=MAX_BLOCKS,
+                     longest=step.host.block_table_array.shape[1])
+        checked = 0
+        for field, dtype, device, shape in documented(type_name):
+            if dtype not in ("-", "any integer"):
+                assert device in ("CPU", "device")
+                _check_tensor(obj, field, dtype, device, shape, sizes)
+                checked += 1
+        assert checked >= 4
+
+
+def test_the_step_metadata_host_side_lives_on_the_cpu() -> None:
+    for step in _steps():
+        for field, _, device, _ in documented("StepBatch"):
+            if device == "CPU":
+                assert getattr(step.host, field).device.type == "cpu"
