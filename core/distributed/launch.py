@@ -41,13 +41,16 @@ from kvrunner.distributed.group import DistGroup
 
 
 def launch(
-    model: str = "tiny-qwen3",
+    model: str | None = None,
     *,
     config_file: str | None = None,
     progress: bool = False,
     **config: Any,
 ) -> Any:
-    """Join the group the launcher started; rank 0 gets the LLM, others ``None``."""
+    """Join the group the launcher started; rank 0 gets the LLM, others ``None``.
+
+    ``model`` overrides the config file's; with neither, the embedded default.
+    """
     from kvrunner.llm import LLM
     from kvrunner.runner.executor import BroadcastExecutor, serve_broadcast
     from kvrunner.runner.worker import RankWorker, rank_device
@@ -90,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvrunner.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(prog="python -m kvrunner.distributed.launch", description=__doc__)
-    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or embedded default (default: the config "
+                   "file's, else tiny-qwen3)")
     p.add_argument("--config-file")
     p.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[],

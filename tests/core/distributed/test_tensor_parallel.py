@@ -256,10 +256,13 @@ def test_a_rank_failing_in_a_step_stops_the_group_with_an_error_naming_it(
         llm.shutdown()
 
 
-def run_torchrun(checkpoint: str, plan: dict | None) -> subprocess.CompletedProcess:
+def run_torchrun(
+    checkpoint: str, plan: dict | None, *, model_args: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 -m kvrunner.distributed.launch`` over PROMPTS."""
+    model_args = model_args if model_args is not None else ["--model", checkpoint]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "kvrunner.distributed.launch", "--model", checkpoint, "--enforce-eager",
+           "2", "-m", "kvrunner.distributed.launch", *model_args, "--enforce-eager",
            "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos", "--max-num-seqs", "4"]
     for prompt in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, prompt))]
@@ -275,6 +278,17 @@ def test_torchrun_launch_matches_tp1(checkpoint: str, tp1_greedy: list[list[int]
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [line["prompt_token_ids"] for line in lines] == PROMPTS
+    assert [line["token_ids"] for line in lines] == tp1_greedy
+
+
+def test_torchrun_launch_takes_the_model_from_the_config_file(
+    checkpoint: str, tp1_greedy: list[list[int]], tmp_path: Path
+) -> None:
+    toml = tmp_path / "engine.toml"
+    toml.write_text(f"model = {json.dumps(checkpoint)}\n")
+    done = run_torchrun(checkpoint, None, model_args=["--config-file", str(toml)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [line["token_ids"] for line in lines] == tp1_greedy
 
 
