@@ -103,12 +103,12 @@ def timed_generate(llm: LLM, batch: int, new: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def ours_step_ms(llm: LLM, batch: int) -> float:
-    """Decode ms per step: (time for NEW tokens - time for 1 token) / (NEW - 1)."""
+def ours_step_ms(llm: LLM, batch: int, new: int = NEW) -> float:
+    """Decode ms per step: (time for ``new`` tokens - time for 1 token) / (``new`` - 1)."""
     timed_generate(llm, batch, 4, seed=99)  # warm up every kernel at this batch
-    full = timed_generate(llm, batch, NEW, seed=batch)
+    full = timed_generate(llm, batch, new, seed=batch)
     prefill = timed_generate(llm, batch, 1, seed=batch + 1)
-    return (full - prefill) / (NEW - 1) * 1e3
+    return (full - prefill) / (new - 1) * 1e3
 
 
 def hf_step_ms(path: Path, batch: int, model) -> float:

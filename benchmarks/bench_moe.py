@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_e2e_decode import ours_step_ms, prompts
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
-from kvrunner import LLM, SamplingParams
+from kvrunner import LLM
 from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.moe_experts import grouped_experts_torch
 from kvrunner.models import loader
@@ -150,28 +151,6 @@ def fill_on_gpu(model: torch.nn.Module, *, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * 0.02)
 
 
-def prompts(batch: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, SHAPE["vocab"], (batch, PROMPT), generator=g).tolist()
-
-
-def timed_generate(llm: LLM, batch: int, new: int, seed: int) -> float:
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate(prompts(batch, seed), params)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def ours_step_ms(llm: LLM, batch: int) -> float:
-    """Decode ms per step: (time for NEW tokens - time for 1 token) / (NEW - 1)."""
-    timed_generate(llm, batch, 4, seed=99)
-    full = timed_generate(llm, batch, NEW, seed=batch)
-    prefill = timed_generate(llm, batch, 1, seed=batch + 1)
-    return (full - prefill) / (NEW - 1) * 1e3
-
-
 def hf_step_ms(model, batch: int, new: int = 16) -> float:
     def run(n: int) -> float:
         ids = torch.tensor(prompts(batch, batch + 7), device="cuda")
@@ -225,7 +204,7 @@ def bench_e2e(bw: float, layers: int, skip_hf: bool) -> None:
           f"{start_s:.1f} s, capture of {num_graphs} buckets {capture_s:.1f} s", flush=True)
     ours = {}
     for b in BATCHES:
-        ours[b] = ours_step_ms(llm, b)
+        ours[b] = ours_step_ms(llm, b, NEW)
         print(f"ours batch {b}: {ours[b]:.3f} ms/step", flush=True)
     llm.shutdown()
     del llm
