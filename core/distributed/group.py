@@ -144,20 +144,23 @@ class DistGroup:
         )
 
     def gather_ints(self, value: int) -> list[int]:
-        """Every rank's ``value``, in rank order, on every rank (one all-reduce).
+        """Every rank's ``value``, in rank order, on every rank (one all-reduce)."""
+        return [values[0] for values in self.gather_int_lists([value])]
 
-        Each rank writes its value into its own slot of a zero vector and the
-        vectors are summed, so everyone learns everyone's number (for an error that
+    def gather_int_lists(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on every rank), in rank order, on
+        every rank, in one all-reduce.
+
+        Each rank writes its values into its own slots of a zero vector and the
+        vectors are summed, so everyone learns everyone's numbers (for an error that
         names the rank) at the cost of a single all-reduce.
         """
-        slots = torch.zeros(self.size, dtype=torch.int64, device=self.device)
-        slots[self.rank] = value
-        return self.all_reduce_ints(slots)
-
-    def all_reduce_ints(self, values: torch.Tensor) -> list[int]:
-        """The element-wise sum of an int64 vector over every rank, as a list."""
-        _all_reduce_sum(self.process_group)(values)
-        return [int(v) for v in values.tolist()]
+        n = len(values)
+        slots = torch.zeros(self.size * n, dtype=torch.int64, device=self.device)
+        slots[self.rank * n : (self.rank + 1) * n] = torch.tensor(values, dtype=torch.int64)
+        _all_reduce_sum(self.process_group)(slots)
+        flat = [int(v) for v in slots.tolist()]
+        return [flat[r * n : (r + 1) * n] for r in range(self.size)]
 
     def destroy(self) -> None:
         """Leave the group (idempotent); peers still in a collective see us go.

@@ -42,14 +42,8 @@ def available_bytes(cache: CacheConfig, device: torch.device, *, held_bytes: int
 
 
 def _exchange(values: list[int], group: DistGroup | None) -> list[list[int]]:
-    """Every rank's ``values`` (same length everywhere), in rank order, in one all-reduce."""
-    if group is None or group.size == 1:
-        return [values]
-    n = len(values)
-    slots = torch.zeros(group.size * n, dtype=torch.int64, device=group.device)
-    slots[group.rank * n : (group.rank + 1) * n] = torch.tensor(values, dtype=torch.int64)
-    flat = group.all_reduce_ints(slots)
-    return [flat[r * n : (r + 1) * n] for r in range(group.size)]
+    """Every rank's ``values``, in rank order (just ours for a single rank)."""
+    return [values] if group is None or group.size == 1 else group.gather_int_lists(values)
 
 
 def preflight(*, need: int, available: int, what: str, group: DistGroup | None) -> None:
