@@ -107,11 +107,11 @@ class SleepWake:
         what = repr(list(tags))
         if wake_weights or wake_kv:
             on_cuda = self.device.type == "cuda"
+            pool_bytes = sum(self.pool_bytes_by_backend().values())
             need = self.weights.nbytes if wake_weights and on_cuda else 0
             if wake_kv:
-                need += sum(self.pool_bytes_by_backend().values())
-                need += self.activation_peak_bytes
-            held = 0 if not self.kv_resident else sum(self.pool_bytes_by_backend().values())
+                need += pool_bytes + self.activation_peak_bytes
+            held = pool_bytes if self.kv_resident else 0
             room = available_bytes(self.config.cache, self.device, held_bytes=held)
             preflight(need=need, available=room - self.wake_pressure(), what=what,
                       group=self.group)
