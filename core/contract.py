@@ -237,7 +237,8 @@ class StepMetadata:
             num_padded_tokens=tokens.stop - tokens.start,
             max_query_len=int(sub_host.query_lens.max()) if sub_host.num_seqs else 0,
             max_context_len=int(sub_host.context_lens.max()) if sub_host.num_seqs else 0,
-            is_decode=self.is_decode,
+            # Its own rows decide: a slice of a mixed step may hold only decodes.
+            is_decode=sub_host.is_decode,
             is_capture=self.is_capture,
         )
 
