@@ -7,8 +7,12 @@ timeout on purpose: ranks > 0 wait on it while rank 0 is idle between
 ``generate`` calls, which is not a failure; a rank 0 that dies closes its sockets
 and wakes them at once. Collectives of the model itself keep the short timeout.
 
-A rank that fails leaves a :class:`RankFailure` in the rendezvous store before it
-exits; rank 0, whose own collective then fails, reads it and names that rank.
+A rank > 0 that fails leaves a :class:`RankFailure` in the rendezvous store and
+leaves the job *with exit status 0*; its process exit closes its sockets, so rank
+0's pending collective fails at once, and rank 0 reads the report and raises a
+``WorkerError`` naming that rank, which decides the job's status. Exiting non-zero
+instead would make torchrun kill rank 0 at once, often before it could say why
+(a failure that could not be reported still exits non-zero).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import contextlib
 import datetime
 import pickle
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
-from kvrunner.distributed.errors import RankFailure
+from kvrunner.distributed.errors import CollectiveError, RankFailure
 from kvrunner.distributed.group import DistGroup
 
 #: ranks > 0 may wait this long for rank 0's next command (idle is not failure)
@@ -43,7 +48,8 @@ class BroadcastChannel:
     def send(self, command: Any) -> None:
         """Rank 0: deliver ``command`` to every rank."""
         assert self.rank == 0, "only rank 0 sends commands"
-        dist.broadcast_object_list([command], src=0, group=self._pg)
+        with _as_collective_error("sending a command"):
+            dist.broadcast_object_list([command], src=0, group=self._pg)
 
     def receive(self) -> Any:
         """Ranks > 0: the next command from rank 0 (blocks while rank 0 is idle)."""
@@ -54,14 +60,18 @@ class BroadcastChannel:
     def gather(self, answer: Any) -> list[Any] | None:
         """Every rank's ``answer`` in rank order on rank 0; ``None`` elsewhere."""
         out: list[Any] | None = [None] * self.group.size if self.rank == 0 else None
-        dist.gather_object(answer, out, dst=0, group=self._pg)
+        with _as_collective_error("gathering answers"):
+            dist.gather_object(answer, out, dst=0, group=self._pg)
         return out
 
-    def report_failure(self, failure: RankFailure) -> None:
-        """Leave this rank's failure where rank 0 looks for it (best effort)."""
-        # The store may be gone with rank 0; this rank is exiting either way.
-        with contextlib.suppress(Exception):
+    def report_failure(self, failure: RankFailure) -> bool:
+        """Leave this rank's failure where rank 0 looks for it; False if that failed
+        (the store may be gone with rank 0)."""
+        try:
             self.group.store.set(f"{_FAILURE_KEY}{failure.rank}", pickle.dumps(failure))
+        except Exception:  # noqa: BLE001 - reported by the caller's exit status instead
+            return False
+        return True
 
     def peer_failures(self, wait_s: float) -> list[RankFailure]:
         """Failures other ranks reported, waiting up to ``wait_s`` for the first."""
@@ -78,3 +88,12 @@ class BroadcastChannel:
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _as_collective_error(doing: str) -> Iterator[None]:
+    """A failed channel collective (a peer gone) raised as CollectiveError."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo: "Connection closed by peer", timeouts
+        raise CollectiveError(f"control channel failed while {doing}: {e}") from e

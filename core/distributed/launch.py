@@ -8,7 +8,9 @@ and then:
 - on rank 0 returns an :class:`~kvrunner.llm.LLM` whose engine broadcasts each
   step to the group (``LLM.shutdown()`` releases the other ranks);
 - on every other rank serves those steps until rank 0 shuts down, then returns
-  ``None``.
+  ``None``; also ``None`` after this rank failed, once its error is printed and
+  reported for rank 0 to raise (so the process exits cleanly and torchrun does
+  not kill rank 0 before it has named the failed rank).
 
 So a script reads::
 
@@ -52,7 +54,7 @@ def launch(
     ``model`` overrides the config file's; with neither, the embedded default.
     """
     from kvrunner.llm import LLM
-    from kvrunner.runner.executor import BroadcastExecutor, serve_broadcast
+    from kvrunner.runner.executor import BroadcastExecutor, handed_to_rank_0, serve_broadcast
     from kvrunner.runner.worker import RankWorker, rank_device
 
     world = int(os.environ["WORLD_SIZE"])
@@ -78,13 +80,19 @@ def launch(
     channel = BroadcastChannel(group)
     try:
         worker = RankWorker(cfg, group, progress=progress, faults=FaultPlan.from_env())
+    except Exception as e:
+        if rank == 0:
+            channel.report_failure(RankFailure.from_exception(rank, e))
+            raise
+        handed_to_rank_0(channel, rank, e)
+        return None
     except BaseException as e:
         channel.report_failure(RankFailure.from_exception(rank, e))
         raise
     if rank == 0:
         return LLM.from_executor(cfg, BroadcastExecutor(worker, channel))
-    serve_broadcast(worker, channel)
-    group.destroy()
+    if serve_broadcast(worker, channel):
+        group.destroy()
     return None
 
 

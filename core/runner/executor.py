@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
+import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +32,7 @@ from tokenizers import Tokenizer
 from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.control import BroadcastChannel
-from kvrunner.distributed.errors import CollectiveError, RankFailure, worker_error
+from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
 from kvrunner.runner.rank_calls import RankCalls, raise_refused
@@ -241,32 +243,42 @@ class BroadcastExecutor:
         self.model_info = ModelInfo.from_runner(worker.runner)
         # Armed first: whatever happens from here, the peers are released in the end.
         self._stopper = weakref.finalize(self, _stop_broadcast, channel)
+        self.failure: WorkerError | None = None
         self.num_blocks = _agreed(self._all("describe"))
 
     def _peer_error(self, during: str, own: BaseException) -> BaseException:
+        """The error to raise for a failed collective; the group is unusable after it."""
         peers = self.channel.peer_failures(FAILURE_GRACE_S)
-        if not peers:
-            return own
-        return worker_error([*peers, RankFailure.from_exception(0, own)], during=during)
+        self.failure = worker_error([*peers, RankFailure.from_exception(0, own)], during=during)
+        self._stopper.detach()  # the peers are gone: no "stop" to send
+        return self.failure if peers else own
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.check()
-        self.channel.send(("step", step))
         try:
+            self.channel.send(("step", step))
             return unpack_sampled(self.worker.step(step))
         except CollectiveError as e:
             raise self._peer_error("a step", e) from e
 
     def _all(self, name: str, *args: Any) -> list[Any]:
         self.check()
-        self.channel.send(("call", name, args))
-        answers = self.channel.gather(self.worker.handle(("call", name, args)))
+        try:
+            self.channel.send(("call", name, args))
+            answers = self.channel.gather(self.worker.handle(("call", name, args)))
+        except CollectiveError as e:
+            raise self._peer_error(f"a call of {name}", e) from e
         assert answers is not None
         return answers
 
     def check(self) -> None:
         """Raise if shut down (the peers have left); a failed peer surfaces in the
         next collective instead."""
+        if self.failure is not None:
+            raise WorkerError(
+                f"the tensor-parallel group has already failed:\n{self.failure}",
+                rank=self.failure.rank, failures=self.failure.failures,
+            )
         if not self._stopper.alive:
             raise RuntimeError("this LLM was shut down; the other ranks have left")
 
@@ -288,6 +300,9 @@ class BroadcastExecutor:
         if self._stopper.alive:
             self._stopper()
             self.worker.group.destroy()
+        elif self.failure is not None:
+            with contextlib.suppress(Exception):  # the peers have left already
+                self.worker.group.destroy()
 
 
 def _stop_broadcast(channel: BroadcastChannel) -> None:
@@ -295,23 +310,37 @@ def _stop_broadcast(channel: BroadcastChannel) -> None:
         channel.send(("stop",))
 
 
-def serve_broadcast(worker: RankWorker, channel: BroadcastChannel) -> None:
+def serve_broadcast(worker: RankWorker, channel: BroadcastChannel) -> bool:
     """Ranks > 0 under torchrun: run rank 0's commands until it says stop.
 
-    A failure is left in the store for rank 0 to name, then re-raised, so this
-    process exits non-zero and torchrun tears the group down.
+    Returns True on rank 0's stop. An error is printed here, reported for rank 0 to
+    raise as a WorkerError naming this rank, and then False is returned, so this
+    process exits cleanly and torchrun leaves rank 0 the time to do that (see
+    :mod:`~kvrunner.distributed.control`); one that cannot be reported is raised.
     """
     try:
         while True:
             command = channel.receive()
             if command[0] == "stop":
-                return
+                return True
             answer = worker.handle(command)
             if command[0] == "call":
                 channel.gather(answer)
-    except BaseException as e:
+    except Exception as e:
+        return handed_to_rank_0(channel, worker.rank, e)
+    except BaseException as e:  # interrupted: torchrun's teardown is the right answer
         channel.report_failure(RankFailure.from_exception(worker.rank, e))
         raise
+
+
+def handed_to_rank_0(channel: BroadcastChannel, rank: int, error: Exception) -> bool:
+    """Report ``error`` for rank 0 and print it here; re-raise it if unreportable."""
+    if not channel.report_failure(RankFailure.from_exception(rank, error)):
+        raise error
+    print(f"[rank {rank}] failed; rank 0 raises this as a WorkerError:", file=sys.stderr)
+    traceback.print_exception(error, file=sys.stderr)
+    sys.stderr.flush()
+    return False
 
 
 def check_collectives(config: EngineConfig) -> None:

@@ -302,6 +302,31 @@ def test_under_torchrun_rank_0_names_the_rank_that_failed_in_a_step(checkpoint: 
     assert not any(line.startswith("{") for line in done.stdout.splitlines())
 
 
+def test_under_torchrun_a_failed_rank_exits_cleanly_so_rank_0_can_name_it(
+    checkpoint: str,
+) -> None:
+    """torchrun kills every rank once one exits non-zero: a failed rank hands its
+    error to rank 0 and exits cleanly, so rank 0 is not killed while it handles
+    the error, however slow it is to get to it."""
+    script = Path(__file__).with_name("peer_failure_under_torchrun.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), checkpoint, "3.0"]
+    env = {**os.environ, TEST_HOOKS_ENV: json.dumps({"fail": {"rank": 1, "at": "step"}})}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    report = json.loads(lines[0])
+    assert report["first"] == {
+        "rank": 1,
+        "message": "tensor-parallel rank 1 failed during a step: InjectedFault: "
+                   "injected failure in step 1 (KVRUNNER_TP_TEST_HOOKS)",
+    }
+    assert report["again"]["rank"] == 1
+    assert report["again"]["message"] == "the tensor-parallel group has already failed:"
+    assert done.returncode == 0  # rank 0 handled the failure: the job's status is its
+    assert "[rank 1] failed; rank 0 raises this as a WorkerError:" in done.stderr
+
+
 def test_under_torchrun_an_llm_used_after_shutdown_says_so(checkpoint: str) -> None:
     script = Path(__file__).with_name("shutdown_under_torchrun.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
