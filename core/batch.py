@@ -15,12 +15,19 @@ import attrs
 
 from kvrunner.sampling_params import SamplingParams
 
+#: A token id in ``StepInput.token_ids`` that the host does not know yet: the token
+#: this sequence sampled in the step just before, which is still on the device (async
+#: scheduling). It is only ever the last token of a chunk, and the runner replaces it
+#: with the device's token before the forward runs.
+PLACEHOLDER_TOKEN = -1
+
 
 @attrs.frozen(eq=True, hash=False)
 class StepInput:
     """One step as columns: one list per field, row ``i`` of each is sequence ``i``'s share.
 
-    Sequence ``i`` feeds ``token_ids[i]`` at positions ``start_pos[i]`` onwards. The
+    Sequence ``i`` feeds ``token_ids[i]`` at positions ``start_pos[i]`` onwards (its
+    last token may be :data:`PLACEHOLDER_TOKEN`: the previous step's sample). The
     scheduler builds it this way and the runner reads it this way, so no object per
     sequence is ever built. It pickles as its lists (shared ``SamplingParams``
     once, through pickle's memo).

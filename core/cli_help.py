@@ -37,6 +37,8 @@ FIELD_HELP: dict[str, str] = {
     "max_model_len": "most tokens per sequence, prompt and output together "
     "(at most the model's max_position_embeddings)",
     "enable_chunked_prefill": "split long prompts over several steps",
+    "async_scheduling": "schedule the next step while this one runs; sampled tokens "
+    "feed the next step on the device (same tokens as off)",
     # [parallel]
     "tensor_parallel_size": "ranks to split the model over (one process each)",
     "distributed_backend": "torch.distributed backend; auto is NCCL on CUDA, gloo on the CPU",

@@ -64,6 +64,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_in_range(1, 1 << 24))
     max_model_len: int = attrs.field(default=2048, validator=_in_range(2, 1 << 24))
     enable_chunked_prefill: bool = True
+    #: schedule step N+1 while step N runs; sampled tokens stay on the device and
+    #: the host learns them one step later (false: strictly alternating steps)
+    async_scheduling: bool = True
 
 
 @attrs.frozen(kw_only=True)

@@ -125,7 +125,14 @@ class _FailingRunner:
         return getattr(self._runner, name)
 
     def execute(self, step: StepInput) -> PackedSampled:
+        self._count_step()
+        return self._runner.execute(step)
+
+    def launch(self, step: StepInput) -> Any:
+        self._count_step()
+        return self._runner.launch(step)
+
+    def _count_step(self) -> None:
         self._steps += 1
         if self._steps == self._plan.fail_step:
             self._plan._fail(f"in step {self._steps}")
-        return self._runner.execute(step)

@@ -162,6 +162,18 @@ class DistGroup:
         flat = [int(v) for v in slots.tolist()]
         return [flat[r * n : (r + 1) * n] for r in range(self.size)]
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as rank 0 holds it, in place on every rank (on the device: the host
+        does not wait for it on NCCL)."""
+        try:
+            dist.broadcast(x, src=0, group=self.process_group)
+        except RuntimeError as e:  # as in the layers' collectives: a peer has failed
+            raise CollectiveError(
+                f"broadcast over the tensor-parallel group failed "
+                f"(a peer rank has probably failed): {e}"
+            ) from e
+        return x
+
     def destroy(self) -> None:
         """Leave the group (idempotent); peers still in a collective see us go.
 

@@ -54,7 +54,11 @@ def launch(
     ``model`` overrides the config file's; with neither, the embedded default.
     """
     from kvrunner.llm import LLM
-    from kvrunner.runner.executor import BroadcastExecutor, handed_to_rank_0, serve_broadcast
+    from kvrunner.runner.broadcast_executor import (
+        BroadcastExecutor,
+        handed_to_rank_0,
+        serve_broadcast,
+    )
     from kvrunner.runner.worker import RankWorker, rank_device
 
     world = int(os.environ["WORLD_SIZE"])

@@ -2,6 +2,13 @@
 
 The engine decides who runs; it hands the runner plain ``StepInput`` data and gets
 plain ``SampledToken`` data back, so the runner can live in another process.
+
+Asynchronous steps (``scheduler.async_scheduling``, the default): each ``step()``
+schedules and launches step N+1 *before* it waits for step N's tokens, so the host's
+scheduling, step preparation and bookkeeping overlap the device's work. The tokens
+step N samples stay on the device and feed step N+1 there (placeholders in its
+``StepInput``); the host learns them one step later, in ``update``, which also
+discards any token computed past a request's end.
 """
 
 from __future__ import annotations
@@ -9,6 +16,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Protocol
+
+import attrs
 
 from kvrunner.batch import SampledToken, StepInput
 from kvrunner.config import EngineConfig
@@ -19,12 +28,32 @@ from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 
 
+class PendingTokens(Protocol):
+    """A launched step's tokens, which ``result()`` waits for."""
+
+    def result(self) -> list[SampledToken]: ...
+
+
 class Executor(Protocol):
-    """What the engine needs from the runner side (one runner or a TP group)."""
+    """What the engine needs from the runner side (one runner or a TP group).
+
+    ``submit`` (optional) launches a step and returns at once; an executor without it
+    is driven through ``execute``, which returns the tokens.
+    """
 
     num_blocks: int
 
     def execute(self, step: StepInput) -> list[SampledToken]: ...
+
+
+@attrs.frozen
+class _Done:
+    """Tokens already in hand (an executor without ``submit``)."""
+
+    tokens: list[SampledToken]
+
+    def result(self) -> list[SampledToken]:
+        return self.tokens
 
 
 class LLMEngine:
@@ -51,6 +80,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_id=eos_token_ids)
         self._ids = itertools.count()
         self.peak_blocks_used = 0  # most KV blocks in use after any step, since reset
+        self.async_scheduling = config.scheduler.async_scheduling
+        # the launched step whose tokens the host has not seen yet (async steps)
+        self._pending: tuple[list[Sequence], PendingTokens] | None = None
 
     def validate_prompt(self, token_ids: Seq[int], index: int) -> None:
         """Raise ``RequestError`` naming the request if it can never be served."""
@@ -80,15 +112,35 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def step(self) -> list[Sequence]:
-        """Run one scheduled step; returns the sequences that finished in it."""
+        """Run one scheduled step; returns the sequences that finished in it.
+
+        With asynchronous steps: launch the next step, then apply the one launched
+        before it (so the sequences returned finished one step back).
+        """
         scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        step, seqs = scheduled
-        sampled = self.executor.execute(step)
-        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
-        self.peak_blocks_used = max(self.peak_blocks_used, used)
-        return self.scheduler.update(seqs, sampled)
+        launched = None
+        if scheduled is not None:
+            step, seqs = scheduled
+            launched = (seqs, self._submit(step))
+            self._note_blocks_used()
+        if not self.async_scheduling:
+            self._pending, launched = launched, None
+        finished: list[Sequence] = []
+        if self._pending is not None:
+            seqs, pending = self._pending
+            self._pending = None  # a failed step is not applied twice
+            finished = self.scheduler.update(seqs, pending.result())
+        self._pending = launched
+        return finished
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not yet finished, or a launched step not yet applied."""
+        return self.scheduler.has_unfinished() or self._pending is not None
+
+    def _submit(self, step: StepInput) -> PendingTokens:
+        submit = getattr(self.executor, "submit", None)
+        return submit(step) if submit is not None else _Done(self.executor.execute(step))
+
+    def _note_blocks_used(self) -> None:
+        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        self.peak_blocks_used = max(self.peak_blocks_used, used)

@@ -13,6 +13,15 @@ KV (cheaply, if its own blocks are still in the prefix cache) and it carries on.
 earlier arrival is never preempted for a later one, so the oldest running sequence
 always makes progress: ``add`` refuses any request that could not finish alone in
 the whole pool.
+
+Asynchronous steps: ``schedule()`` may run once more before ``update()`` of the step
+in flight. It then plans from where that step leaves each sequence: its chunk counts
+as computed, and the token it samples is fed as ``PLACEHOLDER_TOKEN`` (the runner
+has it on the device). A sequence that step certainly ends (``max_tokens``,
+``max_model_len``) is not scheduled again; one it ends by a stop token or EOS runs
+one step too many, whose token ``update()`` discards. That step writes only KV slots
+and a state slot the sequence still held when it was scheduled: freed ones are
+handed out again only by a later ``schedule()``, whose steps run after it.
 """
 
 from __future__ import annotations
@@ -21,18 +30,20 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import PLACEHOLDER_TOKEN, SampledToken, StepInput
 from kvrunner.config import SchedulerConfig
+from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
+from kvrunner.engine.in_flight import Chunk, InFlight, check_step_result
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvrunner.errors import RequestError
 
 
 class Scheduler:
     """Decides which sequences run each step and with how many tokens.
 
-    Protocol: ``schedule()`` then ``update()`` with the step's sampled tokens, strictly
-    alternating (a step's chunks advance ``num_computed_tokens`` only in ``update``).
+    Protocol: ``schedule()`` then ``update()`` with the step's sampled tokens, in
+    order; at most two steps in flight (a step's chunks advance
+    ``num_computed_tokens`` only in ``update``). Synchronous engines alternate.
     """
 
     def __init__(
@@ -56,8 +67,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._unfinished: dict[int, Sequence] = {}
         self._arrivals = itertools.count()
-        # seq_id -> chunk length, for the step scheduled but not yet updated
-        self._in_flight: dict[int, int] | None = None
+        # the steps scheduled but not yet updated
+        self._in_flight = InFlight()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -79,35 +90,7 @@ class Scheduler:
         name = name or f"request {seq.seq_id}"
         if seq.seq_id in self._unfinished:
             raise ValueError(f"{name}: a request with this id is already queued or running")
-        if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
-            raise RequestError(f"{name}: only a fresh sequence can be added")
-        num_prompt = seq.num_prompt_tokens
-        max_len = self.config.max_model_len
-        if num_prompt == 0:
-            raise RequestError(f"{name}: the prompt is empty")
-        if num_prompt > max_len - 1:
-            raise RequestError(
-                f"{name}: prompt has {num_prompt} tokens but max_model_len={max_len} "
-                f"allows at most {max_len - 1} (one token must be generated)"
-            )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and num_prompt > budget:
-            raise RequestError(
-                f"{name}: prompt has {num_prompt} tokens but max_num_batched_tokens={budget} "
-                f"and chunked prefill is off"
-            )
-        # The last token is sampled, never fed, so it needs no KV.
-        final_len = min(num_prompt + seq.sampling_params.max_tokens, max_len)
-        bm = self.block_manager
-        need = bm.blocks_needed(final_len - 1)
-        if need > bm.num_blocks:
-            raise RequestError(
-                f"{name}: needs up to {need} KV blocks ({final_len - 1} tokens: prompt "
-                f"{num_prompt} + max_tokens {seq.sampling_params.max_tokens}, capped by "
-                f"max_model_len={max_len}) but the whole pool has {bm.num_blocks} blocks "
-                f"of {bm.block_size} tokens; raise num_blocks (or the cache budget) or "
-                f"lower max_tokens"
-            )
+        check_request(seq, self.config, self.block_manager, name)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Withdraw an unfinished request, freeing what it holds; None if unknown.
@@ -134,27 +117,38 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
 
     def schedule(self) -> tuple[StepInput, list[Sequence]] | None:
-        """Pick this step's chunks; None when there is nothing to run."""
-        if self._in_flight is not None:
+        """Pick this step's chunks; None when there is nothing to run.
+
+        With a step in flight, plan from where it leaves each sequence (see the
+        module docstring).
+        """
+        if len(self._in_flight) > 1:
             raise RuntimeError("schedule() called again before update() for the last step")
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+        # (sequence, tokens, tokens the step in flight feeds, 1 if it samples one)
+        scheduled: list[tuple[Sequence, int, int, int]] = []
         preemptions_before = self.num_preemptions
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            fed, pending = self._in_flight.ahead(seq)
+            if pending and self._ends_at_length(seq, seq.num_tokens + 1):
+                i += 1  # the step in flight samples its last token: nothing to feed
+                continue
             # Without chunked prefill a running sequence is only still prefilling when it
             # resumed with more tokens than a step may hold; chunking is its way through.
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, n):
+            n = min(seq.num_uncomputed_tokens - fed + pending, budget)
+            if not self._make_room(seq, fed + n):
                 break  # seq preempted itself: it was the last running sequence
-            scheduled.append((seq, n))
+            scheduled.append((seq, n, fed, pending))
             budget -= n
             i += 1
         preempted = self.num_preemptions > preemptions_before
 
-        # Admitting while another sequence just lost its blocks would only thrash.
+        # Admitting while another sequence just lost its blocks would only thrash. (So
+        # a sequence preempted with a step in flight is back in the queue only after
+        # that step's update(): a waiting sequence is never in flight.)
         while (
             not preempted
             and self.waiting
@@ -169,39 +163,46 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append((seq, n))
+            scheduled.append((seq, n, 0, 0))
             budget -= n
 
         if not scheduled:
             return None
-        self._in_flight = {seq.seq_id: n for seq, n in scheduled}
-        return self._columns(scheduled), [seq for seq, _ in scheduled]
+        step = self._columns(scheduled)
+        columns = zip(step.seq_id, step.token_ids, step.sample, strict=True)
+        self._in_flight.push({sid: Chunk(len(t), s) for sid, t, s in columns})
+        return step, [seq for seq, *_ in scheduled]
 
     def update(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[Sequence]:
-        """Apply a finished step: advance computed tokens, append samples, finish.
+        """Apply the oldest step in flight: advance computed tokens, append samples,
+        finish.
 
         ``seqs`` is the list ``schedule()`` returned; ``sampled`` holds one token for
-        every chunk that had ``sample=True`` (tokens for sequences aborted during the
-        step are ignored). Returns the sequences that finished in this step.
+        every chunk that had ``sample=True`` (tokens for sequences that finished during
+        the step - aborted, or ended by the step before - are dropped). Returns the
+        sequences that finished in this step.
         """
-        if self._in_flight is None:
-            raise RuntimeError("update() called without a scheduled step")
-        in_flight = self._in_flight
-        by_id = self._check_step_result(in_flight, seqs, sampled)
-        self._in_flight = None
+        chunks = self._in_flight.oldest()
+        by_id = check_step_result(chunks, seqs, sampled)
+        self._in_flight.pop_oldest()
 
         finished: list[Sequence] = []
         for seq in seqs:
-            if seq.is_finished:  # aborted while its step ran
+            if seq.is_finished:  # aborted, or ended one step early: a token past the end
                 continue
-            self.block_manager.mark_computed(seq, in_flight[seq.seq_id])
+            running = seq.status is SequenceStatus.RUNNING
+            if running:  # else preempted since: its blocks are gone, its token stands
+                self.block_manager.mark_computed(seq, chunks[seq.seq_id].num_tokens)
             token = by_id.get(seq.seq_id)
             if token is None:
                 continue  # still prefilling
             seq.append_token(token.token_id, token.logprob, token.top_logprobs)
             reason = self._finish_reason(seq, token.token_id)
             if reason is not None:
-                self.block_manager.free(seq)
+                if running:
+                    self.block_manager.free(seq)
+                else:
+                    self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason
                 del self._unfinished[seq.seq_id]
@@ -242,21 +243,34 @@ class Scheduler:
         return budget if remaining > self.config.max_num_batched_tokens else 0
 
     @staticmethod
-    def _columns(scheduled: list[tuple[Sequence, int]]) -> StepInput:
+    def _columns(scheduled: list[tuple[Sequence, int, int, int]]) -> StepInput:
         """The step as columns (what the runner reads): sequence ``s`` feeds its ``n``
-        tokens from ``num_computed_tokens`` on, and samples if they end its tokens."""
+        tokens from where the step in flight leaves it (``num_computed_tokens +
+        fed``), and samples if they end its tokens - counting the one in flight, which
+        is fed as ``PLACEHOLDER_TOKEN``."""
+        starts = [s.num_computed_tokens + fed for s, _, fed, _ in scheduled]
         return StepInput(
-            seq_id=[s.seq_id for s, _ in scheduled],
+            seq_id=[s.seq_id for s, *_ in scheduled],
             token_ids=[
-                tuple(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
-                for s, n in scheduled
+                tuple(s.token_ids[start : start + n]) + (PLACEHOLDER_TOKEN,) * pending
+                for (s, n, _, pending), start in zip(scheduled, starts, strict=True)
             ],
-            start_pos=[s.num_computed_tokens for s, _ in scheduled],
-            block_table=[tuple(s.block_table) for s, _ in scheduled],
-            state_slot=[s.state_slot for s, _ in scheduled],
-            sample=[s.num_computed_tokens + n == len(s.token_ids) for s, n in scheduled],
-            sampling=[s.sampling_params for s, _ in scheduled],
-            num_output_tokens=[s.num_output_tokens for s, _ in scheduled],
+            start_pos=starts,
+            block_table=[tuple(s.block_table) for s, *_ in scheduled],
+            state_slot=[s.state_slot for s, *_ in scheduled],
+            sample=[
+                start + n == len(s.token_ids) + pending
+                for (s, n, _, pending), start in zip(scheduled, starts, strict=True)
+            ],
+            sampling=[s.sampling_params for s, *_ in scheduled],
+            num_output_tokens=[s.num_output_tokens + pending for s, _, _, pending in scheduled],
+        )
+
+    def _ends_at_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` stops for length once it holds ``num_tokens`` tokens."""
+        return (
+            num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+            or num_tokens >= self.config.max_model_len
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
@@ -265,35 +279,4 @@ class Scheduler:
         is_eos = token_id in self.eos_token_ids
         if token_id in params.stop_token_ids or (is_eos and not params.ignore_eos):
             return "stop"
-        if (
-            seq.num_output_tokens >= params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        ):
-            return "length"
-        return None
-
-    def _check_step_result(
-        self, in_flight: dict[int, int], seqs: list[Sequence], sampled: list[SampledToken]
-    ) -> dict[int, SampledToken]:
-        """Validate update()'s arguments before anything changes; tokens by seq id."""
-        ids = [s.seq_id for s in seqs]
-        if sorted(ids) != sorted(in_flight):
-            raise ValueError(f"update() got sequences {ids}, the step scheduled {list(in_flight)}")
-        by_id: dict[int, SampledToken] = {}
-        for token in sampled:
-            if token.seq_id in by_id:
-                raise ValueError(f"two sampled tokens for sequence {token.seq_id}")
-            by_id[token.seq_id] = token
-        for seq in seqs:
-            if seq.is_finished:
-                by_id.pop(seq.seq_id, None)
-                continue
-            samples = seq.num_computed_tokens + in_flight[seq.seq_id] == seq.num_tokens
-            if samples and seq.seq_id not in by_id:
-                raise ValueError(f"no sampled token for sequence {seq.seq_id}")
-            if not samples and seq.seq_id in by_id:
-                raise ValueError(f"sequence {seq.seq_id} was mid-prefill; it samples nothing")
-        stray = set(by_id) - set(in_flight)
-        if stray:
-            raise ValueError(f"sampled tokens for sequences not in this step: {sorted(stray)}")
-        return by_id
+        return "length" if self._ends_at_length(seq, seq.num_tokens) else None

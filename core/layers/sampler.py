@@ -15,6 +15,10 @@ Requests without a seed share one generator (the engine's).
 Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
 filtering), which is what vLLM reports by default and what an RL trainer compares
 against its own forward pass.
+
+No host sync: per-row settings reach the device through pinned, non-blocking copies,
+and nothing is read back here. The tokens stay on the device (the next step can feed
+them there, see ``runner/launched_step.py``); :func:`to_packed` reads them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,16 @@ class SamplerOutput:
         return dict(zip(ids, self.top_logprobs[row, :n].tolist(), strict=True))
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` without making the host wait for the device:
+    through pinned memory and a non-blocking copy on CUDA (a plain ``torch.tensor(...,
+    device=cuda)`` waits for every queued kernel, i.e. for the step still running)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _filter(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """Set every logit outside each row's top-k set / top-p nucleus to ``-inf``."""
     rows, vocab = scaled.shape
@@ -72,12 +86,12 @@ def _filter(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> tor
     # Stable sort: among equal logits the lower token id ranks first, as argmax does.
     values, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=device)
-    values = values.masked_fill(rank >= torch.tensor(ks, device=device)[:, None], float("-inf"))
+    values = values.masked_fill(rank >= on_device(ks, torch.int64, device)[:, None], float("-inf"))
     if any(p < 1.0 for p in top_ps):
         probs = values.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         # A disabled row gets a threshold no mass reaches: its cumsum may round past 1.
-        ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], device=device)
+        ps = on_device([p if p < 1.0 else 2.0 for p in top_ps], torch.float32, device)
         values = values.masked_fill(mass_before >= ps[:, None], float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
 
@@ -94,8 +108,12 @@ def _gumbel(
     its ``(seed, count)`` (and the vocabulary size and device)."""
     u = torch.empty(rows, vocab, device=device)
     unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), vocab, generator=generator, device=device)
+    if len(unseeded) == rows:
+        u.uniform_(generator=generator)  # the same draws as torch.rand, with no index
+    elif unseeded:
+        u[on_device(unseeded, torch.int64, device)] = torch.rand(
+            len(unseeded), vocab, generator=generator, device=device
+        )
     if len(unseeded) < rows:
         # One generator re-seeded per row: creating a CUDA generator per row costs
         # ~3x more than re-seeding one, and in-place uniform_ skips a copy.
@@ -135,8 +153,9 @@ def sample(
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        rows = on_device(random_rows, torch.int64, logits.device)
+        temps = on_device([params[i].temperature for i in random_rows], torch.float32,
+                          logits.device)
         scaled = logits[rows] / temps[:, None]
         scaled = _filter(
             scaled, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows]
@@ -181,18 +200,37 @@ def to_packed(
     )
 
 
-def sample_step(
+@attrs.frozen(kw_only=True)
+class StepSamples:
+    """A step's draws, still on the device, with the rows they belong to."""
+
+    out: SamplerOutput
+    seq_ids: list[int]
+    params: list[SamplingParams]
+
+    def packed(self) -> PackedSampled:
+        """The draws as columns (reading them waits for the device)."""
+        return to_packed(self.out, self.seq_ids, self.params)
+
+
+def sample_step_rows(
     logits: torch.Tensor, step: StepInput, *, generator: torch.Generator | None = None
-) -> PackedSampled:
+) -> StepSamples:
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
-    ``i``-th chunk with ``sample`` set. Reads the step's columns and answers in
-    columns (:func:`~kvrunner.batch.unpack_sampled` makes ``SampledToken`` objects)."""
+    ``i``-th chunk with ``sample`` set. Nothing is read back to the host."""
     cols = step
     rows = [i for i, wants in enumerate(cols.sample) if wants]
     params = [cols.sampling[i] for i in rows]
     out = sample(logits, params, [cols.num_output_tokens[i] for i in rows], generator=generator)
-    return to_packed(out, [cols.seq_id[i] for i in rows], params)
+    return StepSamples(out=out, seq_ids=[cols.seq_id[i] for i in rows], params=params)
 
+
+def sample_step(
+    logits: torch.Tensor, step: StepInput, *, generator: torch.Generator | None = None
+) -> PackedSampled:
+    """:func:`sample_step_rows`, answered in columns
+    (:func:`~kvrunner.batch.unpack_sampled` makes ``SampledToken`` objects)."""
+    return sample_step_rows(logits, step, generator=generator).packed()
 
 
 class Sampler:
@@ -214,6 +252,10 @@ class Sampler:
     def sample_step(self, logits: torch.Tensor, step: StepInput) -> PackedSampled:
         """:func:`sample_step` with this sampler's generator."""
         return sample_step(logits, step, generator=self._generator_for(logits.device))
+
+    def sample_step_rows(self, logits: torch.Tensor, step: StepInput) -> StepSamples:
+        """:func:`sample_step_rows` with this sampler's generator."""
+        return sample_step_rows(logits, step, generator=self._generator_for(logits.device))
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

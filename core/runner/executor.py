@@ -8,8 +8,12 @@ a refusal raised here), ``capture()``, ``describe_ranks()`` and ``shutdown()``.
 
 - :class:`LocalExecutor`: one rank, the runner in this process.
 - :class:`MultiprocExecutor`: one spawned process per rank; the engine stays here.
-- :class:`BroadcastExecutor`: torchrun; this process is rank 0 (engine and runner),
-  other ranks serve the commands it broadcasts (:func:`serve_broadcast`).
+- :class:`~kvrunner.runner.broadcast_executor.BroadcastExecutor`: torchrun; this
+  process is rank 0 (engine and runner), other ranks serve the commands it broadcasts.
+
+Each also has ``submit(StepInput)``, which launches a step and returns at once with a
+handle whose ``result()`` waits for its tokens: the engine's asynchronous steps
+schedule the next step in between.
 
 ``num_blocks`` is always the group's agreed minimum: every rank reports the number
 it allocated and the executor refuses a group whose ranks disagree.
@@ -17,77 +21,22 @@ it allocated and the executor refuses a group whose ranks disagree.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import sys
-import traceback
-import weakref
-from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import torch
-from tokenizers import Tokenizer
 
 from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
-from kvrunner.distributed.control import BroadcastChannel
-from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
+from kvrunner.runner.launched_step import SubmittedStep
+from kvrunner.runner.model_info import ModelInfo, agreed_num_blocks
 from kvrunner.runner.rank_calls import RankCalls, raise_refused
-from kvrunner.runner.worker import RankWorker, SpawnSpec, run_spawned_rank
+from kvrunner.runner.worker import SpawnSpec, run_spawned_rank
 
-
-@attrs.frozen(kw_only=True)
-class ModelInfo:
-    """What the driver knows about the model: enough for the engine and the API."""
-
-    path: Path
-    #: None when the checkpoint has no tokenizer (or skip_tokenizer_init): token ids only
-    tokenizer: Tokenizer | None
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    layer_types: tuple[str, ...]
-
-    @property
-    def uses_state_slots(self) -> bool:
-        return "linear_attention" in self.layer_types
-
-    @classmethod
-    def from_runner(cls, runner: Any) -> ModelInfo:
-        return cls(
-            path=runner.model_path,
-            tokenizer=runner.tokenizer,
-            eos_token_ids=tuple(runner.model_config.eos_token_id),
-            vocab_size=runner.model_config.vocab_size,
-            layer_types=tuple(runner.spec.layer_types),
-        )
-
-    @classmethod
-    def from_checkpoint(cls, config: EngineConfig) -> ModelInfo:
-        """Read config and tokenizer only; also checks the model splits over the group."""
-        from kvrunner.models.checkpoint_files import load_tokenizer
-        from kvrunner.models.loader import (
-            check_model_len,
-            load_hf_config,
-            model_spec,
-            parse_config,
-        )
-        from kvrunner.runner.setup import resolve_model_path
-
-        path = resolve_model_path(config.model)
-        raw = load_hf_config(path)
-        spec = model_spec(raw, tp_size=config.parallel.tensor_parallel_size)  # raises if not
-        check_model_len(config.scheduler.max_model_len, raw)
-        parsed = parse_config(raw)[1]
-        return cls(
-            path=path,
-            tokenizer=load_tokenizer(path, skip=config.skip_tokenizer_init),
-            eos_token_ids=tuple(parsed.eos_token_id),
-            vocab_size=parsed.vocab_size,
-            layer_types=tuple(spec.layer_types),
-        )
+__all__ = ["DriverExecutor", "LocalExecutor", "ModelInfo", "MultiprocExecutor", "make_executor"]
 
 
 class DriverExecutor(Protocol):
@@ -100,6 +49,8 @@ class DriverExecutor(Protocol):
 
     def execute(self, step: StepInput) -> list[SampledToken]: ...
 
+    def submit(self, step: StepInput) -> SubmittedStep: ...
+
     def call_ranks(self, name: str, *args: Any) -> list[Any]: ...
 
     def capture(self) -> float: ...
@@ -109,13 +60,6 @@ class DriverExecutor(Protocol):
     def check(self) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def _agreed(descriptions: list[dict[str, Any]]) -> int:
-    counts = [d["num_blocks"] for d in descriptions]
-    if len(set(counts)) != 1:
-        raise RuntimeError(f"ranks allocated different pool sizes {counts}; they must agree")
-    return counts[0]
 
 
 class LocalExecutor:
@@ -132,6 +76,11 @@ class LocalExecutor:
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.check()
         return unpack_sampled(self.runner.execute(step))
+
+    def submit(self, step: StepInput) -> SubmittedStep:
+        """Launch the step; its tokens are read when the handle's ``result()`` asks."""
+        self.check()
+        return SubmittedStep(self.runner.launch(step).result)
 
     def call_ranks(self, name: str, *args: Any) -> list[Any]:
         self.check()
@@ -201,12 +150,18 @@ class MultiprocExecutor:
             range(self.procs.world_size), during="start-up (load, sizing, capture)",
             timeout_s=parallel.startup_timeout_s,
         )
-        self.num_blocks = _agreed([ready[r] for r in sorted(ready)])
+        self.num_blocks = agreed_num_blocks([ready[r] for r in sorted(ready)])
 
     def execute(self, step: StepInput) -> list[SampledToken]:
+        return self.submit(step).result()
+
+    def submit(self, step: StepInput) -> SubmittedStep:
+        """Send the step to every rank; ``result()`` waits for rank 0's answer. Rank 0
+        answers its steps in order, so results must be asked for in order too."""
         self.procs.send_all(("step", step), during="a step")
-        packed = self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
-        return unpack_sampled(packed)
+        return SubmittedStep(
+            lambda: self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
+        )
 
     def call(self, name: str, *args: Any) -> list[Any]:
         """Run worker method ``name`` on every rank; the answers in rank order."""
@@ -231,116 +186,6 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         self.procs.shutdown()
-
-
-class BroadcastExecutor:
-    """torchrun's rank 0: runs the engine's steps locally and broadcasts them."""
-
-    def __init__(self, worker: RankWorker, channel: BroadcastChannel) -> None:
-        self.worker = worker
-        self.channel = channel
-        self.runner = worker.runner
-        self.model_info = ModelInfo.from_runner(worker.runner)
-        # Armed first: whatever happens from here, the peers are released in the end.
-        self._stopper = weakref.finalize(self, _stop_broadcast, channel)
-        self.failure: WorkerError | None = None
-        self.num_blocks = _agreed(self._all("describe"))
-
-    def _peer_error(self, during: str, own: BaseException) -> BaseException:
-        """The error to raise for a failed collective; the group is unusable after it."""
-        peers = self.channel.peer_failures(FAILURE_GRACE_S)
-        self.failure = worker_error([*peers, RankFailure.from_exception(0, own)], during=during)
-        self._stopper.detach()  # the peers are gone: no "stop" to send
-        return self.failure if peers else own
-
-    def execute(self, step: StepInput) -> list[SampledToken]:
-        self.check()
-        try:
-            self.channel.send(("step", step))
-            return unpack_sampled(self.worker.step(step))
-        except CollectiveError as e:
-            raise self._peer_error("a step", e) from e
-
-    def _all(self, name: str, *args: Any) -> list[Any]:
-        self.check()
-        try:
-            self.channel.send(("call", name, args))
-            answers = self.channel.gather(self.worker.handle(("call", name, args)))
-        except CollectiveError as e:
-            raise self._peer_error(f"a call of {name}", e) from e
-        assert answers is not None
-        return answers
-
-    def check(self) -> None:
-        """Raise if shut down (the peers have left); a failed peer surfaces in the
-        next collective instead."""
-        if self.failure is not None:
-            raise WorkerError(
-                f"the tensor-parallel group has already failed:\n{self.failure}",
-                rank=self.failure.rank, failures=self.failure.failures,
-            )
-        if not self._stopper.alive:
-            raise RuntimeError("this LLM was shut down; the other ranks have left")
-
-    def call_ranks(self, name: str, *args: Any) -> list[Any]:
-        return raise_refused(self._all(name, *args))
-
-    def capture(self) -> float:
-        return max(self.call_ranks("capture"))
-
-    def describe_ranks(self) -> list[dict[str, Any]]:
-        return self.call_ranks("describe")
-
-    def shutdown(self) -> None:
-        """Release ranks > 0 from their serve loop, then leave the group (idempotent).
-
-        Garbage collection and interpreter exit only release the peers: leaving the
-        group is left to process exit there.
-        """
-        if self._stopper.alive:
-            self._stopper()
-            self.worker.group.destroy()
-        elif self.failure is not None:
-            with contextlib.suppress(Exception):  # the peers have left already
-                self.worker.group.destroy()
-
-
-def _stop_broadcast(channel: BroadcastChannel) -> None:
-    with contextlib.suppress(Exception):  # peers already gone: nothing left to release
-        channel.send(("stop",))
-
-
-def serve_broadcast(worker: RankWorker, channel: BroadcastChannel) -> bool:
-    """Ranks > 0 under torchrun: run rank 0's commands until it says stop.
-
-    Returns True on rank 0's stop. An error is printed here, reported for rank 0 to
-    raise as a WorkerError naming this rank, and then False is returned, so this
-    process exits cleanly and torchrun leaves rank 0 the time to do that (see
-    :mod:`~kvrunner.distributed.control`); one that cannot be reported is raised.
-    """
-    try:
-        while True:
-            command = channel.receive()
-            if command[0] == "stop":
-                return True
-            answer = worker.handle(command)
-            if command[0] == "call":
-                channel.gather(answer)
-    except Exception as e:
-        return handed_to_rank_0(channel, worker.rank, e)
-    except BaseException as e:  # interrupted: torchrun's teardown is the right answer
-        channel.report_failure(RankFailure.from_exception(worker.rank, e))
-        raise
-
-
-def handed_to_rank_0(channel: BroadcastChannel, rank: int, error: Exception) -> bool:
-    """Report ``error`` for rank 0 and print it here; re-raise it if unreportable."""
-    if not channel.report_failure(RankFailure.from_exception(rank, error)):
-        raise error
-    print(f"[rank {rank}] failed; rank 0 raises this as a WorkerError:", file=sys.stderr)
-    traceback.print_exception(error, file=sys.stderr)
-    sys.stderr.flush()
-    return False
 
 
 def check_collectives(config: EngineConfig) -> None:

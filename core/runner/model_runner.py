@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kvrunner.batch import PackedSampled, StepInput, no_samples
+from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.config import EngineConfig
 from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
 from kvrunner.distributed.agreement import agree_pool_size
@@ -22,6 +22,7 @@ from kvrunner.plugins import BackendManager
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
+from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
 from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_path
 from kvrunner.runner.sizing import cache_budget_bytes, num_blocks_for_budget
 from kvrunner.runner.sleep_wake import SleepWake
@@ -123,8 +124,15 @@ class ModelRunner(SleepWake):
         self._nan_rows = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sampler = Sampler(config.seed)
         # Only the first rank draws tokens: the engine sends the tokens each step
-        # feeds, so the other ranks never need what was sampled.
+        # feeds, so the other ranks never need what was sampled - except with
+        # asynchronous steps, whose next step feeds them before the engine knows them:
+        # then rank 0 broadcasts them on the device (one small collective per step).
         self.samples = group is None or group.rank == 0
+        self.shares_samples = (
+            group is not None and group.size > 1 and config.scheduler.async_scheduling
+        )
+        #: the last step's tokens, on the device: the next step's placeholders
+        self.previous_tokens: DeviceTokens | None = None
         self.forward_vars = ForwardVars()
         self.forward_vars.register(
             "input_ids", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
@@ -237,10 +245,15 @@ class ModelRunner(SleepWake):
 
     # -- one step -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> PackedSampled:
         """Run one step; its sampled tokens as columns (none on ranks > 0, and none
         for a step whose chunks are all mid-prefill)."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Run one step up to its samples, leaving them on the device; the host may
+        prepare the next step before it reads them (:meth:`LaunchedStep.result`)."""
         graph = self._graph_for(step)
         padded = graph.batch_size if graph is not None else None
         prepared = prepare_step(
@@ -250,6 +263,8 @@ class ModelRunner(SleepWake):
         rows = padded if padded is not None else num_tokens
         fv = self.forward_vars
         fv["input_ids"][:num_tokens].copy_(prepared.input_ids, non_blocking=True)
+        feed_placeholders(fv["input_ids"], step, self.previous_tokens)
+        self.previous_tokens = None
         if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 (position 0)
             fv["input_ids"][num_tokens:rows].zero_()
         ctx = self.backends.build_metadata(self.step_builder.fill(prepared.batch))
@@ -258,7 +273,7 @@ class ModelRunner(SleepWake):
         else:
             hidden = self._forward_rows(num_tokens, ctx)
         if not prepared.sample_rows:
-            return no_samples()
+            return LaunchedStep(None)
         rows = prepared.sample_rows
         if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
             selected = hidden[: len(rows)]
@@ -266,6 +281,17 @@ class ModelRunner(SleepWake):
             selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
         logits = self.model.compute_logits(selected)  # every rank joins its all-gather
         if not self.samples:
-            return no_samples()
+            if self.shares_samples:
+                tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+                self._keep_tokens(step, self.group.broadcast_from_first(tokens))
+            return LaunchedStep(None)
         self._nan_rows += torch.isnan(logits).any(dim=-1).sum()
-        return self.sampler.sample_step(logits, step)
+        samples = self.sampler.sample_step_rows(logits, step)
+        tokens = samples.out.token_ids
+        self._keep_tokens(step, self.group.broadcast_from_first(tokens) if self.shares_samples
+                          else tokens)
+        return LaunchedStep(samples)
+
+    def _keep_tokens(self, step: StepInput, tokens: torch.Tensor) -> None:
+        seq_ids = [s for s, wants in zip(step.seq_id, step.sample, strict=True) if wants]
+        self.previous_tokens = DeviceTokens(seq_ids, tokens)

@@ -33,6 +33,7 @@ from kvrunner.config import EngineConfig
 from kvrunner.distributed.errors import RankFailure
 from kvrunner.distributed.fault_injection import FaultPlan
 from kvrunner.distributed.group import DistGroup, connect_store
+from kvrunner.runner.launched_step import LaunchedStep
 from kvrunner.runner.model_runner import ModelRunner
 from kvrunner.runner.rank_calls import CALLS, RECOVERABLE, RankCalls, Refused, runner_summary
 from kvrunner.runner.setup import resolve_device
@@ -81,6 +82,16 @@ class RankWorker(RankCalls):
         tokens to feed into the next step it sends to all of them.
         """
         self.last_sampled = self.runner.execute(step)
+        return self.last_sampled
+
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """:meth:`step` up to its samples, which stay on the device (torchrun's rank 0
+        schedules the next step meanwhile); :meth:`finish` reads them."""
+        return self.runner.launch(step)
+
+    def finish(self, launched: LaunchedStep) -> PackedSampled:
+        """The tokens of a step :meth:`launch` started."""
+        self.last_sampled = launched.result()
         return self.last_sampled
 
     def describe(self) -> dict[str, Any]:
