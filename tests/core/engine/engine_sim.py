@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from kvrunner.batch import SampledToken, StepInput
+import attrs
+from hypothesis import strategies as st
+
+from kvrunner.batch import PLACEHOLDER_TOKEN, SampledToken, StepInput
+from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence as Seq
@@ -44,12 +48,18 @@ def reference_outputs(prompt: Sequence[int], max_tokens: int, max_model_len: int
 
 
 class FakeRunner:
-    """Writes each chunk's tokens into KV slots and samples from what it reads back."""
+    """Writes each chunk's tokens into KV slots and samples from what it reads back.
+
+    Like the real runner, it keeps the last step's samples and feeds a chunk's
+    ``PLACEHOLDER_TOKEN`` (asynchronous steps) from them.
+    """
 
     def __init__(self, block_manager: BlockManager) -> None:
         self.bm = block_manager
         self.bs = block_manager.block_size
         self.kv: dict[int, int] = {}  # physical slot -> token id whose "KV" is there
+        self.previous: dict[int, int] = {}  # seq id -> the token the last step sampled
+        self.rows_run = 0  # chunks computed, counting any past a request's end
 
     def _slot(self, block_table: tuple[int, ...], pos: int) -> int:
         return block_table[pos // self.bs] * self.bs + pos % self.bs
@@ -57,10 +67,15 @@ class FakeRunner:
     def execute(self, step: StepInput) -> list[SampledToken]:
         sampled = []
         for c in rows_of(step):
+            self.rows_run += 1
             end = c.start_pos + len(c.token_ids)
             assert len(c.token_ids) >= 1
             assert len(c.block_table) * self.bs >= end, f"block table too short: {c}"
-            for pos, token in enumerate(c.token_ids, c.start_pos):
+            tokens = c.token_ids
+            if tokens[-1] == PLACEHOLDER_TOKEN:
+                tokens = tokens[:-1] + (self.previous[c.seq_id],)
+            assert PLACEHOLDER_TOKEN not in tokens
+            for pos, token in enumerate(tokens, c.start_pos):
                 block = c.block_table[pos // self.bs]
                 # Writes land only in a private block that is not a published prefix.
                 assert self.bm.pool.ref_count(block) == 1, f"write into shared block {block}"
@@ -75,6 +90,7 @@ class FakeRunner:
                         logprob=fake_logprob(context),
                     )
                 )
+        self.previous = {s.seq_id: s.token_id for s in sampled}
         return sampled
 
 
@@ -159,3 +175,48 @@ def drive(
         sched.update(seqs, runner.execute(step))
         check_block_accounting(sched)
     return steps
+
+
+@attrs.frozen
+class Workload:
+    config: SchedulerConfig
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool
+    num_state_slots: int
+    requests: tuple[tuple[int, tuple[int, ...], int], ...]  # (arrival step, prompt, max_tokens)
+
+
+@st.composite
+def workloads(draw: st.DrawFn, tight_pool: bool = False) -> Workload:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.sampled_from([10, 24, 64]))
+    chunked = draw(st.booleans())
+    max_num_seqs = draw(st.integers(1, 5))
+    # Prompts share a few stems so that prefix-cache hits actually happen.
+    token = st.integers(0, VOCAB - 1)
+    stems = draw(st.lists(st.lists(token, min_size=1, max_size=10), min_size=1, max_size=2))
+    requests = []
+    for _ in range(draw(st.integers(1, 7))):
+        prompt = draw(st.sampled_from(stems)) + draw(st.lists(token, max_size=6))
+        prompt = tuple(prompt[: max_model_len - 1])
+        requests.append((draw(st.integers(0, 6)), prompt, draw(st.integers(1, 8))))
+    # The pool must let each request finish alone (add() refuses the rest), no more.
+    need = max(-(-(min(len(p) + m, max_model_len) - 1) // block_size) for _, p, m in requests)
+    num_blocks = need + (draw(st.integers(0, 2)) if tight_pool else draw(st.integers(0, 12)))
+    budget = draw(st.integers(1, 16))
+    if not chunked:
+        budget = max(budget, max(len(p) for _, p, _ in requests))
+    return Workload(
+        config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+        ),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        prefix_caching=draw(st.booleans()),
+        num_state_slots=max_num_seqs if draw(st.booleans()) else 0,
+        requests=tuple(requests),
+    )

@@ -8,68 +8,22 @@ the batching, chunking, prefix hits and preemptions along the way.
 
 from __future__ import annotations
 
-import attrs
 from engine_sim import (
-    VOCAB,
     FakeRunner,
+    Workload,
     drive,
     fake_logprob,
     fake_next_token,
     reference_outputs,
+    workloads,
 )
 from hypothesis import given
-from hypothesis import strategies as st
 
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.sampling_params import SamplingParams
-
-
-@attrs.frozen
-class Workload:
-    config: SchedulerConfig
-    block_size: int
-    num_blocks: int
-    prefix_caching: bool
-    num_state_slots: int
-    requests: tuple[tuple[int, tuple[int, ...], int], ...]  # (arrival step, prompt, max_tokens)
-
-
-@st.composite
-def workloads(draw: st.DrawFn, tight_pool: bool = False) -> Workload:
-    block_size = draw(st.sampled_from([1, 2, 4]))
-    max_model_len = draw(st.sampled_from([10, 24, 64]))
-    chunked = draw(st.booleans())
-    max_num_seqs = draw(st.integers(1, 5))
-    # Prompts share a few stems so that prefix-cache hits actually happen.
-    token = st.integers(0, VOCAB - 1)
-    stems = draw(st.lists(st.lists(token, min_size=1, max_size=10), min_size=1, max_size=2))
-    requests = []
-    for _ in range(draw(st.integers(1, 7))):
-        prompt = draw(st.sampled_from(stems)) + draw(st.lists(token, max_size=6))
-        prompt = tuple(prompt[: max_model_len - 1])
-        requests.append((draw(st.integers(0, 6)), prompt, draw(st.integers(1, 8))))
-    # The pool must let each request finish alone (add() refuses the rest), no more.
-    need = max(-(-(min(len(p) + m, max_model_len) - 1) // block_size) for _, p, m in requests)
-    num_blocks = need + (draw(st.integers(0, 2)) if tight_pool else draw(st.integers(0, 12)))
-    budget = draw(st.integers(1, 16))
-    if not chunked:
-        budget = max(budget, max(len(p) for _, p, _ in requests))
-    return Workload(
-        config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=chunked,
-        ),
-        block_size=block_size,
-        num_blocks=num_blocks,
-        prefix_caching=draw(st.booleans()),
-        num_state_slots=max_num_seqs if draw(st.booleans()) else 0,
-        requests=tuple(requests),
-    )
 
 
 def run_workload(w: Workload) -> tuple[Scheduler, list[Sequence]]:
