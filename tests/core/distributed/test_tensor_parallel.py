@@ -132,6 +132,22 @@ def test_rank_0_alone_samples_and_seeded_draws_equal_tp1(
     assert ranks[1]["last_sampled"] == [], "rank 1 should not sample"
 
 
+def test_async_steps_at_tp2_end_at_stops_as_sync_steps_at_tp1(tp2: LLM, checkpoint: str) -> None:
+    """Rank 0 broadcasts each step's tokens, which the next step feeds on every rank
+    before the driver knows them; a stop ends a request with nothing past it."""
+    assert tp2.engine.async_scheduling
+    with LLM(checkpoint, enforce_eager=True, async_scheduling=False, **SMALL) as sync_tp1:
+        probe = sync_tp1.generate(PROMPTS, GREEDY)
+        stops = [SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(o.token_ids[4],),
+                                logprobs=0) for o in probe]  # fmt: skip
+        stops[1] = SEEDED
+        want = sync_tp1.generate(PROMPTS, stops)
+    got = tp2.generate(PROMPTS, stops)
+    assert_same_outputs(got, want)
+    assert [o.finish_reason for o in got] == ["stop", "length", "stop"]
+    assert all(len(o.token_ids) <= 5 for o in (got[0], got[2]))
+
+
 @pytest.fixture(scope="module")
 def tp1(checkpoint: str) -> Iterator[LLM]:
     with LLM(checkpoint, enforce_eager=True, **SMALL) as llm:
