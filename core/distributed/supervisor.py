@@ -167,6 +167,9 @@ class WorkerProcesses:
                 elif rank in waiting:
                     replies[rank] = payload
                     waiting.discard(rank)
+                    # Leave what follows in the pipe: with asynchronous steps rank 0 may
+                    # have answered the next step too, and the next collect wants it.
+                    break
         except (EOFError, OSError):
             self._eof.add(rank)  # the process is exiting; its sentinel will say so
 

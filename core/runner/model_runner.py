@@ -17,7 +17,7 @@ from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
 from kvrunner.layers.linear import SINGLE
-from kvrunner.layers.sampler import Sampler
+from kvrunner.layers.sampler import Sampler, on_device
 from kvrunner.plugins import BackendManager
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
@@ -278,7 +278,9 @@ class ModelRunner(SleepWake):
         if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
             selected = hidden[: len(rows)]
         else:
-            selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
+            # Through pinned memory: torch.tensor(..., device=cuda) would wait for the
+            # step still running, which asynchronous steps exist to overlap.
+            selected = hidden.index_select(0, on_device(rows, torch.int64, self.device))
         logits = self.model.compute_logits(selected)  # every rank joins its all-gather
         if not self.samples:
             if self.shares_samples:

@@ -148,6 +148,25 @@ def test_async_steps_at_tp2_end_at_stops_as_sync_steps_at_tp1(tp2: LLM, checkpoi
     assert all(len(o.token_ids) <= 5 for o in (got[0], got[2]))
 
 
+def test_rank_0_answering_the_next_step_before_the_driver_reads_loses_nothing(
+    tp2: LLM, tp1_greedy: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With asynchronous steps the driver sends step N+1 before it reads step N's
+    answer, so rank 0 may have answered both by then: each answer is read in turn
+    (the driver once read every answer waiting in the pipe and kept only the first,
+    then waited for the second until its deadline)."""
+    submit = tp2.executor.submit
+
+    def slow_submit(step):
+        handle = submit(step)
+        time.sleep(0.2)  # rank 0 answers this step before the driver reads the last
+        return handle
+
+    monkeypatch.setattr(tp2.executor, "submit", slow_submit)
+    monkeypatch.setattr(tp2.executor, "timeout_s", 30.0)  # a lost answer fails fast
+    assert token_ids(tp2) == tp1_greedy
+
+
 @pytest.fixture(scope="module")
 def tp1(checkpoint: str) -> Iterator[LLM]:
     with LLM(checkpoint, enforce_eager=True, **SMALL) as llm:
