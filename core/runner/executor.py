@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kvrunner.batch import SampledToken, StepInput, unpack_sampled
+from kvrunner.batch import PackedSampled, SampledToken, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
@@ -151,6 +151,9 @@ class MultiprocExecutor:
             timeout_s=parallel.startup_timeout_s,
         )
         self.num_blocks = agreed_num_blocks([ready[r] for r in sorted(ready)])
+        # Rank 0 defers each answer until the next step arrives (see worker.py).
+        self._deferred = config.scheduler.async_scheduling
+        self._steps_sent = 0
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         return self.submit(step).result()
@@ -159,9 +162,15 @@ class MultiprocExecutor:
         """Send the step to every rank; ``result()`` waits for rank 0's answer. Rank 0
         answers its steps in order, so results must be asked for in order too."""
         self.procs.send_all(("step", step), during="a step")
-        return SubmittedStep(
-            lambda: self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
-        )
+        index = self._steps_sent
+        self._steps_sent += 1
+        return SubmittedStep(lambda: self._answer(index))
+
+    def _answer(self, index: int) -> PackedSampled:
+        if self._deferred and index == self._steps_sent - 1:
+            # Rank 0 answers a step once it has the next; there is none: ask for it.
+            self.procs.send_all(("answer",), during="a step")
+        return self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
 
     def call(self, name: str, *args: Any) -> list[Any]:
         """Run worker method ``name`` on every rank; the answers in rank order."""

@@ -5,8 +5,14 @@ spawned driver, or a broadcast from rank 0 under torchrun):
 
 - ``("step", StepInput)``: run one step. Every rank runs the forward and the LM
   head; rank 0 alone samples and answers (see :meth:`RankWorker.step`).
+- ``("answer",)``: rank 0 answers the step it holds (see below); others ignore it.
 - ``("call", name, args)``: run one of :data:`CALLS` on every rank; every rank
   answers.
+
+A spawned rank 0 with asynchronous steps (``defer_answers``) answers a step only
+after it has launched the next one (or on ``("answer",)``): the driver sends step
+N+1 before it reads step N's tokens, so rank 0 prepares N+1 while its device still
+computes N, and answers are still one per step, in order.
 - ``("stop",)``: leave the group and exit.
 
 A spawned rank that raises — at start-up or in any command — sends a
@@ -59,8 +65,12 @@ class RankWorker(RankCalls):
         *,
         progress: bool = False,
         faults: FaultPlan | None = None,
+        defer_answers: bool = False,
     ) -> None:
         self.rank = group.rank
+        self.defer_answers = defer_answers and self.rank == 0
+        #: with deferred answers, the launched step whose answer is still to send
+        self._held: LaunchedStep | None = None
         self.group = group
         device = group.device
         config = attrs.evolve(config, device=str(device))
@@ -104,9 +114,18 @@ class RankWorker(RankCalls):
     def handle(self, command: tuple) -> Any:
         """Run one command; its answer, or :data:`NO_REPLY`."""
         kind = command[0]
+        if kind == "step" and self.defer_answers:
+            launched = self.launch(command[1])  # queued behind the step held, if any
+            held, self._held = self._held, launched
+            return self.finish(held) if held is not None else NO_REPLY
         if kind == "step":
             tokens = self.step(command[1])
             return tokens if self.rank == 0 else NO_REPLY
+        if kind == "answer":
+            if self.rank != 0:
+                return NO_REPLY
+            held, self._held = self._held, None
+            return self.finish(held) if held is not None else no_samples()
         if kind == "call":
             name, args = command[1], command[2]
             if name not in CALLS:
@@ -158,7 +177,8 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
             timeout_s=parallel.distributed_timeout_s, store=store,
         )
         worker = RankWorker(
-            spec.config, group, progress=spec.progress, faults=FaultPlan.from_env()
+            spec.config, group, progress=spec.progress, faults=FaultPlan.from_env(),
+            defer_answers=spec.config.scheduler.async_scheduling,
         )
         _send(conn, "ok", worker.describe())
         while True:

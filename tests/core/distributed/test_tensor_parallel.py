@@ -146,15 +146,18 @@ def test_async_steps_at_tp2_end_at_stops_as_sync_steps_at_tp1(tp2: LLM, checkpoi
     assert_same_outputs(got, want)
     assert [o.finish_reason for o in got] == ["stop", "length", "stop"]
     assert all(len(o.token_ids) <= 5 for o in (got[0], got[2]))
+    with LLM(checkpoint, tensor_parallel_size=2, async_scheduling=False, **SMALL) as sync_tp2:
+        assert_same_outputs(sync_tp2.generate(PROMPTS, stops), want)  # rank 0 answers at once
 
 
 def test_rank_0_answering_the_next_step_before_the_driver_reads_loses_nothing(
     tp2: LLM, tp1_greedy: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With asynchronous steps the driver sends step N+1 before it reads step N's
-    answer, so rank 0 may have answered both by then: each answer is read in turn
-    (the driver once read every answer waiting in the pipe and kept only the first,
-    then waited for the second until its deadline)."""
+    answer, however slow it is: every answer reaches it, in order. (Rank 0 answers a
+    step once the next one arrives, and the driver reads one answer per step and
+    leaves any later one in the pipe: it once read every answer waiting and kept only
+    the first, then waited for the next until its deadline.)"""
     submit = tp2.executor.submit
 
     def slow_submit(step):
