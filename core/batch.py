@@ -20,6 +20,9 @@ from kvrunner.sampling_params import SamplingParams
 #: scheduling). It is only ever the last token of a chunk, and the runner replaces it
 #: with the device's token before the forward runs.
 PLACEHOLDER_TOKEN = -1
+#: the chunk of a decoding sequence whose newest token is still on the device (one
+#: shared tuple: building one per sequence per step costs the host time it saves)
+PLACEHOLDER_CHUNK = (PLACEHOLDER_TOKEN,)
 
 
 @attrs.frozen(eq=True, hash=False)

@@ -9,36 +9,44 @@ step samples is a placeholder the runner fills in on the device.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
-import attrs
-
-from kvrunner.batch import SampledToken
+from kvrunner.batch import SampledToken, StepInput
 from kvrunner.engine.sequence import Sequence
 
 #: steps that may be in flight at once: the one running and the one being prepared
 MAX_IN_FLIGHT = 2
 
 
-@attrs.frozen
-class Chunk:
-    """One sequence's share of a scheduled step."""
+class StepChunks:
+    """One step as the scheduler remembers it: tokens per sequence, and who samples.
 
-    num_tokens: int
-    #: the chunk ends the sequence's known tokens, so the step samples a token for it
-    samples: bool
+    Built from the step's columns in C-level passes (a dict and a set, no object per
+    sequence): it is made on every step, and per-sequence objects cost garbage
+    collection time at batch 256.
+    """
+
+    __slots__ = ("num_tokens", "samples")
+
+    def __init__(self, step: StepInput) -> None:
+        #: seq id -> tokens its chunk feeds
+        self.num_tokens: dict[int, int] = dict(zip(step.seq_id, map(len, step.token_ids),
+                                                   strict=True))  # fmt: skip
+        #: seq ids whose chunk ends their known tokens, so the step samples for them
+        self.samples: set[int] = set(itertools.compress(step.seq_id, step.sample))
 
 
 class InFlight:
-    """Scheduled, not yet updated steps, oldest first: ``{seq_id: Chunk}`` each."""
+    """Scheduled, not yet updated steps, oldest first."""
 
     def __init__(self) -> None:
-        self._steps: deque[dict[int, Chunk]] = deque()
+        self._steps: deque[StepChunks] = deque()
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def push(self, chunks: dict[int, Chunk]) -> None:
+    def push(self, chunks: StepChunks) -> None:
         if len(self._steps) >= MAX_IN_FLIGHT:
             raise RuntimeError(
                 f"schedule() called with {len(self._steps)} steps already in flight; "
@@ -46,27 +54,22 @@ class InFlight:
             )
         self._steps.append(chunks)
 
-    def oldest(self) -> dict[int, Chunk]:
+    def oldest(self) -> StepChunks:
         if not self._steps:
             raise RuntimeError("update() called without a scheduled step")
         return self._steps[0]
 
-    def pop_oldest(self) -> dict[int, Chunk]:
+    def pop_oldest(self) -> StepChunks:
         return self._steps.popleft()
 
-    def ahead(self, seq: Sequence) -> tuple[int, int]:
-        """``(computed, tokens)`` that the newest in-flight step adds to ``seq``: the
-        tokens it feeds, and 1 if it samples (a token the host does not know yet)."""
-        if not self._steps:
-            return 0, 0
-        chunk = self._steps[-1].get(seq.seq_id)
-        if chunk is None:
-            return 0, 0
-        return chunk.num_tokens, int(chunk.samples)
+    def newest(self) -> StepChunks | None:
+        """The step the next ``schedule()`` plans after: for each sequence in it, its
+        chunk counts as computed and, if it samples, one more token is on its way."""
+        return self._steps[-1] if self._steps else None
 
 
 def check_step_result(
-    chunks: dict[int, Chunk], seqs: list[Sequence], sampled: list[SampledToken]
+    chunks: StepChunks, seqs: list[Sequence], sampled: list[SampledToken]
 ) -> dict[int, SampledToken]:
     """Validate ``update()``'s arguments before anything changes; tokens by seq id.
 
@@ -74,21 +77,23 @@ def check_step_result(
     step before it) are dropped here: they were computed past the end.
     """
     ids = [s.seq_id for s in seqs]
-    if sorted(ids) != sorted(chunks):
-        raise ValueError(f"update() got sequences {ids}, the step scheduled {list(chunks)}")
+    if sorted(ids) != sorted(chunks.num_tokens):
+        raise ValueError(
+            f"update() got sequences {ids}, the step scheduled {list(chunks.num_tokens)}"
+        )
     by_id: dict[int, SampledToken] = {}
     for token in sampled:
         if token.seq_id in by_id:
             raise ValueError(f"two sampled tokens for sequence {token.seq_id}")
         by_id[token.seq_id] = token
-    stray = set(by_id) - set(chunks)
+    stray = set(by_id) - chunks.num_tokens.keys()
     if stray:
         raise ValueError(f"sampled tokens for sequences not in this step: {sorted(stray)}")
     for seq in seqs:
         if seq.is_finished:
             by_id.pop(seq.seq_id, None)
             continue
-        samples = chunks[seq.seq_id].samples
+        samples = seq.seq_id in chunks.samples
         if samples and seq.seq_id not in by_id:
             raise ValueError(f"no sampled token for sequence {seq.seq_id}")
         if not samples and seq.seq_id in by_id:

@@ -30,11 +30,11 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import PLACEHOLDER_TOKEN, SampledToken, StepInput
+from kvrunner.batch import PLACEHOLDER_CHUNK, SampledToken, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
-from kvrunner.engine.in_flight import Chunk, InFlight, check_step_result
+from kvrunner.engine.in_flight import InFlight, StepChunks, check_step_result
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -125,23 +125,37 @@ class Scheduler:
         if len(self._in_flight) > 1:
             raise RuntimeError("schedule() called again before update() for the last step")
         budget = self.config.max_num_batched_tokens
-        # (sequence, tokens, tokens the step in flight feeds, 1 if it samples one)
-        scheduled: list[tuple[Sequence, int, int, int]] = []
+        # Parallel columns, not a tuple per sequence: this runs every step.
+        seqs: list[Sequence] = []
+        sizes: list[int] = []  # tokens each feeds
+        starts: list[int] = []  # from where: after what the step in flight feeds
+        pending: list[int] = []  # 1 if the step in flight samples a token for it
+        newest = self._in_flight.newest()
+        fed_ahead = newest.num_tokens if newest is not None else {}
+        sampling_ahead = newest.samples if newest is not None else set()
+        max_len = self.config.max_model_len
         preemptions_before = self.num_preemptions
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            fed, pending = self._in_flight.ahead(seq)
-            if pending and self._ends_at_length(seq, seq.num_tokens + 1):
+            fed = fed_ahead.get(seq.seq_id, 0)
+            ahead = 1 if seq.seq_id in sampling_ahead else 0
+            if ahead and (
+                len(seq.token_ids) + 1 >= max_len
+                or seq.num_output_tokens + 1 >= seq.sampling_params.max_tokens
+            ):
                 i += 1  # the step in flight samples its last token: nothing to feed
                 continue
             # Without chunked prefill a running sequence is only still prefilling when it
             # resumed with more tokens than a step may hold; chunking is its way through.
-            n = min(seq.num_uncomputed_tokens - fed + pending, budget)
+            n = min(seq.num_uncomputed_tokens - fed + ahead, budget)
             if not self._make_room(seq, fed + n):
                 break  # seq preempted itself: it was the last running sequence
-            scheduled.append((seq, n, fed, pending))
+            seqs.append(seq)
+            sizes.append(n)
+            starts.append(seq.num_computed_tokens + fed)
+            pending.append(ahead)
             budget -= n
             i += 1
         preempted = self.num_preemptions > preemptions_before
@@ -163,15 +177,17 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append((seq, n, 0, 0))
+            seqs.append(seq)
+            sizes.append(n)
+            starts.append(seq.num_computed_tokens)
+            pending.append(0)
             budget -= n
 
-        if not scheduled:
+        if not seqs:
             return None
-        step = self._columns(scheduled)
-        columns = zip(step.seq_id, step.token_ids, step.sample, strict=True)
-        self._in_flight.push({sid: Chunk(len(t), s) for sid, t, s in columns})
-        return step, [seq for seq, *_ in scheduled]
+        step = self._columns(seqs, sizes, starts, pending)
+        self._in_flight.push(StepChunks(step))
+        return step, seqs
 
     def update(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[Sequence]:
         """Apply the oldest step in flight: advance computed tokens, append samples,
@@ -192,7 +208,7 @@ class Scheduler:
                 continue
             running = seq.status is SequenceStatus.RUNNING
             if running:  # else preempted since: its blocks are gone, its token stands
-                self.block_manager.mark_computed(seq, chunks[seq.seq_id].num_tokens)
+                self.block_manager.mark_computed(seq, chunks.num_tokens[seq.seq_id])
             token = by_id.get(seq.seq_id)
             if token is None:
                 continue  # still prefilling
@@ -243,34 +259,37 @@ class Scheduler:
         return budget if remaining > self.config.max_num_batched_tokens else 0
 
     @staticmethod
-    def _columns(scheduled: list[tuple[Sequence, int, int, int]]) -> StepInput:
-        """The step as columns (what the runner reads): sequence ``s`` feeds its ``n``
-        tokens from where the step in flight leaves it (``num_computed_tokens +
-        fed``), and samples if they end its tokens - counting the one in flight, which
-        is fed as ``PLACEHOLDER_TOKEN``."""
-        starts = [s.num_computed_tokens + fed for s, _, fed, _ in scheduled]
+    def _columns(
+        seqs: list[Sequence], sizes: list[int], starts: list[int], pending: list[int]
+    ) -> StepInput:
+        """The step as columns (what the runner reads): sequence ``s`` feeds ``n``
+        tokens from ``start`` (where the step in flight leaves it), and samples if they
+        end its tokens - counting the one in flight, which is fed as
+        ``PLACEHOLDER_TOKEN``."""
+        if any(pending):
+            # A sequence with a token in flight feeds exactly that token.
+            tokens = [
+                PLACEHOLDER_CHUNK if p else tuple(s.token_ids[a : a + n])
+                for s, n, a, p in zip(seqs, sizes, starts, pending, strict=True)
+            ]
+            outputs = [s.num_output_tokens + p for s, p in zip(seqs, pending, strict=True)]
+        else:
+            tokens = [
+                tuple(s.token_ids[a : a + n]) for s, n, a in zip(seqs, sizes, starts, strict=True)
+            ]
+            outputs = [s.num_output_tokens for s in seqs]
         return StepInput(
-            seq_id=[s.seq_id for s, *_ in scheduled],
-            token_ids=[
-                tuple(s.token_ids[start : start + n]) + (PLACEHOLDER_TOKEN,) * pending
-                for (s, n, _, pending), start in zip(scheduled, starts, strict=True)
-            ],
+            seq_id=[s.seq_id for s in seqs],
+            token_ids=tokens,
             start_pos=starts,
-            block_table=[tuple(s.block_table) for s, *_ in scheduled],
-            state_slot=[s.state_slot for s, *_ in scheduled],
+            block_table=[tuple(s.block_table) for s in seqs],
+            state_slot=[s.state_slot for s in seqs],
             sample=[
-                start + n == len(s.token_ids) + pending
-                for (s, n, _, pending), start in zip(scheduled, starts, strict=True)
+                a + n == len(s.token_ids) + p
+                for s, n, a, p in zip(seqs, sizes, starts, pending, strict=True)
             ],
-            sampling=[s.sampling_params for s, *_ in scheduled],
-            num_output_tokens=[s.num_output_tokens + pending for s, _, _, pending in scheduled],
-        )
-
-    def _ends_at_length(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether ``seq`` stops for length once it holds ``num_tokens`` tokens."""
-        return (
-            num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
-            or num_tokens >= self.config.max_model_len
+            sampling=[s.sampling_params for s in seqs],
+            num_output_tokens=outputs,
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
@@ -279,4 +298,9 @@ class Scheduler:
         is_eos = token_id in self.eos_token_ids
         if token_id in params.stop_token_ids or (is_eos and not params.ignore_eos):
             return "stop"
-        return "length" if self._ends_at_length(seq, seq.num_tokens) else None
+        if (
+            seq.num_output_tokens >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            return "length"
+        return None

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from kvrunner.batch import (
+    PLACEHOLDER_CHUNK,
     PLACEHOLDER_TOKEN,
     PackedSampled,
     SampledToken,
@@ -110,15 +111,20 @@ def feed_placeholders(
 ) -> None:
     """Write ``previous``'s tokens into ``input_ids`` at ``step``'s placeholders, on the
     device (``input_ids`` already holds the step's known tokens)."""
+    n = len(step.seq_id)
+    if (
+        previous is not None
+        and step.seq_id == previous.seq_ids
+        and step.token_ids.count(PLACEHOLDER_CHUNK) == n
+    ):
+        # Every row decodes its last step's token, in that step's order (C-level list
+        # compares): one copy, and no per-row work on the host.
+        input_ids[:n].copy_(previous.token_ids)
+        return
     token_rows, sample_rows = placeholder_rows(step, previous)
     if not token_rows:
         return
     assert previous is not None
-    n = len(token_rows)
-    if token_rows == sample_rows == list(range(n)):
-        # A decode batch in the previous step's order, the common case: no index copy.
-        input_ids[:n].copy_(previous.token_ids[:n])
-        return
     device = input_ids.device
     dst = on_device(token_rows, torch.int64, device)
     src = on_device(sample_rows, torch.int64, device)
