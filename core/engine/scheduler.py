@@ -30,12 +30,13 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import PLACEHOLDER_CHUNK, SampledToken, StepInput
+from kvrunner.batch import SampledToken, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.in_flight import InFlight, StepChunks, check_step_result
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvrunner.engine.step_columns import step_columns
 
 
 class Scheduler:
@@ -185,7 +186,7 @@ class Scheduler:
 
         if not seqs:
             return None
-        step = self._columns(seqs, sizes, starts, pending)
+        step = step_columns(seqs, sizes, starts, pending)
         self._in_flight.push(StepChunks(step))
         return step, seqs
 
@@ -257,40 +258,6 @@ class Scheduler:
         # A prompt must fit whole; only a resumed sequence that outgrew the budget
         # altogether (add() refuses such prompts) is chunked, or it could never resume.
         return budget if remaining > self.config.max_num_batched_tokens else 0
-
-    @staticmethod
-    def _columns(
-        seqs: list[Sequence], sizes: list[int], starts: list[int], pending: list[int]
-    ) -> StepInput:
-        """The step as columns (what the runner reads): sequence ``s`` feeds ``n``
-        tokens from ``start`` (where the step in flight leaves it), and samples if they
-        end its tokens - counting the one in flight, which is fed as
-        ``PLACEHOLDER_TOKEN``."""
-        if any(pending):
-            # A sequence with a token in flight feeds exactly that token.
-            tokens = [
-                PLACEHOLDER_CHUNK if p else tuple(s.token_ids[a : a + n])
-                for s, n, a, p in zip(seqs, sizes, starts, pending, strict=True)
-            ]
-            outputs = [s.num_output_tokens + p for s, p in zip(seqs, pending, strict=True)]
-        else:
-            tokens = [
-                tuple(s.token_ids[a : a + n]) for s, n, a in zip(seqs, sizes, starts, strict=True)
-            ]
-            outputs = [s.num_output_tokens for s in seqs]
-        return StepInput(
-            seq_id=[s.seq_id for s in seqs],
-            token_ids=tokens,
-            start_pos=starts,
-            block_table=[tuple(s.block_table) for s in seqs],
-            state_slot=[s.state_slot for s in seqs],
-            sample=[
-                a + n == len(s.token_ids) + p
-                for s, n, a, p in zip(seqs, sizes, starts, pending, strict=True)
-            ],
-            sampling=[s.sampling_params for s in seqs],
-            num_output_tokens=outputs,
-        )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         # "stop" wins over "length" on the same token: the model ended on its own.

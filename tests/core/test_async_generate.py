@@ -139,3 +139,12 @@ def test_placeholders_take_the_previous_steps_tokens_on_the_device() -> None:
     assert input_ids.tolist() == [40, 11, 12, 20, 0]
     with pytest.raises(RuntimeError, match="sequence 4 feeds the token it sampled"):
         placeholder_rows(step, DeviceTokens([2], torch.tensor([20])))
+
+
+def test_a_decode_in_the_last_steps_order_takes_its_tokens_in_one_copy() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    step = step_of([Row(sid, (PLACEHOLDER_TOKEN,), 5, (sid,), -1, True, greedy, 1)
+                    for sid in (7, 3)])  # fmt: skip
+    input_ids = torch.full((4,), PLACEHOLDER_TOKEN)
+    feed_placeholders(input_ids, step, DeviceTokens([7, 3], torch.tensor([70, 30])))
+    assert input_ids.tolist() == [70, 30, PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN]
