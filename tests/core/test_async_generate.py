@@ -9,8 +9,8 @@ synchronous steps, and never return a token past a stop.
 Logprobs agree to 1e-5, not bit for bit: asynchronous steps run a request ended by
 a stop one step longer and admit a waiting one a step later, so the batches differ,
 and the CPU's matrix products are not bit-identical across batch sizes (the same
-tolerance ``test_batch_composition_does_not_change_a_sequence`` allows). Tokens do
-not depend on it here.
+tolerance ``test_batch_composition_does_not_change_a_sequence`` allows). Where the
+batches coincide, the logprobs are bit for bit the same.
 """
 
 from __future__ import annotations
@@ -108,6 +108,22 @@ def test_async_steps_give_the_tokens_and_logprobs_of_sync_steps(llms, mix, data)
         stops = [i for i, t in enumerate(out.token_ids) if t in p.stop_token_ids]
         assert stops in ([], [len(out.token_ids) - 1]), "a token past a stop was returned"
         assert len(out.token_ids) <= p.max_tokens
+
+
+def test_where_the_batches_coincide_the_logprobs_are_bit_identical(llms) -> None:
+    """Every request seated from the first step, and a stop ending only the last one:
+    asynchronous steps then run the same batches (a length limit is never scheduled
+    past), so nothing but the trailing extra step differs."""
+    prompts = [[5, 9, 13, 200], [33, 2], [7, 7, 7, 7, 8, 9, 10]]
+    params = [SamplingParams(max_tokens=m, temperature=t, seed=3, logprobs=2, ignore_eos=True)
+              for m, t in ((9, 0.0), (4, 0.9), (12, 0.0))]  # fmt: skip
+    probe = generate(llms[False], prompts, params)[2].token_ids
+    assert probe.index(probe[-1]) >= 9, "precondition: the stop ends it after the others"
+    params[2] = attrs.evolve(params[2], stop_token_ids=(probe[-1],))
+    want, got = generate(llms[False], prompts, params), generate(llms[True], prompts, params)
+    assert [(o.token_ids, o.logprobs, o.top_logprobs) for o in got] == [
+        (o.token_ids, o.logprobs, o.top_logprobs) for o in want
+    ]
 
 
 def test_the_small_pool_preempts_in_both_modes_and_gives_the_same_tokens(llms) -> None:
