@@ -1,0 +1,47 @@
+"""On CUDA: launching a step - preparation, placeholders, replay, sampler, the copy of
+its samples to the host - never makes the host wait for the device, so the host can
+schedule the next step while this one runs. Only ``result()`` waits, for its step.
+
+(Written without a GPU at hand: the CPU suite covers what the code does, this file
+whether it lets the host run ahead.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.models.tiny import write_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+MIX = [
+    SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=7, logprobs=0),
+    SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True),  # unseeded
+]
+PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11], [200]]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
+def test_launching_a_step_makes_the_host_wait_for_nothing(tmp_path, kind: str) -> None:
+    path = write_tiny_checkpoint(tmp_path / kind, kind=kind)
+    llm = LLM(model=str(path), max_num_seqs=4, max_model_len=64)
+    assert llm.runner.device.type == "cuda" and llm.engine.async_scheduling
+    want = llm.generate(PROMPTS, MIX)  # first launches may initialise libraries: not checked
+    launch = llm.runner.launch
+    launched = []
+
+    def strict_launch(step):
+        torch.cuda.set_sync_debug_mode("error")  # any host wait for the device raises
+        try:
+            launched.append(step)
+            return launch(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    llm.runner.launch = strict_launch
+    got = llm.generate(PROMPTS, MIX)
+    assert any(-1 in t for step in launched for t in step.token_ids), "placeholders were fed"
+    assert [o.token_ids for o in got][:2] == [o.token_ids for o in want][:2]  # greedy, seeded
