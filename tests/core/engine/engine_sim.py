@@ -66,6 +66,9 @@ class FakeRunner:
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         sampled = []
+        slots = [s for s in step.state_slot if s != -1]
+        # A row past a request's end (asynchronous steps) still owns its state slot.
+        assert len(set(slots)) == len(slots), f"two rows share a state slot: {slots}"
         for c in rows_of(step):
             self.rows_run += 1
             end = c.start_pos + len(c.token_ids)

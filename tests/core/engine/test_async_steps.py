@@ -19,6 +19,7 @@ from engine_sim import (
     Workload,
     check_block_accounting,
     check_fairness,
+    drive,
     fake_logprob,
     fake_next_token,
     reference_outputs,
@@ -29,7 +30,9 @@ from hypothesis import strategies as st
 
 from kvrunner.batch import SampledToken, StepInput
 from kvrunner.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.llm_engine import LLMEngine
+from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.sampling_params import SamplingParams
 
@@ -190,3 +193,24 @@ def test_the_engine_has_work_until_the_last_launched_step_is_applied(async_sched
     case = one_request_case((), 1)
     engine, (seq,), _ = run(case, async_scheduling=async_scheduling)
     assert seq.num_output_tokens == 1 and not engine.has_unfinished()
+
+
+def test_a_request_aborted_with_two_steps_in_flight_frees_everything_once() -> None:
+    bm = BlockManager(num_blocks=40, block_size=2, num_state_slots=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8,
+                                      max_model_len=64), bm)  # fmt: skip
+    runner = FakeRunner(bm)
+    gone, kept = (Sequence(i, [5 + i, 6, 7], SamplingParams(max_tokens=6)) for i in range(2))
+    sched.add(gone)
+    sched.add(kept)
+    first = sched.schedule()  # the prefills, launched...
+    first_out = runner.execute(first[0])
+    second = sched.schedule()  # ...and the first decode behind them
+    second_out = runner.execute(second[0])
+    assert sched.abort(0) is gone and gone.block_table == [] and gone.state_slot == -1
+    sched.update(first[1], first_out)
+    sched.update(second[1], second_out)
+    assert gone.num_output_tokens == 0  # nothing is applied after the abort
+    drive(sched, runner)
+    assert kept.output_token_ids == reference_outputs((6, 6, 7), 6, 64)
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_free_state_slots == bm.num_state_slots
