@@ -13,7 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn \
+python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn -e backends/tbo \
   > "$LOG/install.log" 2>&1 || { tail -5 "$LOG/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 nvidia-smi topo -m 2>/dev/null | head -4

@@ -12,12 +12,13 @@ import os
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput, no_samples
-from kvrunner.config import EngineConfig
+from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
+from kvrunner.overlap_contract import LayerStack, OverlapContext
 from kvrunner.plugins import BackendManager
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
@@ -44,6 +45,20 @@ def _create_library_workspaces(device: torch.device, dtype: torch.dtype) -> None
     x = torch.ones(8, 8, device=device, dtype=dtype)
     torch.nn.functional.linear(x, x, x[0])  # cuBLASLt (matmul with bias)
     torch.mm(x, x)  # cuBLAS
+
+
+def _all_reduce_for(config: EngineConfig) -> str:
+    """The all-reduce the layers use. With an overlap plugin, two micro-batches'
+    all-reduces may run at once; the symmetric-memory one has a single buffer."""
+    asked = config.parallel.all_reduce
+    if config.backends.overlap == "none":
+        return asked
+    if asked == "symm_mem":
+        raise ConfigError(
+            f"all_reduce='symm_mem' cannot run under overlap={config.backends.overlap!r}: "
+            f"two micro-batches would share its one buffer; use all_reduce='auto' or 'nccl'"
+        )
+    return "nccl" if asked == "auto" else asked
 
 
 class ModelRunner(SleepWake):
@@ -98,7 +113,16 @@ class ModelRunner(SleepWake):
                 use_triton=use_triton,
             )
 
-        self.backends = BackendManager(selection, context_for)
+        overlap = config.backends.overlap
+        self.backends = BackendManager(
+            selection, context_for,
+            overlap=None if overlap == "none" else OverlapContext(
+                name=overlap, device=self.device, max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=self.max_tokens, tensor_parallel_size=tp_size,
+                min_tokens=config.backends.overlap_min_tokens,
+                min_decode_seqs=config.backends.overlap_min_decode_seqs,
+            ),
+        )
         if self.device.type == "cuda":
             _create_library_workspaces(self.device, self.dtype)
         self.model, self.tokenizer, self.model_config = load_model(
@@ -111,11 +135,13 @@ class ModelRunner(SleepWake):
             skip_tokenizer=config.skip_tokenizer_init,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
             tp=(
-                group.tp_group(dtype=self.dtype, all_reduce=config.parallel.all_reduce)
+                group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config))
                 if group is not None
                 else SINGLE
             ),
         )
+        #: the model as an overlap plugin drives it, layer by layer
+        self.layer_stack = LayerStack.of(self.model.model)
         self.graphs: dict[int, DecodeGraph] = {}
         self._captured_before = False  # a recapture skips the warmup forwards
         self.capture_seconds = 0.0
@@ -199,6 +225,11 @@ class ModelRunner(SleepWake):
 
     def _forward_rows(self, num_rows: int, ctx: ForwardContext) -> torch.Tensor:
         fv = self.forward_vars
+        if ctx.micro_batches:
+            assert self.backends.overlap is not None
+            return self.backends.overlap.forward(
+                self.layer_stack, ctx.micro_batches, fv["input_ids"][:num_rows]
+            )
         return self.model(fv["input_ids"][:num_rows], fv["positions"][:num_rows], ctx)
 
     @property
