@@ -42,14 +42,16 @@ class Mirrors:
     """Every part's mirrors, the write-target ones made up front."""
 
     def __init__(self, layer_write_targets: Iterable[CacheWriteTarget]) -> None:
-        #: (part, storage of the layer backend's buffer) -> (mirror, declared target name)
-        self._write: dict[tuple[int, int], tuple[torch.Tensor, str]] = {}
+        #: (part, storage of the layer backend's buffer) -> (mirror, declared name, PAD)
+        self._write: dict[tuple[int, int], tuple[torch.Tensor, str, int]] = {}
         self._targets: list[CacheWriteTarget] = []
         for part in range(PARTS):
             for target in layer_write_targets:
                 mirror = _whole_storage_like(target.buffer, target.pad_value)
                 name = f"part{part}.{target.backend}.{target.name}"
-                self._write[(part, _storage_key(target.buffer))] = (mirror, name)
+                self._write[(part, _storage_key(target.buffer))] = (
+                    mirror, name, target.pad_value
+                )
                 self._targets.append(
                     CacheWriteTarget(name=name, buffer=mirror, pad_value=target.pad_value)
                 )
@@ -58,7 +60,7 @@ class Mirrors:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The write-target mirrors by name (persistent buffers of the plugin)."""
-        return {name: mirror for mirror, name in self._write.values()}
+        return {name: mirror for mirror, name, _ in self._write.values()}
 
     def write_targets(self) -> list[CacheWriteTarget]:
         return list(self._targets)
@@ -84,9 +86,17 @@ class Mirrors:
             if key in keep:
                 return value
             written = self._write.get((part, key))
-            mirror = written[0] if written is not None else self._read_mirror(part, path, value)
+            if written is None:
+                mirror = self._read_mirror(part, path, value)
+                view = mirror.as_strided(value.shape, value.stride(), value.storage_offset())
+                view.copy_(value)
+                return view
+            mirror, _, pad = written
             view = mirror.as_strided(value.shape, value.stride(), value.storage_offset())
-            if written is None or not capture:
+            if not capture:
+                # Every row this part does not use holds PAD, whatever a larger step
+                # left there: what no kernel should write through, none can.
+                mirror.fill_(pad)
                 view.copy_(value)
             return view
         if attrs.has(type(value)):
