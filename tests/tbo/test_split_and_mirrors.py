@@ -4,12 +4,16 @@ exactly the parent step's rows for that part."""
 
 from __future__ import annotations
 
+import attrs
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from kvrunner_tbo import TwoBatchOverlap
 
+from kvrunner import hookimpl
 from kvrunner.contract import StepMetadata
-from kvrunner.plugins import BackendManager
+from kvrunner.plugins import BackendError, BackendManager, register_backend, unregister_backend
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
@@ -118,3 +122,41 @@ def test_small_steps_are_not_split() -> None:
     manager, builder = _manager("tbo")
     one = [Row(0, (1,), 0, (0,), 0, True, GREEDY, 0)]
     assert manager.build_metadata(_step(builder, one, None)).micro_batches == ()
+
+
+class LosesARow(TwoBatchOverlap):
+    """Cuts like tbo, then drops the last token row from its second part."""
+
+    @hookimpl
+    def plan_micro_batches(self, step, layers):
+        """tbo's parts, the second one short a row."""
+        parts = super().plan_micro_batches(step, layers)
+        if parts is None:
+            return None
+        last = parts[1]
+        short = slice(last.tokens.start, last.tokens.stop - 1)
+        return (parts[0], attrs.evolve(last, tokens=short))
+
+
+def test_the_core_refuses_micro_batches_that_do_not_cover_every_row() -> None:
+    """The core checks what plan_micro_batches returns before forward_micro_batches
+    could run it (tbo's overlap_buffers made the mirrors it fills)."""
+    register_backend("tbo-short", LosesARow)
+    try:
+        manager = backend_manager(SELECTION, HYBRID, block_size=BLOCK, max_num_seqs=MAX_SEQS,
+                                  max_num_batched_tokens=MAX_TOKENS, max_model_len=MAX_LEN,
+                                  overlap="tbo-short")
+        manager.persistent_buffers(max_batch=MAX_SEQS, max_tokens=MAX_TOKENS)
+        builder = StepMetadataBuilder(max_batch=MAX_SEQS, max_tokens=MAX_TOKENS,
+                                      max_blocks_per_seq=MAX_LEN // BLOCK,
+                                      device=torch.device("cpu"))
+        rows = [Row(i, (1, 1, 1), 0, (i,), i, True, GREEDY, 0) for i in range(2)]
+        with pytest.raises(BackendError, match="not 0..6 exactly once"):
+            manager.build_metadata(_step(builder, rows, None))
+    finally:
+        unregister_backend("tbo-short")
+
+
+def test_a_layer_backend_cannot_be_selected_as_the_overlap_plugin() -> None:
+    with pytest.raises(BackendError, match="is a layer backend, not an overlap plugin"):
+        backend_manager(SELECTION, HYBRID, overlap="paged")
