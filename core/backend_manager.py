@@ -204,22 +204,20 @@ class BackendManager:
     def build_metadata(self, step: StepMetadata) -> ForwardContext:
         """Every backend's metadata for a real step, keyed by backend name; or the
         overlap plugin's micro-batches, each with its own."""
-        if step.is_capture:
-            raise BackendError("build_metadata is for real steps, not the capture step")
-        return self._split_or_whole(step)
+        return self._split_or_whole(step, "build_metadata")
 
     def build_capture_metadata(self, step: StepMetadata) -> ForwardContext:
         """Every backend's metadata for a capture whose read side the core synthesized."""
         if not step.is_capture:
             raise BackendError("build_capture_metadata needs the core's capture step")
-        return self._split_or_whole(step)
+        return self._split_or_whole(step, "build_capture_metadata")
 
-    def _split_or_whole(self, step: StepMetadata) -> ForwardContext:
-        if self.overlap is not None:
+    def _split_or_whole(self, step: StepMetadata, hook: str) -> ForwardContext:
+        if self.overlap is not None and self._buffer_sizes is not None:
             parts = self.overlap.plan(step, self._layers_view)
             if parts is not None:
                 return ForwardContext(micro_batches=parts)
-        return self.build_layer_metadata(step)
+        return self._context(self._call_each(hook, step=step), hook)
 
     def build_layer_metadata(self, step: StepMetadata) -> ForwardContext:
         """The layer backends' metadata for ``step`` (capture or real), never split."""
