@@ -32,8 +32,9 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _load_keys(ptrs, pos, hi, dims, MASK_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+def _load_kv_rows(
+    ptrs, pos, hi, dims, MASK_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """``[BLOCK_N, BLOCK_D]`` rows at ``ptrs``; masked positions and padded dims read as 0."""
     if MASK_KEYS:
         rows = tl.load(ptrs, mask=(pos < hi)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
@@ -66,9 +67,9 @@ def attend_tile(
     else:
         block = tl.load(table + pos // block_size).to(tl.int64)
     offset = (pos % block_size).to(tl.int64)
-    k = _load_keys(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                   + kv_head * stride_kh + dims[None, :], pos, hi, dims,
-                   MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
+    k = _load_kv_rows(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                      + kv_head * stride_kh + dims[None, :], pos, hi, dims,
+                      MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if CAUSAL:
         # No ``pos < hi`` term: callers set ``hi`` past every real row's position, so
@@ -81,8 +82,8 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_keys(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                   + kv_head * stride_vh + dims[None, :], pos, hi, dims,
-                   MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
+    v = _load_kv_rows(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                      + kv_head * stride_vh + dims[None, :], pos, hi, dims,
+                      MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
