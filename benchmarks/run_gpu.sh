@@ -13,7 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn \
+python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn -e backends/tbo \
   > "$LOG/install.log" 2>&1 || { tail -5 "$LOG/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 nvidia-smi topo -m 2>/dev/null | head -4
@@ -21,8 +21,8 @@ timeout "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovid
   | tee "$LOG/gpu_tests.log" | tail -15
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
-  benches=(bench_decode_attention bench_e2e_decode bench_gdn bench_moe bench_sleep_wake)
-  [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode)
+  benches=(bench_decode_attention bench_prefill bench_e2e_decode bench_gdn bench_moe bench_sleep_wake)
+  [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode bench_tbo)
 fi
 for bench in "${benches[@]}"; do
   echo "== $bench"

@@ -25,6 +25,8 @@ from kvrunner.contract import (
     StepMetadata,
 )
 from kvrunner.layers.backend_layer import BackendLayer
+from kvrunner.overlap_contract import OverlapContext
+from kvrunner.overlap_manager import OverlapPlugin
 from kvrunner.plugins import (
     BLOCK_ENV,
     BackendError,
@@ -46,9 +48,11 @@ class BackendManager:
         self,
         selection: Mapping[str, str],
         context_for: Callable[[str, tuple[str, ...]], BackendContext],
+        overlap: OverlapContext | None = None,
     ) -> None:
         """:param selection: layer type -> backend name, for the layer types the model has.
         :param context_for: builds the context for a backend given the layer types it serves.
+        :param overlap: the context of the overlap plugin on top of them, if one is selected.
         """
         self.pm = pluggy.PluginManager("kvrunner")
         self.pm.add_hookspecs(hookspecs)
@@ -99,6 +103,9 @@ class BackendManager:
             raise BackendError(
                 f"backend {name!r}: {problem} (no such hook in kvrunner.hookspecs)"
             ) from e
+        #: the overlap plugin on top of the layer backends, if the config selects one
+        self.overlap = OverlapPlugin(overlap) if overlap is not None else None
+        self._layers_view = _LayerBackendsView(self)
 
     @property
     def names(self) -> list[str]:
@@ -182,6 +189,10 @@ class BackendManager:
             for key, tensor in named.items():
                 self._buffers[f"{name}.{key}"] = tensor
         self._buffer_sizes = (max_batch, max_tokens)
+        if self.overlap is not None:
+            self._buffers.update(self.overlap.buffers(
+                self.layer_write_targets(), max_batch=max_batch, max_tokens=max_tokens
+            ))
         return dict(self._buffers)
 
     def _context(self, results: dict[str, Any], hook: str) -> ForwardContext:
@@ -191,19 +202,38 @@ class BackendManager:
         return ForwardContext(metadata=results)
 
     def build_metadata(self, step: StepMetadata) -> ForwardContext:
-        """Every backend's metadata for a real step, keyed by backend name."""
-        return self._context(self._call_each("build_metadata", step=step), "build_metadata")
+        """Every backend's metadata for a real step, keyed by backend name; or the
+        overlap plugin's micro-batches, each with its own."""
+        return self._split_or_whole(step, "build_metadata")
 
     def build_capture_metadata(self, step: StepMetadata) -> ForwardContext:
         """Every backend's metadata for a capture whose read side the core synthesized."""
         if not step.is_capture:
             raise BackendError("build_capture_metadata needs the core's capture step")
-        return self._context(
-            self._call_each("build_capture_metadata", step=step), "build_capture_metadata"
-        )
+        return self._split_or_whole(step, "build_capture_metadata")
+
+    def _split_or_whole(self, step: StepMetadata, hook: str) -> ForwardContext:
+        if self.overlap is not None and self._buffer_sizes is not None:
+            parts = self.overlap.plan(step, self._layers_view)
+            if parts is not None:
+                return ForwardContext(micro_batches=parts)
+        return self._context(self._call_each(hook, step=step), hook)
+
+    def build_layer_metadata(self, step: StepMetadata) -> ForwardContext:
+        """The layer backends' metadata for ``step`` (capture or real), never split."""
+        hook = "build_capture_metadata" if step.is_capture else "build_metadata"
+        return self._context(self._call_each(hook, step=step), hook)
 
     def cache_write_targets(self) -> list[CacheWriteTarget]:
-        """The union of every active backend's write targets, validated and owned."""
+        """The union of every active backend's write targets (the overlap plugin's
+        mirrors included), validated and owned."""
+        targets = self.layer_write_targets()
+        if self.overlap is not None:
+            targets += self.overlap.write_targets()
+        return targets
+
+    def layer_write_targets(self) -> list[CacheWriteTarget]:
+        """The layer backends' write targets, validated and owned."""
         union: list[CacheWriteTarget] = []
         results = self._call_each("cache_write_targets")
         for name in self.names:
@@ -234,3 +264,16 @@ class BackendManager:
         if not answer or answer[0] is None:
             raise BackendError(f"backend {name!r} made no layer {layer_index} ({layer_type})")
         return BackendLayer(answer[0], backend=name, layer_index=layer_index, layer_type=layer_type)
+
+
+class _LayerBackendsView:
+    """The layer backends as an overlap plugin may call them (LayerBackends)."""
+
+    def __init__(self, manager: BackendManager) -> None:
+        self._manager = manager
+
+    def build(self, step: StepMetadata) -> ForwardContext:
+        return self._manager.build_layer_metadata(step)
+
+    def write_targets(self) -> list[CacheWriteTarget]:
+        return self._manager.layer_write_targets()

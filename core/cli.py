@@ -96,6 +96,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         try:
             factory = backend.load()
             layer_types, api = ", ".join(factory.layer_types), str(factory.plugin_api_version)
+            if getattr(factory, "plugin_role", "layers") == "overlap":
+                layer_types = "(overlap plugin: backends.overlap)"
         except BackendError as e:
             layer_types, api = "-", f"LOAD ERROR: {e}"
         print(f"{name:<10} {backend.distribution:<18} {backend.version:<9} {layer_types:<34} {api}")
@@ -111,7 +113,7 @@ def _cmd_check_backend(args: argparse.Namespace) -> int:
         return 2
 
     return check_backend(args.name, checks=args.check, examples=args.examples,
-                         use_triton=args.triton)
+                         use_triton=args.triton, overlap=args.overlap)
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -209,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hypothesis cases per check (default: %(default)s)")
     p.add_argument("--triton", action="store_true",
                    help="run the backend's Triton kernels (interpreted without CUDA)")
+    p.add_argument("--overlap", default=None,
+                   help="with this overlap plugin on top, cutting every step it can")
     p.set_defaults(func=_cmd_check_backend)
 
     p = sub.add_parser("make-tiny", help="write a random HF-format checkpoint with tokenizer.json")

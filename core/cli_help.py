@@ -57,6 +57,9 @@ FIELD_HELP: dict[str, str] = {
     # [backends]
     "full_attention": "backend serving full-attention layers (see `kvrunner backends`)",
     "linear_attention": "backend serving linear-attention layers (see `kvrunner backends`)",
+    "overlap": "overlap plugin on top of the layer backends: none or tbo (two-batch overlap)",
+    "overlap_min_tokens": "prefill/mixed steps with fewer tokens are not split by the overlap",
+    "overlap_min_decode_seqs": "decode steps/graphs with fewer sequences are not split",
 }
 
 

@@ -110,19 +110,26 @@ class CaptureConfig:
 
 @attrs.frozen(kw_only=True)
 class BackendsConfig:
-    """Which backend serves each layer type (``full_attention = "paged"``)."""
+    """Which backend serves each layer type (``full_attention = "paged"``), and the
+    overlap plugin on top of them (``overlap = "tbo"``; ``"none"``: no plugin)."""
 
     full_attention: str = "paged"
     linear_attention: str = "gdn"
+    overlap: str = "none"
+    #: prefill / mixed steps of fewer tokens run unsplit (the split would not pay)
+    overlap_min_tokens: int = attrs.field(default=1024, validator=_in_range(2, 1 << 24))
+    #: decode steps and graphs of fewer sequences run unsplit
+    overlap_min_decode_seqs: int = attrs.field(default=64, validator=_in_range(2, 1 << 16))
 
     def for_layer_type(self, layer_type: str) -> str:
-        try:
-            return getattr(self, layer_type)
-        except AttributeError:
-            known = ", ".join(f.name for f in attrs.fields(BackendsConfig))
+        layer_types = [f.name for f in attrs.fields(BackendsConfig)
+                       if not f.name.startswith("overlap")]
+        if layer_type not in layer_types:
             raise ConfigError(
-                f"no backend setting for layer type {layer_type!r} (known: {known})"
-            ) from None
+                f"no backend setting for layer type {layer_type!r} "
+                f"(known: {', '.join(layer_types)})"
+            )
+        return getattr(self, layer_type)
 
 
 _SECTIONS: dict[str, type] = {

@@ -259,9 +259,15 @@ T = TypeVar("T")
 
 @attrs.define
 class ForwardContext:
-    """Per-step metadata handed down the model: backend name -> that backend's metadata."""
+    """Per-step metadata handed down the model: backend name -> that backend's metadata.
+
+    When an overlap plugin cut the step, ``micro_batches`` holds the parts (each a
+    :class:`~kvrunner.overlap_contract.MicroBatch` with a context of its own) and
+    ``metadata`` is empty: the model is then run part by part, by that plugin.
+    """
 
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    micro_batches: tuple[Any, ...] = ()
 
     def for_backend(self, name: str, kind: type[T] | None = None) -> T:
         """The metadata ``name`` built this step; with ``kind``, checked to be one."""

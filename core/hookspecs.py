@@ -17,7 +17,9 @@ Lifecycle (enforced by the manager, documented in docs/plugins.md): construction
 and captures (``cache_write_targets``, then ``build_capture_metadata``);
 ``release_cache`` and ``allocate_cache`` again, in pairs, around each sleep.
 
-Sections: sizing, allocation, forward_vars, metadata, capture safety, layers.
+Sections: sizing, allocation, forward_vars, metadata, capture safety, layers, and
+overlap (hooks only an overlap plugin such as ``tbo`` implements: it serves no
+layer type and sits on top of the layer backends).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pluggy
 import torch
 
 from kvrunner.contract import CacheSpec, CacheWriteTarget, StepMetadata
+from kvrunner.overlap_contract import LayerBackends, LayerStack, MicroBatch
 
 hookspec = pluggy.HookspecMarker("kvrunner")
 hookimpl = pluggy.HookimplMarker("kvrunner")
@@ -154,4 +157,48 @@ def make_layer(layer_index: int, layer_type: str) -> Any:
     ``FullAttentionImpl``, ``LinearAttentionImpl``) and reads its per-step metadata
     from the :class:`~kvrunner.contract.ForwardContext` passed to it. The core wraps
     it so an exception in its ``forward`` names the backend and the layer.
+    """
+
+
+# ---------------------------------------------------------------------------
+# overlap (an overlap plugin only; called after every layer backend's hook)
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def overlap_buffers(
+    layer_write_targets: list[CacheWriteTarget], max_batch: int, max_tokens: int
+) -> dict[str, torch.Tensor]:
+    """Create the plugin's persistent buffers once; return them by name.
+
+    Called after every layer backend's ``persistent_buffers``, with their declared
+    write targets, so per-micro-batch mirrors of those targets can be made now,
+    before any capture. The core registers each buffer in forward_vars as
+    ``"<plugin>.<name>"`` (where the capture audit seeds the undeclared ones).
+    """
+
+
+@hookspec
+def plan_micro_batches(step: StepMetadata, layers: LayerBackends) -> tuple[MicroBatch, ...] | None:
+    """Cut ``step`` into micro-batches, or return ``None`` to run it whole.
+
+    For every part, build the layer backends' metadata (``layers.build``) and keep
+    it in the plugin's own persistent buffers. A capture step (``step.is_capture``)
+    comes here too, and must be cut exactly as a real decode step of
+    ``step.num_padded_seqs`` rows is, since the graph replays with the real step's
+    buffers; there the write side of every mirror must be left as the core blanked
+    it. Whatever a replay reads must live in a buffer.
+    """
+
+
+@hookspec
+def forward_micro_batches(
+    stack: LayerStack, micro_batches: tuple[MicroBatch, ...], input_ids: torch.Tensor
+) -> torch.Tensor:
+    """Run the model over the parts; the final hidden states of every token row, in
+    the step's order (``[len(input_ids), hidden]``).
+
+    Layer ``i`` of a part must not start before layer ``i`` of the parts before it
+    has written its cache and state: a sequence cut in two reads, in its second
+    part, what its first part wrote. Runs inside graph capture too.
     """

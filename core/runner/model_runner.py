@@ -11,22 +11,23 @@ import os
 
 import torch
 
-from kvrunner.batch import PackedSampled, StepInput
-from kvrunner.config import EngineConfig
+from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
 from kvrunner.layers.linear import SINGLE
-from kvrunner.layers.sampler import Sampler, on_device
+from kvrunner.layers.sampler import Sampler
+from kvrunner.overlap_contract import LayerStack, OverlapContext
 from kvrunner.plugins import BackendManager
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
-from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
+from kvrunner.runner.launched_step import DeviceTokens
 from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_path
 from kvrunner.runner.sizing import cache_budget_bytes, num_blocks_for_budget
 from kvrunner.runner.sleep_wake import SleepWake
-from kvrunner.runner.step_batch import prepare_step, profile_step
+from kvrunner.runner.step_batch import profile_step
+from kvrunner.runner.step_launch import StepLaunch
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sleep_state import SleepStateError
 
@@ -47,7 +48,21 @@ def _create_library_workspaces(device: torch.device, dtype: torch.dtype) -> None
     torch.mm(x, x)  # cuBLAS
 
 
-class ModelRunner(SleepWake):
+def _all_reduce_for(config: EngineConfig) -> str:
+    """The all-reduce the layers use. With an overlap plugin, two micro-batches'
+    all-reduces may run at once; the symmetric-memory one has a single buffer."""
+    asked = config.parallel.all_reduce
+    if config.backends.overlap == "none":
+        return asked
+    if asked == "symm_mem":
+        raise ConfigError(
+            f"all_reduce='symm_mem' cannot run under overlap={config.backends.overlap!r}: "
+            f"two micro-batches would share its one buffer; use all_reduce='auto' or 'nccl'"
+        )
+    return "nccl" if asked == "auto" else asked
+
+
+class ModelRunner(SleepWake, StepLaunch):
     """One rank's runner.
 
     :param group: this rank's tensor-parallel group (``None`` for a single rank);
@@ -99,7 +114,16 @@ class ModelRunner(SleepWake):
                 use_triton=use_triton,
             )
 
-        self.backends = BackendManager(selection, context_for)
+        overlap = config.backends.overlap
+        self.backends = BackendManager(
+            selection, context_for,
+            overlap=None if overlap == "none" else OverlapContext(
+                name=overlap, device=self.device, max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=self.max_tokens, tensor_parallel_size=tp_size,
+                min_tokens=config.backends.overlap_min_tokens,
+                min_decode_seqs=config.backends.overlap_min_decode_seqs,
+            ),
+        )
         if self.device.type == "cuda":
             _create_library_workspaces(self.device, self.dtype)
         self.model, self.tokenizer, self.model_config = load_model(
@@ -112,11 +136,13 @@ class ModelRunner(SleepWake):
             skip_tokenizer=config.skip_tokenizer_init,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
             tp=(
-                group.tp_group(dtype=self.dtype, all_reduce=config.parallel.all_reduce)
+                group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config))
                 if group is not None
                 else SINGLE
             ),
         )
+        #: the model as an overlap plugin drives it, layer by layer
+        self.layer_stack = LayerStack.of(self.model.model)
         self.graphs: dict[int, DecodeGraph] = {}
         self._captured_before = False  # a recapture skips the warmup forwards
         self.capture_seconds = 0.0
@@ -207,6 +233,11 @@ class ModelRunner(SleepWake):
 
     def _forward_rows(self, num_rows: int, ctx: ForwardContext) -> torch.Tensor:
         fv = self.forward_vars
+        if ctx.micro_batches:
+            assert self.backends.overlap is not None
+            return self.backends.overlap.forward(
+                self.layer_stack, ctx.micro_batches, fv["input_ids"][:num_rows]
+            )
         return self.model(fv["input_ids"][:num_rows], fv["positions"][:num_rows], ctx)
 
     @property
@@ -236,64 +267,3 @@ class ModelRunner(SleepWake):
             )
         self._captured_before = True
         return self.capture_seconds
-
-    def _graph_for(self, step: StepInput) -> DecodeGraph | None:
-        if not self.graphs or not step.is_decode:
-            return None
-        fitting = [bs for bs in self.graphs if bs >= step.num_seqs]
-        return self.graphs[min(fitting)] if fitting else None
-
-    # -- one step -----------------------------------------------------------------------
-
-    def execute(self, step: StepInput) -> PackedSampled:
-        """Run one step; its sampled tokens as columns (none on ranks > 0, and none
-        for a step whose chunks are all mid-prefill)."""
-        return self.launch(step).result()
-
-    @torch.inference_mode()
-    def launch(self, step: StepInput) -> LaunchedStep:
-        """Run one step up to its samples, leaving them on the device; the host may
-        prepare the next step before it reads them (:meth:`LaunchedStep.result`)."""
-        graph = self._graph_for(step)
-        padded = graph.batch_size if graph is not None else None
-        prepared = prepare_step(
-            step, block_size=self.config.cache.block_size, num_padded_seqs=padded
-        )
-        num_tokens = prepared.batch.num_tokens
-        rows = padded if padded is not None else num_tokens
-        fv = self.forward_vars
-        fv["input_ids"][:num_tokens].copy_(prepared.input_ids, non_blocking=True)
-        feed_placeholders(fv["input_ids"], step, self.previous_tokens)
-        self.previous_tokens = None
-        if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 (position 0)
-            fv["input_ids"][num_tokens:rows].zero_()
-        ctx = self.backends.build_metadata(self.step_builder.fill(prepared.batch))
-        if graph is not None:
-            hidden = graph.replay()
-        else:
-            hidden = self._forward_rows(num_tokens, ctx)
-        if not prepared.sample_rows:
-            return LaunchedStep(None)
-        rows = prepared.sample_rows
-        if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
-            selected = hidden[: len(rows)]
-        else:
-            # Through pinned memory: torch.tensor(..., device=cuda) would wait for the
-            # step still running, which asynchronous steps exist to overlap.
-            selected = hidden.index_select(0, on_device(rows, torch.int64, self.device))
-        logits = self.model.compute_logits(selected)  # every rank joins its all-gather
-        if not self.samples:
-            if self.shares_samples:
-                tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-                self._keep_tokens(step, self.group.broadcast_from_first(tokens))
-            return LaunchedStep(None)
-        self._nan_rows += torch.isnan(logits).any(dim=-1).sum()
-        samples = self.sampler.sample_step_rows(logits, step)
-        tokens = samples.out.token_ids
-        self._keep_tokens(step, self.group.broadcast_from_first(tokens) if self.shares_samples
-                          else tokens)
-        return LaunchedStep(samples)
-
-    def _keep_tokens(self, step: StepInput, tokens: torch.Tensor) -> None:
-        seq_ids = [s for s, wants in zip(step.seq_id, step.sample, strict=True) if wants]
-        self.previous_tokens = DeviceTokens(seq_ids, tokens)

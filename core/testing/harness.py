@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from kvrunner.contract import BackendContext, ModelSpec
+from kvrunner.overlap_contract import OverlapContext
 from kvrunner.plugins import BackendManager
 
 
@@ -39,8 +40,10 @@ def backend_manager(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     use_triton: bool = False,
+    overlap: str | None = None,
 ) -> BackendManager:
-    """A manager with the selected backends registered, as a runner would build it."""
+    """A manager with the selected backends registered, as a runner would build it;
+    with ``overlap``, that overlap plugin on top, splitting every step it can."""
 
     def context_for(name: str, layer_types: tuple[str, ...]) -> BackendContext:
         return BackendContext(
@@ -56,4 +59,9 @@ def backend_manager(
             use_triton=use_triton,
         )
 
-    return BackendManager(selection, context_for)
+    overlap_context = None if overlap is None else OverlapContext(
+        name=overlap, device=torch.device(device), max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=1,
+        min_tokens=2, min_decode_seqs=2,
+    )
+    return BackendManager(selection, context_for, overlap=overlap_context)

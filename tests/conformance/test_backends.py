@@ -29,6 +29,15 @@ def test_triton_path(backend: str, check: str) -> None:
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("backend", ["paged", "gdn"])
+def test_with_tbo_on_top(backend: str, check: str) -> None:
+    """Two-batch overlap cuts every step it can (sequences cut in two included); the
+    layer backend under it must still pass every check."""
+    for target in Target.of(backend, overlap="tbo"):
+        run_check(target, check, max_examples=4)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
 def test_flatkv_fixture_backend(flatkv_installed, check: str) -> None:
     (target,) = Target.of("flatkv")
     run_check(target, check, max_examples=6)

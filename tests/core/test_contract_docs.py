@@ -13,7 +13,7 @@ import attrs
 import pytest
 import torch
 
-from kvrunner import contract
+from kvrunner import contract, overlap_contract
 from kvrunner.batch import StepInput
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder
@@ -43,6 +43,14 @@ def test_every_public_contract_type_is_documented() -> None:
 def test_the_table_lists_every_field_in_order(type_name: str) -> None:
     fields = [f.name for f in attrs.fields(getattr(contract, type_name))]
     assert [row[0] for row in documented(type_name)] == fields
+
+
+def test_every_overlap_contract_type_is_documented_field_by_field() -> None:
+    public = {name: obj for name, obj in vars(overlap_contract).items()
+              if attrs.has(obj) and obj.__module__ == overlap_contract.__name__}
+    assert set(public) == {"OverlapContext", "MicroBatch", "LayerStack"}
+    for name, cls in public.items():
+        assert [row[0] for row in documented(name)] == [f.name for f in attrs.fields(cls)]
 
 
 def _steps() -> list[contract.StepMetadata]:

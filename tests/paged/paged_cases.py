@@ -134,8 +134,12 @@ def paged_cases(
     max_pad_rows: int = 3,
     head_shapes: tuple[tuple[int, int], ...] = tuple(HEAD_SHAPES),
     head_dims: tuple[int, ...] = (16, 32),
+    max_query_len: int = 12,
 ) -> PagedCase:
-    """A batch of 1-``max_seqs`` sequences; ``decode`` gives every sequence one new token."""
+    """A batch of 1-``max_seqs`` sequences; ``decode`` gives every sequence one new token.
+
+    ``max_query_len`` bounds each sequence's new tokens (prefill cases only).
+    """
     block_size = draw(st.sampled_from([4, 8]))
     num_heads, num_kv_heads = draw(st.sampled_from(head_shapes))
     head_dim = draw(st.sampled_from(head_dims))
@@ -148,7 +152,7 @@ def paged_cases(
         room = (num_blocks - used) * block_size
         if room == 0:
             break
-        q_len = 1 if decode else draw(st.integers(1, min(room, 12)))
+        q_len = 1 if decode else draw(st.integers(1, min(room, max_query_len)))
         prefix = draw(st.integers(0, min(room - q_len, 20)))
         ctx = prefix + q_len
         blocks = -(-ctx // block_size)

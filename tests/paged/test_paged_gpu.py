@@ -28,15 +28,18 @@ BF16_TOL = {"rtol": 2**-6, "atol": 2**-6}
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def _case(num_blocks: int, block_size: int, lens: list[tuple[int, int]]) -> PagedCase:
-    """Sequences ``(q_len, context_len)`` on blocks from the top of a shuffled pool."""
+def _case(
+    num_blocks: int, block_size: int, lens: list[tuple[int, int]], heads: tuple[int, int] = (8, 2)
+) -> PagedCase:
+    """Sequences ``(q_len, context_len)`` on blocks from the top of a shuffled pool;
+    ``heads``: (query heads, kv heads)."""
     gen = torch.Generator().manual_seed(0)
     free = (torch.randperm(num_blocks, generator=gen)).tolist()[::-1]
     tables = []
     for _, ctx in lens:
         tables.append(tuple(free.pop() for _ in range(-(-ctx // block_size))))
     return PagedCase(
-        block_size=block_size, num_blocks=num_blocks, num_heads=8, num_kv_heads=2,
+        block_size=block_size, num_blocks=num_blocks, num_heads=heads[0], num_kv_heads=heads[1],
         head_dim=128, max_blocks_per_seq=max(len(t) for t in tables) + 3,
         query_lens=tuple(q for q, _ in lens), context_lens=tuple(c for _, c in lens),
         block_tables=tuple(tables), num_pad_rows=2, seed=0,
@@ -79,6 +82,22 @@ def test_compiled_prefill_matches_reference(dtype: torch.dtype) -> None:
     x["query_start_loc"] = case.query_start_loc()
     out = paged_prefill_attention(
         **_to(x, CUDA), scale=case.scale, num_seqs=case.num_seqs, max_query_len=70
+    )
+    ref = reference_paged_attention(**x, scale=case.scale)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.cpu().float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (12, 4)])
+def test_compiled_prefill_packs_each_gqa_group(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    """The default launch at the 0.6B / 8B groups (2, 4) and a padded one (3): queries
+    span several 128-row tiles, prefixes end mid-block, a decode row rides along."""
+    case = _case(96, 16, [(300, 300), (1, 77), (129, 400), (33, 50)], heads)
+    x = _inputs(case, dtype, case.num_tokens, case.num_seqs)
+    x["query_start_loc"] = case.query_start_loc()
+    out = paged_prefill_attention(
+        **_to(x, CUDA), scale=case.scale, num_seqs=case.num_seqs, max_query_len=300
     )
     ref = reference_paged_attention(**x, scale=case.scale)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL

@@ -15,7 +15,7 @@ from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.capture_safety import CaptureAuditError
 from kvrunner.testing.conformance import reference
 from kvrunner.testing.conformance.cases import StepCase
-from kvrunner.testing.conformance.rig import FULL, Rig, Rows, live_rows
+from kvrunner.testing.conformance.rig import FULL, Rig, Rows, live_rows, run_layer
 
 
 class ConformanceError(AssertionError):
@@ -192,7 +192,7 @@ def _capture_under_audit(rig: Rig, case: StepCase) -> None:
         out = torch.empty(0)
         for i, layer in rig.layers.items():
             per_token, rest = inputs[i][:3], inputs[i][3:]
-            out = layer.forward(*[t[:rows] for t in per_token], *rest, ctx)
+            out = run_layer(layer, [*[t[:rows] for t in per_token], *rest], ctx)
         return out
 
     capture_decode_graphs(

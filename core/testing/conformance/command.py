@@ -8,28 +8,44 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrunner.plugins import discover_backends
 from kvrunner.testing.conformance import CHECKS, Target, run_check
 
 
 def check_backend(
-    name: str, *, checks: Sequence[str] | None = None, examples: int = 8, use_triton: bool = False
+    name: str, *, checks: Sequence[str] | None = None, examples: int = 8, use_triton: bool = False,
+    overlap: str | None = None,
 ) -> int:
-    """Run the checks, one line each; exit status 0 when all pass, 1 otherwise."""
+    """Run the checks, one line each; exit status 0 when all pass, 1 otherwise.
+
+    ``overlap``: with that overlap plugin on top of the layer backend ``name``. An
+    overlap plugin is itself checked that way, over every installed layer backend.
+    """
     unknown = sorted(set(checks or ()) - set(CHECKS))
     if unknown:
         print(f"kvrunner: unknown check(s) {unknown}; checks: {list(CHECKS)}", file=sys.stderr)
         return 2
+    found = discover_backends()
+    if name in found and getattr(found[name].load(), "plugin_role", "layers") == "overlap":
+        layers = [n for n, b in sorted(found.items())
+                  if getattr(b.load(), "plugin_role", "layers") != "overlap"
+                  and getattr(b.load(), "cache_rows", None) is not None]
+        print(f"{name} is an overlap plugin: checking it on top of {', '.join(layers)}")
+        return max((check_backend(layer, checks=checks, examples=examples,
+                                  use_triton=use_triton, overlap=name) for layer in layers),
+                   default=1)
     device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
     failed = 0
-    for target in Target.of(name, use_triton=use_triton, device=device):
+    label = f"{name}+{overlap}" if overlap else name
+    for target in Target.of(name, use_triton=use_triton, device=device, overlap=overlap):
         for check in checks or CHECKS:
             start = time.perf_counter()
             try:
                 run_check(target, check, max_examples=examples)
             except AssertionError as e:
                 failed += 1
-                print(f"FAIL {name} {target.layer_type} {check}\n{e}\n")
+                print(f"FAIL {label} {target.layer_type} {check}\n{e}\n")
                 continue
-            print(f"ok   {name} {target.layer_type} {check} ({time.perf_counter() - start:.1f}s)")
-    print(f"{name}: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
+            print(f"ok   {label} {target.layer_type} {check} ({time.perf_counter() - start:.1f}s)")
+    print(f"{label}: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
     return 1 if failed else 0

@@ -11,6 +11,7 @@ layer, so a reference can recompute any sequence's whole history.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -44,11 +45,17 @@ class Target:
     cache_rows: CacheRows
     use_triton: bool = False
     device: str = "cpu"
+    #: an overlap plugin on top of the backend (its micro-batches are run in turns)
+    overlap: str | None = None
 
     @classmethod
-    def of(cls, name: str, *, use_triton: bool = False, device: str = "cpu") -> list[Target]:
+    def of(
+        cls, name: str, *, use_triton: bool = False, device: str = "cpu",
+        overlap: str | None = None,
+    ) -> list[Target]:
         """One target per layer type the installed backend ``name`` serves, reading its
-        cache through the factory's ``cache_rows`` attribute."""
+        cache through the factory's ``cache_rows`` attribute (``overlap``: with that
+        overlap plugin on top, cutting every step it can)."""
         found = discover_backends()
         if name not in found:
             raise BackendError(f"backend {name!r} is not installed; installed: {sorted(found)}")
@@ -60,7 +67,8 @@ class Target:
                 f"to read a slot of its cache (docs/plugins.md, 'The conformance kit')"
             )
         return [
-            cls(name=name, layer_type=t, cache_rows=rows, use_triton=use_triton, device=device)
+            cls(name=name, layer_type=t, cache_rows=rows, use_triton=use_triton, device=device,
+                overlap=overlap)
             for t in factory.layer_types
             if t in (FULL, LINEAR)
         ]
@@ -88,7 +96,7 @@ class Rig:
             {target.layer_type: target.name}, self.spec, block_size=cases.BLOCK_SIZE,
             max_num_seqs=cases.MAX_SEQS, max_num_batched_tokens=cases.MAX_TOKENS,
             max_model_len=cases.MAX_MODEL_LEN, device=target.device,
-            use_triton=target.use_triton,
+            use_triton=target.use_triton, overlap=target.overlap,
         )  # fmt: skip
         self.served = self.spec.layers_of_type(target.layer_type)
         self.layers = {
@@ -216,7 +224,7 @@ class Rig:
     ) -> dict[int, torch.Tensor]:
         """Every served layer's output for these rows (CPU)."""
         return {
-            i: layer.forward(*self.layer_inputs(rows, i, pad_rows), ctx).cpu()
+            i: run_layer(layer, self.layer_inputs(rows, i, pad_rows), ctx).cpu()
             for i, layer in self.layers.items()
         }
 
@@ -235,6 +243,18 @@ class Rig:
         for t in self.manager.cache_write_targets():
             t.buffer.fill_(t.pad_value)
         return self.manager.build_capture_metadata(self.step_builder.fill_capture(batch_size))
+
+
+def run_layer(layer: Any, inputs: Sequence[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+    """One layer's forward over ``inputs`` (three per-token tensors, then any others);
+    a step an overlap plugin cut runs part by part, each with its own metadata."""
+    if not ctx.micro_batches:
+        return layer.forward(*inputs, ctx)
+    per_token, rest = inputs[:3], inputs[3:]
+    return torch.cat([
+        layer.forward(*[t[part.tokens] for t in per_token], *rest, part.context)
+        for part in ctx.micro_batches
+    ])
 
 
 def live_rows(rows: Sequence[tuple[Seq, int, int]]) -> dict[str, set[int]]:

@@ -73,8 +73,9 @@ def _decode_kernel(
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            kv_head, block_size, dims, dim_mask, scale_log2,
-            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            kv_head, block_size, scale_log2,
+            MASK_KEYS=True, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
     has_keys = l_i > 0

@@ -1,22 +1,59 @@
 """Triton kernel: causal varlen attention over the paged pool, with a cached prefix.
 
-One program per (query tile, sequence, query head). Sequence ``i`` has ``q_len``
-new queries at positions ``ctx_len - q_len .. ctx_len - 1`` (the cached prefix is
-everything before); the tile walks key positions from 0 up to its last query's
-position in tiles of ``BLOCK_N``, looks each position's block up in the block table,
-and keeps an online softmax (base 2). Keys past a query's own position are masked,
-so the tiles after the diagonal are never loaded at all.
+One program per (query tile, sequence, KV head). Its tile packs ``BLOCK_Q`` query
+tokens times every query head of the KV head's GQA group into ``BLOCK_Q * GROUP_PAD``
+rows (token-major: row ``r`` is token ``r // GROUP_PAD``, head ``r % GROUP_PAD`` of
+the group), so each key tile is loaded once per group rather than once per query
+head, and both products are ``tl.dot``s that many rows tall.
+
+Sequence ``i`` has ``q_len`` new queries at positions ``ctx_len - q_len .. ctx_len -
+1`` (the cached prefix is everything before). The tile walks key positions from 0 up
+to its last query's position in tiles of ``BLOCK_N``, looking each position's block
+up in the block table, with an online softmax (base 2). Key tiles wholly at or before
+the tile's first query are seen by every row and run without any mask; only the
+one or two tiles that cross the diagonal are masked, and tiles past it are never
+loaded at all.
 
 This path also serves mixed batches: a decoding sequence is one with ``q_len == 1``.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 
 from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
+
+
+@attrs.frozen
+class PrefillLaunch:
+    """Launch parameters of the prefill kernel for one input dtype."""
+
+    block_m: int  #: rows of a program's tile: query tokens x (padded) group heads
+    block_n: int  #: key positions per inner step
+    num_warps: int
+    num_stages: int  #: software-pipeline depth of the unmasked key loop
+    dot_precision: str  #: ``tl.dot`` input precision (only fp32 inputs read it)
+
+
+#: Chosen for an H200 (Hopper: 228 KB shared memory and 64K registers per SM), not
+#: measured: the usual flash-attention forward shapes for head_dim 128, kept modest.
+#: The one place to tune them (``benchmarks/bench_prefill.py`` takes overrides).
+LAUNCH: dict[torch.dtype, PrefillLaunch] = {
+    # 128 rows = two warpgroups of 64 (one wgmma M each); the fp32 accumulator is 64
+    # registers a thread at 8 warps. K and V tiles of 64 x 128 bf16 are 16 KB each, so
+    # 3 stages are 96 KB plus 32 KB of Q: well inside shared memory.
+    torch.bfloat16: PrefillLaunch(128, 64, 8, 3, "tf32"),
+    torch.float16: PrefillLaunch(128, 64, 8, 3, "tf32"),
+    # fp32 tiles are twice the bytes and tf32x3 splits each operand into a high and a
+    # low part, so half the rows and keys: the same footprint as the bf16 choice. The
+    # precision is three TF32 products (hi*hi + hi*lo + lo*hi, the same trick as torch's
+    # fp32 memory-efficient SDPA): errors near 2^-21 relative per product, far inside the
+    # fp32 tests' 1e-4 / 1e-5, on tensor cores rather than fp32 FMA units.
+    torch.float32: PrefillLaunch(64, 32, 4, 2, "tf32x3"),
+}
 
 
 @triton.jit
@@ -31,48 +68,69 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     block_size,
     GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Last tiles first: they reach furthest along the diagonal (the most keys), so
+    # starting them first leaves short programs, not long ones, for the final wave.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * BLOCK_M < q_len:
+    if tile * BLOCK_Q < q_len:
         ctx_len = tl.load(context_lens_ptr + seq)
         prefix = ctx_len - q_len  # position of the sequence's first query
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < q_len
-        query_pos = prefix + rows
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        query = tile * BLOCK_Q + rows // GROUP_PAD  # the row's query within the sequence
+        member = rows % GROUP_PAD  # the row's head within the group
+        row_mask = (query < q_len) & (member < GROUP)
+        query_pos = prefix + query
         dims = tl.arange(0, BLOCK_D)
-        dim_mask = dims < HEAD_DIM
-        q_mask = row_mask[:, None] & dim_mask[None, :]
-        tokens = (q_start + rows).to(tl.int64)
-        q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                    mask=q_mask, other=0.0)
+        q_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        tokens = (q_start + query).to(tl.int64)
+        heads = kv_head * GROUP + member
+        # Token-major rows: a token's group heads are adjacent in q, one contiguous run.
+        q_offsets = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
 
-        m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], NEG_BIG, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
         table = block_tables_ptr + seq * stride_bt
         # Causality bounds the keys this tile needs: up to its last real query.
-        kv_end = tl.minimum(ctx_len, prefix + tl.minimum((tile + 1) * BLOCK_M, q_len))
-        for start in range(0, kv_end, BLOCK_N):
+        kv_end = tl.minimum(ctx_len, prefix + tl.minimum((tile + 1) * BLOCK_Q, q_len))
+        # Key tiles ending at or before the first query's position: every row sees all
+        # of them (and they lie inside the context), so neither mask is compiled in.
+        # kv_end > first query's position, so full_end <= kv_end.
+        full_end = ((prefix + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
+        for start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                kv_head, block_size, dims, dim_mask, scale_log2,
-                CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                kv_head, block_size, scale_log2,
+                MASK_KEYS=False, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+        # The diagonal: at most cdiv(BLOCK_Q, BLOCK_N) + 1 tiles, not worth the shared
+        # memory of a pipeline (one stage keeps the two loops' buffers small together).
+        for start in tl.range(full_end, kv_end, BLOCK_N, num_stages=1):
+            m_i, l_i, acc = attend_tile(
+                q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                kv_head, block_size, scale_log2,
+                MASK_KEYS=True, CAUSAL=True, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -87,9 +145,10 @@ def paged_prefill_attention(
     *,
     num_seqs: int,
     max_query_len: int,
-    block_m: int = 64,
-    block_n: int = 32,
-    num_warps: int = 4,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new queries over its paged keys.
@@ -102,6 +161,10 @@ def paged_prefill_attention(
     :param query_start_loc: ``[>= num_seqs + 1]`` int32 cumulative query lengths.
     :param context_lens: ``[>= num_seqs]`` int32, cached prefix + new queries.
     :param max_query_len: the longest ``q_len`` (sizes the grid; host-known).
+    :param block_m: rows of a program's tile, query tokens times the group's query heads
+        (padded to a power of two); a power of two >= 16. ``block_n``: keys per step, a
+        power of two >= 16. These and ``num_warps`` / ``num_stages`` default to
+        :data:`LAUNCH` for ``q``'s dtype.
     :returns: ``out`` (allocated like ``q`` when not given). Rows of ``q`` owned by no
         sequence are left as they were in ``out`` (zeros when allocated here).
     """
@@ -110,11 +173,20 @@ def paged_prefill_attention(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
+    launch = LAUNCH.get(q.dtype, LAUNCH[torch.float32])
+    block_m = block_m or launch.block_m
+    block_n = block_n or launch.block_n
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        assert size >= 16 and size & (size - 1) == 0, f"{name} {size}: a power of two >= 16"
     if out is None:
         out = torch.zeros_like(q)
     if num_seqs == 0 or max_query_len == 0:
         return out
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # Tokens per tile; a group wider than block_m gets one token (rows = group_pad).
+    block_q = max(1, block_m // group_pad)
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         out,
@@ -125,12 +197,14 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         k_cache.shape[1],
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-    )
+        NUM_STAGES=num_stages or launch.num_stages,
+        DOT_PRECISION=launch.dot_precision,
+        num_warps=num_warps or launch.num_warps,
+    )  # fmt: skip
     return out

@@ -3,8 +3,20 @@
 One call attends a block of query rows to ``BLOCK_N`` key positions of one sequence:
 it looks each position's block up in the block table, loads keys and values, and
 folds the tile into the running max ``m_i``, denominator ``l_i`` and accumulator
-``acc``. The decode kernel masks only positions past its slice; the prefill kernel
-also masks keys past each query's own position (``CAUSAL``).
+``acc``. The rows may be several query heads of one GQA group (decode: the group of
+one token; prefill: a tile of tokens times the group), since they share the keys.
+
+Two masks, each compiled in or out (``tl.constexpr``), so the tiles that need none
+(prefill tiles wholly before the diagonal, the bulk of the work) pay nothing for them:
+
+* ``MASK_KEYS``: positions at or past ``hi`` are neither read (no stale or unwritten
+  slot is ever touched) nor seen (their score is ``-inf``, unless ``CAUSAL`` masks
+  them already, see below);
+* ``CAUSAL``: a row sees keys at positions ``<= query_pos`` of the row.
+
+The running max ``m_i`` is kept in scaled units (``scores * scale_log2``) while the
+raw scores are scaled only inside ``exp2``: ``max`` commutes with a positive scale,
+and ``s * scale - m`` is one fused multiply-add per score instead of two operations.
 """
 
 from __future__ import annotations
@@ -20,35 +32,58 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _load_kv_rows(
+    ptrs, pos, hi, dims, MASK_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """``[BLOCK_N, BLOCK_D]`` rows at ``ptrs``; masked positions and padded dims read as 0."""
+    if MASK_KEYS:
+        rows = tl.load(ptrs, mask=(pos < hi)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        rows = tl.load(ptrs)  # whole tile inside the context, no padded dims: no mask at all
+    else:
+        rows = tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    return rows
+
+
+@triton.jit
 def attend_tile(
     q, m_i, l_i, acc,
     start, hi, query_pos,
     table, k_cache_ptr, v_cache_ptr,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    kv_head, block_size, dims, dim_mask, scale_log2,
+    kv_head, block_size, scale_log2,
+    MASK_KEYS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)
-    pos_mask = pos < hi
+    dims = tl.arange(0, BLOCK_D)
     # int64 before the multiply: block * stride overflows int32 on large pools.
-    block = tl.load(table + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
-    offset = (pos % block_size).to(tl.int64)
-    kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    if CAUSAL:
-        visible = pos_mask[None, :] & (pos[None, :] <= query_pos[:, None])
+    if MASK_KEYS:
+        block = tl.load(table + pos // block_size, mask=pos < hi, other=0).to(tl.int64)
     else:
-        visible = pos_mask[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+        block = tl.load(table + pos // block_size).to(tl.int64)
+    offset = (pos % block_size).to(tl.int64)
+    k = _load_kv_rows(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                      + kv_head * stride_kh + dims[None, :], pos, hi, dims,
+                      MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if CAUSAL:
+        # No ``pos < hi`` term: callers set ``hi`` past every real row's position, so
+        # only rows that are never stored could see a position >= hi, and those keys
+        # were read as zeros (finite scores), never from the pool.
+        s = tl.where(pos[None, :] <= query_pos[:, None], s, float("-inf"))
+    elif MASK_KEYS:
+        s = tl.where((pos < hi)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+    v = _load_kv_rows(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                      + kv_head * stride_vh + dims[None, :], pos, hi, dims,
+                      MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
