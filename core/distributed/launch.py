@@ -8,9 +8,9 @@ and then:
 - on rank 0 returns an :class:`~kvrunner.llm.LLM` whose engine broadcasts each
   step to the group (``LLM.shutdown()`` releases the other ranks);
 - on every other rank serves those steps until rank 0 shuts down, then returns
-  ``None``; also ``None`` after this rank failed, once its error is printed and
-  reported for rank 0 to raise (so the process exits cleanly and torchrun does
-  not kill rank 0 before it has named the failed rank).
+  ``None``. A rank that fails prints its error, reports it for rank 0 to raise,
+  and ends its process at once with status 0 (so torchrun does not kill rank 0
+  before it has named the failed rank); ``launch`` does not return there.
 
 So a script reads::
 
@@ -30,7 +30,7 @@ import datetime
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -89,15 +89,30 @@ def launch(
             channel.report_failure(RankFailure.from_exception(rank, e))
             raise
         handed_to_rank_0(channel, rank, e)
-        return None
+        _leave_cleanly()
     except BaseException as e:
         channel.report_failure(RankFailure.from_exception(rank, e))
         raise
     if rank == 0:
         return LLM.from_executor(cfg, BroadcastExecutor(worker, channel))
-    if serve_broadcast(worker, channel):
-        group.destroy()
+    if not serve_broadcast(worker, channel):
+        _leave_cleanly()
+    group.destroy()
     return None
+
+
+def _leave_cleanly() -> NoReturn:
+    """End a failed rank > 0 now, exit status 0, its error already printed and reported.
+
+    Its sockets close with the process, which fails rank 0's pending collective, and
+    rank 0 raises the error. A normal interpreter exit could abort instead: the
+    process group, still held by the model's layers, is torn down by C++ destructors
+    while its threads are live ("terminate called without an active exception"),
+    and a non-zero status makes torchrun kill rank 0 before it names this rank.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
