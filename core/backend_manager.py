@@ -35,7 +35,7 @@ from kvrunner.plugins import (
     discover_backends,
     refuse_unmarked_hooks,
 )
-from kvrunner.write_targets import validate_write_targets
+from kvrunner.write_targets import require_fixed_names, validate_write_targets
 
 #: hooks that read the persistent buffers, so may only run once they exist
 NEEDS_BUFFERS = ("build_metadata", "build_capture_metadata", "cache_write_targets")
@@ -238,13 +238,7 @@ class BackendManager:
         results = self._call_each("cache_write_targets")
         for name in self.names:
             targets = validate_write_targets(name, results.get(name, []))
-            names = frozenset(t.name for t in targets)
-            first = self._target_names.setdefault(name, names)
-            if names != first:
-                raise BackendError(
-                    f"backend {name!r}: cache_write_targets returned {sorted(names)}, "
-                    f"earlier {sorted(first)}; the set of write targets is fixed"
-                )
+            require_fixed_names(name, targets, self._target_names)
             union += targets
         return union
 

@@ -17,7 +17,7 @@ from kvrunner import hookspecs
 from kvrunner.contract import CacheWriteTarget, StepMetadata
 from kvrunner.overlap_contract import LayerBackends, LayerStack, MicroBatch, OverlapContext
 from kvrunner.plugins import BackendError, BackendHookError, discover_backends
-from kvrunner.write_targets import validate_write_targets
+from kvrunner.write_targets import require_fixed_names, validate_write_targets
 
 #: the value of ``plugin_role`` an overlap plugin's factory declares
 OVERLAP_ROLE = "overlap"
@@ -47,7 +47,7 @@ class OverlapPlugin:
             self.pm.check_pending()
         except Exception as e:
             raise BackendError(f"overlap plugin {self.name!r} failed to load: {e}") from e
-        self._target_names: frozenset[str] | None = None
+        self._target_names: dict[str, frozenset[str]] = {}
 
     def _call(self, hook: str, **kwargs: Any) -> Any:
         try:
@@ -94,12 +94,5 @@ class OverlapPlugin:
     def write_targets(self) -> list[CacheWriteTarget]:
         """The plugin's own write targets (its mirrors), validated; a fixed set."""
         targets = validate_write_targets(self.name, self._call("cache_write_targets") or [])
-        names = frozenset(t.name for t in targets)
-        if self._target_names is None:
-            self._target_names = names
-        elif names != self._target_names:
-            raise BackendError(
-                f"overlap plugin {self.name!r}: cache_write_targets returned {sorted(names)}, "
-                f"earlier {sorted(self._target_names)}; the set of write targets is fixed"
-            )
+        require_fixed_names(self.name, targets, self._target_names)
         return targets

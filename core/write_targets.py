@@ -42,3 +42,17 @@ def validate_write_targets(name: str, targets: Any) -> list[CacheWriteTarget]:
     if len(set(names)) != len(names):
         raise BackendError(f"backend {name!r}: write target names repeat: {sorted(names)}")
     return owned
+
+
+def require_fixed_names(
+    name: str, targets: list[CacheWriteTarget], first_seen: dict[str, frozenset[str]]
+) -> None:
+    """Refuse an answer whose target names differ from ``name``'s first answer (kept in
+    ``first_seen``): blanking and the audit rely on one fixed set."""
+    names = frozenset(t.name for t in targets)
+    first = first_seen.setdefault(name, names)
+    if names != first:
+        raise BackendError(
+            f"backend {name!r}: cache_write_targets returned {sorted(names)}, "
+            f"earlier {sorted(first)}; the set of write targets is fixed"
+        )

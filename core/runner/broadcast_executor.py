@@ -111,9 +111,9 @@ def serve_broadcast(worker: RankWorker, channel: BroadcastChannel) -> bool:
     """Ranks > 0 under torchrun: run rank 0's commands until it says stop.
 
     Returns True on rank 0's stop. An error is printed here, reported for rank 0 to
-    raise as a WorkerError naming this rank, and then False is returned, so this
-    process exits cleanly and torchrun leaves rank 0 the time to do that (see
-    :mod:`~kvrunner.distributed.control`); one that cannot be reported is raised.
+    raise as a WorkerError naming this rank, and then False is returned: ``launch``
+    ends the process with status 0, so torchrun leaves rank 0 the time to do that
+    (see :mod:`~kvrunner.distributed.control`); one that cannot be reported is raised.
     """
     try:
         while True:
