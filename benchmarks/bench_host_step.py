@@ -1,14 +1,14 @@
 """Host work per decode step, without a model: where a GPU step's non-GPU time goes.
 
 The engine (scheduler, block manager) drives a stand-in executor that does the
-runner's host-side share of a step - ``prepare_step`` on the step, a pickle round
-trip of the step and of the reply as a tensor-parallel step makes, and one
-``SampledToken`` per sequence - and samples a fixed token. Nothing runs on a
-device, so this runs anywhere; compare it with the GPU step times in
-docs/benchmarks.md to see how much of them is host work.
+runner's host-side share of a step - ``prepare_step`` on the step, its placeholders
+fed, and the sampled columns unpacked as the engine reads them - and samples a
+fixed token. Nothing runs on a device, so this runs anywhere; compare it with the
+GPU step times in docs/benchmarks.md to see how much of them is host work.
 
-    python benchmarks/bench_host_step.py          # asynchronous steps (the default)
+    python benchmarks/bench_host_step.py          # one rank, asynchronous steps
     python benchmarks/bench_host_step.py --sync   # one step at a time
+    python benchmarks/bench_host_step.py --pickle # plus TP's pipe: step and reply pickled
 
 With nothing on a device to overlap, both do the same host work; the difference is
 the bookkeeping of a step in flight.
@@ -29,31 +29,39 @@ from kvrunner.runner.launched_step import DeviceTokens, feed_placeholders
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.sampling_params import SamplingParams
 
-BATCHES = (64, 256)
+BATCHES = (64, 256, 1024)
 PROMPT, NEW, BLOCK = 128, 256, 16
 
 
 class HostOnlyExecutor:
     """The host side of a step; the model's tokens are a constant."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, pickled: bool) -> None:
         self.num_blocks = num_blocks
+        #: round-trip the step and the reply through pickle, as a spawned TP group does
+        self.pickled = pickled
         self.previous: DeviceTokens | None = None
         self.input_ids = torch.zeros(8192, dtype=torch.int64)
 
     def execute(self, step: StepInput) -> list[SampledToken]:
-        step = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+        if self.pickled:
+            step = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
         prepare_step(step, block_size=BLOCK)
         feed_placeholders(self.input_ids, step, self.previous)  # the last step's tokens
         cols = step  # as the runner's sampler reads and answers it
         seq_ids = [s for s, sample in zip(cols.seq_id, cols.sample, strict=True) if sample]
         self.previous = DeviceTokens(seq_ids, torch.full((len(seq_ids),), 7))
         packed = (seq_ids, [7] * len(seq_ids), [None] * len(seq_ids), [None] * len(seq_ids))
-        return unpack_sampled(pickle.loads(pickle.dumps(packed)))
+        if self.pickled:
+            packed = pickle.loads(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+        return unpack_sampled(packed)
 
 
-def step_ms(batch: int, *, async_scheduling: bool = True) -> float:
-    """Mean host ms per decode step: (time for NEW tokens - time for 1) / (NEW - 1)."""
+def step_ms(
+    batch: int, *, async_scheduling: bool = True, pickled: bool = False, repeats: int = 3
+) -> float:
+    """Mean host ms per decode step: (time for NEW tokens - time for 1) / (NEW - 1),
+    each the fastest of ``repeats`` runs (the machine is shared: noise only adds)."""
 
     def run(new: int) -> float:
         config = EngineConfig.load(
@@ -61,7 +69,7 @@ def step_ms(batch: int, *, async_scheduling: bool = True) -> float:
             max_num_batched_tokens=8192, block_size=BLOCK, async_scheduling=async_scheduling,
         )
         blocks = batch * ((PROMPT + NEW + 16) // BLOCK + 1)
-        engine = LLMEngine(config, HostOnlyExecutor(blocks), eos_token_ids=(0,),
+        engine = LLMEngine(config, HostOnlyExecutor(blocks, pickled=pickled), eos_token_ids=(0,),
                            vocab_size=1000, uses_state_slots=False)
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         for i in range(batch):
@@ -73,16 +81,23 @@ def step_ms(batch: int, *, async_scheduling: bool = True) -> float:
         return time.perf_counter() - start
 
     run(4)  # warm up
-    return (run(NEW) - run(1)) / (NEW - 1) * 1e3
+    full = min(run(NEW) for _ in range(repeats))
+    prefill = min(run(1) for _ in range(repeats))
+    return (full - prefill) / (NEW - 1) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync", action="store_true", help="synchronous steps")
+    parser.add_argument("--pickle", action="store_true",
+                        help="pickle the step and the reply, as a spawned TP group does")
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (the min)")
     args = parser.parse_args()
     print(f"{'batch':>5} {'host ms/step':>13} {'µs/sequence':>12}")
-    for b in BATCHES:
-        ms = step_ms(b, async_scheduling=not args.sync)
+    for b in args.batches:
+        ms = step_ms(b, async_scheduling=not args.sync, pickled=args.pickle,
+                     repeats=args.repeats)
         print(f"{b:>5} {ms:>13.3f} {ms / b * 1e3:>12.2f}")
 
 
