@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvrunner.engine.block_pool import BlockPool, NoFreeBlocksError, hash_block_tokens
 from kvrunner.engine.sequence import Sequence
 from kvrunner.engine.state_slots import NoFreeStateSlotError, StateSlotPool
+from kvrunner.engine.table_rows import TableRows
 
 
 class BlockManager:
@@ -44,6 +45,9 @@ class BlockManager:
         # seq_id -> how many leading blocks of its table are already published (or were
         # prefix hits), so mark_computed hashes each block once.
         self._num_published: dict[int, int] = {}
+        #: every held table again, one array row each (``Sequence.table_row``): a
+        #: step's tables are then one gather, not one tuple per sequence
+        self.table_rows = TableRows()
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -115,6 +119,7 @@ class BlockManager:
         n = seq.num_tokens - hit_tokens if num_new_tokens is None else num_new_tokens
         fresh = self.blocks_needed(hit_tokens + n) - len(hits)
         seq.block_table = hits + [self.pool.allocate() for _ in range(fresh)]
+        seq.table_row = self.table_rows.acquire(seq.block_table)
         seq.num_computed_tokens = hit_tokens
         self._num_published[seq.seq_id] = len(hits)
         if self.num_state_slots > 0:
@@ -136,7 +141,12 @@ class BlockManager:
             return True
         if missing > self.pool.num_free:
             return False
-        seq.block_table.extend(self.pool.allocate() for _ in range(missing))
+        new = [self.pool.allocate() for _ in range(missing)]
+        seq.block_table.extend(new)
+        if seq.table_row == -1:  # a table not from allocate() (tests build them by hand)
+            seq.table_row = self.table_rows.acquire(seq.block_table)
+        else:
+            self.table_rows.extend(seq.table_row, new)
         return True
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
@@ -176,6 +186,9 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self.pool.free(block_id)
         seq.block_table.clear()
+        if seq.table_row != -1:
+            self.table_rows.release(seq.table_row)
+            seq.table_row = -1
         seq.num_computed_tokens = 0
         if seq.state_slot != -1:
             self.state_slots.free(seq.state_slot)

@@ -3,7 +3,7 @@
 With synchronous steps there is at most one, between ``schedule()`` and
 ``update()``. With asynchronous steps the engine schedules step N+1 while step N
 runs, so two can be in flight: the scheduler then plans from where each sequence
-*will* be once the newest step is done (:meth:`InFlight.ahead`), and the token that
+*will* be once the newest step is done (:meth:`InFlight.newest`), and the token that
 step samples is a placeholder the runner fills in on the device.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import SampledTokens
 from kvrunner.engine.sequence import Sequence
 
 #: steps that may be in flight at once: the one running and the one being prepared
@@ -20,21 +20,28 @@ MAX_IN_FLIGHT = 2
 
 
 class StepChunks:
-    """One step as the scheduler remembers it: tokens per sequence, and who samples.
+    """One step as the scheduler remembers it: its rows, tokens per sequence, and who
+    samples.
 
-    Built from the step's columns in C-level passes (a dict and a set, no object per
-    sequence): it is made on every step, and per-sequence objects cost garbage
-    collection time at batch 256.
+    Kept as the step's own columns plus a dict and a set built in C-level passes (no
+    object per sequence): it is made on every step, and per-sequence objects cost
+    garbage collection time at batch 256.
     """
 
-    __slots__ = ("num_tokens", "samples")
+    __slots__ = ("num_tokens", "sample_ids", "samples", "seqs", "sizes")
 
-    def __init__(self, step: StepInput) -> None:
+    def __init__(
+        self, seqs: list[Sequence], seq_ids: list[int], sizes: list[int], sample: list[bool]
+    ) -> None:
+        #: the rows as ``schedule()`` returned them, and the tokens each feeds
+        self.seqs = seqs
+        self.sizes = sizes
         #: seq id -> tokens its chunk feeds
-        self.num_tokens: dict[int, int] = dict(zip(step.seq_id, map(len, step.token_ids),
-                                                   strict=True))  # fmt: skip
-        #: seq ids whose chunk ends their known tokens, so the step samples for them
-        self.samples: set[int] = set(itertools.compress(step.seq_id, step.sample))
+        self.num_tokens: dict[int, int] = dict(zip(seq_ids, sizes, strict=True))
+        #: seq ids whose chunk ends their known tokens, so the step samples for them,
+        #: in row order (the order the runner answers in)
+        self.sample_ids: list[int] = list(itertools.compress(seq_ids, sample))
+        self.samples: set[int] = set(self.sample_ids)
 
 
 class InFlight:
@@ -68,24 +75,52 @@ class InFlight:
         return self._steps[-1] if self._steps else None
 
 
-def check_step_result(
-    chunks: StepChunks, seqs: list[Sequence], sampled: list[SampledToken]
-) -> dict[int, SampledToken]:
-    """Validate ``update()``'s arguments before anything changes; tokens by seq id.
+#: per row of ``update()``'s sequences: tokens fed, and the sampled token, its logprob
+#: and top logprobs (``None`` token: the row sampled nothing)
+AlignedResult = tuple[list[int], list[int | None], list[float | None], list[dict | None]]
 
-    Tokens for sequences that finished while the step ran (aborted, or ended by the
-    step before it) are dropped here: they were computed past the end.
+
+def check_step_result(
+    chunks: StepChunks, seqs: list[Sequence], sampled: SampledTokens
+) -> AlignedResult:
+    """Validate ``update()``'s arguments before anything changes; the step's sizes and
+    tokens row by row, aligned with ``seqs``.
+
+    The engine passes back the very list ``schedule()`` returned and the runner
+    answers in row order, so the columns are usually aligned already: two C-level
+    list compares show it, and no per-sequence lookup is made. Otherwise the tokens
+    are matched by seq id, and tokens for sequences that finished while the step ran
+    (aborted, or ended by the step before it) are dropped: they were computed past
+    the end.
     """
+    if seqs == chunks.seqs and sampled.seq_ids == chunks.sample_ids:
+        if len(sampled) == len(seqs):  # every row samples: a decode step
+            return chunks.sizes, sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        where = dict(zip(sampled.seq_ids, range(len(sampled)), strict=True))
+    else:
+        where = _match_by_id(chunks, seqs, sampled)
+    picked = [where.get(seq.seq_id) for seq in seqs]
+    return (
+        [chunks.num_tokens[seq.seq_id] for seq in seqs],
+        [None if k is None else sampled.token_ids[k] for k in picked],
+        [None if k is None else sampled.logprobs[k] for k in picked],
+        [None if k is None else sampled.top_logprobs[k] for k in picked],
+    )
+
+
+def _match_by_id(chunks: StepChunks, seqs: list[Sequence], sampled: SampledTokens) -> dict:
+    """Seq id -> its row in ``sampled``, for the rows that apply; raises on any
+    mismatch with the step."""
     ids = [s.seq_id for s in seqs]
     if sorted(ids) != sorted(chunks.num_tokens):
         raise ValueError(
             f"update() got sequences {ids}, the step scheduled {list(chunks.num_tokens)}"
         )
-    by_id: dict[int, SampledToken] = {}
-    for token in sampled:
-        if token.seq_id in by_id:
-            raise ValueError(f"two sampled tokens for sequence {token.seq_id}")
-        by_id[token.seq_id] = token
+    by_id: dict[int, int] = {}
+    for k, seq_id in enumerate(sampled.seq_ids):
+        if seq_id in by_id:
+            raise ValueError(f"two sampled tokens for sequence {seq_id}")
+        by_id[seq_id] = k
     stray = set(by_id) - chunks.num_tokens.keys()
     if stray:
         raise ValueError(f"sampled tokens for sequences not in this step: {sorted(stray)}")

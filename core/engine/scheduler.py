@@ -30,7 +30,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import SampledToken, SampledTokens, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
@@ -76,6 +76,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request; raises ValueError (queue untouched) if it can never run."""
         self.validate(seq)
+        seq.set_limits(eos_token_ids=self.eos_token_ids, max_model_len=self.config.max_model_len)
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
@@ -131,32 +132,40 @@ class Scheduler:
         sizes: list[int] = []  # tokens each feeds
         starts: list[int] = []  # from where: after what the step in flight feeds
         pending: list[int] = []  # 1 if the step in flight samples a token for it
+        samples: list[bool] = []  # whether this step samples for it
         newest = self._in_flight.newest()
         fed_ahead = newest.num_tokens if newest is not None else {}
         sampling_ahead = newest.samples if newest is not None else set()
-        max_len = self.config.max_model_len
+        block_size = self.block_manager.block_size
         preemptions_before = self.num_preemptions
 
+        # The hot loop of a step: every lookup it repeats per sequence is a local or
+        # a field cached on the sequence (``length_limit``), not a property call.
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            fed = fed_ahead.get(seq.seq_id, 0)
-            ahead = 1 if seq.seq_id in sampling_ahead else 0
-            if ahead and (
-                len(seq.token_ids) + 1 >= max_len
-                or seq.num_output_tokens + 1 >= seq.sampling_params.max_tokens
-            ):
-                i += 1  # the step in flight samples its last token: nothing to feed
-                continue
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            seq_id = seq.seq_id
+            known = len(seq.token_ids)
+            ahead = 0
+            if seq_id in sampling_ahead:
+                if known + 1 >= seq.length_limit:
+                    i += 1  # the step in flight samples its last token: nothing to feed
+                    continue
+                ahead = 1
+            start = seq.num_computed_tokens + fed_ahead.get(seq_id, 0)
             # Without chunked prefill a running sequence is only still prefilling when it
             # resumed with more tokens than a step may hold; chunking is its way through.
-            n = min(seq.num_uncomputed_tokens - fed + ahead, budget)
-            if not self._make_room(seq, fed + n):
+            n = min(known + ahead - start, budget)
+            if start + n > len(seq.block_table) * block_size and not self._make_room(
+                seq, start + n - seq.num_computed_tokens
+            ):
                 break  # seq preempted itself: it was the last running sequence
             seqs.append(seq)
             sizes.append(n)
-            starts.append(seq.num_computed_tokens + fed)
+            starts.append(start)
             pending.append(ahead)
+            samples.append(start + n == known + ahead)
             budget -= n
             i += 1
         preempted = self.num_preemptions > preemptions_before
@@ -182,48 +191,76 @@ class Scheduler:
             sizes.append(n)
             starts.append(seq.num_computed_tokens)
             pending.append(0)
+            samples.append(seq.num_computed_tokens + n == seq.num_tokens)
             budget -= n
 
         if not seqs:
             return None
-        step = step_columns(seqs, sizes, starts, pending)
-        self._in_flight.push(StepChunks(step))
+        step = step_columns(seqs, sizes, starts, pending, samples, self.block_manager.table_rows)
+        self._in_flight.push(StepChunks(seqs, step.seq_id, sizes, samples))
         return step, seqs
 
-    def update(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[Sequence]:
+    def update(
+        self, seqs: list[Sequence], sampled: SampledTokens | list[SampledToken]
+    ) -> list[Sequence]:
         """Apply the oldest step in flight: advance computed tokens, append samples,
         finish.
 
         ``seqs`` is the list ``schedule()`` returned; ``sampled`` holds one token for
         every chunk that had ``sample=True`` (tokens for sequences that finished during
-        the step - aborted, or ended by the step before - are dropped). Returns the
-        sequences that finished in this step.
+        the step - aborted, or ended by the step before - are dropped), as the
+        runner's columns or as ``SampledToken`` objects. Returns the sequences that
+        finished in this step.
         """
         chunks = self._in_flight.oldest()
-        by_id = check_step_result(chunks, seqs, sampled)
+        sizes, tokens, logprobs, tops = check_step_result(
+            chunks, seqs, SampledTokens.of(sampled)
+        )
         self._in_flight.pop_oldest()
 
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
         finished: list[Sequence] = []
-        for seq in seqs:
-            if seq.is_finished:  # aborted, or ended one step early: a token past the end
-                continue
-            running = seq.status is SequenceStatus.RUNNING
+        # The other hot loop: one pass over the step's rows, locals only, and the block
+        # manager called only for a chunk that fills a block (to publish it) or one
+        # whose count it must refuse.
+        for seq, n, token, logprob, top in zip(seqs, sizes, tokens, logprobs, tops,
+                                               strict=True):  # fmt: skip
+            status = seq.status
+            if status is SequenceStatus.FINISHED:
+                continue  # aborted, or ended one step early: a token past the end
+            running = status is SequenceStatus.RUNNING
             if running:  # else preempted since: its blocks are gone, its token stands
-                self.block_manager.mark_computed(seq, chunks.num_tokens[seq.seq_id])
-            token = by_id.get(seq.seq_id)
+                computed = seq.num_computed_tokens + n
+                if (
+                    computed // block_size == (computed - n) // block_size
+                    and computed <= len(seq.token_ids)
+                    and computed <= len(seq.block_table) * block_size
+                ):
+                    seq.num_computed_tokens = computed  # no block filled: nothing to publish
+                else:
+                    block_manager.mark_computed(seq, n)
             if token is None:
                 continue  # still prefilling
-            seq.append_token(token.token_id, token.logprob, token.top_logprobs)
-            reason = self._finish_reason(seq, token.token_id)
-            if reason is not None:
-                if running:
-                    self.block_manager.free(seq)
-                else:
-                    self.waiting.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-                del self._unfinished[seq.seq_id]
-                finished.append(seq)
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top)
+            # "stop" wins over "length" on the same token: the model ended on its own.
+            if token in seq.stop_on:
+                reason: FinishReason = "stop"
+            elif len(token_ids) >= seq.length_limit:
+                reason = "length"
+            else:
+                continue
+            if running:
+                block_manager.free(seq)
+            else:
+                self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            del self._unfinished[seq.seq_id]
+            finished.append(seq)
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
@@ -258,16 +295,3 @@ class Scheduler:
         # A prompt must fit whole; only a resumed sequence that outgrew the budget
         # altogether (add() refuses such prompts) is chunked, or it could never resume.
         return budget if remaining > self.config.max_num_batched_tokens else 0
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        # "stop" wins over "length" on the same token: the model ended on its own.
-        params = seq.sampling_params
-        is_eos = token_id in self.eos_token_ids
-        if token_id in params.stop_token_ids or (is_eos and not params.ignore_eos):
-            return "stop"
-        if (
-            seq.num_output_tokens >= params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        ):
-            return "length"
-        return None

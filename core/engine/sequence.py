@@ -55,6 +55,8 @@ class Sequence:
     block_hashes: list[int] = attrs.field(factory=list, init=False)
     #: recurrent-state slot while running, ``-1`` when the sequence holds none
     state_slot: int = attrs.field(default=-1, init=False)
+    #: the block manager's row holding ``block_table`` again (``-1`` while none)
+    table_row: int = attrs.field(default=-1, init=False)
     status: SequenceStatus = attrs.field(default=SequenceStatus.WAITING, init=False)
     finish_reason: FinishReason | None = attrs.field(default=None, init=False)
     #: the sampled token's logprob at each output position (``None`` if not asked)
@@ -63,13 +65,30 @@ class Sequence:
     top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
     #: admission order stamp given by the scheduler on ``add`` (-1 before that)
     arrival: int = attrs.field(default=-1, init=False)
+    #: ``len(prompt_token_ids)``, kept: the scheduler reads it for every row of every step
+    num_prompt_tokens: int = attrs.field(init=False)
+    # The finish conditions, folded into one set and one count so that a step checks
+    # each sequence with one lookup and one compare. The scheduler's ``add`` folds in
+    # its own limits (EOS ids, ``max_model_len``); see ``set_limits``.
+    #: token ids that end it ("stop")
+    stop_on: frozenset[int] = attrs.field(init=False)
+    #: the length (prompt and output) at which it ends ("length")
+    length_limit: int = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.set_limits(eos_token_ids=frozenset(), max_model_len=None)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def set_limits(self, *, eos_token_ids: frozenset[int], max_model_len: int | None) -> None:
+        """Fold the model's EOS ids (unless ``ignore_eos``) and ``max_model_len`` into
+        ``stop_on`` / ``length_limit``, next to the request's own stop ids and
+        ``max_tokens``."""
+        params = self.sampling_params
+        stops = frozenset(params.stop_token_ids)
+        self.stop_on = stops if params.ignore_eos else stops | eos_token_ids
+        limit = self.num_prompt_tokens + params.max_tokens
+        self.length_limit = limit if max_model_len is None else min(limit, max_model_len)
 
     @property
     def num_tokens(self) -> int:

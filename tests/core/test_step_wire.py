@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SampledToken, StepInput, no_samples, unpack_sampled
+from kvrunner.batch import (
+    BlockTables,
+    SampledToken,
+    SampledTokens,
+    StepInput,
+    no_samples,
+    unpack_sampled,
+)
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.steps import Row, rows_of, step_of
 
@@ -92,3 +101,40 @@ def test_the_row_helper_follows_the_step_fields_in_order() -> None:
     import attrs
 
     assert list(Row._fields) == [f.name for f in attrs.fields(StepInput)]
+
+
+tables = st.lists(st.lists(small, max_size=8), max_size=12)
+
+
+@given(tables)
+def test_block_tables_are_one_zero_padded_array_that_reads_back_as_the_tables(rows) -> None:
+    bt = BlockTables.from_rows(rows)
+    assert list(bt) == [tuple(r) for r in rows] and len(bt) == len(rows)
+    assert bt == rows and bt == BlockTables.from_rows(tuple(r) for r in rows)
+    width = max([len(r) for r in rows] + [1])
+    assert bt.array.shape == (len(rows), width) and bt.array.dtype == np.int32
+    for i, r in enumerate(rows):
+        assert bt[i] == tuple(r) and not bt.array[i, len(r):].any()
+    back = pickle.loads(pickle.dumps(bt, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == bt and back.array.flags.writeable
+
+
+def test_block_tables_refuse_an_array_of_the_wrong_shape() -> None:
+    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
+        BlockTables(np.zeros((2, 2), np.int32), np.array([3, 1]))
+
+
+@given(sampled_rows)
+def test_sampled_columns_read_back_as_their_tokens(rows: list) -> None:
+    tokens = [SampledToken(seq_id=s, token_id=t, logprob=lp, top_logprobs=top)
+              for s, t, lp, top in rows]  # fmt: skip
+    columns = SampledTokens.of(tokens)
+    assert columns == tokens and list(columns) == tokens and len(columns) == len(tokens)
+    assert [columns[i] for i in range(len(tokens))] == tokens
+    assert SampledTokens.of(columns) is columns
+    assert pickle.loads(pickle.dumps(columns)) == columns
+
+
+def test_sampled_columns_of_different_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        SampledTokens([1, 2], [3], [None], [None])

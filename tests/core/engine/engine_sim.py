@@ -110,6 +110,7 @@ def check_step(sched: Scheduler, step: StepInput, seqs: list[Seq]) -> None:
         assert c.token_ids == tuple(seq.token_ids[c.start_pos : c.start_pos + len(c.token_ids)])
         assert c.sample == (c.start_pos + len(c.token_ids) == seq.num_tokens)
         assert c.num_output_tokens == seq.num_output_tokens
+        assert c.block_table == tuple(seq.block_table)
         if not cfg.enable_chunked_prefill:
             # Whole prefills only, bar a resumed sequence that outgrew the budget.
             assert c.sample or seq.num_tokens > cfg.max_num_batched_tokens
@@ -134,6 +135,7 @@ def check_block_accounting(sched: Scheduler) -> None:
         if count > 1:
             assert bm.pool.block_hash(block) is not None, f"block {block} shared uncached"
     assert bm.num_free_blocks + len(mapped) == bm.num_blocks
+    check_table_rows(sched)
     for seq in sched.waiting:
         assert not seq.block_table and seq.state_slot == -1 and seq.num_computed_tokens == 0
     slots = [s.state_slot for s in sched.running]
@@ -142,6 +144,23 @@ def check_block_accounting(sched: Scheduler) -> None:
         assert bm.num_free_state_slots + len(slots) == bm.num_state_slots
     else:
         assert set(slots) <= {-1}
+
+
+def check_table_rows(sched: Scheduler) -> None:
+    """The block manager's persistent table rows always equal the sequences' tables:
+    one row per running sequence, its blocks then zeros, every other row all zeros."""
+    rows = sched.block_manager.table_rows
+    held = [seq.table_row for seq in sched.running]
+    assert -1 not in held and len(set(held)) == len(held)
+    assert rows.num_rows_held == len(held)
+    for seq in sched.running:
+        assert rows.table(seq.table_row) == seq.block_table
+    for seq in sched.waiting:
+        assert seq.table_row == -1
+    others = [r for r in range(len(rows.array)) if r not in set(held)]
+    assert not rows.array[others].any() and not rows.lens[others].any()
+    for seq in sched.running:
+        assert not rows.array[seq.table_row, len(seq.block_table):].any()
 
 
 def check_fairness(sched: Scheduler) -> None:

@@ -8,6 +8,8 @@ the batching, chunking, prefix hits and preemptions along the way.
 
 from __future__ import annotations
 
+import random
+
 from engine_sim import (
     FakeRunner,
     Workload,
@@ -18,7 +20,9 @@ from engine_sim import (
     workloads,
 )
 from hypothesis import given
+from hypothesis import strategies as st
 
+from kvrunner.batch import SampledTokens, StepInput, unpack_sampled
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
@@ -26,7 +30,27 @@ from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.sampling_params import SamplingParams
 
 
-def run_workload(w: Workload) -> tuple[Scheduler, list[Sequence]]:
+class ColumnsRunner(FakeRunner):
+    """Answers as the real runner does, in columns (``SampledTokens``), in row order
+    or, given a ``shuffle``, in any order."""
+
+    def __init__(self, block_manager: BlockManager, shuffle: random.Random | None) -> None:
+        super().__init__(block_manager)
+        self.shuffle = shuffle
+
+    def execute(self, step: StepInput) -> SampledTokens:
+        tokens = list(super().execute(step))
+        if self.shuffle is not None:
+            self.shuffle.shuffle(tokens)
+        columns = SampledTokens.of(tokens)
+        return unpack_sampled(
+            (columns.seq_ids, columns.token_ids, columns.logprobs, columns.top_logprobs)
+        )
+
+
+def run_workload(
+    w: Workload, runner: type[FakeRunner] = FakeRunner, **kw: object
+) -> tuple[Scheduler, list[Sequence]]:
     bm = BlockManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_state_slots)
     sched = Scheduler(w.config, bm, eos_token_id=fake_next_token([]))
     seqs = [
@@ -34,7 +58,7 @@ def run_workload(w: Workload) -> tuple[Scheduler, list[Sequence]]:
         for i, (_, prompt, m) in enumerate(w.requests)
     ]
     arrivals = [(step, seq) for (step, _, _), seq in zip(w.requests, seqs, strict=True)]
-    drive(sched, FakeRunner(bm), arrivals)
+    drive(sched, runner(bm, **kw), arrivals)
     return sched, seqs
 
 
@@ -65,6 +89,22 @@ def test_every_request_finishes_with_its_reference_outputs(w: Workload) -> None:
 def test_a_tight_pool_preempts_and_every_request_still_completes_correctly(w: Workload) -> None:
     sched, seqs = run_workload(w)
     check_outputs(w, sched, seqs)
+
+
+@given(workloads(tight_pool=True), st.randoms(use_true_random=False))
+def test_update_reads_columns_in_row_order_or_any_order_as_it_reads_objects(
+    w: Workload, rng: random.Random
+) -> None:
+    """The runner answers in columns, in row order (update's fast path); tests answer
+    with SampledToken objects; any other order is matched by seq id. All alike."""
+    results = []
+    for runner, kw in [(FakeRunner, {}), (ColumnsRunner, {"shuffle": None}),
+                       (ColumnsRunner, {"shuffle": rng})]:  # fmt: skip
+        sched, seqs = run_workload(w, runner, **kw)
+        check_outputs(w, sched, seqs)
+        results.append(([s.token_ids for s in seqs], [s.logprobs for s in seqs],
+                        sched.num_preemptions))  # fmt: skip
+    assert results[0] == results[1] == results[2]
 
 
 def test_the_tight_pool_workloads_do_exercise_preemption() -> None:
