@@ -133,7 +133,8 @@ class StepInput:
 
     @property
     def is_decode(self) -> bool:
-        return all(len(t) == 1 for t in self.token_ids) and all(p > 0 for p in self.start_pos)
+        # C-level passes (no generator): the runner asks this on every step.
+        return set(map(len, self.token_ids)) <= {1} and min(self.start_pos, default=1) > 0
 
     def __reduce__(self) -> tuple:
         # The lists themselves: ints pickle in C; attrs' per-object state would not.

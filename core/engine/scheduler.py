@@ -138,36 +138,38 @@ class Scheduler:
         sampling_ahead = newest.samples if newest is not None else set()
         block_size = self.block_manager.block_size
         preemptions_before = self.num_preemptions
+        add_seq, add_size, add_start = seqs.append, sizes.append, starts.append
+        add_pending, add_sample = pending.append, samples.append
 
         # The hot loop of a step: every lookup it repeats per sequence is a local or
-        # a field cached on the sequence (``length_limit``), not a property call.
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # a field cached on the sequence (``length_limit``), not a property call. A
+        # preemption pops ``running``'s tail, which simply ends the iteration there.
+        for seq in self.running:
+            if budget <= 0:
+                break
             seq_id = seq.seq_id
             known = len(seq.token_ids)
             ahead = 0
             if seq_id in sampling_ahead:
                 if known + 1 >= seq.length_limit:
-                    i += 1  # the step in flight samples its last token: nothing to feed
-                    continue
+                    continue  # the step in flight samples its last token: nothing to feed
                 ahead = 1
             start = seq.num_computed_tokens + fed_ahead.get(seq_id, 0)
             # Without chunked prefill a running sequence is only still prefilling when it
             # resumed with more tokens than a step may hold; chunking is its way through.
-            n = min(known + ahead - start, budget)
+            n = known + ahead - start
+            if n > budget:
+                n = budget
             if start + n > len(seq.block_table) * block_size and not self._make_room(
                 seq, start + n - seq.num_computed_tokens
             ):
                 break  # seq preempted itself: it was the last running sequence
-            seqs.append(seq)
-            sizes.append(n)
-            starts.append(start)
-            pending.append(ahead)
-            samples.append(start + n == known + ahead)
+            add_seq(seq)
+            add_size(n)
+            add_start(start)
+            add_pending(ahead)
+            add_sample(start + n == known + ahead)
             budget -= n
-            i += 1
         preempted = self.num_preemptions > preemptions_before
 
         # Admitting while another sequence just lost its blocks would only thrash. (So

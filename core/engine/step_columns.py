@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from operator import attrgetter, sub
+from operator import add, attrgetter, sub
 
 from kvrunner.batch import PLACEHOLDER_CHUNK, StepInput
 from kvrunner.engine.sequence import Sequence
@@ -42,7 +42,7 @@ def step_columns(
     outputs = list(map(sub, map(len, map(_token_ids, seqs)), map(_num_prompt_tokens, seqs)))
     if any(pending):
         # Seeds already count the token in flight.
-        outputs = [o + p for o, p in zip(outputs, pending, strict=True)]
+        outputs = list(map(add, outputs, pending))
     return StepInput(
         seq_id=list(map(_seq_id, seqs)),
         token_ids=tokens,
