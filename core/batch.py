@@ -108,7 +108,7 @@ class StepInput:
     last token may be :data:`PLACEHOLDER_TOKEN`: the previous step's sample). The
     scheduler builds it this way and the runner reads it this way, so no object per
     sequence is ever built. It pickles as its lists (shared ``SamplingParams``
-    once, through pickle's memo).
+    once, through pickle's memo) and the block tables' two arrays.
     """
 
     seq_id: list[int]

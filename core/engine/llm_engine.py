@@ -1,7 +1,8 @@
 """The engine loop: schedule, let the runner compute, feed tokens back.
 
 The engine decides who runs; it hands the runner plain ``StepInput`` data and gets
-plain ``SampledToken`` data back, so the runner can live in another process.
+the sampled tokens back as plain columns (``SampledTokens``), so the runner can live
+in another process.
 
 Asynchronous steps (``scheduler.async_scheduling``, the default): each ``step()``
 schedules and launches step N+1 *before* it waits for step N's tokens, so the host's
@@ -19,7 +20,7 @@ from typing import Protocol
 
 import attrs
 
-from kvrunner.batch import SampledToken, StepInput
+from kvrunner.batch import SampledToken, SampledTokens, StepInput
 from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
@@ -27,11 +28,15 @@ from kvrunner.engine.sequence import Sequence
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 
+#: a step's sampled tokens as an executor answers them: the runner's columns, or (an
+#: executor of the tests') one ``SampledToken`` per row; ``Scheduler.update`` reads both
+Sampled = SampledTokens | list[SampledToken]
+
 
 class PendingTokens(Protocol):
     """A launched step's tokens, which ``result()`` waits for."""
 
-    def result(self) -> list[SampledToken]: ...
+    def result(self) -> Sampled: ...
 
 
 class Executor(Protocol):
@@ -43,16 +48,16 @@ class Executor(Protocol):
 
     num_blocks: int
 
-    def execute(self, step: StepInput) -> list[SampledToken]: ...
+    def execute(self, step: StepInput) -> Sampled: ...
 
 
 @attrs.frozen
 class _Done:
     """Tokens already in hand (an executor without ``submit``)."""
 
-    tokens: list[SampledToken]
+    tokens: Sampled
 
-    def result(self) -> list[SampledToken]:
+    def result(self) -> Sampled:
         return self.tokens
 
 
