@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp()) / "qwen3-0.6b-random"
-    weight_bytes = write_checkpoint(path)
+    weight_bytes = write_checkpoint(path, max_positions=8192)  # room for the 4k TTFT prompt
     bw = copy_bandwidth_tbps() * 1e12
     s = SHAPE
     kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2

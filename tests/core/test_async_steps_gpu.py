@@ -27,7 +27,11 @@ PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11], [200]]
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
 def test_launching_a_step_makes_the_host_wait_for_nothing(tmp_path, kind: str) -> None:
     path = write_tiny_checkpoint(tmp_path / kind, kind=kind)
-    llm = LLM(model=str(path), max_num_seqs=4, max_model_len=64)
+    with LLM(model=str(path), max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.3) as llm:
+        _check_launches_wait_for_nothing(llm)
+
+
+def _check_launches_wait_for_nothing(llm: LLM) -> None:
     assert llm.runner.device.type == "cuda" and llm.engine.async_scheduling
     want = llm.generate(PROMPTS, MIX)  # first launches may initialise libraries: not checked
     launch = llm.runner.launch

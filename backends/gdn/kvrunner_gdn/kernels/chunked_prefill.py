@@ -178,8 +178,12 @@ def _chunk_map(cu: Sequence[int], chunk: int, device: torch.device) -> tuple[tor
     for lo, hi in zip(cu[:-1], cu[1:], strict=True):
         starts += range(lo, hi, chunk)
         ends += [hi] * len(range(lo, hi, chunk))
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
-    return as_t(starts), as_t(ends)
+    # Through pinned memory without blocking: a plain torch.tensor(..., device=cuda)
+    # makes the host wait for the queued work, and the host is meant to run ahead.
+    both = torch.tensor([starts, ends], dtype=torch.int32)
+    if device.type == "cuda":
+        both = both.pin_memory().to(device, non_blocking=True)
+    return both[0], both[1]
 
 
 def _triton_chunk(chunk_size: int, head_k: int, head_v: int) -> int:
