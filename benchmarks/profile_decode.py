@@ -33,7 +33,7 @@ def profile_batch(llm: LLM, batch: int, steps: int) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        llm.generate(prompts(batch, 2), params)
+        llm.generate(prompts(batch, 3), params)  # fresh prompts: no prefix-cache hits
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - t0
     events = prof.key_averages()
