@@ -183,17 +183,22 @@ def test_the_wrapper_with_only_pad_rows_writes_no_slot_and_outputs_zeros():
 # -- fla itself, on the GPU ------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def fla_kernel():
+    """fla's chunk_gated_delta_rule itself (module scope: hypothesis reruns the test)."""
+    return pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("h", [Heads(1, 2, 16, 16), Heads(2, 4, 128, 128)],
                          ids=["k16", "qwen3-next-heads"])
 @settings(max_examples=8)
 @given(case=cases(max_len=150))
-def test_fla_equals_the_torch_path_on_varlen_batches_with_history(case, h, dtype):
+def test_fla_equals_the_torch_path_on_varlen_batches_with_history(fla_kernel, case, h, dtype):
     """Random batches (fresh, continuing, forked and PAD rows; lengths across fla's
     64-token chunks) from nonzero states: outputs and written states as our torch path's,
     every other slot byte-identical."""
-    pytest.importorskip("fla.ops.gated_delta_rule")
     gen = torch.Generator().manual_seed(case.seed)
     pool = torch.randn(case.num_slots, h.hv, h.dk, h.dv, generator=gen).to(DEVICE) * 0.1
     poison_fresh_slots(pool, case)
@@ -205,7 +210,7 @@ def test_fla_equals_the_torch_path_on_varlen_batches_with_history(case, h, dtype
                                  h.dk**-0.5)
     after = pool.clone()
     out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write, h.dk**-0.5,
-                          cu_seqlens_host=case.cu_seqlens.tolist())
+                          cu_seqlens_host=case.cu_seqlens.tolist(), kernel=fla_kernel)
     assert out.dtype == dtype
     for i in range(case.num_seqs):
         rows = seq_rows(case, i)
