@@ -32,7 +32,11 @@ from hypothesis import given, settings
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_kernel, gdn_prefill_fla
+from kvrunner_gdn.kernels.fla_prefill import (
+    fla_chunk_indices,
+    fla_chunk_kernel,
+    gdn_prefill_fla,
+)
 from kvrunner_gdn.kernels.reference import ref_gated_delta_rule
 from kvrunner_gdn.prefill_choice import PREFILL_ENV, choose_prefill_kernel
 
@@ -116,16 +120,18 @@ def test_the_backend_reports_its_choice_and_hands_it_to_every_layer(monkeypatch)
 
 
 def oracle_in_fla_layout(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                         use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, cu_seqlens_cpu=None):
+                         use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, chunk_indices=None):
     """fla's documented contract for the wrapper's call (``[1, T, ...]`` varlen in,
     per-sequence initial and final states, output in q's dtype), computed by our naive
     oracle. A stand-in on the CPU: it checks the wrapper's layouts and indices, not fla.
     Rows outside every sequence stay NaN, as fla leaves them unwritten."""
     assert q.shape[0] == 1 and output_final_state and chunk_size in (16, 32, 64)
     assert cu_seqlens.dtype == torch.long and initial_state.dtype == torch.float32
-    if cu_seqlens_cpu is not None:
-        assert cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
     cu = cu_seqlens.tolist()
+    if chunk_indices is not None:  # (sequence, chunk) for every chunk, in order
+        expected = [[s, c] for s in range(len(cu) - 1)
+                    for c in range(-(-(cu[s + 1] - cu[s]) // chunk_size))]
+        assert chunk_indices.tolist() == expected
     out = torch.full(v.shape, float("nan"))
     finals = []
     for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
@@ -160,6 +166,14 @@ def test_the_wrapper_reads_and_writes_only_through_the_indices(case, h):
         assert rel_rms(out[rows], expected[rows]) < 1e-5, f"sequence {i} output"
         assert rel_rms(after[case.write[i]], expected_pool[case.write[i]]) < 1e-5
     assert_untouched(pool, after, case)
+
+
+def test_the_chunk_map_is_the_one_fla_would_build():
+    index = pytest.importorskip("fla.ops.utils.index")
+    for cu in ([0, 1], [0, 64, 65, 65, 300], [0, 17, 200, 201]):
+        for chunk in (16, 32, 64):
+            want = index.prepare_chunk_indices(torch.tensor(cu), chunk)
+            assert torch.equal(fla_chunk_indices(cu, chunk, torch.device("cpu")), want)
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the stand-in runs on the CPU")
@@ -209,8 +223,10 @@ def test_fla_equals_the_torch_path_on_varlen_batches_with_history(fla_kernel, ca
     expected = gdn_prefill_torch(q, k, v, g, beta, expected_pool, case.cu_seqlens, read, write,
                                  h.dk**-0.5)
     after = pool.clone()
+    # Half the batches without the host offsets: then fla builds its chunk map itself.
+    host = case.cu_seqlens.tolist() if case.seed % 2 else None
     out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write, h.dk**-0.5,
-                          cu_seqlens_host=case.cu_seqlens.tolist(), kernel=fla_kernel)
+                          cu_seqlens_host=host, kernel=fla_kernel)
     assert out.dtype == dtype
     for i in range(case.num_seqs):
         rows = seq_rows(case, i)

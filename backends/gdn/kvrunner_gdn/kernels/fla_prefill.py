@@ -14,8 +14,9 @@ and returns the final states ``[N, Hv, K, V]`` (fp32); it cannot index a pool. S
 4. copy each final state into the pool through its write index, and nowhere for a
    PAD row.
 
-No step reads a device value on the host: fla gets the host copy of ``cu_seqlens``
-for its chunk map, and the scatter avoids a boolean mask (see :func:`_scatter`).
+No step reads a device value on the host or waits for the device: fla gets its chunk
+map built from the host copy of ``cu_seqlens`` (:func:`fla_chunk_indices`), and the
+scatter avoids a boolean mask (see :func:`_scatter`).
 
 fla's numerics are its own: q and k are rounded to the input dtype after its L2 norm,
 its per-chunk states are rounded to the input dtype for the matrix products, and
@@ -52,6 +53,21 @@ def fla_chunk_size(chunk_size: int) -> int:
     """fla accepts chunks of 16, 32 or 64 tokens: the request rounded up to a power of two
     >= 16 (as our kernel does), at most 64. The result does not depend on it."""
     return min(64, dot_block(chunk_size))
+
+
+def fla_chunk_indices(cu_seqlens_host: Sequence[int], chunk: int,
+                      device: torch.device) -> torch.Tensor:
+    """fla's ``chunk_indices`` (a documented argument): ``[sequence, chunk within it]``
+    for every chunk of every sequence, ``[NT, 2]`` int64. Built on the host and copied
+    from pinned memory without blocking, where fla would copy from pageable memory, which
+    waits for the device to drain."""
+    pairs = [(s, c) for s, (lo, hi) in enumerate(zip(cu_seqlens_host[:-1], cu_seqlens_host[1:],
+                                                     strict=True))
+             for c in range(-(-(hi - lo) // chunk))]
+    host = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor) -> None:
@@ -105,14 +121,14 @@ def gdn_prefill_fla(
     # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
     initial = torch.where(reads[:, None, None, None], state[read.clamp(min=0)], 0.0)
     cu = cu_seqlens.long()
-    host: dict[str, Any] = {}
+    chunk = fla_chunk_size(chunk_size)
+    host: dict[str, Any] = {}  # without the host offsets, fla reads them (a sync)
     if cu_seqlens_host is not None:
-        host["cu_seqlens_cpu"] = torch.tensor(cu_seqlens_host, dtype=torch.long)
+        host["chunk_indices"] = fla_chunk_indices(cu_seqlens_host, chunk, cu.device)
     out, final = kernel(
         q[None], k[None], v[None], g[None], beta[None],
         scale=scale, initial_state=initial, output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu,
-        chunk_size=fla_chunk_size(chunk_size), **host,
+        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu, chunk_size=chunk, **host,
     )  # fmt: skip
     tokens = q.shape[0]
     # The sequence of every token row; rows past the last sequence get index `seqs`.
