@@ -61,9 +61,10 @@ def fla_chunk_indices(cu_seqlens_host: Sequence[int], chunk: int,
     for every chunk of every sequence, ``[NT, 2]`` int64. Built on the host and copied
     from pinned memory without blocking, where fla would copy from pageable memory, which
     waits for the device to drain."""
-    pairs = [(s, c) for s, (lo, hi) in enumerate(zip(cu_seqlens_host[:-1], cu_seqlens_host[1:],
-                                                     strict=True))
-             for c in range(-(-(hi - lo) // chunk))]
+    bounds = zip(cu_seqlens_host[:-1], cu_seqlens_host[1:], strict=True)
+    pairs = []
+    for s, (lo, hi) in enumerate(bounds):
+        pairs += [(s, c) for c in range(-(-(hi - lo) // chunk))]
     host = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
     if device.type == "cuda":
         host = host.pin_memory()
