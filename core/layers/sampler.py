@@ -10,8 +10,9 @@ filtered tokens at ``-inf`` can never win.
 Reproducibility: a request with ``seed`` draws its noise from a generator keyed
 by ``(seed, tokens generated so far)``, so its tokens do not depend on which other
 requests share the batch, on the batch order, or on preemption and recompute (on
-CUDA one Triton launch of a counter-based generator serves every seeded row; without
-Triton, torch's generator re-seeded per row: the two paths draw different noise).
+CUDA one Triton launch of a counter-based generator keyed by ``(seed, count)`` serves
+every seeded row; without Triton, torch's generator re-seeded per row with
+:func:`step_seed`: the two paths draw different noise).
 Requests without a seed share one generator (the engine's).
 
 Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
@@ -42,6 +43,14 @@ def step_seed(seed: int, num_generated: int) -> int:
     Hashed rather than summed so ``(seed, n)`` and ``(seed + 1, n - 1)`` do not collide.
     """
     digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def int64_seed(seed: int) -> int:
+    """``seed`` itself where it fits an int64, else a 63-bit hash of it."""
+    if -(2**63) <= seed < 2**63:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -124,10 +133,13 @@ def _gumbel(
     if seeded and use_triton(u):
         from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
 
-        # One launch of a counter-based generator for every seeded row.
-        keys = [step_seed(seeds[i], counts[i]) for i in seeded]
+        # One launch of a counter-based generator for every seeded row, keyed on the
+        # device: no per-row hashing here.
         seeded_uniform_(
-            u, on_device(seeded, torch.int64, device), on_device(keys, torch.int64, device)
+            u,
+            on_device(seeded, torch.int64, device),
+            on_device([int64_seed(seeds[i]) for i in seeded], torch.int64, device),
+            on_device([counts[i] for i in seeded], torch.int64, device),
         )
     elif seeded:
         # Without Triton: one generator re-seeded per row.

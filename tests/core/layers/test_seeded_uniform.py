@@ -1,7 +1,7 @@
 """The seeded-row noise kernel (Triton; under the interpreter without a GPU): a row's
-draws are a function of its seed alone, uniform on [0, 1), and the sampler built on
-them keeps its guarantees: a seeded request's token does not depend on its batch,
-and draws follow the filtered distribution."""
+draws are a function of its (seed, tokens generated) alone, uniform on [0, 1), and
+the sampler built on them keeps its guarantees: a seeded request's token does not
+depend on its batch, and draws follow the filtered distribution."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from kvrunner.layers.sampler import sample
 from kvrunner.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
-seeds = st.integers(0, 2**63 - 1)
+seeds = st.integers(-(2**63), 2**63 - 1)
+counts = st.integers(0, 100_000)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,13 +34,16 @@ def triton_sampling_path():
         os.environ[USE_TRITON_ENV] = before
 
 
-def draws(rows: int, vocab: int, at: list[int], keys: list[int]) -> torch.Tensor:
+def draws(rows: int, vocab: int, at: list[int], keys: list[tuple[int, int]]) -> torch.Tensor:
+    """``u[at[i]]`` drawn for ``keys[i] = (seed, count)``; other rows stay -1."""
     u = torch.full((rows, vocab), -1.0)
-    return seeded_uniform_(u, torch.tensor(at), torch.tensor(keys))
+    seed_list, count_list = zip(*keys, strict=True)
+    return seeded_uniform_(u, torch.tensor(at), torch.tensor(seed_list), torch.tensor(count_list))
 
 
-@given(st.lists(seeds, min_size=1, max_size=4, unique=True), st.integers(1, 300), st.data())
-def test_a_rows_draws_depend_on_its_seed_alone(keys: list[int], vocab: int, data) -> None:
+@given(st.lists(st.tuples(seeds, counts), min_size=1, max_size=4, unique=True),
+       st.integers(1, 300), st.data())
+def test_a_rows_draws_depend_on_its_seed_and_count_alone(keys, vocab: int, data) -> None:
     rows = len(keys) + data.draw(st.integers(0, 3))
     at = data.draw(st.permutations(range(rows)))[: len(keys)]
     u = draws(rows, vocab, at, keys)
@@ -50,15 +54,21 @@ def test_a_rows_draws_depend_on_its_seed_alone(keys: list[int], vocab: int, data
     assert (u[untouched] == -1.0).all()
 
 
-@given(seeds, seeds)
-def test_different_seeds_draw_differently(a: int, b: int) -> None:
+@given(st.tuples(seeds, counts), st.tuples(seeds, counts))
+def test_another_seed_or_count_draws_differently(a, b) -> None:
     if a == b:
         return
     assert not torch.equal(draws(1, 64, [0], [a])[0], draws(1, 64, [0], [b])[0])
 
 
+@given(seeds)
+def test_each_generated_token_draws_afresh(seed: int) -> None:
+    rows = draws(30, 64, list(range(30)), [(seed, count) for count in range(30)])
+    assert len({tuple(row.tolist()) for row in rows}) == 30
+
+
 def test_draws_are_uniform() -> None:
-    u = draws(1, 20000, [0], [12345])[0].double().sort().values
+    u = draws(1, 20000, [0], [(12345, 7)])[0].double().sort().values
     # Kolmogorov-Smirnov: the empirical CDF stays within ~1.95 / sqrt(n) (p = 0.001)
     ecdf = torch.arange(1, u.numel() + 1, dtype=torch.float64) / u.numel()
     assert (ecdf - u).abs().max() < 1.95 / u.numel() ** 0.5
