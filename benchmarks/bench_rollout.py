@@ -69,9 +69,11 @@ def hf_seconds(model, prompts: list[list[int]], new: int, *, sample: bool) -> fl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--rollout-only", action="store_true",
+                    help="only the bf16 rollout with asynchronous steps (and its peer)")
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp()) / "qwen3-0.6b-random"
-    weight_bytes = write_checkpoint(path)
+    weight_bytes = write_checkpoint(path, max_positions=8192)  # room for the 4k TTFT prompt
     bw = copy_bandwidth_tbps() * 1e12
     s = SHAPE
     kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
@@ -81,7 +83,8 @@ def main() -> None:
     sampled = [SamplingParams(max_tokens=NEW, temperature=1.0, seed=i, ignore_eos=True)
                for i in range(BATCH)]
     on = ours_seconds(path, "bfloat16", prompts, sampled)
-    off = ours_seconds(path, "bfloat16", prompts, sampled, async_scheduling=False)
+    off = float("nan") if args.rollout_only else ours_seconds(
+        path, "bfloat16", prompts, sampled, async_scheduling=False)
     decode_floor = sum(weight_bytes + BATCH * (PROMPT + i) * kv_per_token for i in range(NEW)) / bw
     prefill_floor = 2 * weight_bytes / 2 * BATCH * PROMPT / (BF16_TFLOPS * 1e12)
     floor = decode_floor + prefill_floor
@@ -89,7 +92,7 @@ def main() -> None:
                ("rollout bf16 (async off)", BATCH * NEW, off, floor)]
 
     heavy = []
-    for length in (1024, 1900):
+    for length in () if args.rollout_only else (1024, 1900):
         p = random_prompts(32, length, seed=length)
         greedy = [SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)] * 32
         heavy.append((f"fp32 prompts {length}", 32 * 64, ours_seconds(path, "float32", p, greedy),
@@ -97,18 +100,19 @@ def main() -> None:
 
     long_prompt = random_prompts(1, 4096, seed=7)
     one = [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)]
-    ttft = ours_seconds(path, "bfloat16", long_prompt, one)
+    ttft = float("nan") if args.rollout_only else ours_seconds(path, "bfloat16", long_prompt, one)
 
     hf: dict[str, float] = {}
     if not args.skip_hf:
         import transformers
 
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16,) if args.rollout_only else (torch.bfloat16, torch.float32):
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda()
             model.eval()
             if dtype == torch.bfloat16:
                 hf["rollout"] = hf_seconds(model, prompts, NEW, sample=True)
-                hf["ttft"] = hf_seconds(model, long_prompt, 1, sample=False)
+                if not args.rollout_only:
+                    hf["ttft"] = hf_seconds(model, long_prompt, 1, sample=False)
             else:
                 for name, _, _, p in heavy:
                     hf[name] = hf_seconds(model, p, 64, sample=False)

@@ -7,9 +7,12 @@ top-k, as vLLM does), and draw with the Gumbel-max trick: ``argmax(logits + G)``
 with ``G`` standard Gumbel noise is an exact draw from ``softmax(logits)``, and
 filtered tokens at ``-inf`` can never win.
 
-Reproducibility: a request with ``seed`` draws its noise from a generator seeded
+Reproducibility: a request with ``seed`` draws its noise from a generator keyed
 by ``(seed, tokens generated so far)``, so its tokens do not depend on which other
-requests share the batch, on the batch order, or on preemption and recompute.
+requests share the batch, on the batch order, or on preemption and recompute (on
+CUDA one Triton launch of a counter-based generator keyed by ``(seed, count)`` serves
+every seeded row; without Triton, torch's generator re-seeded per row with
+:func:`step_seed`: the two paths draw different noise).
 Requests without a seed share one generator (the engine's).
 
 Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
@@ -30,6 +33,7 @@ import attrs
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput
+from kvrunner.layers.fused.dispatch import use_triton
 from kvrunner.sampling_params import SamplingParams
 
 
@@ -39,6 +43,14 @@ def step_seed(seed: int, num_generated: int) -> int:
     Hashed rather than summed so ``(seed, n)`` and ``(seed + 1, n - 1)`` do not collide.
     """
     digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def int64_seed(seed: int) -> int:
+    """``seed`` itself where it fits an int64, else a 63-bit hash of it."""
+    if -(2**63) <= seed < 2**63:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -52,7 +64,10 @@ class SamplerOutput:
     """
 
     token_ids: torch.Tensor  # [N] long
-    logprobs: torch.Tensor  # [N] float32, the sampled token's logprob
+    #: [N] float32, the sampled token's logprob; None when no row asked for logprobs
+    logprobs: torch.Tensor | None
+    #: [N] float32, each row's largest raw logit: NaN exactly where the row holds a NaN
+    row_max: torch.Tensor
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     num_top: tuple[int, ...]
@@ -114,14 +129,24 @@ def _gumbel(
         u[on_device(unseeded, torch.int64, device)] = torch.rand(
             len(unseeded), vocab, generator=generator, device=device
         )
-    if len(unseeded) < rows:
-        # One generator re-seeded per row: creating a CUDA generator per row costs
-        # ~3x more than re-seeding one, and in-place uniform_ skips a copy.
+    seeded = [i for i, s in enumerate(seeds) if s is not None]
+    if seeded and use_triton(u):
+        from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
+
+        # One launch of a counter-based generator for every seeded row, keyed on the
+        # device: no per-row hashing here.
+        seeded_uniform_(
+            u,
+            on_device(seeded, torch.int64, device),
+            on_device([int64_seed(seeds[i]) for i in seeded], torch.int64, device),
+            on_device([counts[i] for i in seeded], torch.int64, device),
+        )
+    elif seeded:
+        # Without Triton: one generator re-seeded per row.
         g = torch.Generator(device=device)
-        for i, (seed, count) in enumerate(zip(seeds, counts, strict=True)):
-            if seed is not None:
-                g.manual_seed(step_seed(seed, count))
-                u[i].uniform_(generator=g)
+        for i in seeded:
+            g.manual_seed(step_seed(seeds[i], counts[i]))
+            u[i].uniform_(generator=g)
     # Keep u strictly inside (0, 1) so both logs are finite: an infinite noise value
     # could lift a filtered (-inf) token to NaN and NaN wins argmax.
     eps = torch.finfo(u.dtype).eps
@@ -150,7 +175,9 @@ def sample(
             f"sample: {n} logit rows but {len(params)} params and {len(num_generated)} counts"
         )
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    # max, not argmax: the same first-maximum index, and the values tell NaN rows
+    # apart (max propagates NaN) without another pass over the logits.
+    row_max, tokens = logits.max(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = on_device(random_rows, torch.int64, logits.device)
@@ -170,14 +197,17 @@ def sample(
         )
         tokens[rows] = (scaled + noise).argmax(dim=-1)
 
-    all_logprobs = torch.log_softmax(logits, dim=-1)
-    token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
     num_top = tuple(min(p.logprobs or 0, vocab) for p in params)
-    top_ids = top_values = None
-    if max(num_top, default=0) > 0:
-        top_values, top_ids = all_logprobs.topk(max(num_top), dim=-1)
+    token_logprobs = top_ids = top_values = None
+    # A [N, V] log_softmax is the sampler's largest pass: only when a row asks.
+    if any(p.logprobs is not None for p in params):
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if max(num_top, default=0) > 0:
+            top_values, top_ids = all_logprobs.topk(max(num_top), dim=-1)
     return SamplerOutput(
         token_ids=tokens,
+        row_max=row_max,
         logprobs=token_logprobs,
         top_ids=top_ids,
         top_logprobs=top_values,
@@ -190,8 +220,8 @@ def to_packed(
 ) -> PackedSampled:
     """The sampled tokens as columns; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
-    logprobs = out.logprobs.tolist()
     wants = [p.logprobs is not None for p in params]
+    logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
     return (
         seq_ids,
         tokens,

@@ -6,6 +6,7 @@ tensor-parallel rank.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 
@@ -195,6 +196,11 @@ class ModelRunner(SleepWake, StepLaunch):
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
+            # An engine the caller dropped without shutdown() still holds its pool until
+            # Python collects its reference cycles (graphs, modules); counted as ours,
+            # it would shrink this one's budget, or leave none.
+            gc.collect()
+            torch.cuda.empty_cache()
             self.activation_peak_bytes = self._profile_peak_bytes()
         budget = cache_budget_bytes(cache, self.device, peak_bytes=self.activation_peak_bytes)
         return num_blocks_for_budget(

@@ -74,8 +74,8 @@ class StepLaunch:
                 tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
                 self._keep_tokens(step, self.group.broadcast_from_first(tokens))
             return LaunchedStep(None)
-        self._nan_rows += torch.isnan(logits).any(dim=-1).sum()
         samples = self.sampler.sample_step_rows(logits, step)
+        self._nan_rows += torch.isnan(samples.out.row_max).sum()
         tokens = samples.out.token_ids
         self._keep_tokens(step, self.group.broadcast_from_first(tokens) if self.shares_samples
                           else tokens)

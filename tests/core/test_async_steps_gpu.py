@@ -27,7 +27,11 @@ PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11], [200]]
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
 def test_launching_a_step_makes_the_host_wait_for_nothing(tmp_path, kind: str) -> None:
     path = write_tiny_checkpoint(tmp_path / kind, kind=kind)
-    llm = LLM(model=str(path), max_num_seqs=4, max_model_len=64)
+    with LLM(model=str(path), max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.3) as llm:
+        _check_launches_wait_for_nothing(llm)
+
+
+def _check_launches_wait_for_nothing(llm: LLM) -> None:
     assert llm.runner.device.type == "cuda" and llm.engine.async_scheduling
     want = llm.generate(PROMPTS, MIX)  # first launches may initialise libraries: not checked
     launch = llm.runner.launch
@@ -45,3 +49,20 @@ def test_launching_a_step_makes_the_host_wait_for_nothing(tmp_path, kind: str) -
     got = llm.generate(PROMPTS, MIX)
     assert any(-1 in t for step in launched for t in step.token_ids), "placeholders were fed"
     assert [o.token_ids for o in got][:2] == [o.token_ids for o in want][:2]  # greedy, seeded
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
+def test_seeded_and_greedy_tokens_are_those_of_synchronous_steps(tmp_path, kind: str) -> None:
+    path = str(write_tiny_checkpoint(tmp_path / kind, kind=kind))
+    prompts = [[5 + i, 6, 7 + 2 * i, 8] * (1 + i % 3) for i in range(12)]
+    params = [
+        SamplingParams(max_tokens=10 + i % 4, temperature=0.9, top_p=0.95, seed=i, logprobs=1)
+        if i % 2 else SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[17])
+        for i in range(12)
+    ]
+    got = {}
+    for mode in (True, False):
+        with LLM(model=path, max_num_seqs=8, max_model_len=64, gpu_memory_utilization=0.3,
+                 async_scheduling=mode) as llm:
+            got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got[True] == got[False]

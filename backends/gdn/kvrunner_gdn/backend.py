@@ -19,6 +19,7 @@ from kvrunner.contract import BackendContext, CacheSpec, CacheWriteTarget, StepM
 from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
 from kvrunner_gdn.layer import GDNLayer
 from kvrunner_gdn.metadata import GDNMetadata, GDNMetadataBuilder
+from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 from kvrunner_gdn.state import GDNShapes, GDNStatePool, cache_rows
 
 LAYER_TYPE = "linear_attention"
@@ -43,6 +44,12 @@ class GDNBackend:
         self.name = context.name
         self.shapes = GDNShapes.from_model(context.model)
         self.pool = GDNStatePool(self.shapes, context.layers, context.device)
+        #: "fla", "triton" or "torch": every layer's chunked prefill, chosen here once
+        #: (``KVRUNNER_GDN_PREFILL``, see :mod:`kvrunner_gdn.prefill_choice`)
+        self.prefill_kernel = choose_prefill_kernel(
+            use_triton=context.use_triton, device=context.device, dtype=context.dtype,
+            head_k_dim=self.shapes.head_k_dim,
+        )
         #: built by persistent_buffers, which the core calls before any metadata hook
         self.builder: GDNMetadataBuilder | None = None
 
@@ -113,4 +120,5 @@ class GDNBackend:
             pool=self.pool,
             use_triton=self.context.use_triton,
             chunk_size=self.chunk_size,
+            prefill_kernel=self.prefill_kernel,
         )

@@ -10,7 +10,8 @@ sigmoid(b)``; the gated RMSNorm with ``z``; ``out_proj``.
 The **layer** owns the state: the causal conv over ``mixed_qkv`` with SiLU (conv
 state in the pool), the split into q/k/v, q/k L2 norm and the ``1/sqrt(head_k_dim)``
 query scale, and the gated delta rule (recurrent state in the pool): the decode
-kernel for pure-decode steps, the chunked prefill for everything else.
+kernel for pure-decode steps, the chunked prefill for everything else (ours, or
+fla's where :mod:`kvrunner_gdn.prefill_choice` picks it).
 
 Call::
 
@@ -35,14 +36,18 @@ decode step ``T`` may be the padded batch size of a captured graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvrunner.contract import ForwardContext
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
 from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
 from kvrunner_gdn.kernels.conv_torch import conv1d_prefill_torch, conv1d_update_torch
+from kvrunner_gdn.kernels.fla_prefill import fla_chunk_kernel, gdn_prefill_fla
 from kvrunner_gdn.kernels.recurrent_decode_torch import gdn_decode_torch
 from kvrunner_gdn.metadata import GDNMetadata
+from kvrunner_gdn.prefill_choice import KERNELS
 from kvrunner_gdn.state import GDNShapes, GDNStatePool
 
 
@@ -52,6 +57,9 @@ class GDNLayer:
     Implements :class:`kvrunner.layers.attention.LinearAttentionImpl`. Kernels are
     chosen once, at construction: the Triton launchers when ``use_triton`` (compiled
     on CUDA, interpreted under ``TRITON_INTERPRET=1``), else the plain-torch path.
+    ``prefill_kernel`` (``"torch"``, ``"triton"`` or ``"fla"``, see
+    :mod:`kvrunner_gdn.prefill_choice`; by default the one ``use_triton`` implies)
+    names the chunked prefill's, and stays readable on the layer.
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class GDNLayer:
         pool: GDNStatePool,
         use_triton: bool,
         chunk_size: int = DEFAULT_CHUNK,
+        prefill_kernel: str | None = None,
     ) -> None:
         self.layer_index = layer_index
         self.backend_name = backend_name
@@ -86,6 +95,15 @@ class GDNLayer:
             self._conv_prefill = conv1d_prefill_triton
             self._decode = gdn_decode_triton
             self._prefill = gdn_prefill_triton
+        self.prefill_kernel = prefill_kernel or ("triton" if use_triton else "torch")
+        if self.prefill_kernel not in KERNELS or (self.prefill_kernel != "torch") != use_triton:
+            raise ValueError(f"prefill_kernel {self.prefill_kernel!r} with use_triton={use_triton}")
+        if self.prefill_kernel == "fla":
+            # Bound once: the import is looked up here, never on the hot path.
+            kernel = fla_chunk_kernel()
+            if kernel is None:
+                raise RuntimeError("prefill_kernel 'fla', but fla (fla-core) does not import")
+            self._prefill = functools.partial(gdn_prefill_fla, kernel=kernel)
 
     # Shapes the model needs to lay out its projections.
     @property
@@ -146,7 +164,7 @@ class GDNLayer:
         v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
         if md.is_decode:
             return self._decode(q, k, v, g, beta, ssm_state, read, write, self.scale, True)
-        if self.use_triton:
+        if self.prefill_kernel != "torch":  # Triton or fla: both take the host offsets
             return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
                                  md.write_indices, self.scale, True, self.chunk_size,
                                  md.cu_seqlens_host or None)

@@ -114,6 +114,9 @@ def test_seeded_draws_change_with_the_generated_count() -> None:
 def test_logprobs_are_raw_log_softmax(batch) -> None:
     logits, params, counts = batch
     out = sample(logits, params, counts)
+    if all(p.logprobs is None for p in params):
+        assert out.logprobs is None and out.top_ids is None  # nobody asked: not computed
+        return
     reference = torch.log_softmax(logits.double(), dim=-1)
     expected = reference.gather(1, out.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs.double(), expected, rtol=1e-5, atol=1e-5)
@@ -213,3 +216,13 @@ def test_a_step_samples_its_sampling_chunks_with_logprobs_only_where_asked() -> 
     assert math.isclose(got[1].logprob, float(reference[1, got[1].token_id]), rel_tol=1e-6)
     assert len(got[2].top_logprobs) == 2
     assert max(got[2].top_logprobs.values()) == pytest.approx(float(reference[2].max()))
+
+
+@given(batches(), st.data())
+def test_row_max_is_nan_exactly_in_rows_holding_a_nan(batch, data) -> None:
+    logits, params, counts = batch
+    rows, vocab = logits.shape
+    for row in data.draw(st.sets(st.integers(0, rows - 1))):
+        logits[row, data.draw(st.integers(0, vocab - 1))] = math.nan
+    out = sample(logits, params, counts)
+    assert torch.equal(out.row_max.isnan(), logits.isnan().any(dim=-1))

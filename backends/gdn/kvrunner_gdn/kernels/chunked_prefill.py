@@ -37,8 +37,7 @@ import triton.language as tl
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
 from kvrunner_gdn.kernels.common import (
     DEFAULT_CHUNK,
-    check_heads,
-    check_indices,
+    check_chunked_prefill,
     dot_block,
     next_pow2,
 )
@@ -178,8 +177,12 @@ def _chunk_map(cu: Sequence[int], chunk: int, device: torch.device) -> tuple[tor
     for lo, hi in zip(cu[:-1], cu[1:], strict=True):
         starts += range(lo, hi, chunk)
         ends += [hi] * len(range(lo, hi, chunk))
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
-    return as_t(starts), as_t(ends)
+    # Through pinned memory without blocking: a plain torch.tensor(..., device=cuda)
+    # makes the host wait for the queued work, and the host is meant to run ahead.
+    both = torch.tensor([starts, ends], dtype=torch.int32)
+    if device.type == "cuda":
+        both = both.pin_memory().to(device, non_blocking=True)
+    return both[0], both[1]
 
 
 def _triton_chunk(chunk_size: int, head_k: int, head_v: int) -> int:
@@ -208,10 +211,7 @@ def gdn_prefill_triton(
 ) -> torch.Tensor:
     """Triton launcher (two launches, see the module docstring). ``cu_seqlens_host``, the
     host copy of ``cu_seqlens``, saves a device sync when the caller has it."""
-    check_heads(q, k, v, g, beta, state)
-    seqs = cu_seqlens.shape[0] - 1
-    check_indices("read_indices", read_indices, seqs)
-    check_indices("write_indices", write_indices, seqs)
+    seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
     tokens, num_k_heads, head_k = k.shape
     num_v_heads, head_v = v.shape[1:]
     group = num_v_heads // num_k_heads

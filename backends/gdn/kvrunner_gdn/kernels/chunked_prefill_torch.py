@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner_gdn.kernels.common import check_heads, check_indices, valid_rows
+from kvrunner_gdn.kernels.common import check_chunked_prefill, valid_rows
 from kvrunner_gdn.kernels.reference import l2norm
 
 
@@ -66,10 +66,7 @@ def gdn_prefill_torch(
     chunk_size: int = 64,
 ) -> torch.Tensor:
     """Plain-torch path: the same chunked math per sequence (host loop over sequences)."""
-    check_heads(q, k, v, g, beta, state)
-    seqs = cu_seqlens.shape[0] - 1
-    check_indices("read_indices", read_indices, seqs)
-    check_indices("write_indices", write_indices, seqs)
+    seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
     group = v.shape[1] // k.shape[1]
     out = torch.zeros(v.shape[0], *v.shape[1:], dtype=v.dtype, device=v.device)
     runs, reads = valid_rows(read_indices.long().cpu(), write_indices.long().cpu())

@@ -54,3 +54,15 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         raise ValueError(f"state pool {tuple(state.shape)} {state.dtype} does not match heads")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or not state.is_contiguous():
         raise ValueError("q/k/v need a unit last-dim stride and the state pool must be contiguous")
+
+
+def check_chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
+                          read_indices: torch.Tensor, write_indices: torch.Tensor) -> int:
+    """:func:`check_heads` plus one read and one write index per sequence of
+    ``cu_seqlens``, for every chunked-prefill path; returns the number of sequences."""
+    check_heads(q, k, v, g, beta, state)
+    seqs = cu_seqlens.shape[0] - 1
+    check_indices("read_indices", read_indices, seqs)
+    check_indices("write_indices", write_indices, seqs)
+    return seqs

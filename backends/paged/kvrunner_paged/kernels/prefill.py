@@ -47,12 +47,15 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     # 3 stages are 96 KB plus 32 KB of Q: well inside shared memory.
     torch.bfloat16: PrefillLaunch(128, 64, 8, 3, "tf32"),
     torch.float16: PrefillLaunch(128, 64, 8, 3, "tf32"),
-    # fp32 tiles are twice the bytes and tf32x3 splits each operand into a high and a
-    # low part, so half the rows and keys: the same footprint as the bf16 choice. The
-    # precision is three TF32 products (hi*hi + hi*lo + lo*hi, the same trick as torch's
-    # fp32 memory-efficient SDPA): errors near 2^-21 relative per product, far inside the
-    # fp32 tests' 1e-4 / 1e-5, on tensor cores rather than fp32 FMA units.
-    torch.float32: PrefillLaunch(64, 32, 4, 2, "tf32x3"),
+    # fp32: three TF32 products (hi*hi + hi*lo + lo*hi, the same trick as torch's fp32
+    # memory-efficient SDPA): errors near 2^-21 relative per product, far inside the
+    # fp32 tests' 1e-4 / 1e-5, on tensor cores rather than fp32 FMA units. fp32 tiles
+    # are twice the bytes and the split doubles the operands, so half the keys per
+    # step and two stages. Measured on an H200 (bench_prefill.py --dtypes fp32, worst
+    # ratio to SDPA over its 12 cases): 128/32/8/2 1.43, 32/32/4/2 1.41, 64/32/4/2
+    # 1.88, 64/32/4/3 2.16, 64/32/8/2 2.58; 128/64/8/2 failed to launch. (Plain
+    # "tf32" would be 1.31 but with 1e-3 errors; "ieee" about 6x SDPA.)
+    torch.float32: PrefillLaunch(128, 32, 8, 2, "tf32x3"),
 }
 
 
@@ -149,6 +152,7 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dot_precision: str | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new queries over its paged keys.
@@ -163,8 +167,8 @@ def paged_prefill_attention(
     :param max_query_len: the longest ``q_len`` (sizes the grid; host-known).
     :param block_m: rows of a program's tile, query tokens times the group's query heads
         (padded to a power of two); a power of two >= 16. ``block_n``: keys per step, a
-        power of two >= 16. These and ``num_warps`` / ``num_stages`` default to
-        :data:`LAUNCH` for ``q``'s dtype.
+        power of two >= 16. These, ``num_warps``, ``num_stages`` and
+        ``dot_precision`` default to :data:`LAUNCH` for ``q``'s dtype.
     :returns: ``out`` (allocated like ``q`` when not given). Rows of ``q`` owned by no
         sequence are left as they were in ``out`` (zeros when allocated here).
     """
@@ -204,7 +208,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         NUM_STAGES=num_stages or launch.num_stages,
-        DOT_PRECISION=launch.dot_precision,
+        DOT_PRECISION=dot_precision or launch.dot_precision,
         num_warps=num_warps or launch.num_warps,
     )  # fmt: skip
     return out

@@ -1,0 +1,142 @@
+"""The chunked prefill through flash-linear-attention's ``chunk_gated_delta_rule``.
+
+Same contract as :func:`~kvrunner_gdn.kernels.chunked_prefill.gdn_prefill_triton`
+(q, k ``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta ``[T, Hv]``, the fp32 pool ``[N, Hv, K,
+V]``, per-sequence read/write indices with PAD = -1), computed by fla (fla-core, an
+optional dependency: ``pip install kvrunner-gdn[fla]``). fla takes one varlen batch
+``[1, T, H, ...]`` with ``cu_seqlens``, starts sequence ``s`` from ``initial_state[s]``
+and returns the final states ``[N, Hv, K, V]`` (fp32); it cannot index a pool. So:
+
+1. gather each sequence's initial state through its read index (zeros where the read
+   index is PAD, or the row itself is PAD: as in our kernels, a fresh slot is never read);
+2. run fla over the whole step;
+3. zero the output rows of PAD sequences (and rows past the last sequence);
+4. copy each final state into the pool through its write index, and nowhere for a
+   PAD row.
+
+No step reads a device value on the host or waits for the device: fla gets its chunk
+map built from the host copy of ``cu_seqlens`` (:func:`fla_chunk_indices`), and the
+scatter avoids a boolean mask (see :func:`_scatter`).
+
+fla's numerics are its own: q and k are rounded to the input dtype after its L2 norm,
+its per-chunk states are rounded to the input dtype for the matrix products, and
+float32 inputs go through TF32 products on GPUs that have them. The value heads map
+to key heads as ours do (head ``h`` reads key head ``h // (Hv // Hk)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
+from kvrunner_gdn.kernels.common import DEFAULT_CHUNK, check_chunked_prefill, dot_block
+
+#: fla's chunk kernels keep the state in 64-row blocks of K, at most four (fla asserts it)
+FLA_MAX_HEAD_K = 256
+
+FlaChunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def fla_chunk_kernel() -> FlaChunk | None:
+    """fla's ``chunk_gated_delta_rule``, or ``None`` where fla does not import."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or built against another torch/triton
+        return None
+    return chunk_gated_delta_rule
+
+
+def fla_chunk_size(chunk_size: int) -> int:
+    """fla accepts chunks of 16, 32 or 64 tokens: the request rounded up to a power of two
+    >= 16 (as our kernel does), at most 64. The result does not depend on it."""
+    return min(64, dot_block(chunk_size))
+
+
+def fla_chunk_indices(cu_seqlens_host: Sequence[int], chunk: int,
+                      device: torch.device) -> torch.Tensor:
+    """fla's ``chunk_indices`` (a documented argument): ``[sequence, chunk within it]``
+    for every chunk of every sequence, ``[NT, 2]`` int64. Built on the host and copied
+    from pinned memory without blocking, where fla would copy from pageable memory, which
+    waits for the device to drain."""
+    bounds = zip(cu_seqlens_host[:-1], cu_seqlens_host[1:], strict=True)
+    pairs = []
+    for s, (lo, hi) in enumerate(bounds):
+        pairs += [(s, c) for c in range(-(-(hi - lo) // chunk))]
+    host = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor) -> None:
+    """``state[write[s]] = final[s]`` for every row with ``write[s] >= 0``, no other slot
+    changed, without a device-to-host sync. A PAD row is pointed at the slot of the first
+    running row with that row's own final state (a duplicate write of identical bytes),
+    or, when no row runs, at slot 0 with slot 0's current bytes."""
+    runs = write >= 0
+    first = torch.argmax(runs.to(torch.int32))  # the first running row; 0 if none runs
+    any_run = runs[first]
+    spare_slot = torch.where(any_run, write[first], 0)
+    spare_value = torch.where(any_run, final[first], state[0])
+    index = torch.where(runs, write, spare_slot)
+    source = torch.where(runs[:, None, None, None], final, spare_value)
+    state.index_copy_(0, index, source)
+
+
+def gdn_prefill_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = DEFAULT_CHUNK,
+    cu_seqlens_host: Sequence[int] | None = None,
+    *,
+    kernel: FlaChunk | None = None,
+) -> torch.Tensor:
+    """Prefill recurrence over concatenated sequences by fla; ``state`` updated in place.
+
+    ``kernel`` is fla's ``chunk_gated_delta_rule`` (looked up when ``None``; the layer
+    binds it once). Returns ``[T, Hv, V]`` in v's dtype; rows of PAD sequences are zero.
+    """
+    seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
+    if q.shape[0] == 0 or seqs == 0:
+        # Nothing for fla to compute; a zero-length sequence still carries its state over.
+        return gdn_prefill_torch(q, k, v, g, beta, state, cu_seqlens, read_indices,
+                                 write_indices, scale, use_qk_l2norm, chunk_size)
+    kernel = kernel or fla_chunk_kernel()
+    if kernel is None:
+        raise RuntimeError("flash-linear-attention (fla-core) does not import here")
+    read, write = read_indices.long(), write_indices.long()
+    runs = write >= 0
+    reads = runs & (read >= 0)
+    # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
+    initial = torch.where(reads[:, None, None, None], state[read.clamp(min=0)], 0.0)
+    cu = cu_seqlens.long()
+    chunk = fla_chunk_size(chunk_size)
+    host: dict[str, Any] = {}  # without the host offsets, fla reads them (a sync)
+    if cu_seqlens_host is not None:
+        host["chunk_indices"] = fla_chunk_indices(cu_seqlens_host, chunk, cu.device)
+    out, final = kernel(
+        q[None], k[None], v[None], g[None], beta[None],
+        scale=scale, initial_state=initial, output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu, chunk_size=chunk, **host,
+    )  # fmt: skip
+    tokens = q.shape[0]
+    # The sequence of every token row; rows past the last sequence get index `seqs`.
+    rows = torch.arange(tokens, device=cu.device)
+    seq_of_row = torch.searchsorted(cu, rows, right=True) - 1
+    keep = torch.cat([runs, runs.new_zeros(1)])[seq_of_row]
+    # fla leaves rows outside every sequence unwritten: select, so garbage cannot leak.
+    out = torch.where(keep[:, None, None], out[0].to(v.dtype), 0)
+    _scatter(state, final, write)
+    return out

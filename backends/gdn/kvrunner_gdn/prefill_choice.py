@@ -1,0 +1,77 @@
+"""Which kernel runs the chunked prefill: ours (Triton or torch) or fla's.
+
+Chosen once per backend, when it is built, from the environment variable
+``KVRUNNER_GDN_PREFILL``:
+
+- ``auto`` (default): fla's ``chunk_gated_delta_rule`` where it imports and the
+  layer is one it serves at our accuracy: Triton kernels on a CUDA device, a half
+  model dtype (bfloat16 / float16), ``head_k_dim <= 256``. Everywhere else ours:
+  Triton where the layer runs Triton, else the torch path (the CPU).
+- ``ours``: never fla.
+- ``fla``: fla wherever it can run at all, float32 included (its float32 products are
+  TF32 on GPUs that have them); an error where it cannot, so a forced run never
+  silently measures ours.
+
+float32 stays ours under ``auto`` because it is the dtype the engine is checked in
+against the torch path and transformers token for token, and TF32 is not that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvrunner_gdn.kernels.fla_prefill import FLA_MAX_HEAD_K, fla_chunk_kernel
+
+#: "auto" | "ours" | "fla"; read when a backend is built
+PREFILL_ENV = "KVRUNNER_GDN_PREFILL"
+MODES = ("auto", "ours", "fla")
+#: what a layer's ``prefill_kernel`` may be
+KERNELS = ("torch", "triton", "fla")
+#: model dtypes ``auto`` gives to fla
+AUTO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def prefill_mode() -> str:
+    """The mode the environment asks for (``auto`` when unset)."""
+    mode = os.environ.get(PREFILL_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{PREFILL_ENV}={mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _why_not_fla(*, use_triton: bool, device: torch.device, dtype: torch.dtype,
+                 head_k_dim: int, forced: bool) -> str | None:
+    """Why fla cannot serve this layer, or ``None`` when it can."""
+    if not use_triton or device.type != "cuda":
+        return f"the layer runs without Triton on CUDA (device {device.type})"
+    if head_k_dim > FLA_MAX_HEAD_K:
+        return f"head_k_dim {head_k_dim} > {FLA_MAX_HEAD_K}"
+    if not forced and dtype not in AUTO_DTYPES:
+        return f"model dtype {dtype} (auto gives fla only bfloat16/float16)"
+    if fla_chunk_kernel() is None:
+        return "fla (fla-core) does not import"
+    return None
+
+
+def choose_prefill_kernel(*, use_triton: bool, device: torch.device, dtype: torch.dtype,
+                          head_k_dim: int, mode: str | None = None) -> str:
+    """``"fla"``, ``"triton"`` or ``"torch"`` for a backend's layers (see the module doc).
+
+    ``mode`` defaults to :func:`prefill_mode`; ``fla`` raises ``ValueError`` naming the
+    reason where fla cannot serve the layer.
+    """
+    mode = prefill_mode() if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"prefill mode {mode!r}; expected one of {', '.join(MODES)}")
+    ours = "triton" if use_triton else "torch"
+    if mode == "ours":
+        return ours
+    reason = _why_not_fla(use_triton=use_triton, device=torch.device(device), dtype=dtype,
+                          head_k_dim=head_k_dim, forced=mode == "fla")
+    if reason is None:
+        return "fla"
+    if mode == "fla":
+        raise ValueError(f"{PREFILL_ENV}=fla, but fla cannot serve this layer: {reason}")
+    return ours

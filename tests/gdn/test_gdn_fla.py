@@ -1,0 +1,288 @@
+"""The chunked prefill through flash-linear-attention (fla-core), and the choice of it.
+
+On the CPU: which kernel a backend picks (fla only where it imports and serves the
+layer; ``ours`` keeps ours), and the wrapper's own work (gather through read indices,
+PAD rows, scatter through write indices) around a stand-in for fla. fla's kernels do
+not run under the Triton interpreter (fla 0.6.0's state kernel calls ``.to()`` on a
+loop counter, which the interpreter makes a Python int, and its autotuner needs a
+device to time on), so fla itself is compared with our torch path on the GPU only.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from gdn_testkit import (
+    DEVICE,
+    Heads,
+    assert_untouched,
+    cases,
+    heads,
+    make_manager,
+    poison_fresh_slots,
+    qkvgb,
+    rel_rms,
+    same_bytes,
+    seq_rows,
+)
+from hypothesis import given, settings
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
+from kvrunner_gdn.kernels.fla_prefill import (
+    fla_chunk_indices,
+    fla_chunk_kernel,
+    gdn_prefill_fla,
+)
+from kvrunner_gdn.kernels.reference import ref_gated_delta_rule
+from kvrunner_gdn.prefill_choice import PREFILL_ENV, choose_prefill_kernel
+
+#: a layer fla serves under ``auto``: Triton on CUDA, bf16, Qwen3-Next's head size
+CUDA_BF16 = dict(use_triton=True, device=torch.device("cuda"), dtype=torch.bfloat16,
+                 head_k_dim=128)
+#: fla against our fp32-state torch path: fla rounds q/k after its L2 norm and its
+#: per-chunk states to bf16 (and runs fp32 products as TF32), so the bound is the bf16
+#: output tolerance of test_gdn_decode, not the fp32 TOL; a wrong state or index is O(1).
+FLA_TOL = 1e-2
+
+
+def block_fla(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every ``import fla...`` fail, as where fla-core is not installed."""
+    for name in {"fla", *(n for n in sys.modules if n.startswith("fla."))}:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+# -- the choice -----------------------------------------------------------------------
+
+
+def test_auto_takes_fla_where_it_imports_and_ours_where_it_does_not(monkeypatch):
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    assert choose_prefill_kernel(mode="auto", **CUDA_BF16) == "fla"
+    block_fla(monkeypatch)  # the same layer, fla gone: only the import changed
+    assert choose_prefill_kernel(mode="auto", **CUDA_BF16) == "triton"
+
+
+def test_without_fla_auto_serves_ours_and_a_forced_fla_says_why(monkeypatch):
+    block_fla(monkeypatch)
+    assert fla_chunk_kernel() is None
+    assert choose_prefill_kernel(mode="auto", **CUDA_BF16) == "triton"
+    with pytest.raises(ValueError, match=f"{PREFILL_ENV}=fla.*does not import"):
+        choose_prefill_kernel(mode="fla", **CUDA_BF16)
+
+
+def test_the_environment_forces_ours_or_fla(monkeypatch):
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    for mode, expected in (("ours", "triton"), ("fla", "fla"), ("auto", "fla"), ("", "fla")):
+        monkeypatch.setenv(PREFILL_ENV, mode)
+        assert choose_prefill_kernel(**CUDA_BF16) == expected, mode
+    monkeypatch.setenv(PREFILL_ENV, "theirs")
+    with pytest.raises(ValueError, match="auto, ours, fla"):
+        choose_prefill_kernel(**CUDA_BF16)
+
+
+def test_auto_keeps_ours_for_float32_the_cpu_and_wide_heads():
+    """Each layer differs from CUDA_BF16 in one way only; fla imports, so ours is chosen
+    for that difference and not for a missing fla."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    choose = lambda mode, **change: choose_prefill_kernel(mode=mode, **(CUDA_BF16 | change))
+    assert choose("auto", dtype=torch.float32) == "triton"
+    assert choose("fla", dtype=torch.float32) == "fla"  # TF32, but asked for
+    assert choose("auto", head_k_dim=512) == "triton"
+    assert choose("auto", device=torch.device("cpu"), use_triton=False) == "torch"
+    assert choose("auto", device=torch.device("cpu")) == "triton"  # interpreted Triton
+    for change in ({"head_k_dim": 512}, {"device": torch.device("cpu")}):
+        with pytest.raises(ValueError, match="cannot serve"):
+            choose("fla", **change)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU's choice")
+def test_the_backend_reports_its_choice_and_hands_it_to_every_layer(monkeypatch):
+    for mode, use_triton, expected in (("ours", True, "triton"), ("auto", True, "triton"),
+                                       ("auto", False, "torch")):
+        monkeypatch.setenv(PREFILL_ENV, mode)
+        manager = make_manager(use_triton)
+        (backend,) = manager.pm.get_plugins()
+        assert backend.prefill_kernel == expected
+        manager.persistent_buffers(max_batch=4, max_tokens=128)
+        manager.allocate_cache(num_blocks=8, num_slots=5)
+        for index in backend.context.layers:
+            layer = manager.make_layer(layer_index=index, layer_type="linear_attention")
+            assert layer.prefill_kernel == expected
+    monkeypatch.setenv(PREFILL_ENV, "fla")  # fla cannot serve a CPU layer: said at once
+    with pytest.raises(Exception, match="cannot serve this layer"):
+        make_manager(True)
+
+
+# -- the wrapper around a stand-in ---------------------------------------------------------
+
+
+def oracle_in_fla_layout(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, chunk_indices=None):
+    """fla's documented contract for the wrapper's call (``[1, T, ...]`` varlen in,
+    per-sequence initial and final states, output in q's dtype), computed by our naive
+    oracle. A stand-in on the CPU: it checks the wrapper's layouts and indices, not fla.
+    Rows outside every sequence stay NaN, as fla leaves them unwritten."""
+    assert q.shape[0] == 1 and output_final_state and chunk_size in (16, 32, 64)
+    assert cu_seqlens.dtype == torch.long and initial_state.dtype == torch.float32
+    cu = cu_seqlens.tolist()
+    if chunk_indices is not None:  # (sequence, chunk) for every chunk, in order
+        expected = [[s, c] for s in range(len(cu) - 1)
+                    for c in range(-(-(cu[s + 1] - cu[s]) // chunk_size))]
+        assert chunk_indices.tolist() == expected
+    out = torch.full(v.shape, float("nan"))
+    finals = []
+    for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        o, final = ref_gated_delta_rule(q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi],
+                                        beta[0, lo:hi], initial_state[s], scale,
+                                        use_qk_l2norm_in_kernel)
+        out[0, lo:hi] = o
+        finals.append(final)
+    return out.to(q.dtype), torch.stack(finals)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the stand-in runs on the CPU")
+@given(case=cases(max_len=40), h=heads)
+def test_the_wrapper_reads_and_writes_only_through_the_indices(case, h):
+    gen = torch.Generator().manual_seed(case.seed)
+    pool = torch.randn(case.num_slots, h.hv, h.dk, h.dv, generator=gen)
+    poison_fresh_slots(pool, case)  # a fresh slot's NaN must reach no output or state
+    q, k, v, g, beta = qkvgb(h, sum(case.lens), gen)
+    read, write = case.indices()
+    expected_pool = pool.clone()
+    expected = gdn_prefill_torch(q, k, v, g, beta, expected_pool, case.cu_seqlens, read, write,
+                                 h.dk**-0.5, chunk_size=16)
+    after = pool.clone()
+    out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write, h.dk**-0.5,
+                          chunk_size=16, cu_seqlens_host=case.cu_seqlens.tolist(),
+                          kernel=oracle_in_fla_layout)
+    for i in range(case.num_seqs):
+        rows = seq_rows(case, i)
+        if case.write[i] < 0:
+            assert torch.count_nonzero(out[rows]) == 0, f"PAD sequence {i} produced output"
+            continue
+        assert rel_rms(out[rows], expected[rows]) < 1e-5, f"sequence {i} output"
+        assert rel_rms(after[case.write[i]], expected_pool[case.write[i]]) < 1e-5
+    assert_untouched(pool, after, case)
+
+
+def test_the_chunk_map_is_the_one_fla_would_build():
+    index = pytest.importorskip("fla.ops.utils.index")
+    for cu in ([0, 1], [0, 64, 65, 65, 300], [0, 17, 200, 201]):
+        for chunk in (16, 32, 64):
+            want = index.prepare_chunk_indices(torch.tensor(cu), chunk)
+            assert torch.equal(fla_chunk_indices(cu, chunk, torch.device("cpu")), want)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the stand-in runs on the CPU")
+def test_the_wrapper_with_only_pad_rows_writes_no_slot_and_outputs_zeros():
+    """No row runs: the scatter's spare write goes to slot 0 with slot 0's own bytes
+    (NaN here), and every output row -- one past the last sequence too -- is zero."""
+    h = Heads(1, 2, 8, 8)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, g, beta = qkvgb(h, 7, gen)
+    pool = torch.randn(3, h.hv, h.dk, h.dv, generator=gen)
+    pool[0] = float("nan")
+    after = pool.clone()
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    pad = torch.tensor([-1, -1], dtype=torch.int32)
+    out = gdn_prefill_fla(q, k, v, g, beta, after, cu, torch.tensor([1, -1], dtype=torch.int32),
+                          pad, h.dk**-0.5, kernel=oracle_in_fla_layout)
+    assert torch.count_nonzero(out) == 0
+    assert same_bytes(pool, after)
+
+
+# -- fla itself, on the GPU ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fla_kernel():
+    """fla's chunk_gated_delta_rule itself (module scope: hypothesis reruns the test)."""
+    return pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("h", [Heads(1, 2, 16, 16), Heads(2, 4, 128, 128)],
+                         ids=["k16", "qwen3-next-heads"])
+@settings(max_examples=8)
+@given(case=cases(max_len=150))
+def test_fla_equals_the_torch_path_on_varlen_batches_with_history(fla_kernel, case, h, dtype):
+    """Random batches (fresh, continuing, forked and PAD rows; lengths across fla's
+    64-token chunks) from nonzero states: outputs and written states as our torch path's,
+    every other slot byte-identical."""
+    gen = torch.Generator().manual_seed(case.seed)
+    pool = torch.randn(case.num_slots, h.hv, h.dk, h.dv, generator=gen).to(DEVICE) * 0.1
+    poison_fresh_slots(pool, case)
+    q, k, v, g, beta = qkvgb(h, sum(case.lens), gen)
+    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))  # g stays fp32, as the model's
+    read, write = case.indices()
+    expected_pool = pool.clone()
+    expected = gdn_prefill_torch(q, k, v, g, beta, expected_pool, case.cu_seqlens, read, write,
+                                 h.dk**-0.5)
+    after = pool.clone()
+    # Half the batches without the host offsets: then fla builds its chunk map itself.
+    host = case.cu_seqlens.tolist() if case.seed % 2 else None
+    out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write, h.dk**-0.5,
+                          cu_seqlens_host=host, kernel=fla_kernel)
+    assert out.dtype == dtype
+    for i in range(case.num_seqs):
+        rows = seq_rows(case, i)
+        if case.write[i] < 0:
+            assert torch.count_nonzero(out[rows]) == 0, f"PAD sequence {i} produced output"
+            continue
+        assert rel_rms(out[rows].float(), expected[rows].float()) < FLA_TOL, f"sequence {i}"
+        slot = case.write[i]
+        assert rel_rms(after[slot], expected_pool[slot]) < FLA_TOL, f"sequence {i} state"
+    assert_untouched(pool.cpu(), after.cpu(), case)
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    lengths = (1, 5, 17, 64, 73, 9, 30, 130)  # around and past fla's 64-token chunk
+    return [torch.randint(1, 400, (n,), generator=g).tolist() for n in lengths]
+
+
+def serve(path: str, monkeypatch: pytest.MonkeyPatch, mode: str, dtype: str,
+          **settings) -> tuple[str, list[list[int]]]:
+    """Greedy tokens of the tiny model with ``KVRUNNER_GDN_PREFILL=mode``, and the kernel
+    its gdn backend chose."""
+    monkeypatch.setenv(PREFILL_ENV, mode)
+    with LLM(model=path, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, max_num_seqs=8,
+             max_model_len=192, **settings) as llm:
+        kernel = llm.runner.backends.pm.get_plugin("gdn").prefill_kernel
+        tokens = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+        assert llm.runner.nan_rows == 0
+    return kernel, tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batched_tokens", [None, 24], ids=["whole", "chunked"])
+def test_tiny_qwen3_next_generates_the_same_greedy_tokens_with_fla_and_ours(
+    tmp_path, monkeypatch, batched_tokens
+):
+    """float32, forced fla (TF32 products) vs ours: token for token. "chunked" prefills
+    in 24-token steps, so fla continues states it wrote itself, beside decode rows. (bf16
+    is not compared token for token: perturbing our bf16 prefill by a relative 1e-3 on
+    the CPU flipped a sixth of this model's greedy tokens, fla or not.)"""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    path = str(write_tiny_checkpoint(tmp_path / "n", kind="qwen3-next"))
+    settings = {"max_num_batched_tokens": batched_tokens} if batched_tokens else {}
+    ours = serve(path, monkeypatch, "ours", "float32", **settings)
+    fla = serve(path, monkeypatch, "fla", "float32", **settings)
+    assert (ours[0], fla[0]) == ("triton", "fla")
+    assert fla[1] == ours[1]
+
+
+@pytest.mark.gpu
+def test_auto_serves_a_bf16_model_through_fla(tmp_path, monkeypatch):
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    path = str(write_tiny_checkpoint(tmp_path / "n", kind="qwen3-next"))
+    kernel, tokens = serve(path, monkeypatch, "auto", "bfloat16")
+    assert kernel == "fla"
+    assert [len(t) for t in tokens] == [GREEDY.max_tokens] * len(prompts())
