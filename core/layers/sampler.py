@@ -178,7 +178,7 @@ def sample(
     # max, not argmax: the same first-maximum index, and the values tell NaN rows
     # apart (max propagates NaN) without another pass over the logits.
     row_max, tokens = logits.max(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
     if random_rows:
         rows = on_device(random_rows, torch.int64, logits.device)
         temps = on_device([params[i].temperature for i in random_rows], torch.float32,
@@ -197,10 +197,11 @@ def sample(
         )
         tokens[rows] = (scaled + noise).argmax(dim=-1)
 
-    num_top = tuple(min(p.logprobs or 0, vocab) for p in params)
+    asked = [p.logprobs for p in params]
+    num_top = tuple(min(n or 0, vocab) for n in asked) if any(asked) else (0,) * n
     token_logprobs = top_ids = top_values = None
     # A [N, V] log_softmax is the sampler's largest pass: only when a row asks.
-    if any(p.logprobs is not None for p in params):
+    if asked.count(None) < n:
         all_logprobs = torch.log_softmax(logits, dim=-1)
         token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
         if max(num_top, default=0) > 0:
@@ -220,8 +221,10 @@ def to_packed(
 ) -> PackedSampled:
     """The sampled tokens as columns; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
+    if out.logprobs is None:  # no row asked: no per-row pass
+        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens)
     wants = [p.logprobs is not None for p in params]
-    logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
+    logprobs = out.logprobs.tolist()
     return (
         seq_ids,
         tokens,
@@ -249,10 +252,15 @@ def sample_step_rows(
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
     ``i``-th chunk with ``sample`` set. Nothing is read back to the host."""
     cols = step
-    rows = [i for i, wants in enumerate(cols.sample) if wants]
-    params = [cols.sampling[i] for i in rows]
-    out = sample(logits, params, [cols.num_output_tokens[i] for i in rows], generator=generator)
-    return StepSamples(out=out, seq_ids=[cols.seq_id[i] for i in rows], params=params)
+    if all(cols.sample):  # every decode step: the columns themselves, no index passes
+        params, counts, seq_ids = list(cols.sampling), cols.num_output_tokens, list(cols.seq_id)
+    else:
+        rows = [i for i, wants in enumerate(cols.sample) if wants]
+        params = [cols.sampling[i] for i in rows]
+        counts = [cols.num_output_tokens[i] for i in rows]
+        seq_ids = [cols.seq_id[i] for i in rows]
+    out = sample(logits, params, counts, generator=generator)
+    return StepSamples(out=out, seq_ids=seq_ids, params=params)
 
 
 def sample_step(

@@ -9,7 +9,7 @@ import traceback
 import weakref
 from typing import Any
 
-from kvrunner.batch import PackedSampled, SampledToken, StepInput
+from kvrunner.batch import PackedSampled, SampledTokens, StepInput
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S
@@ -39,7 +39,7 @@ class BroadcastExecutor:
         self._stopper.detach()  # the peers are gone: no "stop" to send
         return self.failure if peers else own
 
-    def execute(self, step: StepInput) -> list[SampledToken]:
+    def execute(self, step: StepInput) -> SampledTokens:
         return self.submit(step).result()
 
     def submit(self, step: StepInput) -> SubmittedStep:

@@ -1,7 +1,7 @@
 """Executors: what the engine calls to run a step, on one rank or a whole TP group.
 
 Every executor implements the engine's ``Executor`` protocol (``num_blocks`` and
-``execute(StepInput) -> list[SampledToken]``) and adds ``model_info`` (what the
+``execute(StepInput) -> SampledTokens``) and adds ``model_info`` (what the
 driver needs without the weights), ``call_ranks(name, *args)`` (one of
 :class:`~kvrunner.runner.rank_calls.RankCalls` on every rank, answers in rank order,
 a refusal raised here), ``capture()``, ``describe_ranks()`` and ``shutdown()``.
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kvrunner.batch import PackedSampled, SampledToken, StepInput, unpack_sampled
+from kvrunner.batch import PackedSampled, SampledTokens, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
@@ -47,7 +47,7 @@ class DriverExecutor(Protocol):
     #: the in-process runner (rank 0's under torchrun), or None when ranks are spawned
     runner: Any
 
-    def execute(self, step: StepInput) -> list[SampledToken]: ...
+    def execute(self, step: StepInput) -> SampledTokens: ...
 
     def submit(self, step: StepInput) -> SubmittedStep: ...
 
@@ -73,7 +73,7 @@ class LocalExecutor:
         self.model_info = ModelInfo.from_runner(self.runner)
         self._rank = _LocalRank(self.runner)
 
-    def execute(self, step: StepInput) -> list[SampledToken]:
+    def execute(self, step: StepInput) -> SampledTokens:
         self.check()
         return unpack_sampled(self.runner.execute(step))
 
@@ -155,7 +155,7 @@ class MultiprocExecutor:
         self._deferred = config.scheduler.async_scheduling
         self._steps_sent = 0
 
-    def execute(self, step: StepInput) -> list[SampledToken]:
+    def execute(self, step: StepInput) -> SampledTokens:
         return self.submit(step).result()
 
     def submit(self, step: StepInput) -> SubmittedStep:

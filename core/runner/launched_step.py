@@ -19,7 +19,7 @@ from kvrunner.batch import (
     PLACEHOLDER_CHUNK,
     PLACEHOLDER_TOKEN,
     PackedSampled,
-    SampledToken,
+    SampledTokens,
     StepInput,
     no_samples,
     unpack_sampled,
@@ -72,11 +72,11 @@ class LaunchedStep:
 @attrs.frozen
 class SubmittedStep:
     """What an executor's ``submit`` returns: ``result()`` waits for the step's tokens
-    (``read``, which answers in columns) and makes them ``SampledToken`` objects."""
+    (``read``, which answers in columns) and hands them on as columns."""
 
     read: Callable[[], PackedSampled]
 
-    def result(self) -> list[SampledToken]:
+    def result(self) -> SampledTokens:
         return unpack_sampled(self.read())
 
 
