@@ -75,12 +75,26 @@ def test_without_fla_auto_serves_ours_and_a_forced_fla_says_why(monkeypatch):
 
 def test_the_environment_forces_ours_or_fla(monkeypatch):
     pytest.importorskip("fla.ops.gated_delta_rule")
-    for mode, expected in (("ours", "triton"), ("fla", "fla"), ("auto", "fla"), ("", "fla")):
+    for mode, expected in (("ours", "triton"), ("fla", "fla"), ("auto", "fla"), ("", "triton")):
         monkeypatch.setenv(PREFILL_ENV, mode)
         assert choose_prefill_kernel(**CUDA_BF16) == expected, mode
     monkeypatch.setenv(PREFILL_ENV, "theirs")
     with pytest.raises(ValueError, match="auto, ours, fla"):
         choose_prefill_kernel(**CUDA_BF16)
+
+
+def test_unset_means_ours_even_where_fla_would_serve(monkeypatch):
+    import kvrunner_gdn.prefill_choice as choice
+
+    monkeypatch.setattr(choice, "fla_chunk_kernel", lambda: chunk_gated_delta_rule_stand_in)
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    assert choose_prefill_kernel(**CUDA_BF16) == "triton"
+    monkeypatch.setenv(PREFILL_ENV, "auto")
+    assert choose_prefill_kernel(**CUDA_BF16) == "fla"
+
+
+def chunk_gated_delta_rule_stand_in(*args, **kwargs):  # only its availability is asked
+    raise AssertionError("choosing a kernel must not call it")
 
 
 def test_auto_keeps_ours_for_float32_the_cpu_and_wide_heads():

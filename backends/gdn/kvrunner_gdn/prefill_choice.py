@@ -3,14 +3,22 @@
 Chosen once per backend, when it is built, from the environment variable
 ``KVRUNNER_GDN_PREFILL``:
 
-- ``auto`` (default): fla's ``chunk_gated_delta_rule`` where it imports and the
+- ``ours`` (default): never fla.
+- ``auto``: fla's ``chunk_gated_delta_rule`` where it imports and the
   layer is one it serves at our accuracy: Triton kernels on a CUDA device, a half
   model dtype (bfloat16 / float16), ``head_k_dim <= 256``. Everywhere else ours:
   Triton where the layer runs Triton, else the torch path (the CPU).
-- ``ours``: never fla.
 - ``fla``: fla wherever it can run at all, float32 included (its float32 products are
   TF32 on GPUs that have them); an error where it cannot, so a forced run never
   silently measures ours.
+
+Why ours is the default: on the one H200 run of the fla path (2026-12-01, fla-core
+0.6.0, triton 3.6) its GPU checks failed: a step through fla made the host wait for
+the device (``test_launching_a_step_makes_the_host_wait_for_nothing[qwen3-next]``,
+which asynchronous steps rely on; fla autotunes its kernels on new shapes, and
+reads offsets on the host) and ``test_fla_equals_the_torch_path_on_varlen_batches_
+with_history`` failed; the run's time limit cut the details. ``auto`` and ``fla`` stay
+selectable to debug it.
 
 float32 stays ours under ``auto`` because it is the dtype the engine is checked in
 against the torch path and transformers token for token, and TF32 is not that.
@@ -34,8 +42,8 @@ AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def prefill_mode() -> str:
-    """The mode the environment asks for (``auto`` when unset)."""
-    mode = os.environ.get(PREFILL_ENV, "auto").strip().lower() or "auto"
+    """The mode the environment asks for (``ours`` when unset)."""
+    mode = os.environ.get(PREFILL_ENV, "ours").strip().lower() or "ours"
     if mode not in MODES:
         raise ValueError(f"{PREFILL_ENV}={mode!r}; expected one of {', '.join(MODES)}")
     return mode
