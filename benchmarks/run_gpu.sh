@@ -21,7 +21,7 @@ timeout "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovid
   | tee "$LOG/gpu_tests.log" | tail -15
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
-  benches=(bench_decode_attention bench_prefill bench_e2e_decode bench_gdn bench_moe bench_sleep_wake bench_rollout)
+  benches=(bench_decode_attention bench_prefill bench_skinny_gemm bench_e2e_decode bench_gdn bench_moe bench_sleep_wake bench_rollout)
   [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode bench_tbo)
 fi
 for bench in "${benches[@]}"; do

@@ -22,7 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrunner.layers.fused.dispatch import use_skinny_gemm
+
 Collective = Callable[[torch.Tensor], torch.Tensor]
+
+
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``; decode-sized batches take the skinny-GEMM kernel where
+    it is switched on (``KVRUNNER_SKINNY_GEMM=1``, see ``layers/fused/dispatch.py``)."""
+    if use_skinny_gemm(x, weight):
+        from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
+
+        return skinny_gemm(x, weight)
+    return F.linear(x, weight)
 
 
 @attrs.frozen(kw_only=True)
@@ -130,6 +142,8 @@ class LinearBase(nn.Module):
         _copy_checked(param, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return project(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -183,7 +197,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what), what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = project(x, self.weight)
         if not self.reduce_output:
             return y
         y = self.tp.reduce(y)

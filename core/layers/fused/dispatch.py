@@ -49,3 +49,26 @@ def same_kernel_dtype(*tensors: torch.Tensor) -> bool:
     whose type promotion the kernels do not reproduce)."""
     dtype = tensors[0].dtype
     return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)
+
+
+#: set to 1 to run decode-sized projections through the skinny-GEMM kernel
+SKINNY_GEMM_ENV = "KVRUNNER_SKINNY_GEMM"
+#: the most rows the skinny-GEMM kernel takes (a decode step's batch, not a prefill)
+SKINNY_GEMM_MAX_ROWS = 64
+
+
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` should take the skinny-GEMM kernel: switched on by
+    ``KVRUNNER_SKINNY_GEMM=1`` (off by default until it is measured faster than
+    cuBLAS), at most :data:`SKINNY_GEMM_MAX_ROWS` rows, one kernel dtype, a weight
+    contiguous along K, and the Triton path taken for ``x``."""
+    if os.environ.get(SKINNY_GEMM_ENV) != "1" or x.dim() == 0:
+        return False
+    rows = x.numel() // max(1, x.shape[-1])
+    return (
+        rows <= SKINNY_GEMM_MAX_ROWS
+        and same_kernel_dtype(x, weight)
+        and weight.dim() == 2
+        and weight.stride(-1) == 1
+        and use_triton(x)
+    )
