@@ -26,7 +26,6 @@ them there, see ``runner/launched_step.py``); :func:`to_packed` reads them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import attrs
@@ -34,24 +33,8 @@ import torch
 
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.layers.fused.dispatch import use_triton
+from kvrunner.layers.sampling_seeds import int64_seed, step_seed
 from kvrunner.sampling_params import SamplingParams
-
-
-def step_seed(seed: int, num_generated: int) -> int:
-    """The generator seed for a seeded request's draw after ``num_generated`` tokens.
-
-    Hashed rather than summed so ``(seed, n)`` and ``(seed + 1, n - 1)`` do not collide.
-    """
-    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def int64_seed(seed: int) -> int:
-    """``seed`` itself where it fits an int64, else a 63-bit hash of it."""
-    if -(2**63) <= seed < 2**63:
-        return seed
-    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @attrs.frozen(kw_only=True)

@@ -97,3 +97,12 @@ def test_seeded_draws_follow_the_filtered_distribution() -> None:
     assert freq[3] == 0  # outside the top 3: never drawn
     expected = torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95
     torch.testing.assert_close(freq, expected, rtol=0, atol=0.052)  # ~4 standard errors
+
+
+def test_seeds_beyond_int64_are_keyed_by_a_hash_and_stay_reproducible() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    huge = [SamplingParams(temperature=1.0, seed=2**70 + i) for i in range(3)]
+    first, again = sample(logits, huge, [4] * 3), sample(logits, huge, [4] * 3)
+    assert torch.equal(first.token_ids, again.token_ids)
+    alone = sample(logits[1:2], huge[1:2], [4]).token_ids[0]
+    assert alone == first.token_ids[1]
