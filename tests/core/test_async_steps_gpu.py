@@ -2,8 +2,8 @@
 its samples to the host - never makes the host wait for the device, so the host can
 schedule the next step while this one runs. Only ``result()`` waits, for its step.
 
-(Written without a GPU at hand: the CPU suite covers what the code does, this file
-whether it lets the host run ahead.)
+The CPU suite covers what the code does; this file, whether it lets the host run
+ahead on a real device, and that async and synchronous steps give the same tokens there.
 """
 
 from __future__ import annotations
