@@ -1,4 +1,5 @@
-"""In-place fills of persistent buffers, shared by the core and the backends."""
+"""In-place fills of persistent buffers and host values sent to the device without a
+wait, shared by the core and the backends."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ def fill_head(buffer: torch.Tensor, values: torch.Tensor, pad: int) -> None:
         raise ValueError(f"{n} rows do not fit a buffer of {buffer.shape[0]}")
     buffer[:n].copy_(values, non_blocking=True)
     buffer[n:].fill_(pad)
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` without making the host wait for the device:
+    through pinned memory and a non-blocking copy on CUDA (a plain ``torch.tensor(...,
+    device=cuda)`` waits for every queued kernel, i.e. for the step still running)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput
+from kvrunner.buffers import on_device
 from kvrunner.layers.fused.dispatch import use_triton
 from kvrunner.layers.sampling_seeds import int64_seed, step_seed
 from kvrunner.sampling_params import SamplingParams
@@ -62,16 +63,6 @@ class SamplerOutput:
             return None
         ids = self.top_ids[row, :n].tolist()
         return dict(zip(ids, self.top_logprobs[row, :n].tolist(), strict=True))
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device`` without making the host wait for the device:
-    through pinned memory and a non-blocking copy on CUDA (a plain ``torch.tensor(...,
-    device=cuda)`` waits for every queued kernel, i.e. for the step still running)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _filter(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
@@ -246,14 +237,6 @@ def sample_step_rows(
     return StepSamples(out=out, seq_ids=seq_ids, params=params)
 
 
-def sample_step(
-    logits: torch.Tensor, step: StepInput, *, generator: torch.Generator | None = None
-) -> PackedSampled:
-    """:func:`sample_step_rows`, answered in columns
-    (:func:`~kvrunner.batch.unpack_sampled` makes ``SampledToken`` objects)."""
-    return sample_step_rows(logits, step, generator=generator).packed()
-
-
 class Sampler:
     """:func:`sample` with the engine's generator for unseeded requests.
 
@@ -269,10 +252,6 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]
     ) -> SamplerOutput:
         return sample(logits, params, num_generated, generator=self._generator_for(logits.device))
-
-    def sample_step(self, logits: torch.Tensor, step: StepInput) -> PackedSampled:
-        """:func:`sample_step` with this sampler's generator."""
-        return sample_step(logits, step, generator=self._generator_for(logits.device))
 
     def sample_step_rows(self, logits: torch.Tensor, step: StepInput) -> StepSamples:
         """:func:`sample_step_rows` with this sampler's generator."""

@@ -21,11 +21,9 @@ it allocated and the executor refuses a group whose ranks disagree.
 
 from __future__ import annotations
 
-import gc
 from typing import Any, Protocol
 
 import attrs
-import torch
 
 from kvrunner.batch import PackedSampled, SampledTokens, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
@@ -34,6 +32,7 @@ from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
 from kvrunner.runner.launched_step import SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_num_blocks
 from kvrunner.runner.rank_calls import RankCalls, raise_refused
+from kvrunner.runner.sizing import release_unreachable_memory
 from kvrunner.runner.worker import SpawnSpec, run_spawned_rank
 
 __all__ = ["DriverExecutor", "LocalExecutor", "ModelInfo", "MultiprocExecutor", "make_executor"]
@@ -104,9 +103,7 @@ class LocalExecutor:
             return
         device = self.runner.device
         self.runner = self._rank = None
-        gc.collect()  # graphs and modules hold reference cycles
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_unreachable_memory(device)  # graphs and modules hold reference cycles
 
 
 class _LocalRank(RankCalls):

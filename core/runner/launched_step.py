@@ -24,7 +24,8 @@ from kvrunner.batch import (
     no_samples,
     unpack_sampled,
 )
-from kvrunner.layers.sampler import StepSamples, on_device
+from kvrunner.buffers import on_device
+from kvrunner.layers.sampler import StepSamples
 
 
 @attrs.frozen

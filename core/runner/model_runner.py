@@ -6,7 +6,6 @@ tensor-parallel rank.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 
@@ -25,7 +24,11 @@ from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
 from kvrunner.runner.launched_step import DeviceTokens
 from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_path
-from kvrunner.runner.sizing import cache_budget_bytes, num_blocks_for_budget
+from kvrunner.runner.sizing import (
+    cache_budget_bytes,
+    num_blocks_for_budget,
+    release_unreachable_memory,
+)
 from kvrunner.runner.sleep_wake import SleepWake
 from kvrunner.runner.step_batch import profile_step
 from kvrunner.runner.step_launch import StepLaunch
@@ -196,11 +199,7 @@ class ModelRunner(SleepWake, StepLaunch):
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
-            # An engine the caller dropped without shutdown() still holds its pool until
-            # Python collects its reference cycles (graphs, modules); counted as ours,
-            # it would shrink this one's budget, or leave none.
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_unreachable_memory(self.device)  # before the profile and the budget
             self.activation_peak_bytes = self._profile_peak_bytes()
         budget = cache_budget_bytes(cache, self.device, peak_bytes=self.activation_peak_bytes)
         return num_blocks_for_budget(

@@ -7,6 +7,7 @@ derive it again.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,18 @@ from kvrunner.contract import CacheSpec
 
 class CacheSizingError(ConfigError, RuntimeError):
     """The memory budget cannot hold the pools the configuration asks for."""
+
+
+def release_unreachable_memory(device: torch.device) -> None:
+    """Return to the device what only unreachable objects still hold.
+
+    An engine dropped without ``shutdown()`` (or a runner just released) keeps its
+    pool and graphs until Python breaks their reference cycles; until then the pool
+    counts as this process's memory and a new engine's budget shrinks, or is gone.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def cache_budget_bytes(cache: CacheConfig, device: torch.device, *, peak_bytes: int = 0) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput
-from kvrunner.layers.sampler import on_device
+from kvrunner.buffers import on_device
 from kvrunner.runner.graphs import DecodeGraph
 from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
 from kvrunner.runner.step_batch import prepare_step
@@ -72,15 +72,15 @@ class StepLaunch:
         if not self.samples:
             if self.shares_samples:  # the next step's placeholders need rank 0's draws
                 tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-                self._keep_tokens(step, self.group.broadcast_from_first(tokens))
+                seq_ids = [s for s, wants in zip(step.seq_id, step.sample, strict=True) if wants]
+                tokens = self.group.broadcast_from_first(tokens)
+                self.previous_tokens = DeviceTokens(seq_ids, tokens)
             return LaunchedStep(None)
         samples = self.sampler.sample_step_rows(logits, step)
         self._nan_rows += torch.isnan(samples.out.row_max).sum()
         tokens = samples.out.token_ids
-        self._keep_tokens(step, self.group.broadcast_from_first(tokens) if self.shares_samples
-                          else tokens)
+        if self.shares_samples:
+            tokens = self.group.broadcast_from_first(tokens)
+        # The sampler already listed the sampled rows' ids: the next step's placeholders.
+        self.previous_tokens = DeviceTokens(samples.seq_ids, tokens)
         return LaunchedStep(samples)
-
-    def _keep_tokens(self, step: StepInput, tokens: torch.Tensor) -> None:
-        seq_ids = [s for s, wants in zip(step.seq_id, step.sample, strict=True) if wants]
-        self.previous_tokens = DeviceTokens(seq_ids, tokens)

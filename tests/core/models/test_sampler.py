@@ -205,7 +205,7 @@ def test_a_step_samples_its_sampling_chunks_with_logprobs_only_where_asked() -> 
                           state_slot=5, sample=False, sampling=SamplingParams(),
                           num_output_tokens=0)
     step = step_of([chunks[0], prefilling, chunks[1], chunks[2]])
-    got = unpack_sampled(Sampler(seed=0).sample_step(logits, step))
+    got = unpack_sampled(Sampler(seed=0).sample_step_rows(logits, step).packed())
     reference = torch.log_softmax(logits, dim=-1)
     assert [t.seq_id for t in got] == [10, 11, 12]
     assert [t.token_id for t in got[:2]] == logits[:2].argmax(dim=-1).tolist()

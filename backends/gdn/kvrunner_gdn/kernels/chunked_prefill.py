@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrunner.buffers import on_device
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
 from kvrunner_gdn.kernels.common import (
     DEFAULT_CHUNK,
@@ -177,11 +178,7 @@ def _chunk_map(cu: Sequence[int], chunk: int, device: torch.device) -> tuple[tor
     for lo, hi in zip(cu[:-1], cu[1:], strict=True):
         starts += range(lo, hi, chunk)
         ends += [hi] * len(range(lo, hi, chunk))
-    # Through pinned memory without blocking: a plain torch.tensor(..., device=cuda)
-    # makes the host wait for the queued work, and the host is meant to run ahead.
-    both = torch.tensor([starts, ends], dtype=torch.int32)
-    if device.type == "cuda":
-        both = both.pin_memory().to(device, non_blocking=True)
+    both = on_device([starts, ends], torch.int32, device)  # no host wait
     return both[0], both[1]
 
 

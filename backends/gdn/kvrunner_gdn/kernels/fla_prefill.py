@@ -31,8 +31,14 @@ from typing import Any
 
 import torch
 
+from kvrunner.buffers import on_device
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.common import DEFAULT_CHUNK, check_chunked_prefill, dot_block
+from kvrunner_gdn.kernels.common import (
+    DEFAULT_CHUNK,
+    check_chunked_prefill,
+    dot_block,
+    valid_rows,
+)
 
 #: fla's chunk kernels keep the state in 64-row blocks of K, at most four (fla asserts it)
 FLA_MAX_HEAD_K = 256
@@ -65,18 +71,16 @@ def fla_chunk_indices(cu_seqlens_host: Sequence[int], chunk: int,
     pairs = []
     for s, (lo, hi) in enumerate(bounds):
         pairs += [(s, c) for c in range(-(-(hi - lo) // chunk))]
-    host = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return on_device(pairs, torch.long, device).reshape(-1, 2)
 
 
-def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor) -> None:
+def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor,
+             runs: torch.Tensor) -> None:
     """``state[write[s]] = final[s]`` for every row with ``write[s] >= 0``, no other slot
     changed, without a device-to-host sync. A PAD row is pointed at the slot of the first
     running row with that row's own final state (a duplicate write of identical bytes),
-    or, when no row runs, at slot 0 with slot 0's current bytes."""
-    runs = write >= 0
+    or, when no row runs, at slot 0 with slot 0's current bytes. ``runs`` is
+    ``write >= 0``."""
     first = torch.argmax(runs.to(torch.int32))  # the first running row; 0 if none runs
     any_run = runs[first]
     spare_slot = torch.where(any_run, write[first], 0)
@@ -117,8 +121,7 @@ def gdn_prefill_fla(
     if kernel is None:
         raise RuntimeError("flash-linear-attention (fla-core) does not import here")
     read, write = read_indices.long(), write_indices.long()
-    runs = write >= 0
-    reads = runs & (read >= 0)
+    runs, reads = valid_rows(read, write)
     # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
     initial = torch.where(reads[:, None, None, None], state[read.clamp(min=0)], 0.0)
     cu = cu_seqlens.long()
@@ -138,5 +141,5 @@ def gdn_prefill_fla(
     keep = torch.cat([runs, runs.new_zeros(1)])[seq_of_row]
     # fla leaves rows outside every sequence unwritten: select, so garbage cannot leak.
     out = torch.where(keep[:, None, None], out[0].to(v.dtype), 0)
-    _scatter(state, final, write)
+    _scatter(state, final, write, runs)
     return out
