@@ -5,7 +5,8 @@ o_proj, fused gate/up, down), bf16, at M = 1, 8 and 64 rows. Each side is captur
 in a CUDA graph of 20 calls on distinct weights (so no call finds its weight in L2),
 as the decode graph runs them, and timed per call. Prints µs, the weight bytes read
 per µs against the measured copy bandwidth (the floor), ours / cuBLAS, and the
-relative error of each against a float32 product.
+relative error of each against a float32 product, and marks (``auto``) the cases the
+default dispatch (``KVRUNNER_SKINNY_GEMM=auto``) sends to the kernel.
 
     python benchmarks/bench_skinny_gemm.py
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
+from kvrunner.layers.fused.dispatch import SKINNY_GEMM_AUTO_MIN_K
 from kvrunner.layers.fused.skinny_gemm_triton import choose_splits, skinny_gemm
 
 #: (model, projection, N, K) of one layer at tensor-parallel size 1
@@ -47,7 +49,7 @@ def main() -> None:
     print(f"{'model':>5} {'proj':>7} {'M':>3} {'splits':>6} {'cuBLAS us':>9} {'ours us':>8} "
           f"{'floor us':>8} {'ours/cuBLAS':>11} {'ours TB/s':>9} {'err cuBLAS':>10} "
           f"{'err ours':>9}")
-    worse = 0
+    worse, auto = 0, []
     for model, proj, n, k in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(n + k)
         ws = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) * 0.02
@@ -63,11 +65,15 @@ def main() -> None:
             nbytes = n * k * 2 + m * (n + k) * 2
             floor = nbytes / (bw * 1e12) * 1e6
             worse += ours > blas
+            picked = m == 1 and k >= SKINNY_GEMM_AUTO_MIN_K  # the dispatch's auto rule
+            if picked:
+                auto.append(ours / blas)
             print(f"{model:>5} {proj:>7} {m:>3} {choose_splits(n, k):>6} {blas:>9.2f} "
                   f"{ours:>8.2f} {floor:>8.2f} {ours / blas:>11.2f} "
-                  f"{nbytes / (ours * 1e-6) / 1e12:>9.2f} {err_blas:>10.1e} {err_ours:>9.1e}")
-    print(f"ours slower than cuBLAS in {worse} of {len(SHAPES) * len(ROWS)} cases "
-          f"(KVRUNNER_SKINNY_GEMM stays off unless it wins)")
+                  f"{nbytes / (ours * 1e-6) / 1e12:>9.2f} {err_blas:>10.1e} {err_ours:>9.1e}"
+                  f"{'  auto' if picked else ''}")
+    print(f"ours slower than cuBLAS in {worse} of {len(SHAPES) * len(ROWS)} cases; "
+          f"the {len(auto)} cases auto sends here: ours/cuBLAS {min(auto):.2f}-{max(auto):.2f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers import linear
-from kvrunner.layers.fused.dispatch import SKINNY_GEMM_ENV, SKINNY_GEMM_MAX_ROWS
+from kvrunner.layers.fused.dispatch import (
+    SKINNY_GEMM_AUTO_MIN_K,
+    SKINNY_GEMM_ENV,
+    SKINNY_GEMM_MAX_ROWS,
+)
 from kvrunner.models.tiny import write_tiny_checkpoint
 
 pytest.importorskip("triton")
@@ -59,20 +63,44 @@ def test_splitting_k_changes_nothing_but_the_order_and_repeats_exactly() -> None
     torch.testing.assert_close(first, x @ w.T, rtol=1e-5, atol=1e-4)
 
 
-def test_projections_take_it_only_when_switched_on_and_decode_sized(monkeypatch) -> None:
-    layer = linear.ReplicatedLinear(48, 40, dtype=torch.float32, device="cpu")
-    torch.nn.init.normal_(layer.weight)
-    small, large = torch.randn(SKINNY_GEMM_MAX_ROWS, 48), torch.randn(SKINNY_GEMM_MAX_ROWS + 1, 48)
-    with triton_path(True), mock.patch.object(kernel, "skinny_gemm",
-                                              wraps=kernel.skinny_gemm) as spy:
+def calls_of(layer: torch.nn.Module, x: torch.Tensor) -> int:
+    """How many skinny-GEMM launches ``layer(x)`` made; its result is the exact product."""
+    with mock.patch.object(kernel, "skinny_gemm", wraps=kernel.skinny_gemm) as spy:
+        torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-3)
+    return spy.call_count
+
+
+@pytest.mark.parametrize(
+    ("mode", "deep_row", "shallow_row", "batch"),
+    [(None, 1, 0, 0), ("auto", 1, 0, 0), ("1", 1, 1, 1), ("0", 0, 0, 0)],
+    ids=["unset", "auto", "on", "off"],
+)
+def test_projections_take_it_where_the_mode_says_and_never_for_a_prefill(
+    monkeypatch, mode: str | None, deep_row: int, shallow_row: int, batch: int
+) -> None:
+    """``auto`` (the default) sends only one-row products with K >= 2048 (where the
+    kernel beat cuBLAS on the H200), ``1`` every decode-sized one, ``0`` none; a
+    prefill-sized batch never goes."""
+    if mode is None:
         monkeypatch.delenv(SKINNY_GEMM_ENV, raising=False)
-        layer(small)
-        assert spy.call_count == 0  # off by default
-        monkeypatch.setenv(SKINNY_GEMM_ENV, "1")
-        torch.testing.assert_close(layer(small), small @ layer.weight.T, rtol=1e-5, atol=1e-4)
-        assert spy.call_count == 1
-        assert torch.equal(layer(large), large @ layer.weight.T)  # a prefill: torch's
-        assert spy.call_count == 1
+    else:
+        monkeypatch.setenv(SKINNY_GEMM_ENV, mode)
+    deep = linear.ReplicatedLinear(SKINNY_GEMM_AUTO_MIN_K, 8, dtype=torch.float32, device="cpu")
+    shallow = linear.ReplicatedLinear(SKINNY_GEMM_AUTO_MIN_K - 1, 8, dtype=torch.float32,
+                                      device="cpu")
+    for layer in (deep, shallow):
+        torch.nn.init.normal_(layer.weight)
+    with triton_path(True):
+        assert calls_of(deep, torch.randn(1, SKINNY_GEMM_AUTO_MIN_K)) == deep_row
+        assert calls_of(shallow, torch.randn(1, SKINNY_GEMM_AUTO_MIN_K - 1)) == shallow_row
+        assert calls_of(deep, torch.randn(SKINNY_GEMM_MAX_ROWS, SKINNY_GEMM_AUTO_MIN_K)) == batch
+        assert calls_of(deep, torch.randn(SKINNY_GEMM_MAX_ROWS + 1, SKINNY_GEMM_AUTO_MIN_K)) == 0
+
+
+def test_a_mode_it_does_not_know_is_refused_by_name(monkeypatch) -> None:
+    monkeypatch.setenv(SKINNY_GEMM_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{SKINNY_GEMM_ENV}='yes'"):
+        linear.ReplicatedLinear(4, 4, dtype=torch.float32, device="cpu")(torch.randn(1, 4))
 
 
 def test_a_model_decodes_the_same_greedy_tokens_through_it(tmp_path, monkeypatch) -> None:

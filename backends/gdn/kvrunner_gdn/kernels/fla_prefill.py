@@ -81,10 +81,13 @@ def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor,
     running row with that row's own final state (a duplicate write of identical bytes),
     or, when no row runs, at slot 0 with slot 0's current bytes. ``runs`` is
     ``write >= 0``."""
-    first = torch.argmax(runs.to(torch.int32))  # the first running row; 0 if none runs
-    any_run = runs[first]
-    spare_slot = torch.where(any_run, write[first], 0)
-    spare_value = torch.where(any_run, final[first], state[0])
+    # One-element index tensors throughout: indexing with a 0-dim device tensor reads
+    # it on the host (a sync), index_select does not.
+    first = torch.argmax(runs.to(torch.int32)).view(1)  # the first running row; 0 if none
+    any_run = runs.index_select(0, first)
+    spare_slot = torch.where(any_run, write.index_select(0, first), 0)
+    spare_value = torch.where(any_run[:, None, None, None], final.index_select(0, first),
+                              state[:1])
     index = torch.where(runs, write, spare_slot)
     source = torch.where(runs[:, None, None, None], final, spare_value)
     state.index_copy_(0, index, source)
