@@ -4,6 +4,11 @@ bf16, Hq 32, Hkv 8, D 128. Paged KV: block size 16, block tables drawn from a
 shuffled pool, so every sequence's blocks are scattered. Prints time, the ratio
 to SDPA and achieved TB/s against the measured copy bandwidth.
 
+A second table times the small batches of a decode step as the engine runs them:
+captured in a CUDA graph (20 calls, each over its own sequences' blocks, so the KV is
+read from HBM, not L2), splits chosen by ``choose_num_splits`` for an engine's
+``max_model_len`` against one unsplit pass.
+
     python benchmarks/bench_decode_attention.py
 """
 
@@ -17,6 +22,50 @@ from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attent
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 CASES = [(64, 4096, 1.10), (256, 1024, 1.10), (8, 32768, 1.20)]
+#: (batch, context, the engine's max_model_len) of the small-batch table
+SMALL = [(1, 256, 400), (1, 256, 4096), (1, 2048, 4096), (4, 1024, 4096), (8, 512, 4096)]
+CALLS = 20
+
+
+def paged_pool(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A shuffled paged pool holding ``seqs`` sequences of ``ctx`` random keys/values."""
+    blocks_per_seq = ctx // BLOCK
+    num_blocks = seqs * blocks_per_seq
+    tables = torch.randperm(num_blocks, device="cuda", generator=g).view(seqs, -1)
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", generator=g,
+                          dtype=torch.bfloat16)
+    return tables.to(torch.int32), k_cache, torch.randn_like(k_cache)
+
+
+def small_batch_us(batch: int, ctx: int, splits: int) -> float:
+    """µs per call of one decode launch replayed from a graph of ``CALLS`` calls."""
+    g = torch.Generator(device="cuda").manual_seed(batch + ctx)
+    tables, k_cache, v_cache = paged_pool(batch * CALLS, ctx, g)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(CALLS, batch, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def calls() -> None:
+        for i in range(CALLS):
+            paged_decode_attention(q[i], k_cache, v_cache, tables[i * batch:(i + 1) * batch],
+                                   lens, D**-0.5, num_splits=splits, out=out[i])
+
+    calls()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return median_ms(graph.replay) * 1e3 / CALLS
+
+
+def small_batches(num_sms: int) -> None:
+    print(f"{'case':>22} {'splits':>6} {'split us':>9} {'unsplit us':>11} {'ratio':>6}")
+    for batch, ctx, max_len in SMALL:
+        splits = choose_num_splits(batch, HKV, max_len, num_sms)
+        split = small_batch_us(batch, ctx, splits)
+        unsplit = small_batch_us(batch, ctx, 1)
+        print(f"{f'B{batch} ctx{ctx} max_len{max_len}':>22} {splits:>6} {split:>9.2f} "
+              f"{unsplit:>11.2f} {split / unsplit:>6.2f}")
 
 
 def run_case(batch: int, ctx: int, num_sms: int) -> dict:
@@ -83,6 +132,7 @@ def main() -> None:
             f"{100 * r['ours_tbps'] / bw:>6.0f}% {r['sdpa_tbps']:>10.2f} "
             f"{r['rel_err']:>8.1e}  {met}"
         )
+    small_batches(props.multi_processor_count)
 
 
 if __name__ == "__main__":

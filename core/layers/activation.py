@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
 
 
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = ``[gate | up]``.
 
     The gate and up projections run as one matmul (:class:`MergedColumnParallelLinear`)
@@ -17,13 +16,12 @@ class SiluAndMul(nn.Module):
     ``[gate_slice | up_slice]``, so the split stays rank-local.
 
     On CUDA (or with ``KVRUNNER_USE_TRITON=1``) this is one Triton launch with the
-    same two roundings; the torch code below is the reference.
+    same two roundings; the torch code below is the reference. A one-row SwiGLU fuses
+    it into the down projection instead (``layers/linear.py``, ``project_silu_mul``).
     """
+    if use_triton(x) and x.shape[-1] % 2 == 0 and same_kernel_dtype(x):
+        from kvrunner.layers.fused.silu_mul_triton import silu_mul_triton
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x) and x.shape[-1] % 2 == 0 and same_kernel_dtype(x):
-            from kvrunner.layers.fused.silu_mul_triton import silu_mul_triton
-
-            return silu_mul_triton(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul_triton(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrunner.layers.linear import SINGLE, TPGroup
+from kvrunner.layers.linear import SINGLE, TPGroup, project
 
 
 class VocabEmbedding(nn.Module):
@@ -83,7 +83,8 @@ class LMHead(VocabEmbedding):
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The matmul runs in the model dtype (full speed); the result is widened to
-        # float32 so softmax, sampling and logprobs see no bf16 rounding of their own.
-        logits = self.tp.gather(F.linear(hidden, self.weight))
+        # The matmul runs in the model dtype (full speed; one row takes the skinny
+        # GEMV, as the projections do); the result is widened to float32 so softmax,
+        # sampling and logprobs see no bf16 rounding of their own.
+        logits = self.tp.gather(project(hidden, self.weight))
         return logits[..., : self.vocab_size].float()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrunner.layers.activation import silu_and_mul
 from kvrunner.layers.fused.dispatch import use_skinny_gemm
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
@@ -35,6 +36,18 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return skinny_gemm(x, weight)
     return F.linear(x, weight)
+
+
+def project_silu_mul(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``project(silu(gate) * up, weight)`` for ``gate_up = [gate | up]``: one launch
+    where one row takes the skinny GEMV (it forms the input as it reads it, the same
+    roundings), else the activation's kernel and then :func:`project`."""
+    rows = gate_up.numel() // max(1, gate_up.shape[-1])
+    if rows == 1 and gate_up.shape[-1] == 2 * weight.shape[-1] and use_skinny_gemm(gate_up, weight):
+        from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
+
+        return skinny_gemm(gate_up, weight, silu_mul=True)
+    return project(silu_and_mul(gate_up), weight)
 
 
 @attrs.frozen(kw_only=True)
@@ -197,7 +210,14 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what), what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = project(x, self.weight)
+        return self._reduced(project(x, self.weight))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu(gate) * up)`` for a SwiGLU MLP's ``[gate | up]`` (this rank's
+        slices), with the activation fused into a one-row product."""
+        return self._reduced(project_silu_mul(gate_up, self.weight))
+
+    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
         if not self.reduce_output:
             return y
         y = self.tp.reduce(y)

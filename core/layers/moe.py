@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrunner.layers.activation import SiluAndMul
 from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
 from kvrunner.layers.linear import (
     SINGLE,
@@ -132,12 +131,12 @@ class SharedExpert(nn.Module):
         super().__init__()
         kw = dict(dtype=dtype, device=device, tp=tp)
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, **kw)
-        self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_output=False,
                                            **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # SwiGLU; one row fuses the activation into the down projection's launch
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from kvrunner.contract import ForwardContext, ModelSpec
-from kvrunner.layers.activation import SiluAndMul
 from kvrunner.layers.attention import FullAttentionImpl
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
 from kvrunner.layers.fused import qk_norm_rope
@@ -165,11 +164,11 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             c.hidden_size, [c.intermediate_size] * 2, **kw
         )
-        self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # SwiGLU; one row fuses the activation into the down projection's launch
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 def make_mlp(c: Qwen3Config, layer_index: int, *, dtype: torch.dtype,

@@ -56,12 +56,12 @@ def same_kernel_dtype(*tensors: torch.Tensor) -> bool:
 SKINNY_GEMM_ENV = "KVRUNNER_SKINNY_GEMM"
 #: the most rows the skinny-GEMM kernel takes (a decode step's batch, not a prefill)
 SKINNY_GEMM_MAX_ROWS = 64
-#: ``auto``'s rule: one row and a reduction at least this deep. From
-#: ``benchmarks/bench_skinny_gemm.py`` on an H200 (2026-12-01, 24 bf16 projections of
-#: the 0.6B and 8B shapes at M = 1, 8, 64): every M = 1 case with K >= 2048 ran at
-#: 0.54-0.99x cuBLAS's time (0.6B o_proj 7.1 vs 13.0 us); every shallower one, and
-#: most M >= 8 cases, ran slower (up to 1.58x).
-SKINNY_GEMM_AUTO_MIN_K = 2048
+#: ``auto``'s rule is one row (a batch-1 decode step, a one-sequence prefill's
+#: logits). From ``benchmarks/bench_skinny_gemm.py --sweep`` on an H200 (2026-12-01,
+#: bf16, the 0.6B and 8B layer shapes and the 0.6B lm_head): at M = 1 the GEMV launch
+#: took 0.40-0.98x cuBLAS's time in all 9 cases (0.6B o_proj 5.3 vs 13.1 us); at M = 8
+#: and 64 the best launch ran 0.87-1.14x, a loss in 9 of 18 cases, so more rows stay
+#: with cuBLAS unless ``KVRUNNER_SKINNY_GEMM=1``.
 
 
 def skinny_gemm_mode() -> str:
@@ -74,20 +74,14 @@ def skinny_gemm_mode() -> str:
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` should take the skinny-GEMM kernel: the mode allows
-    these rows (``auto``: one row, K >= :data:`SKINNY_GEMM_AUTO_MIN_K`; ``1``: at most
-    :data:`SKINNY_GEMM_MAX_ROWS`), one kernel dtype, a weight contiguous along K, and
-    the Triton path taken for ``x``."""
+    these rows (``auto``: one; ``1``: at most :data:`SKINNY_GEMM_MAX_ROWS`), one kernel
+    dtype, a weight contiguous along K, and the Triton path taken for ``x``."""
     mode = skinny_gemm_mode()
     if mode == "0" or x.dim() == 0:
         return False
-    k = x.shape[-1]
-    rows = x.numel() // max(1, k)
-    if mode == "auto":
-        fits = rows == 1 and k >= SKINNY_GEMM_AUTO_MIN_K
-    else:
-        fits = rows <= SKINNY_GEMM_MAX_ROWS
+    rows = x.numel() // max(1, x.shape[-1])
     return (
-        fits
+        rows <= (1 if mode == "auto" else SKINNY_GEMM_MAX_ROWS)
         and same_kernel_dtype(x, weight)
         and weight.dim() == 2
         and weight.stride(-1) == 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 from fused_testing import assert_same_values, operand_scale, triton_path
 
-from kvrunner.layers.activation import SiluAndMul
+from kvrunner.layers.activation import silu_and_mul
 from kvrunner.layers.fused import qk_norm_rope
 from kvrunner.layers.rmsnorm import RMSNorm, ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
@@ -39,7 +39,7 @@ def test_fused_kernels_replay_in_a_cuda_graph(norm_cls: type[RMSNorm],
 
     layer_norm, q_norm, k_norm = norm(HIDDEN), norm(D), norm(D)
     rope = RotaryEmbedding(D, max_position=128, base=10000.0, rotary_dim=D // 2, device="cuda")
-    act = SiluAndMul()
+    act = silu_and_mul
     static = {
         "x": torch.zeros(T, HIDDEN, dtype=dtype, device="cuda"),
         "residual": torch.zeros(T, HIDDEN, dtype=dtype, device="cuda"),

@@ -1,4 +1,4 @@
-"""The fused SiLU-and-mul kernel computes what ``SiluAndMul``'s torch path computes."""
+"""The fused SiLU-and-mul kernel computes what ``silu_and_mul``'s torch path computes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.profiler import profile
 
-from kvrunner.layers.activation import SiluAndMul
+from kvrunner.layers.activation import silu_and_mul
 
 
 def gate_up(shape: tuple[int, ...], d: int, pad: int, dtype: torch.dtype,
@@ -28,7 +28,7 @@ def gate_up(shape: tuple[int, ...], d: int, pad: int, dtype: torch.dtype,
 def test_kernel_matches_torch_path(shape: tuple[int, ...], d: int, pad: int, dtype: torch.dtype,
                                    seed: int) -> None:
     x = gate_up(shape, d, pad, dtype, torch.Generator().manual_seed(seed))
-    act = SiluAndMul()
+    act = silu_and_mul
     with triton_path(False):
         expected = act(x)
     with triton_path(True):
@@ -41,7 +41,7 @@ def test_float32_kernel_matches_naive_float64(d: int, seed: int) -> None:
     x = gate_up((5,), d, 0, torch.float32, torch.Generator().manual_seed(seed))
     gate, up = x.double()[..., :d], x.double()[..., d:]
     with triton_path(True):
-        actual = SiluAndMul()(x)
+        actual = silu_and_mul(x)
     torch.testing.assert_close(actual.double(), gate * torch.sigmoid(gate) * up,
                                rtol=1e-6, atol=1e-6)
 
@@ -50,7 +50,7 @@ def test_rows_wider_than_one_program() -> None:
     """A row of more columns than one program covers is tiled across programs."""
     x = gate_up((2,), 1100, 0, torch.float32, torch.Generator().manual_seed(7))
     with triton_path(True):
-        actual = SiluAndMul()(x)
+        actual = silu_and_mul(x)
     torch.testing.assert_close(actual, F.silu(x[:, :1100]) * x[:, 1100:])
 
 
@@ -59,7 +59,7 @@ def test_triton_path_issues_no_torch_math() -> None:
 
     def math_ops(on: bool) -> set[str]:
         with triton_path(on), profile() as prof:
-            SiluAndMul()(x)
+            silu_and_mul(x)
         return {e.name for e in prof.events()} & TORCH_MATH_OPS
 
     assert {"aten::silu", "aten::mul"} <= math_ops(False)

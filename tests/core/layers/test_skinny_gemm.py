@@ -16,11 +16,7 @@ from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers import linear
-from kvrunner.layers.fused.dispatch import (
-    SKINNY_GEMM_AUTO_MIN_K,
-    SKINNY_GEMM_ENV,
-    SKINNY_GEMM_MAX_ROWS,
-)
+from kvrunner.layers.fused.dispatch import SKINNY_GEMM_ENV, SKINNY_GEMM_MAX_ROWS
 from kvrunner.models.tiny import write_tiny_checkpoint
 
 pytest.importorskip("triton")
@@ -29,21 +25,46 @@ from fused_testing import triton_path  # noqa: E402
 from kvrunner.layers.fused import skinny_gemm_triton as kernel  # noqa: E402
 
 
+def assert_exact(x: torch.Tensor, w: torch.Tensor, got: torch.Tensor) -> None:
+    """``got`` is ``x @ w.T`` to fp32 accumulation of k products, then one rounding to
+    the output dtype."""
+    k = x.shape[-1]
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    tol = scale * (k * 2.0**-23 + (2.0**-10 if x.dtype == torch.float16 else 2.0**-23)) + 1e-30
+    assert got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= tol).all()
+
+
+def random_operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+
+
 @given(
     st.integers(1, SKINNY_GEMM_MAX_ROWS), st.integers(1, 200), st.integers(1, 700),
     st.sampled_from([torch.float32, torch.float16]), st.integers(0, 2**31 - 1),
 )  # fmt: skip
 def test_it_equals_the_exact_product(m: int, n: int, k: int, dtype, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    exact = x.double() @ w.double().T
-    got = kernel.skinny_gemm(x, w).double()
-    # fp32 accumulation of k products, then one rounding to the output dtype
-    scale = x.double().abs() @ w.double().abs().T
-    tol = scale * (k * 2.0**-23 + (2.0**-10 if dtype == torch.float16 else 2.0**-23)) + 1e-30
-    assert got.shape == (m, n)
-    assert ((got - exact).abs() <= tol).all()
+    x, w = random_operands(m, n, k, dtype, seed)
+    assert_exact(x, w, kernel.skinny_gemm(x, w))
+
+
+@given(
+    st.booleans(), st.integers(1, 16), st.integers(1, 120), st.integers(1, 400),
+    st.sampled_from([8, 16, 32, 64]), st.sampled_from([16, 32, 64, 128, 256]),
+    st.integers(1, 9), st.sampled_from([torch.float32, torch.float16]), st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_every_launch_equals_the_exact_product(gemv: bool, m: int, n: int, k: int,
+                                               block_n: int, block_k: int, splits: int,
+                                               dtype, seed: int) -> None:
+    """Any tile shape and split of K, the one-row kernel or the tensor-core one: the
+    launch a benchmark sweeps changes the speed, never the product."""
+    m = 1 if gemv else m
+    block_n = block_n if gemv else max(16, block_n)  # tl.dot takes tiles of 16 and up
+    launch = kernel.SkinnyLaunch(block_n, block_k, splits, gemv)
+    x, w = random_operands(m, n, k, dtype, seed)
+    assert_exact(x, w, kernel.skinny_gemm(x, w, launch))
 
 
 @given(st.integers(1, 20_000), st.integers(1, 20_000))
@@ -71,30 +92,39 @@ def calls_of(layer: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize(
-    ("mode", "deep_row", "shallow_row", "batch"),
-    [(None, 1, 0, 0), ("auto", 1, 0, 0), ("1", 1, 1, 1), ("0", 0, 0, 0)],
+    ("mode", "one_row", "batch"),
+    [(None, 1, 0), ("auto", 1, 0), ("1", 1, 1), ("0", 0, 0)],
     ids=["unset", "auto", "on", "off"],
 )
 def test_projections_take_it_where_the_mode_says_and_never_for_a_prefill(
-    monkeypatch, mode: str | None, deep_row: int, shallow_row: int, batch: int
+    monkeypatch, mode: str | None, one_row: int, batch: int
 ) -> None:
-    """``auto`` (the default) sends only one-row products with K >= 2048 (where the
-    kernel beat cuBLAS on the H200), ``1`` every decode-sized one, ``0`` none; a
-    prefill-sized batch never goes."""
+    """``auto`` (the default) sends only one-row products (where the kernel beat cuBLAS
+    on the H200), ``1`` every decode-sized one, ``0`` none; a prefill-sized batch
+    never goes."""
     if mode is None:
         monkeypatch.delenv(SKINNY_GEMM_ENV, raising=False)
     else:
         monkeypatch.setenv(SKINNY_GEMM_ENV, mode)
-    deep = linear.ReplicatedLinear(SKINNY_GEMM_AUTO_MIN_K, 8, dtype=torch.float32, device="cpu")
-    shallow = linear.ReplicatedLinear(SKINNY_GEMM_AUTO_MIN_K - 1, 8, dtype=torch.float32,
-                                      device="cpu")
-    for layer in (deep, shallow):
-        torch.nn.init.normal_(layer.weight)
+    layer = linear.ReplicatedLinear(48, 40, dtype=torch.float32, device="cpu")
+    torch.nn.init.normal_(layer.weight)
     with triton_path(True):
-        assert calls_of(deep, torch.randn(1, SKINNY_GEMM_AUTO_MIN_K)) == deep_row
-        assert calls_of(shallow, torch.randn(1, SKINNY_GEMM_AUTO_MIN_K - 1)) == shallow_row
-        assert calls_of(deep, torch.randn(SKINNY_GEMM_MAX_ROWS, SKINNY_GEMM_AUTO_MIN_K)) == batch
-        assert calls_of(deep, torch.randn(SKINNY_GEMM_MAX_ROWS + 1, SKINNY_GEMM_AUTO_MIN_K)) == 0
+        assert calls_of(layer, torch.randn(1, 48)) == one_row
+        assert calls_of(layer, torch.randn(2, 48)) == batch
+        assert calls_of(layer, torch.randn(SKINNY_GEMM_MAX_ROWS, 48)) == batch
+        assert calls_of(layer, torch.randn(SKINNY_GEMM_MAX_ROWS + 1, 48)) == 0
+
+
+def test_one_row_takes_the_gemv_kernel_split_only_past_32_kb_a_program() -> None:
+    """The measured launch: 8 x 512 GEMV tiles; an unsplit program streams at most
+    32 KB of weight, past that K is split to fill the machine."""
+    unsplit = kernel.default_launch(1, 1024, 2048)  # 0.6B o_proj: 8 x 2048 x 2 B = 32 KB
+    assert (unsplit.gemv, unsplit.block_n, unsplit.block_k, unsplit.splits) == (True, 8, 512, 1)
+    split = kernel.default_launch(1, 1024, 3072)  # 0.6B down_proj: 48 KB a program
+    assert split.gemv and split.splits == kernel.choose_splits(1024, 3072, 8, 512) > 1
+    assert kernel.default_launch(1, 1024, 3072, itemsize=4).splits > 1  # fp32: 96 KB
+    assert kernel.default_launch(1, 8192, 3072).splits == 1  # 1024 tiles fill it already
+    assert not kernel.default_launch(2, 1024, 2048).gemv
 
 
 def test_a_mode_it_does_not_know_is_refused_by_name(monkeypatch) -> None:

@@ -128,8 +128,13 @@ def _merge_splits_kernel(
 #: heads, block_n 64, 132 SMs): B8 x 32k keys takes 267 us at 8 splits (512 programs,
 #: 4.1 TB/s) and 363 us at 9 (576); B32 and up is fastest unsplit.
 SPLIT_WAVES = 4
-#: Fewest keys worth a split of their own (a split also costs a partial write + merge).
-SPLIT_MIN_KEYS = 512
+#: Fewest keys worth a split of their own: one tile of the default ``block_n``. A split
+#: costs a partial write and the merge launch (about 2 us in a graph), where an unsplit
+#: program walks its tiles as a chain of dependent loads: the profile of a batch-1
+#: decode step of the 0.6B shape on an H200 (8 KV heads, so 8 programs on 132 SMs,
+#: contexts of 136-384 keys) had this kernel at 8.5 us a layer, 19% of the step, when
+#: this bound was 512 keys and ``max_model_len`` 400 left it unsplit.
+SPLIT_MIN_KEYS = 64
 MAX_SPLITS = 64
 
 
