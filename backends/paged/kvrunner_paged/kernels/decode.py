@@ -25,7 +25,10 @@ import triton.language as tl
 from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
 
 
-@triton.jit
+# ``num_splits`` is a runtime argument, not specialised on its value: every split count
+# the capture buckets choose shares one compiled kernel (a compile per count made the
+# first capture of a fresh process seconds longer).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -36,13 +39,14 @@ def _decode_kernel(
     stride_bt,
     stride_ot, stride_oh,
     block_size,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -60,10 +64,14 @@ def _decode_kernel(
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask,
                 other=0.0)
 
-    # This split's slice of positions, rounded to whole tiles.
-    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, ctx_len)
+    if SPLIT:
+        # This split's slice of positions, rounded to whole tiles.
+        per_split = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, ctx_len)
+    else:
+        lo = 0
+        hi = ctx_len
 
     m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -80,35 +88,35 @@ def _decode_kernel(
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        # Partials are contiguous [rows, NUM_HEADS, NUM_SPLITS, HEAD_DIM] float32.
-        cell = (row * NUM_HEADS + heads) * NUM_SPLITS + split
+        # Partials are contiguous [rows, NUM_HEADS, num_splits, HEAD_DIM] float32.
+        cell = (row * NUM_HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + cell[:, None] * HEAD_DIM + dims[None, :], out, mask=q_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + cell, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ot, stride_oh,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
 
-    cell = (row * NUM_HEADS + head) * NUM_SPLITS + splits
+    cell = (row * NUM_HEADS + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + cell, mask=split_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     # Every split empty (a row with no keys): m is -inf; shift by 0 so weights are 0.
@@ -208,13 +216,14 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         k_cache.shape[1],
+        num_splits,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
@@ -222,10 +231,11 @@ def paged_decode_attention(
         _merge_splits_kernel[(num_rows, num_heads)](
             part_out, part_lse, out,
             out.stride(0), out.stride(1),
+            num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            # one pad for every count up to MAX_SPLITS: one compile serves them all
+            SPLITS_PAD=triton.next_power_of_2(max(num_splits, MAX_SPLITS)),
         )
     return out
