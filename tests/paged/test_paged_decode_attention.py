@@ -57,6 +57,30 @@ def test_torch_decode_matches_reference(case: PagedCase) -> None:
     assert_matches_reference(out, _reference(case, x))
 
 
+@pytest.mark.parametrize("num_splits", [5, 9, 33, MAX_SPLITS])
+def test_every_split_holds_keys_of_a_long_context_and_the_merge_weighs_them_all(
+    num_splits: int,
+) -> None:
+    """Contexts of hundreds of keys in 16-key tiles, so each of up to 64 splits has keys
+    of its own: the merge (whose lane count is padded to 8 or to MAX_SPLITS) must weigh
+    every split, whatever the pad."""
+    gen = torch.Generator().manual_seed(num_splits)
+    block, heads, kv_heads, dim = 16, 4, 2, 16
+    lens = [1100, 700, 1]
+    tables = torch.randperm(3 * 70, generator=gen).view(3, 70).to(torch.int32)
+    k_cache = torch.randn((3 * 70, block, kv_heads, dim), generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn((3, heads, dim), generator=gen)
+    context = torch.tensor(lens, dtype=torch.int32)
+    on = {name: t.to(TRITON_DEVICE) for name, t in
+          dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+               context_lens=context).items()}
+    out = paged_decode_attention(**on, scale=0.25, num_splits=num_splits, block_n=16)
+    ref = reference_paged_attention(q, k_cache, v_cache, tables, torch.arange(4, dtype=torch.int32),
+                                    context, 0.25)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_triton_decode_padded_rows_are_zero_and_live_rows_are_not(num_splits: int) -> None:
     """The reference says zeros for empty rows; check the kernel says so independently too."""
