@@ -8,15 +8,22 @@ Prefill: one sequence of T = 4096: our Triton kernel, fla's ``chunk_gated_delta_
 alone, and the path the gdn layer dispatches to (``KVRUNNER_GDN_PREFILL``, default
 ``auto``: fla through our pool wrapper where fla imports), each with its ratio to fla.
 
-    python benchmarks/bench_gdn.py     (without fla-core: ours only, no ratios)
+    python benchmarks/bench_gdn.py             (without fla-core: ours only, no ratios)
+    python benchmarks/bench_gdn.py --profile   also: host µs per call (launch only) and
+                                               the top GPU kernels of the dispatched
+                                               prefill and of fla alone
 """
 
 from __future__ import annotations
 
+import argparse
+import time
 from collections.abc import Callable
 
 import torch
 from common import copy_bandwidth_tbps, median_ms, rel_err
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
 from kvrunner_gdn.kernels.fla_prefill import gdn_prefill_fla
@@ -35,7 +42,31 @@ def inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, decay, beta
 
 
+def where_the_time_goes(name: str, fn: Callable[[], object], calls: int = 5) -> None:
+    """Host time to launch one call (no sync inside), GPU kernel time per call, and the
+    kernels that take it: tells host-bound from device-bound."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    # the device's own events (kernels, memcpy/memset), each counted once
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    gpu_us = sum(e.device_time_total for e in kernels) / calls
+    print(f"  {name}: host {host_us:.0f} us to launch a call, GPU kernels {gpu_us:.0f} us a call")
+    for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:8]:
+        print(f"    {e.device_time_total / calls:8.1f} us  x{e.count // calls:<3} {e.key[:70]}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", action="store_true", help="profile the prefill paths too")
+    args = ap.parse_args()
     bw = copy_bandwidth_tbps()
     scale = K**-0.5
     try:
@@ -106,10 +137,10 @@ def main() -> None:
             f"state rel err {rel_err(ours_pool, fla_pool):.1e}"
         )
 
-    prefill(chunk_gated_delta_rule, scale)
+    prefill(chunk_gated_delta_rule, scale, profiled=args.profile)
 
 
-def prefill(chunk_gated_delta_rule: Callable | None, scale: float) -> None:
+def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: bool = False) -> None:
     """One sequence of T tokens from a fresh slot: ours (Triton), fla's kernel alone, and
     the path the layer dispatches to (fla through our wrapper where fla imports: the
     same call as ours, state gathered from and scattered into the pool)."""
@@ -159,6 +190,10 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float) -> None:
             line += (f", ratio to fla {t / t_fla:.2f} (target <= 1.0), "
                      f"rel err vs fla {rel_err(out.float(), out_fla.float()):.1e}")
         print(line)
+    if profiled:
+        where_the_time_goes(f"ours (dispatch: {kernel})", dispatched)
+        if t_fla is not None:
+            where_the_time_goes("fla kernel alone", fla_prefill)
 
 
 if __name__ == "__main__":
