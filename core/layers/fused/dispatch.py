@@ -58,9 +58,10 @@ SKINNY_GEMM_ENV = "KVRUNNER_SKINNY_GEMM"
 SKINNY_GEMM_MAX_ROWS = 64
 #: ``auto``'s rule is one row (a batch-1 decode step, a one-sequence prefill's
 #: logits). From ``benchmarks/bench_skinny_gemm.py --sweep`` on an H200 (2026-12-01,
-#: bf16, the 0.6B and 8B layer shapes and the 0.6B lm_head): at M = 1 the GEMV launch
-#: took 0.40-0.98x cuBLAS's time in all 9 cases (0.6B o_proj 5.3 vs 13.1 us); at M = 8
-#: and 64 the best launch ran 0.87-1.14x, a loss in 9 of 18 cases, so more rows stay
+#: bf16, the 0.6B and 8B layer shapes and the 0.6B lm_head): at M = 1 the best launch
+#: took 0.40-0.98x cuBLAS's time in all 9 cases, the GEMV in 8 of them (0.6B o_proj 5.3
+#: vs 13.1 us; 8B gate_up's GEMV ran 1.00x in the next call); at M = 8
+#: and 64 the best launch ran 0.87-1.14x, a loss in 12 of 18 cases, so more rows stay
 #: with cuBLAS unless ``KVRUNNER_SKINNY_GEMM=1``.
 
 
