@@ -106,6 +106,23 @@ class KeepsFirstPools(PagedBackend):
         return {name: torch.zeros_like(pool) for name, pool in self.first.items()}
 
 
+class CountsSlotsOnHost(PagedBackend):
+    """Its store skips a step with no slot to write, counted on the host (on CUDA, a
+    wait for the device in every step's forward)."""
+
+    @hookimpl
+    def make_layer(self, layer_index: int) -> PagedAttention:
+        layer = super().make_layer(layer_index)
+        store = layer._store
+
+        def store_unless_empty(k, v, k_cache, v_cache, slots) -> None:  # noqa: ANN001
+            if int((slots >= 0).sum()) > 0:
+                store(k, v, k_cache, v_cache, slots)
+
+        layer._store = store_unless_empty
+        return layer
+
+
 #: check -> (mutant name, factory)
 MUTANTS = {
     "step_matches_reference": ("mutant-wrong-scale", WrongScale),
@@ -116,4 +133,5 @@ MUTANTS = {
     "blanked_capture_writes_nothing": ("mutant-declares-a-copy", DeclaresACopy),
     "replay_sees_later_fill": ("mutant-capture-snapshot", CaptureSnapshot),
     "serve_sleep_wake_recapture_under_audit": ("mutant-keeps-first-pools", KeepsFirstPools),
+    "forward_reads_nothing_on_the_host": ("mutant-counts-slots-on-host", CountsSlotsOnHost),
 }

@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrunner.testing.conformance import CHECKS, Target, run_check
+from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, Target, run_check
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: the checks a torch path (the CPU's, eager by design) is held to
+EAGER_CHECKS = [c for c in CHECKS if c not in GPU_PATH_ONLY]
 
 
-@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("check", EAGER_CHECKS)
 @pytest.mark.parametrize("backend", ["paged", "gdn"])
 def test_torch_path(backend: str, check: str) -> None:
     for target in Target.of(backend):
@@ -28,7 +30,7 @@ def test_triton_path(backend: str, check: str) -> None:
         run_check(target, check, max_examples=3)
 
 
-@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("check", EAGER_CHECKS)
 @pytest.mark.parametrize("backend", ["paged", "gdn"])
 def test_with_tbo_on_top(backend: str, check: str) -> None:
     """Two-batch overlap cuts every step it can (sequences cut in two included); the
@@ -37,7 +39,21 @@ def test_with_tbo_on_top(backend: str, check: str) -> None:
         run_check(target, check, max_examples=4)
 
 
-@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("check", sorted(GPU_PATH_ONLY))
+@pytest.mark.parametrize("backend", ["paged", "gdn"])
+def test_with_tbo_on_top_of_the_triton_path(backend: str, check: str) -> None:
+    for target in Target.of(backend, use_triton=True, device=TRITON_DEVICE, overlap="tbo"):
+        run_check(target, check, max_examples=3)
+
+
+def test_a_cuda_path_check_refuses_a_torch_path_target() -> None:
+    """Not run and not passed: asked of the eager path, it says so."""
+    (target,) = Target.of("paged")
+    with pytest.raises(ValueError, match="use_triton=True"):
+        run_check(target, sorted(GPU_PATH_ONLY)[0])
+
+
+@pytest.mark.parametrize("check", EAGER_CHECKS)
 def test_flatkv_fixture_backend(flatkv_installed, check: str) -> None:
     (target,) = Target.of("flatkv")
     run_check(target, check, max_examples=6)

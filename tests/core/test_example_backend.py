@@ -13,7 +13,13 @@ import pytest
 from kvrunner import LLM, SamplingParams
 from kvrunner.cli import main
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.testing.conformance import CHECKS, Target, run_check
+from kvrunner.testing.conformance import (
+    CHECKS,
+    GPU_PATH_ONLY,
+    ConformanceError,
+    Target,
+    run_check,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "minimal_backend"
@@ -34,10 +40,19 @@ def test_kvrunner_backends_lists_it(minimal_installed, capsys) -> None:
     assert rows["minimal"][1:4] == ["kvrunner-minimal", "0.1.0", "full_attention"]
 
 
-@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("check", [c for c in CHECKS if c not in GPU_PATH_ONLY])
 def test_it_passes_the_conformance_kit(minimal_installed, check: str) -> None:
     (target,) = Target.of("minimal")
     run_check(target, check, max_examples=4)
+
+
+def test_the_cuda_path_check_names_why_it_is_an_eager_backend(minimal_installed) -> None:
+    """The tutorial's attention loops over sequences in Python, sized by ``tolist()``
+    of the step's offsets and PAD rows dropped by a boolean mask: right, and simple,
+    on the CPU; on CUDA each is a wait for the device, which the kit says."""
+    (target,) = Target.of("minimal", use_triton=True)
+    with pytest.raises(ConformanceError, match="read a tensor's value on the host"):
+        run_check(target, "forward_reads_nothing_on_the_host", max_examples=2)
 
 
 def test_check_backend_command_passes(minimal_installed, capsys) -> None:

@@ -22,11 +22,17 @@ from collections.abc import Callable, Sequence
 from hypothesis import HealthCheck, given, settings
 
 from kvrunner.testing.conformance.cases import StepCase, step_cases
-from kvrunner.testing.conformance.checks import CHECKS, DECODE_ONLY, ConformanceError
+from kvrunner.testing.conformance.checks import (
+    CHECKS,
+    DECODE_ONLY,
+    GPU_PATH_ONLY,
+    ConformanceError,
+)
 from kvrunner.testing.conformance.rig import Rig, Target
 
 __all__ = [
     "CHECKS",
+    "GPU_PATH_ONLY",
     "ConformanceError",
     "Rig",
     "StepCase",
@@ -39,8 +45,12 @@ __all__ = [
 
 def run_check(target: Target, check: str, *, max_examples: int = 8) -> None:
     """Run one check over ``max_examples`` hypothesis cases; raises on the first failure
-    (shrunk to a minimal case)."""
+    (shrunk to a minimal case). A check of :data:`GPU_PATH_ONLY` needs a target with
+    ``use_triton`` (``ValueError`` otherwise)."""
     fn = CHECKS[check]
+    if check in GPU_PATH_ONLY and not target.use_triton:
+        raise ValueError(f"{check} checks the path a CUDA step takes: run it on "
+                         f"Target.of({target.name!r}, use_triton=True)")
 
     @settings(
         max_examples=max_examples, deadline=None, database=None, derandomize=True,
@@ -57,10 +67,11 @@ def conformance_suite(
     backend: str, *, use_triton: bool = False, device: str = "cpu", max_examples: int = 8,
     checks: Sequence[str] | None = None,
 ) -> Callable[..., None]:
-    """A pytest test function, parametrized by layer type and check, for ``backend``."""
+    """A pytest test function, parametrized by layer type and check, for ``backend``
+    (the checks of :data:`GPU_PATH_ONLY` only with ``use_triton``)."""
     import pytest
 
-    names = list(checks or CHECKS)
+    names = [c for c in checks or CHECKS if use_triton or c not in GPU_PATH_ONLY]
     layer_types = [t.layer_type for t in Target.of(backend, use_triton=use_triton, device=device)]
 
     @pytest.mark.parametrize("check", names)

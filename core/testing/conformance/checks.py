@@ -16,6 +16,7 @@ from kvrunner.runner.capture_safety import CaptureAuditError
 from kvrunner.testing.conformance import reference
 from kvrunner.testing.conformance.cases import StepCase
 from kvrunner.testing.conformance.rig import FULL, Rig, Rows, live_rows, run_layer
+from kvrunner.testing.host_reads import HostReadError, forbid_host_reads
 
 
 class ConformanceError(AssertionError):
@@ -228,6 +229,29 @@ def serve_sleep_wake_recapture_under_audit(rig: Rig, case: StepCase) -> None:
                                    f"the pools of the first allocation")
 
 
+def forward_reads_nothing_on_the_host(rig: Rig, case: StepCase) -> None:
+    """On the path a CUDA step takes (the backend's Triton kernels), no layer's forward
+    reads a tensor's value on the host: no ``item()``, ``int()`` / ``bool()`` of a tensor,
+    index by a 0-dim tensor, ``tolist()``, or shape that depends on the values. On CUDA
+    each one makes the host wait for the device, which asynchronous steps cannot
+    afford, and fails a graph capture."""
+    steps = [(rows, 0) for rows in [*case.history(), case.final()]]
+    if case.final_is_decode:
+        steps.append((case.final(), max(case.num_pad_rows, 1)))  # a padded decode too
+    for rows, pad_rows in steps:
+        padded = len(rows) + pad_rows if pad_rows else None
+        ctx = rig.manager.build_metadata(rig.step(rows, padded=padded))
+        for i, layer in rig.layers.items():
+            inputs = rig.layer_inputs(rows, i, pad_rows)
+            try:
+                with forbid_host_reads(f"layer {i}'s forward"):
+                    run_layer(layer, inputs, ctx)
+            except Exception as e:  # the core names the layer and chains what it raised
+                if isinstance(e.__cause__ or e, HostReadError):
+                    raise ConformanceError(str(e.__cause__ or e)) from None
+                raise
+
+
 #: every check, by name, in the order they are documented
 CHECKS = {
     fn.__name__: fn
@@ -240,8 +264,12 @@ CHECKS = {
         blanked_capture_writes_nothing,
         replay_sees_later_fill,
         serve_sleep_wake_recapture_under_audit,
+        forward_reads_nothing_on_the_host,
     )
 }
+#: checks of the path a CUDA step takes: they run on targets with ``use_triton`` only
+#: (the torch paths are the CPU's, eager by design: they read sizes on the host)
+GPU_PATH_ONLY = frozenset({"forward_reads_nothing_on_the_host"})
 #: checks whose final step must be a decode (they capture or pad)
 DECODE_ONLY = frozenset(
     {"pad_rows_write_nothing", "blanked_capture_writes_nothing", "replay_sees_later_fill"}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrunner.plugins import discover_backends
-from kvrunner.testing.conformance import CHECKS, Target, run_check
+from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, Target, run_check
 
 
 def check_backend(
@@ -35,10 +35,14 @@ def check_backend(
                                   use_triton=use_triton, overlap=name) for layer in layers),
                    default=1)
     device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
-    failed = 0
+    failed = skipped = 0
     label = f"{name}+{overlap}" if overlap else name
     for target in Target.of(name, use_triton=use_triton, device=device, overlap=overlap):
         for check in checks or CHECKS:
+            if check in GPU_PATH_ONLY and not use_triton:
+                print(f"skip {label} {target.layer_type} {check} (the CUDA path's: --triton)")
+                skipped += 1
+                continue
             start = time.perf_counter()
             try:
                 run_check(target, check, max_examples=examples)
@@ -47,5 +51,8 @@ def check_backend(
                 print(f"FAIL {label} {target.layer_type} {check}\n{e}\n")
                 continue
             print(f"ok   {label} {target.layer_type} {check} ({time.perf_counter() - start:.1f}s)")
-    print(f"{label}: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
+    verdict = "all checks passed" if not failed else f"{failed} check(s) failed"
+    if skipped:
+        verdict += f", {skipped} not run (they need --triton)"
+    print(f"{label}: {verdict}")
     return 1 if failed else 0
