@@ -62,7 +62,8 @@ def default_launch(m: int, n: int, k: int, itemsize: int = 2) -> SkinnyLaunch:
     One row takes the GEMV kernel in 8 x 512 tiles, K split only where an unsplit
     program would stream over 32 KB of weight. From ``bench_skinny_gemm.py --sweep`` on
     an H200 (2026-12-01, bf16): that tile was the fastest of 15 candidates for every
-    one-row projection of the 0.6B and 8B shapes but 8B gate_up (within 1%), unsplit
+    one-row projection of the 0.6B and 8B shapes but 8B gate_up (there the GEMV ran
+    1.00x cuBLAS, the tensor-core tile 0.98x), unsplit
     for 0.6B o_proj (K = 2048, 32 KB a program: 5.3 us, cuBLAS 13.1) and split in 3
     for 0.6B down_proj (K = 3072: 6.0 us, cuBLAS 7.9). More rows keep the tensor-core
     tile, K split to fill the machine."""
@@ -71,6 +72,13 @@ def default_launch(m: int, n: int, k: int, itemsize: int = 2) -> SkinnyLaunch:
         splits = 1 if unsplit else choose_splits(n, k, GEMV_BLOCK_N, GEMV_BLOCK_K)
         return SkinnyLaunch(GEMV_BLOCK_N, GEMV_BLOCK_K, splits, gemv=True)
     return SkinnyLaunch(BLOCK_N, BLOCK_K, choose_splits(n, k))
+
+
+@triton.jit
+def _split_bounds(split, K, K_PER_SPLIT):
+    """``[k_start, k_end)``: the slice of K split ``split`` reduces over."""
+    k_start = split * K_PER_SPLIT
+    return k_start, tl.minimum(k_start + K_PER_SPLIT, K)
 
 
 @triton.jit
@@ -95,8 +103,7 @@ def _skinny_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    k_start, k_end = _split_bounds(split, K, K_PER_SPLIT)
     for k in range(k_start, k_end, BLOCK_K):
         ks = k + depth
         in_k = ks < k_end
@@ -123,8 +130,7 @@ def _gemv_kernel(
     dtype = x_ptr.dtype.element_ty  # the activation's rounding (out may be the fp32 splits)
     # Products accumulate lane by lane; one reduction at the end, in a fixed order.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    k_start, k_end = _split_bounds(split, K, K_PER_SPLIT)
     for k in range(k_start, k_end, BLOCK_K):
         ks = k + depth
         in_k = ks < k_end

@@ -238,18 +238,14 @@ def forward_reads_nothing_on_the_host(rig: Rig, case: StepCase) -> None:
     steps = [(rows, 0) for rows in [*case.history(), case.final()]]
     if case.final_is_decode:
         steps.append((case.final(), max(case.num_pad_rows, 1)))  # a padded decode too
+    guard = lambda i: forbid_host_reads(f"layer {i}'s forward")  # noqa: E731
     for rows, pad_rows in steps:
-        padded = len(rows) + pad_rows if pad_rows else None
-        ctx = rig.manager.build_metadata(rig.step(rows, padded=padded))
-        for i, layer in rig.layers.items():
-            inputs = rig.layer_inputs(rows, i, pad_rows)
-            try:
-                with forbid_host_reads(f"layer {i}'s forward"):
-                    run_layer(layer, inputs, ctx)
-            except Exception as e:  # the core names the layer and chains what it raised
-                if isinstance(e.__cause__ or e, HostReadError):
-                    raise ConformanceError(str(e.__cause__ or e)) from None
-                raise
+        try:
+            rig.serve(rows, pad_rows=pad_rows, layer_guard=guard)
+        except Exception as e:  # the core names the layer and chains what it raised
+            if isinstance(e.__cause__ or e, HostReadError):
+                raise ConformanceError(str(e.__cause__ or e)) from None
+            raise
 
 
 #: every check, by name, in the order they are documented

@@ -11,6 +11,7 @@ layer, so a reference can recompute any sequence's whole history.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import attrs
@@ -34,6 +35,8 @@ FULL, LINEAR = "full_attention", "linear_attention"
 CacheRows = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
 #: a layer's forward inputs for some token rows, from the sequence's full inputs
 Rows = list[tuple[Seq, int, int]]
+#: ``guard(layer_index)``: a context entered around one layer's forward
+LayerGuard = Callable[[int], AbstractContextManager]
 
 
 @attrs.frozen(kw_only=True)
@@ -220,19 +223,26 @@ class Rig:
         return inputs
 
     def forward(
-        self, rows: Rows, ctx: ForwardContext, *, pad_rows: int = 0
+        self, rows: Rows, ctx: ForwardContext, *, pad_rows: int = 0,
+        layer_guard: LayerGuard | None = None,
     ) -> dict[int, torch.Tensor]:
-        """Every served layer's output for these rows (CPU)."""
-        return {
-            i: run_layer(layer, self.layer_inputs(rows, i, pad_rows), ctx).cpu()
-            for i, layer in self.layers.items()
-        }
+        """Every served layer's output for these rows (CPU); ``layer_guard(i)``, when
+        given, is entered around layer ``i``'s forward alone (its inputs are made and
+        its output read back outside it)."""
+        outputs = {}
+        for i, layer in self.layers.items():
+            inputs = self.layer_inputs(rows, i, pad_rows)
+            with layer_guard(i) if layer_guard else nullcontext():
+                out = run_layer(layer, inputs, ctx)
+            outputs[i] = out.cpu()
+        return outputs
 
-    def serve(self, rows: Rows, *, pad_rows: int = 0) -> dict[int, torch.Tensor]:
+    def serve(self, rows: Rows, *, pad_rows: int = 0,
+              layer_guard: LayerGuard | None = None) -> dict[int, torch.Tensor]:
         """Build metadata for a real step and run it (padded with ``pad_rows`` PAD rows)."""
         padded = len(rows) + pad_rows if pad_rows else None
         ctx = self.manager.build_metadata(self.step(rows, padded=padded))
-        return self.forward(rows, ctx, pad_rows=pad_rows)
+        return self.forward(rows, ctx, pad_rows=pad_rows, layer_guard=layer_guard)
 
     def serve_history(self, case: StepCase) -> None:
         for rows in case.history():
