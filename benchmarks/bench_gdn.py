@@ -11,7 +11,9 @@ alone, and the path the gdn layer dispatches to (``KVRUNNER_GDN_PREFILL``, defau
     python benchmarks/bench_gdn.py             (without fla-core: ours only, no ratios)
     python benchmarks/bench_gdn.py --profile   also: host µs per call (launch only) and
                                                the top GPU kernels of the dispatched
-                                               prefill and of fla alone
+                                               prefill, of fla alone and of fla's varlen
+                                               call (the one the wrapper makes)
+    --skip-triton-prefill                      leave out our Triton prefill
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
-from kvrunner_gdn.kernels.fla_prefill import gdn_prefill_fla
+from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, gdn_prefill_fla
 from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
 from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 
@@ -42,7 +44,7 @@ def inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, decay, beta
 
 
-def where_the_time_goes(name: str, fn: Callable[[], object], calls: int = 5) -> None:
+def where_the_time_goes(name: str, fn: Callable[[], object], calls: int = 5) -> float:
     """Host time to launch one call (no sync inside), GPU kernel time per call, and the
     kernels that take it: tells host-bound from device-bound."""
     torch.cuda.synchronize()
@@ -61,11 +63,14 @@ def where_the_time_goes(name: str, fn: Callable[[], object], calls: int = 5) -> 
     print(f"  {name}: host {host_us:.0f} us to launch a call, GPU kernels {gpu_us:.0f} us a call")
     for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:8]:
         print(f"    {e.device_time_total / calls:8.1f} us  x{e.count // calls:<3} {e.key[:70]}")
+    return gpu_us
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true", help="profile the prefill paths too")
+    ap.add_argument("--skip-triton-prefill", action="store_true",
+                    help="leave out our Triton prefill (its compile takes a minute)")
     args = ap.parse_args()
     bw = copy_bandwidth_tbps()
     scale = K**-0.5
@@ -137,10 +142,12 @@ def main() -> None:
             f"state rel err {rel_err(ours_pool, fla_pool):.1e}"
         )
 
-    prefill(chunk_gated_delta_rule, scale, profiled=args.profile)
+    prefill(chunk_gated_delta_rule, scale, profiled=args.profile,
+            triton_prefill=not args.skip_triton_prefill)
 
 
-def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: bool = False) -> None:
+def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: bool = False,
+            triton_prefill: bool = True) -> None:
     """One sequence of T tokens from a fresh slot: ours (Triton), fla's kernel alone, and
     the path the layer dispatches to (fla through our wrapper where fla imports: the
     same call as ours, state gathered from and scattered into the pool)."""
@@ -157,13 +164,17 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: boo
             q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T]
         )
 
-    def dispatched() -> torch.Tensor:
-        return chosen(q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T])
+    # the layer's call: host copies of the offsets, and for fla of the indices too
+    host = {"host_indices": ([-1], [0])} if kernel == "fla" else {}
 
-    out_ours = ours_prefill()
-    t_ours = median_ms(ours_prefill)
-    out_dispatch = dispatched()
-    t_dispatch = median_ms(dispatched)
+    def dispatched() -> torch.Tensor:
+        return chosen(q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T],
+                      **host)
+
+    paths = []
+    if triton_prefill:
+        paths.append(("ours (Triton)", median_ms(ours_prefill), ours_prefill()))
+    paths.append((f"ours (dispatch: {kernel})", median_ms(dispatched), dispatched()))
     t_fla = None
     if chunk_gated_delta_rule is not None:
 
@@ -180,20 +191,38 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: boo
             )
             return o[0]
 
+        initial = torch.zeros(1, H, K, V, device="cuda")
+        chunks = fla_chunk_indices([0, T], 64, q.device)
+
+        def fla_varlen() -> torch.Tensor:
+            # the call the wrapper makes: varlen offsets, an initial state, a chunk map
+            o, _ = chunk_gated_delta_rule(
+                q[None], k[None], v[None], decay[None], beta[None], scale=scale,
+                initial_state=initial, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long(), chunk_indices=chunks,
+            )  # fmt: skip
+            return o[0]
+
         out_fla = fla_prefill()
         t_fla = median_ms(fla_prefill)
         print(f"prefill T={T} H={H}: fla kernel alone {t_fla * 1e3:.0f} us")
-    for name, t, out in (("ours (Triton)", t_ours, out_ours),
-                         (f"ours (dispatch: {kernel})", t_dispatch, out_dispatch)):
+        t_varlen = median_ms(fla_varlen)
+        print(f"prefill T={T} H={H}: fla varlen call (cu_seqlens, initial state) "
+              f"{t_varlen * 1e3:.0f} us, {t_varlen / t_fla:.2f}x fla alone")
+    for name, t, out in paths:
         line = f"prefill T={T} H={H}: {name} {t * 1e3:.0f} us"
         if t_fla is not None:
             line += (f", ratio to fla {t / t_fla:.2f} (target <= 1.0), "
                      f"rel err vs fla {rel_err(out.float(), out_fla.float()):.1e}")
         print(line)
     if profiled:
-        where_the_time_goes(f"ours (dispatch: {kernel})", dispatched)
+        gpu_ours = where_the_time_goes(f"ours (dispatch: {kernel})", dispatched)
         if t_fla is not None:
-            where_the_time_goes("fla kernel alone", fla_prefill)
+            gpu_fla = where_the_time_goes("fla kernel alone", fla_prefill)
+            where_the_time_goes("fla varlen call", fla_varlen)
+            # where the host launches slower than the GPU runs, the wall ratio above is
+            # one of host times: this one is the chip's
+            print(f"  GPU kernel time, dispatched / fla alone: {gpu_ours / gpu_fla:.2f}")
 
 
 if __name__ == "__main__":

@@ -137,14 +137,20 @@ def test_the_backend_reports_its_choice_and_hands_it_to_every_layer(monkeypatch)
 
 
 def oracle_in_fla_layout(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                         use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, chunk_indices=None):
+                         use_qk_l2norm_in_kernel, chunk_size, cu_seqlens=None,
+                         chunk_indices=None):
     """fla's documented contract for the wrapper's call (``[1, T, ...]`` varlen in,
     per-sequence initial and final states, output in q's dtype), computed by our naive
     oracle. A stand-in on the CPU: it checks the wrapper's layouts and indices, not fla.
     Rows outside every sequence stay NaN, as fla leaves them unwritten."""
     assert q.shape[0] == 1 and output_final_state and chunk_size in (16, 32, 64)
-    assert cu_seqlens.dtype == torch.long and initial_state.dtype == torch.float32
-    cu = cu_seqlens.tolist()
+    # Without offsets the batch row is one sequence; without an initial state each
+    # sequence starts from zeros (both as fla documents).
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
+    assert cu_seqlens is None or cu_seqlens.dtype == torch.long
+    if initial_state is None:
+        initial_state = torch.zeros(len(cu) - 1, *v.shape[2:3], q.shape[-1], v.shape[-1])
+    assert initial_state.dtype == torch.float32 and initial_state.shape[0] == len(cu) - 1
     if chunk_indices is not None:  # (sequence, chunk) for every chunk, in order
         expected = [[s, c] for s in range(len(cu) - 1)
                     for c in range(-(-(cu[s + 1] - cu[s]) // chunk_size))]
@@ -183,12 +189,15 @@ def test_the_wrapper_reads_and_writes_only_through_the_indices(case, h):
                                  h.dk**-0.5, chunk_size=16)
     after = pool.clone()
     host = case.cu_seqlens.tolist()
+    # Half the batches with the host copies of the indices, which plan the call around
+    # fresh and PAD rows: the same result either way.
+    host_indices = (case.read, case.write) if case.seed % 2 else None
     # Around the stand-in (which reads its offsets on the host, as fla need not), the
     # wrapper may read no tensor value on the host: on CUDA that is a wait for the device.
     with forbid_host_reads("gdn_prefill_fla"):
         out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write,
                               h.dk**-0.5, chunk_size=16, cu_seqlens_host=host,
-                              kernel=unguarded(oracle_in_fla_layout))
+                              host_indices=host_indices, kernel=unguarded(oracle_in_fla_layout))
     for i in range(case.num_seqs):
         rows = seq_rows(case, i)
         if case.write[i] < 0:
@@ -197,6 +206,43 @@ def test_the_wrapper_reads_and_writes_only_through_the_indices(case, h):
         assert rel_rms(out[rows], expected[rows]) < 1e-5, f"sequence {i} output"
         assert rel_rms(after[case.write[i]], expected_pool[case.write[i]]) < 1e-5
     assert_untouched(pool, after, case)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the stand-in runs on the CPU")
+@pytest.mark.parametrize("history", [False, True], ids=["fresh", "continued"])
+def test_one_running_sequence_takes_fla_plain_call_and_one_state_write(history):
+    """With the host indices, a step of one running sequence calls fla without offsets
+    (its varlen call costs more host time), and with no initial state when the sequence
+    is fresh; output and written state are the torch path's, no other slot changes."""
+    h = Heads(1, 2, 8, 8)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g, beta = qkvgb(h, 21, gen)
+    pool = torch.randn(4, h.hv, h.dk, h.dv, generator=gen)
+    read_slot, write_slot = (2, 2) if history else (-1, 1)
+    if not history:
+        pool[write_slot] = float("nan")  # a fresh slot's stale bytes must not leak in
+    cu = torch.tensor([0, 21], dtype=torch.int32)
+    read, write = (torch.tensor([i], dtype=torch.int32) for i in (read_slot, write_slot))
+    expected_pool = pool.clone()
+    expected = gdn_prefill_torch(q, k, v, g, beta, expected_pool, cu, read, write, h.dk**-0.5)
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return oracle_in_fla_layout(*args, **kwargs)
+
+    after = pool.clone()
+    with forbid_host_reads("gdn_prefill_fla"):
+        out = gdn_prefill_fla(q, k, v, g, beta, after, cu, read, write, h.dk**-0.5,
+                              cu_seqlens_host=[0, 21], host_indices=([read_slot], [write_slot]),
+                              kernel=unguarded(recorded))
+    (call,) = calls
+    assert call.get("cu_seqlens") is None and call.get("chunk_indices") is None
+    assert (call["initial_state"] is None) == (not history)
+    assert rel_rms(out, expected) < 1e-5
+    assert rel_rms(after[write_slot], expected_pool[write_slot]) < 1e-5
+    for slot in set(range(4)) - {write_slot}:
+        assert same_bytes(pool[slot], after[slot]), f"slot {slot} changed without a write"
 
 
 def test_the_chunk_map_is_the_one_fla_would_build():
@@ -261,8 +307,10 @@ def test_fla_equals_the_torch_path_on_varlen_batches_with_history(fla_kernel, ca
     after = pool.clone()
     # Half the batches without the host offsets: then fla builds its chunk map itself.
     host = case.cu_seqlens.tolist() if case.seed % 2 else None
+    # ... and a third with the host indices too (fla's call planned on them)
+    host_indices = (case.read, case.write) if host is not None and case.seed % 3 else None
     out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write, h.dk**-0.5,
-                          cu_seqlens_host=host, kernel=fla_kernel)
+                          cu_seqlens_host=host, host_indices=host_indices, kernel=fla_kernel)
     assert out.dtype == dtype
     for i in range(case.num_seqs):
         rows = seq_rows(case, i)

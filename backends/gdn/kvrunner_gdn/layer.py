@@ -164,7 +164,13 @@ class GDNLayer:
         v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
         if md.is_decode:
             return self._decode(q, k, v, g, beta, ssm_state, read, write, self.scale, True)
-        if self.prefill_kernel != "torch":  # Triton or fla: both take the host offsets
+        if self.prefill_kernel == "fla":  # fla's call is planned on the host indices
+            return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
+                                 md.write_indices, self.scale, True, self.chunk_size,
+                                 md.cu_seqlens_host or None,
+                                 host_indices=(md.read_host, md.write_host) if md.read_host
+                                 else None)
+        if self.prefill_kernel != "torch":  # Triton: it takes the host offsets
             return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
                                  md.write_indices, self.scale, True, self.chunk_size,
                                  md.cu_seqlens_host or None)

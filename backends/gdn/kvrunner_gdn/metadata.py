@@ -49,6 +49,10 @@ class GDNMetadata:
     cu_seqlens: torch.Tensor | None = None
     #: host copy of cu_seqlens (prefill), so launchers need no device sync to read it
     cu_seqlens_host: tuple[int, ...] = ()
+    #: host copies of the prefill read / write indices: a launcher can plan around fresh
+    #: and PAD rows (e.g. skip a gather of no state) without reading the device
+    read_host: tuple[int, ...] = ()
+    write_host: tuple[int, ...] = ()
     max_seqlen: int = 1
 
     @property
@@ -111,6 +115,8 @@ class GDNMetadataBuilder:
             write_indices=self.prefill_state_indices_in_tensor[:n],
             cu_seqlens=step.query_start_loc[: n + 1],
             cu_seqlens_host=tuple(step.host.cu_query_lens[: n + 1].tolist()),
+            read_host=tuple(read.tolist()),
+            write_host=tuple(write.tolist()),
             max_seqlen=step.max_query_len,
         )
 

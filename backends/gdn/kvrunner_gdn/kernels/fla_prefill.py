@@ -18,6 +18,14 @@ No step reads a device value on the host or waits for the device: fla gets its c
 map built from the host copy of ``cu_seqlens`` (:func:`fla_chunk_indices`), and the
 scatter avoids a boolean mask (see :func:`_scatter`).
 
+With the host copies of the indices as well (``host_indices``, which the layer's
+metadata carries), the common steps skip the general path's work, all of it small
+torch ops whose launches cost more host time than fla's own at T = 4096: when every
+row runs and the sequences cover every token row, there is nothing to zero and the
+scatter is one ``index_copy_``; fresh rows need no gather (fla starts from zeros
+without an initial state); and one sequence takes fla's plain call, without offsets
+(fla's varlen call costs more host time). PAD rows take the general path.
+
 fla's numerics are its own: q and k are rounded to the input dtype after its L2 norm,
 its per-chunk states are rounded to the input dtype for the matrix products, and
 float32 inputs go through TF32 products on GPUs that have them. The value heads map
@@ -108,12 +116,16 @@ def gdn_prefill_fla(
     chunk_size: int = DEFAULT_CHUNK,
     cu_seqlens_host: Sequence[int] | None = None,
     *,
+    host_indices: tuple[Sequence[int], Sequence[int]] | None = None,
     kernel: FlaChunk | None = None,
 ) -> torch.Tensor:
     """Prefill recurrence over concatenated sequences by fla; ``state`` updated in place.
 
     ``kernel`` is fla's ``chunk_gated_delta_rule`` (looked up when ``None``; the layer
-    binds it once). Returns ``[T, Hv, V]`` in v's dtype; rows of PAD sequences are zero.
+    binds it once). ``host_indices`` are host copies of ``(read_indices,
+    write_indices)``; with ``cu_seqlens_host`` they let a step of running rows skip the
+    general path's masks (the result is the same). Returns ``[T, Hv, V]`` in v's dtype;
+    rows of PAD sequences are zero.
     """
     seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
     if q.shape[0] == 0 or seqs == 0:
@@ -124,19 +136,22 @@ def gdn_prefill_fla(
     if kernel is None:
         raise RuntimeError("flash-linear-attention (fla-core) does not import here")
     read, write = read_indices.long(), write_indices.long()
+    batched = tuple(t[None] for t in (q, k, v, g, beta))  # fla's [1, T, ...] varlen layout
+    call = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                chunk_size=fla_chunk_size(chunk_size))
+    if host_indices is not None and cu_seqlens_host is not None:
+        reads_host, writes_host = host_indices
+        if all(w >= 0 for w in writes_host) and cu_seqlens_host[-1] == q.shape[0]:
+            out = _prefill_running_rows(kernel, batched, call, state, cu_seqlens, read, write,
+                                        cu_seqlens_host, reads_host)
+            return out.to(v.dtype)
     runs, reads = valid_rows(read, write)
     # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
     initial = torch.where(reads[:, None, None, None], state[read.clamp(min=0)], 0.0)
     cu = cu_seqlens.long()
-    chunk = fla_chunk_size(chunk_size)
-    host: dict[str, Any] = {}  # without the host offsets, fla reads them (a sync)
-    if cu_seqlens_host is not None:
-        host["chunk_indices"] = fla_chunk_indices(cu_seqlens_host, chunk, cu.device)
-    out, final = kernel(
-        q[None], k[None], v[None], g[None], beta[None],
-        scale=scale, initial_state=initial, output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu, chunk_size=chunk, **host,
-    )  # fmt: skip
+    if cu_seqlens_host is not None:  # without the host offsets, fla reads them (a sync)
+        call["chunk_indices"] = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu.device)
+    out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu, **call)
     tokens = q.shape[0]
     # The sequence of every token row; rows past the last sequence get index `seqs`.
     rows = torch.arange(tokens, device=cu.device)
@@ -146,3 +161,34 @@ def gdn_prefill_fla(
     out = torch.where(keep[:, None, None], out[0].to(v.dtype), 0)
     _scatter(state, final, write, runs)
     return out
+
+
+def _prefill_running_rows(
+    kernel: FlaChunk,
+    batched: tuple[torch.Tensor, ...],
+    call: dict[str, Any],
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    read: torch.Tensor,
+    write: torch.Tensor,
+    cu_seqlens_host: Sequence[int],
+    reads_host: Sequence[int],
+) -> torch.Tensor:
+    """fla's output ``[T, Hv, V]`` for a step whose rows all run and whose sequences
+    cover every token row: no output row to zero and no PAD row to steer, so the work
+    is fla's call plus one state write."""
+    if len(reads_host) == 1:
+        # One sequence: fla's plain call (no offsets); its state is one slice of the pool.
+        r = reads_host[0]
+        out, final = kernel(*batched, initial_state=state[r : r + 1] if r >= 0 else None, **call)
+        state.index_copy_(0, write, final)
+        return out[0]
+    initial = None  # every row fresh: fla starts from zeros
+    if any(r >= 0 for r in reads_host):
+        # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
+        initial = torch.where((read >= 0)[:, None, None, None], state[read.clamp(min=0)], 0.0)
+    chunks = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu_seqlens.device)
+    out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu_seqlens.long(),
+                        chunk_indices=chunks, **call)
+    state.index_copy_(0, write, final)
+    return out[0]
