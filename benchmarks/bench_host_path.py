@@ -43,7 +43,7 @@ def host_ms_per_step(batch: int, *, profile: bool = False) -> float:
     runner._forward_rows = lambda n, ctx: hidden[:n]  # no model compute
     for graph in runner.graphs.values():
         graph.replay = lambda graph=graph: hidden[: graph.batch_size]
-    runner.model.compute_logits = lambda x: logits[: x.shape[0]]
+    runner.model.compute_logits = lambda x, **_: logits[: x.shape[0]]
     prompts = [[1 + (i * 31 + j) % (vocab - 1) for j in range(PROMPT)] for i in range(batch)]
 
     def run(new: int) -> float:

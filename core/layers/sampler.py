@@ -50,7 +50,8 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [N] long
     #: [N] float32, the sampled token's logprob; None when no row asked for logprobs
     logprobs: torch.Tensor | None
-    #: [N] float32, each row's largest raw logit: NaN exactly where the row holds a NaN
+    #: [N] in the logits' dtype, each row's largest raw logit: NaN exactly where the
+    #: row holds a NaN
     row_max: torch.Tensor
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
@@ -137,7 +138,9 @@ def sample(
 ) -> SamplerOutput:
     """Sample one token per row.
 
-    :param logits: ``[N, V]`` raw logits (float32 preferred; other dtypes are widened).
+    :param logits: ``[N, V]`` raw logits, any float dtype: every value is read as its
+        float32 widening (exact), and only the rows and passes that need float32 are
+        widened (a bf16 batch of greedy rows is never copied).
     :param params: one :class:`SamplingParams` per row.
     :param num_generated: tokens each row's request has generated so far (keys seeds).
     :param generator: for rows without a seed; ``None`` uses torch's default generator.
@@ -148,16 +151,17 @@ def sample(
         raise ValueError(
             f"sample: {n} logit rows but {len(params)} params and {len(num_generated)} counts"
         )
-    logits = logits.float()
     # max, not argmax: the same first-maximum index, and the values tell NaN rows
-    # apart (max propagates NaN) without another pass over the logits.
+    # apart (max propagates NaN) without another pass over the logits. In the logits'
+    # own dtype: widening is exact and keeps order, so the maximum and its index are
+    # those of the float32 values.
     row_max, tokens = logits.max(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
     if random_rows:
         rows = on_device(random_rows, torch.int64, logits.device)
         temps = on_device([params[i].temperature for i in random_rows], torch.float32,
                           logits.device)
-        scaled = logits[rows] / temps[:, None]
+        scaled = logits[rows].float() / temps[:, None]
         scaled = _filter(
             scaled, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows]
         )
@@ -176,7 +180,7 @@ def sample(
     token_logprobs = top_ids = top_values = None
     # A [N, V] log_softmax is the sampler's largest pass: only when a row asks.
     if asked.count(None) < n:
-        all_logprobs = torch.log_softmax(logits, dim=-1)
+        all_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
         if max(num_top, default=0) > 0:
             top_values, top_ids = all_logprobs.topk(max(num_top), dim=-1)

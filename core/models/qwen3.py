@@ -263,9 +263,10 @@ class Qwen3ForCausalLM(nn.Module):
         """``input_ids``, ``positions``: ``[T]`` long -> final hidden states ``[T, hidden]``."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` (usually each sequence's last row) -> ``[N, vocab]`` float32."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, *, widen: bool = True) -> torch.Tensor:
+        """``[N, hidden]`` (usually each sequence's last row) -> ``[N, vocab]`` float32;
+        in the model dtype with ``widen=False`` (the sampler widens what it reads)."""
+        return self.lm_head(hidden, widen=widen)
 
     def _ignored_weights(self) -> list[str]:
         # Tied checkpoints may still carry lm_head.weight; it is the embedding's copy.

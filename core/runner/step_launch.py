@@ -68,7 +68,8 @@ class StepLaunch:
             # Through pinned memory: torch.tensor(..., device=cuda) would wait for the
             # step still running, which asynchronous steps exist to overlap.
             selected = hidden.index_select(0, on_device(rows, torch.int64, self.device))
-        logits = self.model.compute_logits(selected)  # every rank joins its all-gather
+        # every rank joins its all-gather; the sampler widens only what it reads
+        logits = self.model.compute_logits(selected, widen=False)
         if not self.samples:
             if self.shares_samples:  # the next step's placeholders need rank 0's draws
                 tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)

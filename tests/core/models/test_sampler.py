@@ -103,6 +103,23 @@ def test_seeded_row_does_not_depend_on_its_batch(batch, seed: int, count: int, d
     assert alone == in_batch == flipped
 
 
+@given(batches(), st.sampled_from([torch.bfloat16, torch.float16]), st.integers(0, 2**31))
+def test_half_precision_logits_sample_as_their_float32_widening(batch, dtype, seed) -> None:
+    """The sampler reads 16-bit logits (a decode step's, unwidened) exactly as the
+    float32 tensor they widen to: the same tokens, logprobs, top logprobs and row
+    maxima, with the same generator state for unseeded rows."""
+    logits, params, counts = batch
+    half = logits.to(dtype)
+    outs = [sample(x, params, counts, generator=torch.Generator().manual_seed(seed))
+            for x in (half, half.float())]
+    got, want = outs
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert torch.equal(got.row_max.float(), want.row_max)
+    for name in ("logprobs", "top_ids", "top_logprobs"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
 def test_seeded_draws_change_with_the_generated_count() -> None:
     logits = torch.zeros(1, 16)
     p = [SamplingParams(seed=7)]
