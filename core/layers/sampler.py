@@ -126,7 +126,7 @@ def _gumbel(
     # could lift a filtered (-inf) token to NaN and NaN wins argmax.
     eps = torch.finfo(u.dtype).eps
     u.clamp_(min=torch.finfo(u.dtype).tiny, max=1.0 - eps)
-    return -torch.log(-torch.log(u))
+    return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: no [N, V] temporaries
 
 
 def sample(
@@ -158,10 +158,14 @@ def sample(
     row_max, tokens = logits.max(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
     if random_rows:
-        rows = on_device(random_rows, torch.int64, logits.device)
         temps = on_device([params[i].temperature for i in random_rows], torch.float32,
                           logits.device)
-        scaled = logits[rows].float() / temps[:, None]
+        # Dividing by the float32 temperatures widens in the same pass. When every row
+        # draws (a sampling rollout's steps), no row gather: the logits themselves.
+        rows = None
+        if len(random_rows) < n:
+            rows = on_device(random_rows, torch.int64, logits.device)
+        scaled = (logits if rows is None else logits[rows]) / temps[:, None]
         scaled = _filter(
             scaled, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows]
         )
@@ -173,7 +177,11 @@ def sample(
             generator,
             logits.device,
         )
-        tokens[rows] = (scaled + noise).argmax(dim=-1)
+        drawn = scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
+        if rows is None:
+            tokens = drawn
+        else:
+            tokens[rows] = drawn
 
     asked = [p.logprobs for p in params]
     num_top = tuple(min(n or 0, vocab) for n in asked) if any(asked) else (0,) * n
