@@ -33,7 +33,7 @@ import torch
 
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
-from kvrunner.layers.fused.dispatch import use_triton
+from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
 from kvrunner.layers.sampling_seeds import int64_seed, step_seed
 from kvrunner.sampling_params import SamplingParams
 
@@ -129,6 +129,41 @@ def _gumbel(
     return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: no [N, V] temporaries
 
 
+def _draw(
+    logits: torch.Tensor,
+    rows: torch.Tensor | None,
+    params: list[SamplingParams],
+    counts: list[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
+    with ``params[i]`` after ``counts[i]`` generated tokens: ``argmax(logits / T + G)``
+    over the filtered logits, ``G`` Gumbel noise."""
+    device, vocab = logits.device, logits.shape[1]
+    temps = on_device([p.temperature for p in params], torch.float32, device)
+    if use_fused_draw(logits, params):
+        from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
+
+        index = rows if rows is not None else torch.arange(len(params), device=device)
+        seeds = on_device([int64_seed(p.seed) for p in params], torch.int64, device)
+        return gumbel_argmax(logits, index, temps, seeds, on_device(counts, torch.int64, device))
+    # Dividing by the float32 temperatures widens in the same pass.
+    scaled = (logits if rows is None else logits[rows]) / temps[:, None]
+    scaled = _filter(scaled, [p.top_k for p in params], [p.top_p for p in params])
+    noise = _gumbel(len(params), vocab, [p.seed for p in params], counts, generator, device)
+    return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
+
+
+def use_fused_draw(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
+    """Whether the one-pass kernel draws these rows: asked for
+    (``KVRUNNER_FUSED_SAMPLER=1``), on the Triton path, every row seeded (the kernel
+    makes the seeded rows' noise) and none filtered by top-k / top-p (a sort)."""
+    vocab = logits.shape[1]
+    return (fused_sampler_enabled() and use_triton(logits)
+            and all(p.seed is not None and not 0 < p.top_k < vocab and p.top_p >= 1.0
+                    for p in params))
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -158,26 +193,11 @@ def sample(
     row_max, tokens = logits.max(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
     if random_rows:
-        temps = on_device([params[i].temperature for i in random_rows], torch.float32,
-                          logits.device)
-        # Dividing by the float32 temperatures widens in the same pass. When every row
-        # draws (a sampling rollout's steps), no row gather: the logits themselves.
-        rows = None
-        if len(random_rows) < n:
-            rows = on_device(random_rows, torch.int64, logits.device)
-        scaled = (logits if rows is None else logits[rows]) / temps[:, None]
-        scaled = _filter(
-            scaled, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows]
-        )
-        noise = _gumbel(
-            len(random_rows),
-            vocab,
-            [params[i].seed for i in random_rows],
-            [num_generated[i] for i in random_rows],
-            generator,
-            logits.device,
-        )
-        drawn = scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
+        # When every row draws (a sampling rollout's steps), no row gather.
+        rows = None if len(random_rows) == n else on_device(random_rows, torch.int64,
+                                                              logits.device)
+        drawn = _draw(logits, rows, [params[i] for i in random_rows],
+                      [num_generated[i] for i in random_rows], generator)
         if rows is None:
             tokens = drawn
         else:

@@ -51,6 +51,17 @@ def same_kernel_dtype(*tensors: torch.Tensor) -> bool:
     return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)
 
 
+#: set to 1 to draw seeded, unfiltered sampling rows with the one-pass Triton kernel
+#: (``gumbel_argmax_triton.py``); 0 (default) keeps the torch path until it is timed
+FUSED_SAMPLER_ENV = "KVRUNNER_FUSED_SAMPLER"
+
+
+def fused_sampler_enabled() -> bool:
+    """Whether ``KVRUNNER_FUSED_SAMPLER=1`` asks for the one-pass sampling kernel (read
+    per call, like the other switches, so tests can flip it)."""
+    return os.environ.get(FUSED_SAMPLER_ENV, "0") == "1"
+
+
 #: which decode projections take the skinny-GEMM kernel: ``auto`` (default) where it
 #: was measured faster than cuBLAS, ``1`` every decode-sized one, ``0`` none
 SKINNY_GEMM_ENV = "KVRUNNER_SKINNY_GEMM"

@@ -1,0 +1,55 @@
+"""A sampling step's draw: the torch path vs the one-pass kernel, same logits, same run.
+
+Seeded rows at temperature 1.0 without filters (an RL rollout's sampling), logits of
+a 152k vocabulary in bf16 as a decode step hands them over (unwidened). Both paths
+run through ``sample`` (``KVRUNNER_FUSED_SAMPLER`` 0 / 1); the floor is one read of
+the logits at the measured copy bandwidth. Also prints how many rows draw the same
+token on both paths (all of them but close calls, which are rounding).
+
+    python benchmarks/bench_sampler.py [--batches 1,64,256,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from common import copy_bandwidth_tbps, median_ms
+
+from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV
+from kvrunner.layers.sampler import sample
+from kvrunner.sampling_params import SamplingParams
+
+VOCAB = 151_936
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64,256,1024")
+    args = ap.parse_args()
+    bw = copy_bandwidth_tbps()
+    print(f"copy bandwidth {bw:.2f} TB/s; vocab {VOCAB}, bf16 logits, seeded T=1.0")
+    print(f"{'batch':>5} {'torch us':>9} {'fused us':>9} {'fused/torch':>11} "
+          f"{'floor us':>9} {'fused/floor':>11} {'same tokens':>12}")
+    for batch in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        params = [SamplingParams(temperature=1.0, seed=1000 + i) for i in range(batch)]
+        counts = list(range(batch))
+        times, tokens = {}, {}
+        for mode in ("0", "1"):
+            os.environ[FUSED_SAMPLER_ENV] = mode
+            tokens[mode] = sample(logits, params, counts).token_ids
+            times[mode] = median_ms(
+                lambda x=logits, p=params, c=counts: sample(x, p, c)) * 1e3
+        floor = logits.numel() * logits.element_size() / (bw * 1e12) * 1e6
+        same = int((tokens["0"] == tokens["1"]).sum())
+        print(f"{batch:>5} {times['0']:>9.1f} {times['1']:>9.1f} "
+              f"{times['1'] / times['0']:>11.2f} {floor:>9.1f} {times['1'] / floor:>11.2f} "
+              f"{same:>6}/{batch:<5}")
+    os.environ.pop(FUSED_SAMPLER_ENV, None)
+
+
+if __name__ == "__main__":
+    main()

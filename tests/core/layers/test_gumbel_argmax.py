@@ -1,0 +1,128 @@
+"""The one-pass sampling kernel (Triton; under the interpreter without a GPU): its draw
+is the torch path's ``argmax(logits / T + G)`` with the same seeded noise, and the
+sampler hands it exactly the rows it can serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
+from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
+from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
+from kvrunner.layers.sampler import sample, use_fused_draw
+from kvrunner.sampling_params import SamplingParams
+
+pytest.importorskip("triton")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def torch_scores(logits, rows, temps, seeds, counts) -> torch.Tensor:
+    """The torch path's perturbed scores for ``rows``: the same noise, its own logs."""
+    u = seeded_uniform_(torch.empty(len(rows), logits.shape[1]), torch.arange(len(rows)),
+                        seeds, counts)
+    eps = torch.finfo(torch.float32).eps
+    u.clamp_(min=torch.finfo(torch.float32).tiny, max=1.0 - eps)
+    return logits[rows] / temps[:, None] - torch.log(-torch.log(u))
+
+
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 5000), dtype=st.sampled_from(DTYPES),
+       data=st.data())
+def test_the_kernel_draws_the_torch_paths_token(rows, vocab, dtype, data) -> None:
+    """Same token wherever the best score leads the next by more than rounding; at a
+    closer call, a token whose score is within rounding of the best."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    logits = (torch.randn(rows + 2, vocab, generator=gen) * data.draw(st.sampled_from([1, 8])))
+    logits = logits.to(dtype)
+    pick = torch.tensor(data.draw(st.permutations(range(rows + 2)))[:rows])
+    temps = torch.tensor(data.draw(st.lists(st.floats(0.05, 3.0), min_size=rows,
+                                            max_size=rows)), dtype=torch.float32)
+    seeds = torch.tensor(data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=rows,
+                                            max_size=rows)))
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, 10**5), min_size=rows,
+                                             max_size=rows)))
+    drawn = gumbel_argmax(logits, pick, temps, seeds, counts)
+    scores = torch_scores(logits.float(), pick, temps, seeds, counts)
+    assert drawn.dtype == torch.int64 and ((drawn >= 0) & (drawn < vocab)).all()
+    for i in range(rows):
+        best = scores[i].max()
+        close = 1e-5 * max(1.0, float(best.abs()))
+        top2 = scores[i].topk(min(2, vocab)).values
+        if vocab == 1 or top2[0] - top2[1] > close:
+            assert drawn[i] == scores[i].argmax(), f"row {i}"
+        else:
+            assert scores[i][drawn[i]] >= best - close, f"row {i}"
+
+
+def test_a_tie_takes_the_first_column_as_argmax_does() -> None:
+    """Noise differs per column, so equal scores come from equal logits at -inf: a row
+    masked over several tiles draws column 0, as torch's argmax does, and a row with
+    one finite column draws that column wherever its tile is."""
+    logits = torch.full((2, 5000), float("-inf"))
+    logits[1, 4099] = 0.0
+    rows, seeds, counts, temps = (torch.tensor(v) for v in ([0, 1], [3, 3], [4, 4], [1.0, 1.0]))
+    scores = torch_scores(logits, rows, temps, seeds, counts)
+    drawn = gumbel_argmax(logits, rows, temps, seeds, counts)
+    assert drawn.tolist() == scores.argmax(dim=-1).tolist() == [0, 4099]
+
+
+def test_no_rows_draw_nothing() -> None:
+    empty = torch.empty(0, dtype=torch.int64)
+    out = gumbel_argmax(torch.zeros(3, 10), empty, torch.empty(0), empty, empty)
+    assert out.shape == (0,)
+
+
+@pytest.fixture
+def switches(monkeypatch):
+    def set_(fused: bool, triton: bool = True) -> None:
+        monkeypatch.setenv(FUSED_SAMPLER_ENV, "1" if fused else "0")
+        monkeypatch.setenv(USE_TRITON_ENV, "1" if triton else "0")
+
+    return set_
+
+
+def test_the_kernel_serves_seeded_unfiltered_rows_only_when_asked(switches) -> None:
+    logits = torch.zeros(2, 50)
+    seeded = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2)]
+    switches(fused=True)
+    assert use_fused_draw(logits, seeded)
+    assert use_fused_draw(logits, [SamplingParams(temperature=1.0, seed=1, top_k=50)])
+    for other in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=1, top_k=5),
+                  SamplingParams(temperature=1.0, seed=1, top_p=0.9)):
+        assert not use_fused_draw(logits, [seeded[0], other]), other
+    switches(fused=False)
+    assert not use_fused_draw(logits, seeded)
+    switches(fused=True, triton=False)
+    assert not use_fused_draw(logits, seeded)
+
+
+@given(st.integers(1, 6), st.integers(2, 300), st.integers(0, 2**31))
+def test_the_sampler_with_the_kernel_draws_the_torch_paths_tokens(rows, vocab, seed) -> None:
+    """Through ``sample``: a batch of seeded rows (some greedy among them) takes the same
+    tokens with the kernel as without it, where no row is a close call."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    params = [SamplingParams(temperature=0.0 if i % 3 == 2 else 0.7, seed=seed + i, logprobs=1)
+              for i in range(rows)]
+    counts = [seed % 97 + i for i in range(rows)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(USE_TRITON_ENV, "1")
+        mp.setenv(FUSED_SAMPLER_ENV, "1")
+        fused = sample(logits, params, counts)
+        mp.setenv(FUSED_SAMPLER_ENV, "0")
+        plain = sample(logits, params, counts)
+    drawing = [i for i, p in enumerate(params) if p.temperature]
+    scores = torch_scores(logits, torch.tensor(drawing), torch.full((len(drawing),), 0.7),
+                          torch.tensor([seed + i for i in drawing]),
+                          torch.tensor([counts[i] for i in drawing])) if drawing else None
+    for j, i in enumerate(drawing):
+        top2 = scores[j].topk(2).values
+        if top2[0] - top2[1] > 1e-5 * max(1.0, float(top2[0].abs())):
+            assert fused.token_ids[i] == plain.token_ids[i], f"row {i}"
+    greedy = [i for i, p in enumerate(params) if not p.temperature]
+    assert torch.equal(fused.token_ids[greedy], plain.token_ids[greedy])
+    # logprobs are of the drawn token, from the same raw log_softmax
+    assert torch.allclose(fused.logprobs, torch.log_softmax(logits, -1).gather(
+        1, fused.token_ids[:, None]).squeeze(1))
