@@ -66,15 +66,19 @@ class SamplerOutput:
         return dict(zip(ids, self.top_logprobs[row, :n].tolist(), strict=True))
 
 
-def _filter(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """Set every logit outside each row's top-k set / top-p nucleus to ``-inf``."""
+def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_ks: list[int],
+            top_ps: list[float]) -> torch.Tensor:
+    """Set every logit outside each row's top-k set / top-p nucleus to ``-inf``. The
+    ranking is ``raw``'s (the logits before the temperature): dividing keeps the order
+    but may merge two logits (a subnormal halved to zero), ranking a lower one first."""
     rows, vocab = scaled.shape
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_ps):
         return scaled
     device = scaled.device
     # Stable sort: among equal logits the lower token id ranks first, as argmax does.
-    values, order = scaled.sort(dim=-1, descending=True, stable=True)
+    order = raw.sort(dim=-1, descending=True, stable=True).indices
+    values = scaled.gather(-1, order)  # non-increasing, as the scaling keeps order
     rank = torch.arange(vocab, device=device)
     values = values.masked_fill(rank >= on_device(ks, torch.int64, device)[:, None], float("-inf"))
     if any(p < 1.0 for p in top_ps):
@@ -147,9 +151,9 @@ def _draw(
         index = rows if rows is not None else torch.arange(len(params), device=device)
         seeds = on_device([int64_seed(p.seed) for p in params], torch.int64, device)
         return gumbel_argmax(logits, index, temps, seeds, on_device(counts, torch.int64, device))
-    # Dividing by the float32 temperatures widens in the same pass.
-    scaled = (logits if rows is None else logits[rows]) / temps[:, None]
-    scaled = _filter(scaled, [p.top_k for p in params], [p.top_p for p in params])
+    raw = logits if rows is None else logits[rows]
+    scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
+    scaled = _filter(scaled, raw, [p.top_k for p in params], [p.top_p for p in params])
     noise = _gumbel(len(params), vocab, [p.seed for p in params], counts, generator, device)
     return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
 
@@ -159,9 +163,8 @@ def use_fused_draw(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
     (``KVRUNNER_FUSED_SAMPLER=1``), on the Triton path, every row seeded (the kernel
     makes the seeded rows' noise) and none filtered by top-k / top-p (a sort)."""
     vocab = logits.shape[1]
-    return (fused_sampler_enabled() and use_triton(logits)
-            and all(p.seed is not None and not 0 < p.top_k < vocab and p.top_p >= 1.0
-                    for p in params))
+    serves = (p.seed is not None and not 0 < p.top_k < vocab and p.top_p >= 1.0 for p in params)
+    return fused_sampler_enabled() and use_triton(logits) and all(serves)
 
 
 def sample(
