@@ -82,6 +82,12 @@ def fla_chunk_indices(cu_seqlens_host: Sequence[int], chunk: int,
     return on_device(pairs, torch.long, device).reshape(-1, 2)
 
 
+def _initial_states(state: torch.Tensor, read: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+    """``state[read[s]]`` where ``reads[s]``, zeros elsewhere: fla's initial states."""
+    # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
+    return torch.where(reads[:, None, None, None], state[read.clamp(min=0)], 0.0)
+
+
 def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor,
              runs: torch.Tensor) -> None:
     """``state[write[s]] = final[s]`` for every row with ``write[s] >= 0``, no other slot
@@ -146,8 +152,7 @@ def gdn_prefill_fla(
                                         cu_seqlens_host, reads_host)
             return out.to(v.dtype)
     runs, reads = valid_rows(read, write)
-    # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
-    initial = torch.where(reads[:, None, None, None], state[read.clamp(min=0)], 0.0)
+    initial = _initial_states(state, read, reads)
     cu = cu_seqlens.long()
     if cu_seqlens_host is not None:  # without the host offsets, fla reads them (a sync)
         call["chunk_indices"] = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu.device)
@@ -183,10 +188,8 @@ def _prefill_running_rows(
         out, final = kernel(*batched, initial_state=state[r : r + 1] if r >= 0 else None, **call)
         state.index_copy_(0, write, final)
         return out[0]
-    initial = None  # every row fresh: fla starts from zeros
-    if any(r >= 0 for r in reads_host):
-        # torch.where, not a product: a fresh slot may hold NaN and must not leak in.
-        initial = torch.where((read >= 0)[:, None, None, None], state[read.clamp(min=0)], 0.0)
+    # every row fresh: no initial state, fla starts from zeros
+    initial = _initial_states(state, read, read >= 0) if any(r >= 0 for r in reads_host) else None
     chunks = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu_seqlens.device)
     out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu_seqlens.long(),
                         chunk_indices=chunks, **call)
