@@ -10,15 +10,22 @@ On the first failure the driver keeps listening for a short grace period, to hea
 the other ranks' reports too (and so tell the cause from its consequences), then
 terminates every rank and raises one :class:`WorkerError`. The processes are also
 stopped when the supervisor is garbage-collected or the interpreter exits.
+
+Ctrl-C: a command reaches every rank or none (the interrupt is held until the last
+send), so no rank is left alone in a collective. An interrupt while replies are
+awaited leaves them unread, out of step with the next command: the group is then
+stopped and every later call says why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import pickle
+import signal
+import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import connection
 from typing import Any
 
@@ -32,6 +39,23 @@ FAILURE_GRACE_S = 2.0
 STOP_GRACE_S = 10.0
 
 STOP = ("stop",)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold a Ctrl-C that lands inside the block, and deliver it when the block ends."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield  # only the main thread may set handlers; None: not ours to replace
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # now reaches the previous handler
 
 
 def _stop_processes(procs: list, conns: list, grace_s: float) -> None:
@@ -106,18 +130,19 @@ class WorkerProcesses:
             raise WorkerError("the tensor-parallel group is shut down", rank=None)
 
     def send_all(self, message: Any, *, during: str) -> None:
-        """Send ``message`` to every rank (pickled once)."""
+        """Send ``message`` to every rank (pickled once), all or none under Ctrl-C."""
         self.check_usable()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(payload)
-            except OSError:  # the rank is gone: find out what it said, if anything
-                failures: list[RankFailure] = []
-                self._read(rank, {}, set(), failures)
-                if not failures:
-                    failures.append(self._death_report(rank))
-                self._fail(failures, during=during)
+        with _sigint_held():  # a rank sent a step its peers never get would hang in it
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send_bytes(payload)
+                except OSError:  # the rank is gone: find out what it said, if anything
+                    failures: list[RankFailure] = []
+                    self._read(rank, {}, set(), failures)
+                    if not failures:
+                        failures.append(self._death_report(rank))
+                    self._fail(failures, during=during)
 
     def collect(self, ranks: Sequence[int], *, during: str, timeout_s: float) -> dict[int, Any]:
         """One ``("ok", payload)`` from each rank in ``ranks``; raises WorkerError on
@@ -126,13 +151,17 @@ class WorkerProcesses:
         waiting, replies = set(ranks), {}
         failures: list[RankFailure] = []
         deadline = time.monotonic() + timeout_s
-        while waiting and not failures:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                what = f"no answer within {timeout_s:.0f} s"
-                failures += [self._silence_report(r, what) for r in sorted(waiting)]
-                break
-            self._wait_round(remaining, replies, waiting, failures)
+        try:
+            while waiting and not failures:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    what = f"no answer within {timeout_s:.0f} s"
+                    failures += [self._silence_report(r, what) for r in sorted(waiting)]
+                    break
+                self._wait_round(remaining, replies, waiting, failures)
+        except KeyboardInterrupt:
+            self._abandon(during=during)
+            raise
         if failures:
             self._fail(failures, during=during)
         return replies
@@ -225,6 +254,16 @@ class WorkerProcesses:
         self._finalizer.detach()
         _stop_processes(self._procs, self._conns, grace_s=0.0)
         raise error
+
+    def _abandon(self, *, during: str) -> None:
+        """Stop the group after an interrupt left replies unread (they would answer
+        the next command); later calls raise a WorkerError that says so."""
+        self.failure = WorkerError(
+            f"interrupted (Ctrl-C) while waiting for the ranks during {during}; their "
+            "replies were left unread, so the group was stopped. Create a new LLM.",
+            rank=None,
+        )
+        self._finalizer()  # ask every rank to stop once its current command is done
 
     def shutdown(self) -> None:
         """Stop every rank (idempotent): ask nicely, then terminate, then kill."""

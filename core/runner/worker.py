@@ -28,11 +28,13 @@ import contextlib
 import os
 import pickle
 import signal
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
 import attrs
 import torch
+from tqdm import tqdm
 
 from kvrunner.batch import PackedSampled, StepInput, no_samples
 from kvrunner.config import EngineConfig
@@ -156,6 +158,10 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
     # Ctrl-C reaches every process of the terminal's group; the driver alone handles it
     # (by stopping the ranks), so a rank never dies half-way and leaks what it holds.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock is a named multiprocessing semaphore; a rank that ends by
+    # os._exit (below) or is terminated never unlinks it, and the driver's resource
+    # tracker then warns of a leak. One bar in one process needs only a thread lock.
+    tqdm.set_lock(threading.RLock())
     parallel = spec.config.parallel
     world = parallel.tensor_parallel_size
     group: DistGroup | None = None

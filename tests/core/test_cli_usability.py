@@ -147,6 +147,21 @@ def test_ctrl_c_exits_130_without_a_traceback(tp) -> None:
         assert noise not in err, err
 
 
+def test_a_crashed_rank_leaves_nothing_behind_for_the_resource_tracker() -> None:
+    """A rank that dies without cleaning up (os._exit, as a segfault or the OOM killer)
+    must not own a named semaphore: the driver's exit would then warn of a leak."""
+    hooks = '{"fail": {"rank": 0, "at": "step", "step": 2, "mode": "exit"}}'
+    cmd = [sys.executable, "-m", "kvrunner.cli", "generate", "a", "b", "--max-tokens", "20",
+           "--max-model-len", "2048", "--ignore-eos", "--enforce-eager", "--max-num-seqs", "2",
+           "--tensor-parallel-size", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KVRUNNER_TP_TEST_HOOKS": hooks})
+    assert run.returncode == 2, run.stderr
+    assert "tensor-parallel rank 0 failed during a step: ProcessDied" in run.stderr
+    assert "loading weights" in run.stderr  # rank 0 drew a progress bar: it had a lock
+    assert "leaked" not in run.stderr, run.stderr
+
+
 def test_a_tp_script_without_main_guard_is_told_the_real_cause(tmp_path: Path) -> None:
     script = tmp_path / "serve.py"
     script.write_text(
