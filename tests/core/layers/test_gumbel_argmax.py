@@ -21,8 +21,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def torch_scores(logits, rows, temps, seeds, counts) -> torch.Tensor:
     """The torch path's perturbed scores for ``rows``: the same noise, its own logs."""
-    u = seeded_uniform_(torch.empty(len(rows), logits.shape[1]), torch.arange(len(rows)),
-                        seeds, counts)
+    dev = logits.device
+    u = seeded_uniform_(torch.empty(len(rows), logits.shape[1], device=dev),
+                        torch.arange(len(rows), device=dev), seeds.to(dev), counts.to(dev))
     eps = torch.finfo(torch.float32).eps
     u.clamp_(min=torch.finfo(torch.float32).tiny, max=1.0 - eps)
     return logits[rows] / temps[:, None] - torch.log(-torch.log(u))
@@ -43,10 +44,15 @@ def test_the_kernel_draws_the_torch_paths_token(rows, vocab, dtype, data) -> Non
                                             max_size=rows)))
     counts = torch.tensor(data.draw(st.lists(st.integers(0, 10**5), min_size=rows,
                                              max_size=rows)))
+    assert_draws_the_torch_paths_token(logits, pick, temps, seeds, counts)
+
+
+def assert_draws_the_torch_paths_token(logits, pick, temps, seeds, counts) -> None:
     drawn = gumbel_argmax(logits, pick, temps, seeds, counts)
-    scores = torch_scores(logits.float(), pick, temps, seeds, counts)
+    scores = torch_scores(logits.float(), pick, temps, seeds, counts).cpu()
+    drawn, vocab = drawn.cpu(), logits.shape[1]
     assert drawn.dtype == torch.int64 and ((drawn >= 0) & (drawn < vocab)).all()
-    for i in range(rows):
+    for i in range(len(pick)):
         best = scores[i].max()
         close = 1e-5 * max(1.0, float(best.abs()))
         top2 = scores[i].topk(min(2, vocab)).values
@@ -54,6 +60,21 @@ def test_the_kernel_draws_the_torch_paths_token(rows, vocab, dtype, data) -> Non
             assert drawn[i] == scores[i].argmax(), f"row {i}"
         else:
             assert scores[i][drawn[i]] >= best - close, f"row {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 151_936), (64, 151_936), (5, 4099)])
+def test_on_the_gpu_the_kernel_draws_the_torch_paths_token(rows, vocab, dtype) -> None:
+    """Compiled for the chip, at a real vocabulary: the same draws as the torch path."""
+    gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
+    logits = (torch.randn(rows + 1, vocab, device="cuda", generator=gen) * 3).to(dtype)
+    pick = torch.arange(rows, 0, -1, device="cuda")  # not in order, skipping row 0
+    temps = torch.linspace(0.3, 1.7, rows, device="cuda")
+    seeds = torch.arange(rows, device="cuda") * 7919 - 2**40
+    counts = torch.arange(rows, device="cuda") * 131
+    assert_draws_the_torch_paths_token(logits, pick, temps, seeds, counts)
 
 
 def test_a_tie_takes_the_first_column_as_argmax_does() -> None:
