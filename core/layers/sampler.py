@@ -159,8 +159,8 @@ def _draw(
 
 
 def use_fused_draw(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
-    """Whether the one-pass kernel draws these rows: asked for
-    (``KVRUNNER_FUSED_SAMPLER=1``), on the Triton path, every row seeded (the kernel
+    """Whether the one-pass kernel draws these rows: not switched off
+    (``KVRUNNER_FUSED_SAMPLER=0``), on the Triton path, every row seeded (the kernel
     makes the seeded rows' noise) and none filtered by top-k / top-p (a sort)."""
     vocab = logits.shape[1]
     serves = (p.seed is not None and not 0 < p.top_k < vocab and p.top_p >= 1.0 for p in params)
