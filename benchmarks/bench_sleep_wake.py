@@ -16,7 +16,10 @@ a capture with the audit on against one with it off.
 Anchor: vLLM reports a level-1 wake of 0.26 s for Qwen3-0.6B on an A100, without
 recapture (its graphs survive at the same virtual addresses).
 
-    python benchmarks/bench_sleep_wake.py [0.6B] [8B]
+Host tensors are pushed twice: pageable (a trainer's CPU state dict: each tensor
+is staged through pinned chunks, ``layers/weight_copy.py``) and pinned.
+
+    python benchmarks/bench_sleep_wake.py [0.6B] [8B] [--push-only]
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def cycle(llm: LLM, level: int, discard: bool, push: list) -> dict[str, float]:
             "recapture": info.last_recapture_s, "push": push_s}
 
 
-def bench(name: str, root: Path) -> None:
+def bench(name: str, root: Path, push_only: bool) -> None:
     path = root / f"qwen3-{name}-random"
     weight_bytes = write_checkpoint(path, SHAPES[name])
     llm = LLM(model=str(path), dtype="bfloat16", max_num_seqs=256, max_model_len=256,
@@ -91,6 +94,11 @@ def bench(name: str, root: Path) -> None:
     print(f"\n== {name}: weights {weight_bytes / 1e9:.2f} GB, pool {pool_bytes / 1e9:.1f} GB "
           f"({info.num_blocks} blocks), {graphs} decode graphs", flush=True)
     device_push = [(n, t.cuda()) for n, t in iter_safetensors(path, torch.bfloat16)]
+    if push_only:
+        push_rates(llm, path, weight_bytes, device_push)
+        llm.shutdown()
+        release_memory()
+        return
     print(f"{'sleep kind':>22} {'sleep s':>8} {'MiB freed':>10} {'wake s':>7} "
           f"{'recapture s':>12} {'alloc s':>8} {'same answers':>13}")
     for label, level, discard in KINDS:
@@ -100,20 +108,9 @@ def bench(name: str, root: Path) -> None:
         print(f"{label:>22} {med['sleep']:>8.3f} {med['freed'] / MiB:>10.0f} "
               f"{med['wake']:>7.3f} {med['recapture']:>12.3f} "
               f"{med['wake'] - med['recapture'] - med['push']:>8.3f} {str(same):>13}", flush=True)
-    # update_weights throughput, in verl's order (no recapture inside the timing)
+    push_rates(llm, path, weight_bytes, device_push)
+    del device_push
     copy_bw = copy_bandwidth_tbps() * 1e12
-    h2d = host_to_device_gbps()
-    host_push = [(n, t.contiguous()) for n, t in iter_safetensors(path, torch.bfloat16)]
-    for label, push, peer in (("device tensors", device_push, copy_bw / 1e9 / 2),
-                              ("host tensors", host_push, h2d)):
-        llm.sleep(2, discard_weights=True)
-        llm.wake_up(["weights"])
-        seconds, _ = synced(lambda push=push: llm.update_weights(push))
-        llm.wake_up(["kv_cache"])
-        gbps = weight_bytes / seconds / 1e9
-        print(f"update_weights from {label}: {seconds:.3f} s, {gbps:.1f} GB/s = "
-              f"{gbps / peer:.2f}x the {label.split()[0]} copy bandwidth ({peer:.0f} GB/s)")
-    del device_push, host_push
     # the capture audit: one checksum pass over every pool, and a capture with it on
     pools = llm.runner.pools
     PoolSnapshot(pools)
@@ -133,11 +130,34 @@ def bench(name: str, root: Path) -> None:
     release_memory()
 
 
+def push_rates(llm: LLM, path: Path, weight_bytes: int, device_push: list) -> None:
+    """``update_weights`` throughput, in verl's order (no recapture inside the timing),
+    from device, pageable host and pinned host tensors, each against its copy rate."""
+    copy_bw = copy_bandwidth_tbps() * 1e12
+    h2d = host_to_device_gbps()
+    pageable = [(n, t.contiguous()) for n, t in iter_safetensors(path, torch.bfloat16)]
+    pinned = [(n, t.pin_memory()) for n, t in pageable]
+    reference = [o.token_ids for o in llm.generate(prompts(8), GREEDY)]
+    for label, push, peer in (("device tensors", device_push, copy_bw / 1e9 / 2),
+                              ("host tensors (pageable)", pageable, h2d),
+                              ("host tensors (pinned)", pinned, h2d)):
+        llm.sleep(2, discard_weights=True)
+        llm.wake_up(["weights"])
+        seconds, _ = synced(lambda push=push: llm.update_weights(push))
+        llm.wake_up(["kv_cache"])
+        same = [o.token_ids for o in llm.generate(prompts(8), GREEDY)] == reference
+        gbps = weight_bytes / seconds / 1e9
+        print(f"update_weights from {label}: {seconds:.3f} s, {gbps:.1f} GB/s = "
+              f"{gbps / peer:.2f}x the {label.split()[0]} copy bandwidth ({peer:.0f} GB/s); "
+              f"same answers after: {same}", flush=True)
+
+
 def main() -> None:
-    names = sys.argv[1:] or ["0.6B", "8B"]
+    push_only = "--push-only" in sys.argv
+    names = [a for a in sys.argv[1:] if a != "--push-only"] or ["0.6B", "8B"]
     root = Path(tempfile.mkdtemp())
     for name in names:
-        bench(name, root)
+        bench(name, root, push_only)
     print("\nanchor: vLLM level-1 wake 0.26 s (Qwen3-0.6B, A100, no recapture); "
           "aim: wake + recapture < 0.5 s at 0.6B")
 

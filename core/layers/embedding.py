@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrunner.layers.linear import SINGLE, TPGroup, project
+from kvrunner.layers.weight_copy import copy_weight_
 
 
 class VocabEmbedding(nn.Module):
@@ -49,8 +50,7 @@ class VocabEmbedding(nn.Module):
                 f"got {tuple(loaded.shape)}"
             )
         rows = loaded[self.start : self.start + self.per_rank]
-        with torch.no_grad():
-            param[: rows.shape[0]].copy_(rows)
+        copy_weight_(param[: rows.shape[0]], rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -24,6 +24,7 @@ from torch import nn
 
 from kvrunner.layers.activation import silu_and_mul
 from kvrunner.layers.fused.dispatch import use_skinny_gemm
+from kvrunner.layers.weight_copy import copy_weight_
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 
@@ -106,8 +107,7 @@ def kv_replicas(num_kv_heads: int, tp_size: int) -> int:
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    with torch.no_grad():
-        param.copy_(loaded)
+    copy_weight_(param, loaded)
 
 
 def _shard(

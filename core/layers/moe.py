@@ -34,6 +34,7 @@ from kvrunner.layers.linear import (
 from kvrunner.layers.moe_align import align_to_blocks
 from kvrunner.layers.moe_experts import grouped_experts_torch
 from kvrunner.layers.moe_routing import topk_softmax
+from kvrunner.layers.weight_copy import copy_weight_
 
 #: the checkpoint projection names, by the part of ``w13``/``w2`` they fill
 PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -93,8 +94,7 @@ class FusedMoE(nn.Module):
             target = param[expert, (0 if part == "gate" else i) : (i if part == "gate" else 2 * i)]
         if tuple(loaded.shape) != want:
             raise ValueError(f"{name}: expected shape {want}, got {tuple(loaded.shape)}")
-        with torch.no_grad():
-            target.copy_(piece)
+        copy_weight_(target, piece)
 
     def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
         full_i, hidden = self.i_local * self.tp.size, self.w2.shape[1]

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from kvrunner.config import ConfigError
 from kvrunner.contract import ModelSpec
 from kvrunner.errors import CheckpointError
+from kvrunner.layers.weight_copy import copy_weight_
 from kvrunner.models.checkpoint_files import check_weight_files, load_tokenizer, read_json_object
 from kvrunner.models.weight_names import (  # noqa: F401 - re-exported: callers import them from here
     WeightNameError,
@@ -189,7 +190,7 @@ def fill_dummy_weights(model: nn.Module, *, seed: int) -> None:
     with torch.no_grad():
         for _, param in model.named_parameters():
             values = torch.rand(param.shape, generator=gen, dtype=torch.float32) * 2e-3 - 1e-3
-            param.copy_(values)
+            copy_weight_(param, values)
 
 
 def model_spec(config: Any, tp_size: int = 1) -> ModelSpec:

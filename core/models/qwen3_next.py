@@ -28,6 +28,7 @@ from kvrunner.layers.linear import (
 )
 from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
+from kvrunner.layers.weight_copy import copy_weight_
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 from kvrunner.models.weight_names import expected_weight_names, load_weights_into
@@ -112,8 +113,7 @@ class GatedDeltaNet(nn.Module):
             loaded[q_all + r * q_n : q_all + (r + 1) * q_n],
             loaded[2 * q_all + r * v_n : 2 * q_all + (r + 1) * v_n],
         ]
-        with torch.no_grad():
-            param.copy_(torch.cat(parts))
+        copy_weight_(param, torch.cat(parts))
 
     def _load_value_head_slice(
         self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None
@@ -123,8 +123,7 @@ class GatedDeltaNet(nn.Module):
                 f"per-value-head tensor: expected {(self.hv * self.tp.size,)}, "
                 f"got {tuple(loaded.shape)}"
             )
-        with torch.no_grad():
-            param.copy_(loaded[self.tp.rank * self.hv : (self.tp.rank + 1) * self.hv])
+        copy_weight_(param, loaded[self.tp.rank * self.hv : (self.tp.rank + 1) * self.hv])
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]

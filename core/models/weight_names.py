@@ -16,12 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvrunner.layers.weight_copy import copy_weight_
+
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    with torch.no_grad():
-        param.copy_(loaded)
+    copy_weight_(param, loaded)
 
 
 class WeightNameError(ValueError):
