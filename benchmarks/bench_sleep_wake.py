@@ -37,6 +37,7 @@ from bench_tp_decode import SHAPES
 from common import copy_bandwidth_tbps
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.layers import weight_copy
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.runner.capture_safety import PoolSnapshot
 
@@ -138,9 +139,13 @@ def push_rates(llm: LLM, path: Path, weight_bytes: int, device_push: list) -> No
     pageable = [(n, t.contiguous()) for n, t in iter_safetensors(path, torch.bfloat16)]
     pinned = [(n, t.pin_memory()) for n, t in pageable]
     reference = [o.token_ids for o in llm.generate(prompts(8), GREEDY)]
+    min_bytes = weight_copy.STAGE_MIN_BYTES
     for label, push, peer in (("device tensors", device_push, copy_bw / 1e9 / 2),
                               ("host tensors (pageable)", pageable, h2d),
+                              ("host tensors (pageable, unstaged)", pageable, h2d),
                               ("host tensors (pinned)", pinned, h2d)):
+        # "unstaged": every tensor below the staging threshold, as before staging
+        weight_copy.STAGE_MIN_BYTES = 1 << 62 if "unstaged" in label else min_bytes
         llm.sleep(2, discard_weights=True)
         llm.wake_up(["weights"])
         seconds, _ = synced(lambda push=push: llm.update_weights(push))
@@ -150,6 +155,7 @@ def push_rates(llm: LLM, path: Path, weight_bytes: int, device_push: list) -> No
         print(f"update_weights from {label}: {seconds:.3f} s, {gbps:.1f} GB/s = "
               f"{gbps / peer:.2f}x the {label.split()[0]} copy bandwidth ({peer:.0f} GB/s); "
               f"same answers after: {same}", flush=True)
+    weight_copy.STAGE_MIN_BYTES = min_bytes
 
 
 def main() -> None:
