@@ -110,9 +110,9 @@ def test_the_kernel_serves_seeded_unfiltered_rows_unless_switched_off(
     logits = torch.zeros(2, 50)
     seeded = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2)]
     switches(fused=True)
+    assert use_fused_draw(logits, seeded)
     monkeypatch.delenv(FUSED_SAMPLER_ENV)
     assert use_fused_draw(logits, seeded)  # the default, on the Triton path
-    assert use_fused_draw(logits, seeded)
     assert use_fused_draw(logits, [SamplingParams(temperature=1.0, seed=1, top_k=50)])
     for other in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=1, top_k=5),
                   SamplingParams(temperature=1.0, seed=1, top_p=0.9)):
