@@ -133,7 +133,7 @@ class WorkerProcesses:
         """Send ``message`` to every rank (pickled once), all or none under Ctrl-C."""
         self.check_usable()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with _sigint_held():  # a rank sent a step its peers never get would hang in it
+        with _sigint_held():  # a rank given a step its peers never get hangs in it
             for rank, conn in enumerate(self._conns):
                 try:
                     conn.send_bytes(payload)

@@ -41,7 +41,6 @@ def needs_staging(dst: torch.Tensor, src: torch.Tensor) -> bool:
         dst.is_cuda
         and src.device.type == "cpu"
         and dst.dim() > 0
-        and dst.shape == src.shape
         and dst.numel() * dst.element_size() >= STAGE_MIN_BYTES
         and not src.is_pinned()
     )

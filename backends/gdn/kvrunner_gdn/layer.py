@@ -37,6 +37,7 @@ decode step ``T`` may be the padded batch size of a captured graph.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -164,17 +165,12 @@ class GDNLayer:
         v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
         if md.is_decode:
             return self._decode(q, k, v, g, beta, ssm_state, read, write, self.scale, True)
-        if self.prefill_kernel == "fla":  # fla's call is planned on the host indices
-            return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
-                                 md.write_indices, self.scale, True, self.chunk_size,
-                                 md.cu_seqlens_host or None,
-                                 host_indices=(md.read_host, md.write_host) if md.read_host
-                                 else None)
-        if self.prefill_kernel != "torch":  # Triton: it takes the host offsets
-            return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
-                                 md.write_indices, self.scale, True, self.chunk_size,
-                                 md.cu_seqlens_host or None)
+        host: dict[str, Any] = {}  # what each launcher reads on the host instead of the device
+        if self.prefill_kernel != "torch":  # Triton and fla: the host offsets
+            host["cu_seqlens_host"] = md.cu_seqlens_host or None
+        if self.prefill_kernel == "fla" and md.read_host:  # fla plans its call on the indices
+            host["host_indices"] = (md.read_host, md.write_host)
         return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
-                             md.write_indices, self.scale, True, self.chunk_size)
+                             md.write_indices, self.scale, True, self.chunk_size, **host)
 
     __call__ = forward
