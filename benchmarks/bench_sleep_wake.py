@@ -19,7 +19,11 @@ recapture (its graphs survive at the same virtual addresses).
 Host tensors are pushed twice: pageable (a trainer's CPU state dict: each tensor
 is staged through pinned chunks, ``layers/weight_copy.py``) and pinned.
 
-    python benchmarks/bench_sleep_wake.py [0.6B] [8B] [--push-only]
+``--kept`` records the allocator's history and, after a level-2 sleep, prints each
+device segment still reserved with the live blocks that hold it (size and the
+allocating frames), to say what a sleep could not return.
+
+    python benchmarks/bench_sleep_wake.py [0.6B] [8B] [--push-only] [--kept]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from kvrunner.models.loader import iter_safetensors
 from kvrunner.runner.capture_safety import PoolSnapshot
 
 MiB = 1 << 20
+OURS = str(Path(__file__).resolve().parents[1])  # frames of this repository's files
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 KINDS = (("level 1", 1, False), ("level 2 offload", 2, False), ("level 2 discard+push", 2, True))
 
@@ -83,7 +88,25 @@ def cycle(llm: LLM, level: int, discard: bool, push: list) -> dict[str, float]:
             "recapture": info.last_recapture_s, "push": push_s}
 
 
-def bench(name: str, root: Path, push_only: bool) -> None:
+def print_kept_segments(limit: int = 12) -> None:
+    """The segments a sleep left reserved, largest first, with their live blocks."""
+    segments = torch.cuda.memory._snapshot()["segments"]
+    kept = sorted(segments, key=lambda s: -s["total_size"])
+    total = sum(s["total_size"] for s in kept)
+    live = sum(s["allocated_size"] for s in kept)
+    print(f"  still reserved: {len(kept)} segments, {total / MiB:.0f} MiB, of which "
+          f"{live / MiB:.1f} MiB live blocks")
+    for seg in kept[:limit]:
+        blocks = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+        print(f"  segment {seg['total_size'] / MiB:9.1f} MiB, pool {seg['segment_pool_id']}, "
+              f"{len(blocks)} live blocks, {seg['allocated_size'] / MiB:.2f} MiB live")
+        for block in sorted(blocks, key=lambda b: -b["size"])[:3]:
+            frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+                      for f in block.get("frames", []) if OURS in f["filename"]]
+            print(f"    {block['size'] / MiB:8.2f} MiB  {' < '.join(frames[:4]) or '?'}")
+
+
+def bench(name: str, root: Path, push_only: bool, kept: bool = False) -> None:
     path = root / f"qwen3-{name}-random"
     weight_bytes = write_checkpoint(path, SHAPES[name])
     llm = LLM(model=str(path), dtype="bfloat16", max_num_seqs=256, max_model_len=256,
@@ -100,15 +123,23 @@ def bench(name: str, root: Path, push_only: bool) -> None:
         llm.shutdown()
         release_memory()
         return
+    if kept:
+        llm.sleep(2)
+        print_kept_segments()
+        llm.wake_up()
     print(f"{'sleep kind':>22} {'sleep s':>8} {'MiB freed':>10} {'wake s':>7} "
-          f"{'recapture s':>12} {'alloc s':>8} {'same answers':>13}")
+          f"{'recapture s':>12} {'alloc s':>8} {'same answers':>13} {'freed - released MiB':>21}")
     for label, level, discard in KINDS:
         runs = [cycle(llm, level, discard, device_push) for _ in range(3)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         same = [o.token_ids for o in llm.generate(prompts(32), GREEDY)] == reference
+        # what the sleep released: the pools, and at level 2 the weights too (the
+        # graphs' memory comes on top, so a sleep that returns it all is positive)
+        released = pool_bytes + (weight_bytes if level == 2 else 0)
         print(f"{label:>22} {med['sleep']:>8.3f} {med['freed'] / MiB:>10.0f} "
               f"{med['wake']:>7.3f} {med['recapture']:>12.3f} "
-              f"{med['wake'] - med['recapture'] - med['push']:>8.3f} {str(same):>13}", flush=True)
+              f"{med['wake'] - med['recapture'] - med['push']:>8.3f} {str(same):>13} "
+              f"{(med['freed'] - released) / MiB:>+21.0f}", flush=True)
     push_rates(llm, path, weight_bytes, device_push)
     del device_push
     copy_bw = copy_bandwidth_tbps() * 1e12
@@ -160,10 +191,13 @@ def push_rates(llm: LLM, path: Path, weight_bytes: int, device_push: list) -> No
 
 def main() -> None:
     push_only = "--push-only" in sys.argv
-    names = [a for a in sys.argv[1:] if a != "--push-only"] or ["0.6B", "8B"]
+    kept = "--kept" in sys.argv
+    if kept:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or ["0.6B", "8B"]
     root = Path(tempfile.mkdtemp())
     for name in names:
-        bench(name, root, push_only)
+        bench(name, root, push_only, kept)
     print("\nanchor: vLLM level-1 wake 0.26 s (Qwen3-0.6B, A100, no recapture); "
           "aim: wake + recapture < 0.5 s at 0.6B")
 

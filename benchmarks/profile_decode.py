@@ -2,7 +2,9 @@
 on the Qwen3-0.6B shape (the checkpoint of ``bench_e2e_decode.py``).
 
 Prints, per batch: wall ms per step, GPU busy ms per step (kernels and copies,
-summed), and the ops that take the most device time and the most host time.
+summed), the kernels a decode step runs and how long the GPU sits idle between them
+(the launch latency inside a graph), and the ops that take the most device time and
+the most host time.
 
     python benchmarks/profile_decode.py [--batches 1,64,256] [--steps 16]
 """
@@ -43,8 +45,38 @@ def profile_batch(llm: LLM, batch: int, steps: int) -> None:
         f"\n== batch {batch}: {(wall_s - prefill_s) / steps * 1e3:.3f} ms/step (profiled), "
         f"GPU busy {gpu_us / (steps + 1) / 1e3:.3f} ms/step (prefill step included)"
     )
+    print_gaps(prof, steps)
     print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
+def print_gaps(prof: profile, steps: int) -> None:
+    """Kernels per decode step, their summed time, and the GPU's idle time between them.
+
+    Only device work that starts after the first graph launch counts (the prefill
+    step runs eagerly before it); the idle time is the span less the union of the
+    kernels' intervals, so it is what launch latency and dependencies cost."""
+    launches = [e.time_range.start for e in prof.events() if e.name == "cudaGraphLaunch"]
+    if not launches:
+        print("no graph launch in the profile")
+        return
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= launches[0]
+    )
+    busy = union = 0.0
+    reach = spans[0][0]
+    for start, end in spans:
+        busy += end - start
+        union += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = reach - spans[0][0]
+    n = len(launches)
+    print(f"decode steps after the first graph launch: {n}; per step {len(spans) / n:.0f} "
+          f"kernels, {busy / n:.1f} us summed, {union / n:.1f} us busy, "
+          f"{(span - union) / n:.1f} us idle between kernels ({(span - union) / span:.0%} "
+          f"of the span; {(span - union) / max(1, len(spans) - n):.2f} us a gap)")
 
 
 def main() -> None:

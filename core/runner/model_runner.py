@@ -33,6 +33,7 @@ from kvrunner.runner.sleep_wake import SleepWake
 from kvrunner.runner.step_batch import profile_step
 from kvrunner.runner.step_launch import StepLaunch
 from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.runner.weight_residency import WeightResidency
 from kvrunner.sleep_state import SleepStateError
 
 #: set to 1 to run Triton kernels on the CPU too (under TRITON_INTERPRET=1)
@@ -145,6 +146,10 @@ class ModelRunner(SleepWake, StepLaunch):
                 else SINGLE
             ),
         )
+        # On CUDA this moves the weights into an allocator pool of their own, so a
+        # level-2 sleep returns their segments whatever else the process holds; before
+        # the sizing below, which must see the memory the move leaves.
+        self.weights = WeightResidency(self.model, self.device)
         #: the model as an overlap plugin drives it, layer by layer
         self.layer_stack = LayerStack.of(self.model.model)
         self.graphs: dict[int, DecodeGraph] = {}

@@ -24,20 +24,19 @@ import torch
 
 from kvrunner.models.loader import WeightNameError, iter_safetensors
 from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
-from kvrunner.runner.weight_residency import WeightResidency
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WeightUpdateError
 
 
 class SleepWake:
     """Sleep, wake and weight updates for :class:`~kvrunner.runner.model_runner.ModelRunner`.
 
-    Uses the runner's ``config``, ``device``, ``group``, ``model``, ``backends``,
+    Uses the runner's ``config``, ``device``, ``group``, ``model``, ``weights``, ``backends``,
     ``pools``, ``graphs``, ``num_blocks``, ``num_slots``, ``activation_peak_bytes``
     and ``capture()``.
     """
 
     def _init_sleep_wake(self) -> None:
-        self.weights = WeightResidency(self.model, self.device)
+        # self.weights (a WeightResidency) is made by the runner as the weights load
         self.kv_resident = True
         #: checkpoint names not pushed since the weights were discarded
         self.weights_pending: set[str] = set()

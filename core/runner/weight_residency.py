@@ -10,9 +10,21 @@ sleep and recaptured at wake.
 Shared storages (tied embeddings) are handled once. Buffers (the rotary table) are
 not checkpoint tensors, so they are always kept in host memory, even when the
 parameters are discarded.
+
+On CUDA the weights live in an allocator pool of their own (``torch.cuda.MemPool``).
+The caching allocator carves many tensors out of one segment and returns a segment
+to the device only when every block in it is free: with the weights in the shared
+pool, one live tensor allocated later beside them (a colocated trainer's, a pushed
+copy of the weights) kept a whole segment reserved after a level-2 sleep. In their
+own pool, the weights' segments hold nothing else. ``empty_cache`` does not release
+the segments of a pool that is still alive, so a sleep drops the pool once every
+storage is empty, and a wake makes a fresh one.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import attrs
 import torch
@@ -36,8 +48,17 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int, device: torch.device
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
 
+def _weight_pool_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and hasattr(torch.cuda, "MemPool")
+
+
 class WeightResidency:
-    """Offload, discard and restore one model's weights, in place."""
+    """Offload, discard and restore one model's weights, in place.
+
+    Made right after the weights load: on CUDA it moves them into their own
+    allocator pool (one storage at a time, so the move needs one storage's bytes
+    on top), before the KV pool is sized on what is left.
+    """
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
@@ -50,6 +71,38 @@ class WeightResidency:
             if key not in seen:
                 seen[key] = _Storage(storage, storage.nbytes(), is_parameter)
         self._storages = list(seen.values())
+        #: the weights' own allocator pool while they are resident (CUDA only)
+        self.pool: torch.cuda.MemPool | None = None
+        if _weight_pool_supported(device):
+            self._move_into_own_pool()
+
+    @contextlib.contextmanager
+    def _allocating_in_own_pool(self) -> Iterator[None]:
+        """Route this thread's allocations on the device to the weights' pool."""
+        if not _weight_pool_supported(self.device):
+            yield
+            return
+        if self.pool is None:
+            self.pool = torch.cuda.MemPool()
+        # an index: "cuda" alone is refused by use_mem_pool
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        with torch.cuda.use_mem_pool(self.pool, device=index):
+            yield
+
+    def _move_into_own_pool(self) -> None:
+        for s in self._storages:
+            kept = _bytes_view(s.storage, s.nbytes, self.device).clone()
+            s.storage.resize_(0)
+            with self._allocating_in_own_pool():
+                s.storage.resize_(s.nbytes)
+            _bytes_view(s.storage, s.nbytes, self.device).copy_(kept)
+            del kept
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the segments the weights loaded into
+
+    def _drop_pool(self) -> None:
+        """Let the allocator release the weights' segments (every storage is empty)."""
+        self.pool = None
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +130,7 @@ class WeightResidency:
             torch.cuda.synchronize(self.device)  # the copies must land before the memory goes
         for s in self._storages:
             s.storage.resize_(0)
+        self._drop_pool()
         self.state = "discarded" if discard else "offloaded"
         return self.nbytes
 
@@ -90,12 +144,14 @@ class WeightResidency:
             return
         done: list[_Storage] = []
         try:
-            for s in self._storages:
-                s.storage.resize_(s.nbytes)
-                done.append(s)
+            with self._allocating_in_own_pool():
+                for s in self._storages:
+                    s.storage.resize_(s.nbytes)
+                    done.append(s)
         except BaseException:
             for s in done:  # all or nothing: a failed wake leaves the weights asleep
                 s.storage.resize_(0)
+            self._drop_pool()
             raise
         pin = self.device.type == "cuda"
         for s in self._storages:

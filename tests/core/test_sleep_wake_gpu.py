@@ -5,7 +5,8 @@ Each cycle sleeps (levels 1 and 2 alternating, every tenth discarding the weight
 and pushing them again), wakes, recaptures with the audit on, and generates: the
 answers equal the never-slept run's, no row is NaN, device memory after each wake (live
 tensors) is within 1 MiB of the first wake, a level-1 sleep frees at least the pool's bytes and
-a level-2 sleep at least 95% of what the engine held.
+a level-2 sleep at least 95% of what the engine held - and at least the pool's and
+the weights' bytes even beside a colocated trainer's tensors.
 """
 
 from __future__ import annotations
@@ -113,6 +114,31 @@ def test_200_cycles_of_the_qwen3_0_6b_shape(tmp_path) -> None:
     path = str(write_qwen3_0_6b_shape(tmp_path / "q06"))
     with LLM(model=path, dtype="bfloat16", **SETTINGS) as llm:
         run_cycles(llm, path)
+
+
+def test_a_level_2_sleep_returns_the_weights_beside_a_colocated_trainers_tensors(tmp_path):
+    """A colocated trainer's device tensors, allocated after the engine loaded (here a
+    copy of every weight), do not keep the weights' memory reserved: a level-2 sleep
+    returns at least the pool's and the weights' bytes, offloading or discarding."""
+    path = write_qwen3_0_6b_shape(tmp_path / "q06")
+    with LLM(model=str(path), dtype="bfloat16", **SETTINGS) as llm:
+        reference = tokens(llm)
+        trainer = [(n, t.cuda()) for n, t in iter_safetensors(path, torch.bfloat16)]
+        for discard in (False, True):
+            llm.sleep(2, discard_weights=discard)
+            rank = llm.cache_info().ranks[0]
+            released = sum(rank.pool_bytes.values()) + rank.weight_bytes
+            assert rank.last_freed_bytes >= released, (
+                f"discard={discard}: {(released - rank.last_freed_bytes) / MiB:.0f} MiB of "
+                f"the pool and weights stayed reserved"
+            )
+            if discard:
+                llm.wake_up(["weights"])
+                llm.update_weights(trainer)
+                llm.wake_up(["kv_cache"])
+            else:
+                llm.wake_up()
+            assert tokens(llm) == reference, f"discard={discard}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
