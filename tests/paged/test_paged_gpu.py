@@ -16,7 +16,12 @@ from kvrunner.contract import ModelSpec
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged.kernels.decode import paged_decode_attention
-from kvrunner_paged.kernels.prefill import paged_prefill_attention
+from kvrunner_paged.kernels.prefill import (
+    FP32_SMALL_TILES,
+    LAUNCH,
+    PrefillLaunch,
+    paged_prefill_attention,
+)
 from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
 from kvrunner_paged.kernels.store_kv import store_kv
 
@@ -75,13 +80,14 @@ def test_compiled_decode_matches_reference(dtype: torch.dtype, num_splits: int) 
     torch.testing.assert_close(out.cpu().float(), ref, **tol)
 
 
-def _prefill_matches_reference(case, dtype: torch.dtype) -> None:
-    """The compiled prefill on ``case`` equals the fp32 reference within ``dtype``'s tolerance."""
+def _prefill_matches_reference(case, dtype: torch.dtype, **launch: int) -> None:
+    """The compiled prefill on ``case`` equals the fp32 reference within ``dtype``'s
+    tolerance (``launch``: overrides of the default launch parameters)."""
     x = _inputs(case, dtype, case.num_tokens, case.num_seqs)
     x["query_start_loc"] = case.query_start_loc()
     out = paged_prefill_attention(
         **_to(x, CUDA), scale=case.scale, num_seqs=case.num_seqs,
-        max_query_len=max(case.query_lens),
+        max_query_len=max(case.query_lens), **launch,
     )
     ref = reference_paged_attention(**x, scale=case.scale)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
@@ -100,6 +106,20 @@ def test_compiled_prefill_packs_each_gqa_group(dtype: torch.dtype, heads: tuple[
     span several 128-row tiles, prefixes end mid-block, a decode row rides along."""
     case = _case(96, 16, [(300, 300), (1, 77), (129, 400), (33, 50)], heads)
     _prefill_matches_reference(case, dtype)
+
+
+@pytest.mark.parametrize(
+    "launch", [LAUNCH[torch.float32], FP32_SMALL_TILES], ids=["large", "small"]
+)
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (12, 4)])
+def test_both_fp32_launches_compute_the_reference(launch: PrefillLaunch, heads) -> None:
+    """The short test prompts take the small fp32 tiles by default; long group-2 runs
+    take the large ones. Both, at every group, over the same batch."""
+    case = _case(96, 16, [(300, 300), (1, 77), (129, 400), (33, 50)], heads)
+    _prefill_matches_reference(
+        case, torch.float32, block_m=launch.block_m, block_n=launch.block_n,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
 
 
 def test_pools_past_two_to_the_31_elements_are_addressed_in_int64() -> None:

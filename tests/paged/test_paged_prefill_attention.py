@@ -7,7 +7,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, paged_cases
 
-from kvrunner_paged.kernels.prefill import paged_prefill_attention
+from kvrunner_paged.kernels.prefill import (
+    FP32_SMALL_TILES,
+    FP32_SMALL_TILES_MAX_QUERY_LEN,
+    LAUNCH,
+    launch_for,
+    paged_prefill_attention,
+)
 from kvrunner_paged.kernels.reference import reference_paged_attention
 from kvrunner_paged.kernels.torch_ops import paged_prefill_attention_torch
 
@@ -96,3 +102,18 @@ def test_triton_prefill_packs_any_group_into_its_tiles(
         block_n=block_n,
     )  # fmt: skip
     assert_matches_reference(out.cpu(), _reference(case, x))
+
+
+@given(
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    max_query_len=st.integers(1, 3 * FP32_SMALL_TILES_MAX_QUERY_LEN),
+)
+def test_fp32_takes_small_tiles_for_wide_groups_and_short_runs(group, max_query_len) -> None:
+    """Where the H200 measured small fp32 tiles faster (groups of 4 or more, runs up to
+    4,096 queries) they are the default; long runs of narrow groups keep the large
+    tiles, and half precision keeps its one launch."""
+    small = group >= 4 or max_query_len <= FP32_SMALL_TILES_MAX_QUERY_LEN
+    expected = FP32_SMALL_TILES if small else LAUNCH[torch.float32]
+    assert launch_for(torch.float32, group, max_query_len) == expected
+    for dtype in (torch.bfloat16, torch.float16):
+        assert launch_for(dtype, group, max_query_len) == LAUNCH[dtype]

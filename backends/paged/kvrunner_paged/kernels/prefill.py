@@ -58,6 +58,27 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     torch.float32: PrefillLaunch(128, 32, 8, 2, "tf32x3"),
 }
 
+#: fp32 with smaller tiles (8 tokens of a group of 4, 16 of a group of 2): more
+#: programs, each with a shorter walk along the diagonal. Per case on an H200
+#: (bench_prefill.py --dtypes fp32, ours / SDPA, 128-row tiles -> 32-row tiles): every
+#: group-4 case gained (1024 x 1: 1.40 -> 1.08; 8192 x 1: 1.18 -> 1.15), group-2 cases
+#: up to 4,096 queries gained (1024 x 1: 1.42 -> 1.25; 4096 x 1: 1.31 -> 1.23), and
+#: group-2 cases of 8,192 lost (8192 x 1: 1.16 -> 1.33), where each key tile is
+#: re-read by four times as many programs.
+FP32_SMALL_TILES = PrefillLaunch(32, 32, 4, 2, "tf32x3")
+#: the longest query run a group-2 fp32 launch still takes small tiles for
+FP32_SMALL_TILES_MAX_QUERY_LEN = 4096
+
+
+def launch_for(dtype: torch.dtype, group: int, max_query_len: int) -> PrefillLaunch:
+    """The launch parameters for one call: :data:`LAUNCH` for ``dtype``, except fp32
+    takes :data:`FP32_SMALL_TILES` for groups of 4 or more and for shorter runs."""
+    if dtype == torch.float32 and (
+        group >= 4 or max_query_len <= FP32_SMALL_TILES_MAX_QUERY_LEN
+    ):
+        return FP32_SMALL_TILES
+    return LAUNCH.get(dtype, LAUNCH[torch.float32])
+
 
 @triton.jit
 def _prefill_kernel(
@@ -168,7 +189,7 @@ def paged_prefill_attention(
     :param block_m: rows of a program's tile, query tokens times the group's query heads
         (padded to a power of two); a power of two >= 16. ``block_n``: keys per step, a
         power of two >= 16. These, ``num_warps``, ``num_stages`` and
-        ``dot_precision`` default to :data:`LAUNCH` for ``q``'s dtype.
+        ``dot_precision`` default to :func:`launch_for` ``q``'s dtype and shape.
     :returns: ``out`` (allocated like ``q`` when not given). Rows of ``q`` owned by no
         sequence are left as they were in ``out`` (zeros when allocated here).
     """
@@ -177,7 +198,7 @@ def paged_prefill_attention(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
-    launch = LAUNCH.get(q.dtype, LAUNCH[torch.float32])
+    launch = launch_for(q.dtype, num_heads // num_kv_heads, max_query_len)
     block_m = block_m or launch.block_m
     block_n = block_n or launch.block_n
     for name, size in (("block_m", block_m), ("block_n", block_n)):
