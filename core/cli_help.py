@@ -33,7 +33,8 @@ FIELD_HELP: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of prompts that share a prefix",
     # [scheduler]
     "max_num_seqs": "most sequences in one step (and most decode graphs' batch size)",
-    "max_num_batched_tokens": "most tokens in one step",
+    "max_num_batched_tokens": "most tokens in one step (unset: 16384 on a GPU of "
+    "70 GiB or more, 8192 on a smaller one, 2048 on the CPU)",
     "max_model_len": "most tokens per sequence, prompt and output together "
     "(at most the model's max_position_embeddings)",
     "enable_chunked_prefill": "split long prompts over several steps",

@@ -61,7 +61,12 @@ class CacheConfig:
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int = attrs.field(default=64, validator=_in_range(1, 1 << 16))
-    max_num_batched_tokens: int = attrs.field(default=2048, validator=_in_range(1, 1 << 24))
+    #: tokens one step may carry; None: by device, as vLLM's ``LLM`` chooses (16,384 on
+    #: a GPU of 70 GiB or more, 8,192 on a smaller one, 2,048 on the CPU), resolved by
+    #: the ranks when they start (``kvrunner.runner.setup.default_batched_tokens``)
+    max_num_batched_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_in_range(1, 1 << 24))
+    )
     max_model_len: int = attrs.field(default=2048, validator=_in_range(2, 1 << 24))
     enable_chunked_prefill: bool = True
     #: schedule step N+1 while step N runs; sampled tokens stay on the device and

@@ -78,7 +78,11 @@ class LLM(SleepWakeAPI):
         return llm
 
     def _start(self, config: EngineConfig, executor: DriverExecutor) -> None:
-        self.config = config
+        # An unset step budget was resolved by the ranks (by device): the scheduler
+        # and every later check use theirs, and llm.config shows it.
+        self.config = attrs.evolve(config, scheduler=attrs.evolve(
+            config.scheduler, max_num_batched_tokens=executor.max_num_batched_tokens
+        ))
         self.executor = executor
         #: the in-process runner (rank 0's under torchrun); None when ranks are spawned
         self.runner = executor.runner

@@ -53,6 +53,11 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_id: int | Iterable[int] | None = None,
     ) -> None:
+        if config.max_num_batched_tokens is None:
+            raise ValueError(
+                "the scheduler needs a resolved max_num_batched_tokens (the ranks resolve "
+                "an unset one by device when they start); got None"
+            )
         self.config = config
         self.block_manager = block_manager
         # Checkpoints may name several EOS ids (config and generation_config differ).

@@ -14,7 +14,7 @@ from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S
 from kvrunner.runner.launched_step import LaunchedStep, SubmittedStep
-from kvrunner.runner.model_info import ModelInfo, agreed_num_blocks
+from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.rank_calls import raise_refused
 from kvrunner.runner.worker import RankWorker
 
@@ -30,7 +30,9 @@ class BroadcastExecutor:
         # Armed first: whatever happens from here, the peers are released in the end.
         self._stopper = weakref.finalize(self, _stop_broadcast, channel)
         self.failure: WorkerError | None = None
-        self.num_blocks = agreed_num_blocks(self._all("describe"))
+        described = self._all("describe")
+        self.num_blocks = agreed_num_blocks(described)
+        self.max_num_batched_tokens = agreed_batched_tokens(described)
 
     def _peer_error(self, during: str, own: BaseException) -> BaseException:
         """The error to raise for a failed collective; the group is unusable after it."""

@@ -30,7 +30,7 @@ from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
 from kvrunner.runner.launched_step import SubmittedStep
-from kvrunner.runner.model_info import ModelInfo, agreed_num_blocks
+from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.rank_calls import RankCalls, raise_refused
 from kvrunner.runner.sizing import release_unreachable_memory
 from kvrunner.runner.worker import SpawnSpec, run_spawned_rank
@@ -42,6 +42,8 @@ class DriverExecutor(Protocol):
     """The engine's ``Executor`` plus what :class:`~kvrunner.llm.LLM` uses."""
 
     num_blocks: int
+    #: the step budget every rank resolved (``max_num_batched_tokens`` when unset)
+    max_num_batched_tokens: int
     model_info: ModelInfo
     #: the in-process runner (rank 0's under torchrun), or None when ranks are spawned
     runner: Any
@@ -69,6 +71,7 @@ class LocalExecutor:
 
         self.runner: Any = ModelRunner(config, progress=progress)
         self.num_blocks = self.runner.num_blocks
+        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.model_info = ModelInfo.from_runner(self.runner)
         self._rank = _LocalRank(self.runner)
 
@@ -147,7 +150,9 @@ class MultiprocExecutor:
             range(self.procs.world_size), during="start-up (load, sizing, capture)",
             timeout_s=parallel.startup_timeout_s,
         )
-        self.num_blocks = agreed_num_blocks([ready[r] for r in sorted(ready)])
+        described = [ready[r] for r in sorted(ready)]
+        self.num_blocks = agreed_num_blocks(described)
+        self.max_num_batched_tokens = agreed_batched_tokens(described)
         # Rank 0 defers each answer until the next step arrives (see worker.py).
         self._deferred = config.scheduler.async_scheduling
         self._steps_sent = 0

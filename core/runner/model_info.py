@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from tokenizers import Tokenizer
 
-from kvrunner.config import EngineConfig
+from kvrunner.config import ConfigError, EngineConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -69,3 +69,15 @@ def agreed_num_blocks(descriptions: list[dict[str, Any]]) -> int:
     if len(set(counts)) != 1:
         raise RuntimeError(f"ranks allocated different pool sizes {counts}; they must agree")
     return counts[0]
+
+
+def agreed_batched_tokens(descriptions: list[dict[str, Any]]) -> int:
+    """The one step budget every rank resolved; raises if they differ (ranks on GPUs
+    of different sizes resolve different defaults: the message says what to set)."""
+    budgets = [d["max_num_batched_tokens"] for d in descriptions]
+    if len(set(budgets)) != 1:
+        raise ConfigError(
+            f"ranks resolved different max_num_batched_tokens {budgets} (the default "
+            f"follows each GPU's memory); set max_num_batched_tokens explicitly"
+        )
+    return budgets[0]

@@ -23,7 +23,12 @@ from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
 from kvrunner.runner.launched_step import DeviceTokens
-from kvrunner.runner.setup import resolve_device, resolve_dtype, resolve_model_path
+from kvrunner.runner.setup import (
+    resolve_device,
+    resolve_dtype,
+    resolve_max_num_batched_tokens,
+    resolve_model_path,
+)
 from kvrunner.runner.sizing import (
     cache_budget_bytes,
     num_blocks_for_budget,
@@ -97,7 +102,11 @@ class ModelRunner(SleepWake, StepLaunch):
         check_model_len(config.scheduler.max_model_len, hf_config)  # before any weight loads
         sched = config.scheduler
         self.max_batch = sched.max_num_seqs
-        self.max_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        #: the step budget the engine's scheduler is built on (reported to the driver)
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(
+            sched.max_num_batched_tokens, self.device
+        )
+        self.max_tokens = max(self.max_num_batched_tokens, sched.max_num_seqs)
         self.num_slots = sched.max_num_seqs + 1  # the last slot is a scratch slot
         use_triton = self.device.type == "cuda" or os.environ.get(USE_TRITON_ENV) == "1"
         selection = {

@@ -54,6 +54,7 @@ def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
         "device": str(runner.device),
         "own_num_blocks": runner.own_num_blocks,
         "num_blocks": runner.num_blocks,
+        "max_num_batched_tokens": runner.max_num_batched_tokens,
         "graph_sizes": sorted(runner.graphs),
         "capture_seconds": runner.capture_seconds,
         "nan_rows": runner.nan_rows,

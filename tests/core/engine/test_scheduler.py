@@ -23,6 +23,7 @@ def make(
     **config: object,
 ) -> tuple[Scheduler, FakeRunner]:
     bm = BlockManager(num_blocks, block_size, prefix_caching, num_state_slots)
+    config.setdefault("max_num_batched_tokens", 2048)  # what a CPU rank resolves unset
     sched = Scheduler(SchedulerConfig(**config), bm, eos_token_id=eos)
     return sched, FakeRunner(bm)
 
@@ -269,3 +270,11 @@ def test_the_step_protocol_is_enforced() -> None:
     assert seqs[0].num_computed_tokens == 2  # a refused update changed nothing
     sched.update(seqs, runner.execute(step_input))
     assert seqs[0].num_output_tokens == 1
+
+
+
+def test_a_scheduler_refuses_an_unresolved_step_budget() -> None:
+    """The ranks resolve an unset max_num_batched_tokens; the scheduler never guesses."""
+    bm = BlockManager(8, 4, True, 0)
+    with pytest.raises(ValueError, match="resolved max_num_batched_tokens"):
+        Scheduler(SchedulerConfig(), bm)
