@@ -49,7 +49,9 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int, device: torch.device
 
 
 def _weight_pool_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and hasattr(torch.cuda, "MemPool")
+    return device.type == "cuda" and all(
+        hasattr(torch.cuda, name) for name in ("MemPool", "use_mem_pool")
+    )
 
 
 class WeightResidency:
