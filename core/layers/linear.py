@@ -104,12 +104,6 @@ def kv_replicas(num_kv_heads: int, tp_size: int) -> int:
     return tp_size // num_kv_heads
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    copy_weight_(param, loaded)
-
-
 def _shard(
     loaded: torch.Tensor, dim: int, index: int, size: int, total: int, what: str
 ) -> torch.Tensor:
@@ -152,7 +146,7 @@ class LinearBase(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         """Copy the full checkpoint tensor ``loaded`` (replicated layers take it whole)."""
-        _copy_checked(param, loaded, type(self).__name__)
+        copy_weight_(param, loaded, what=type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
@@ -180,7 +174,8 @@ class ColumnParallelLinear(LinearBase):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         rows, what = param.shape[0], type(self).__name__
-        _copy_checked(param, _shard(loaded, 0, self.tp.rank, rows, rows * self.tp.size, what), what)
+        shard = _shard(loaded, 0, self.tp.rank, rows, rows * self.tp.size, what)
+        copy_weight_(param, shard, what=what)
 
 
 class RowParallelLinear(LinearBase):
@@ -204,10 +199,11 @@ class RowParallelLinear(LinearBase):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         if param.dim() == 1:  # bias: replicated
-            _copy_checked(param, loaded, type(self).__name__)
+            copy_weight_(param, loaded, what=type(self).__name__)
             return
         cols, what = param.shape[1], type(self).__name__
-        _copy_checked(param, _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what), what)
+        shard = _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what)
+        copy_weight_(param, shard, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduced(project(x, self.weight))
@@ -247,7 +243,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.local_sizes[:shard_id])
         what = f"{type(self).__name__} part {shard_id}"
         shard = _shard(loaded, 0, self.tp.rank, size, size * self.tp.size, what)
-        _copy_checked(param.narrow(0, offset, size), shard, what)
+        copy_weight_(param.narrow(0, offset, size), shard, what=what)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -300,7 +296,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKVParallelLinear: bad shard id {shard_id!r} (want 'q', 'k' or 'v')")
         what = f"QKVParallelLinear {shard_id}_proj"
         shard = _shard(loaded, 0, index, size, total, what)
-        _copy_checked(param.narrow(0, offset, size), shard, what)
+        copy_weight_(param.narrow(0, offset, size), shard, what=what)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q+k+v]`` -> ``q [T, q_size]``, ``k [T, kv_size]``, ``v [T, kv_size]``."""

@@ -135,24 +135,28 @@ def _gumbel(
 
 def _draw(
     logits: torch.Tensor,
-    rows: tuple[list[int], torch.Tensor] | None,
+    rows: torch.Tensor | None,
     params: list[SamplingParams],
     counts: list[int],
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """The tokens drawn for ``logits``' ``rows`` (host and device ids; all when None),
-    row ``i`` with ``params[i]`` after ``counts[i]`` generated tokens:
-    ``argmax(logits / T + G)`` over the filtered logits, ``G`` Gumbel noise."""
+    """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
+    with ``params[i]`` after ``counts[i]`` generated tokens: ``argmax(logits / T + G)``
+    over the filtered logits, ``G`` Gumbel noise."""
     device, vocab = logits.device, logits.shape[1]
     temps = on_device([p.temperature for p in params], torch.float32, device)
     if use_fused_draw(logits, params):
         from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
 
-        index = rows[0] if rows is not None else list(range(len(params)))
-        # rows, seeds and counts in one upload (each is a pinned copy and a launch)
-        cols = on_device([index, [int64_seed(p.seed) for p in params], counts], torch.int64, device)
-        return gumbel_argmax(logits, cols[0], temps, cols[1], cols[2])
-    raw = logits if rows is None else logits[rows[1]]
+        # seeds and counts (and every row's id, when no rows were given) in one upload:
+        # each upload is a pinned copy and a launch
+        cols = [[int64_seed(p.seed) for p in params], counts]
+        if rows is None:
+            rows, *cols = on_device([list(range(len(params))), *cols], torch.int64, device)
+        else:
+            cols = on_device(cols, torch.int64, device)
+        return gumbel_argmax(logits, rows, temps, cols[0], cols[1])
+    raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
     scaled = _filter(scaled, raw, [p.top_k for p in params], [p.top_p for p in params])
     noise = _gumbel(len(params), vocab, [p.seed for p in params], counts, generator, device)
@@ -200,8 +204,7 @@ def sample(
         # When every row draws (a sampling rollout's steps), no row gather.
         rows = None if len(random_rows) == n else on_device(random_rows, torch.int64,
                                                               logits.device)
-        drawn = _draw(logits, None if rows is None else (random_rows, rows),
-                      [params[i] for i in random_rows],
+        drawn = _draw(logits, rows, [params[i] for i in random_rows],
                       [num_generated[i] for i in random_rows], generator)
         if rows is None:
             tokens = drawn

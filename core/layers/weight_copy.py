@@ -46,12 +46,14 @@ def needs_staging(dst: torch.Tensor, src: torch.Tensor) -> bool:
     )
 
 
-def copy_weight_(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_weight_(dst: torch.Tensor, src: torch.Tensor, *, what: str = "") -> None:
     """``dst.copy_(src)`` for loading weights: the same values (cast on the host, as
     ``copy_`` does), staged through pinned memory when ``src`` is pageable host
-    memory and ``dst`` is on CUDA. Shapes must match (no broadcasting)."""
+    memory and ``dst`` is on CUDA. Shapes must match (no broadcasting); ``what``
+    names the weight in the error."""
     if dst.shape != src.shape:
-        raise ValueError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+        prefix = f"{what}: " if what else ""
+        raise ValueError(f"{prefix}expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
     with torch.no_grad():
         if needs_staging(dst, src):
             staged_copy_(dst, src, stage=_pinned, chunk_bytes=STAGE_CHUNK_BYTES)
