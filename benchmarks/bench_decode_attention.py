@@ -9,22 +9,31 @@ captured in a CUDA graph (20 calls, each over its own sequences' blocks, so the 
 read from HBM, not L2), splits chosen by ``choose_num_splits`` for an engine's
 ``max_model_len`` against one unsplit pass.
 
+A third times one layer's decode KV write plus attention, graphed the same way: a
+``store_kv`` launch then the decode launch, against the one decode launch that stores
+the step's keys and values itself (``new_kv``, what the paged layer runs).
+
     python benchmarks/bench_decode_attention.py
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
 from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
+from kvrunner_paged.kernels.store_kv import store_kv
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 CASES = [(64, 4096, 1.10), (256, 1024, 1.10), (8, 32768, 1.20)]
 #: (batch, context, the engine's max_model_len) of the small-batch table
 SMALL = [(1, 256, 400), (1, 256, 4096), (1, 2048, 4096), (4, 1024, 4096), (8, 512, 4096)]
 CALLS = 20
+#: (batch, context) of the store-then-attend table: the end-to-end bench's decode batches
+STORE = [(1, 256), (64, 256), (256, 256)]
 
 
 def paged_pool(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -35,6 +44,16 @@ def paged_pool(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, .
     k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", generator=g,
                           dtype=torch.bfloat16)
     return tables.to(torch.int32), k_cache, torch.randn_like(k_cache)
+
+
+def graphed_us(calls: Callable[[], None]) -> float:
+    """µs per call of ``calls`` (``CALLS`` launches) captured once and replayed."""
+    calls()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return median_ms(graph.replay) * 1e3 / CALLS
 
 
 def small_batch_us(batch: int, ctx: int, splits: int) -> float:
@@ -50,12 +69,7 @@ def small_batch_us(batch: int, ctx: int, splits: int) -> float:
             paged_decode_attention(q[i], k_cache, v_cache, tables[i * batch:(i + 1) * batch],
                                    lens, D**-0.5, num_splits=splits, out=out[i])
 
-    calls()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return median_ms(graph.replay) * 1e3 / CALLS
+    return graphed_us(calls)
 
 
 def small_batches(num_sms: int) -> None:
@@ -66,6 +80,42 @@ def small_batches(num_sms: int) -> None:
         unsplit = small_batch_us(batch, ctx, 1)
         print(f"{f'B{batch} ctx{ctx} max_len{max_len}':>22} {splits:>6} {split:>9.2f} "
               f"{unsplit:>11.2f} {split / unsplit:>6.2f}")
+
+
+def store_and_attend_us(batch: int, ctx: int, fused: bool, num_sms: int) -> float:
+    """µs per layer of writing this step's KV and attending, replayed from a graph of
+    ``CALLS`` layers (each over its own sequences' blocks and its own slots)."""
+    g = torch.Generator(device="cuda").manual_seed(batch + ctx)
+    tables, k_cache, v_cache = paged_pool(batch * CALLS, ctx, g)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    # each row's newest position (ctx - 1) is the last slot of its last block
+    slots = (tables[:, -1].long() * BLOCK + (ctx - 1) % BLOCK).view(CALLS, batch)
+    q = torch.randn(CALLS, batch, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    kv = torch.randn(CALLS, batch, 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    splits = choose_num_splits(batch, HKV, 4096, num_sms)
+
+    def calls() -> None:
+        for i in range(CALLS):
+            k, v = kv[i, :, :HKV], kv[i, :, HKV:]
+            table = tables[i * batch:(i + 1) * batch]
+            if fused:
+                paged_decode_attention(q[i], k_cache, v_cache, table, lens, D**-0.5,
+                                       num_splits=splits, out=out[i], new_kv=(k, v, slots[i]))
+            else:
+                store_kv(k, v, k_cache, v_cache, slots[i])
+                paged_decode_attention(q[i], k_cache, v_cache, table, lens, D**-0.5,
+                                       num_splits=splits, out=out[i])
+
+    return graphed_us(calls)
+
+
+def store_then_attend(num_sms: int) -> None:
+    print(f"{'case':>14} {'store + attend us':>18} {'fused us':>9} {'saved us':>9}")
+    for batch, ctx in STORE:
+        apart = store_and_attend_us(batch, ctx, False, num_sms)
+        fused = store_and_attend_us(batch, ctx, True, num_sms)
+        print(f"{f'B{batch} ctx{ctx}':>14} {apart:>18.2f} {fused:>9.2f} {apart - fused:>9.2f}")
 
 
 def run_case(batch: int, ctx: int, num_sms: int) -> dict:
@@ -133,6 +183,7 @@ def main() -> None:
             f"{r['rel_err']:>8.1e}  {met}"
         )
     small_batches(props.multi_processor_count)
+    store_then_attend(props.multi_processor_count)
 
 
 if __name__ == "__main__":

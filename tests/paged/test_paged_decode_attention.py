@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, paged_cases
 
+from kvrunner.contract import PAD_SLOT_ID
 from kvrunner_paged.kernels.decode import (
     MAX_SPLITS,
     SPLIT_MIN_KEYS,
@@ -15,7 +16,7 @@ from kvrunner_paged.kernels.decode import (
     choose_num_splits,
     paged_decode_attention,
 )
-from kvrunner_paged.kernels.reference import reference_paged_attention
+from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
 from kvrunner_paged.kernels.torch_ops import paged_decode_attention_torch
 
 
@@ -48,6 +49,65 @@ def test_triton_decode_matches_reference(case: PagedCase, num_splits: int) -> No
     on_device = {k: t.to(TRITON_DEVICE) for k, t in x.items()}
     out = paged_decode_attention(**on_device, scale=case.scale, num_splits=num_splits, block_n=16)
     assert_matches_reference(out.cpu(), _reference(case, x))
+
+
+def _fused_inputs(case: PagedCase) -> dict[str, torch.Tensor]:
+    """Decode inputs plus this step's keys and values, not yet in the pool: the pool holds
+    NaN at each row's newest slot, so a kernel that read it back would output NaN."""
+    x = _decode_inputs(case)
+    gen = case.generator()
+    rows = x["q"].shape[0]
+    # strided views into one projection output, as a model hands them over
+    kv = torch.randn((rows, 2 * case.num_kv_heads + 1, case.head_dim), generator=gen)
+    x["k_new"] = kv[:, : case.num_kv_heads]
+    x["v_new"] = kv[:, case.num_kv_heads : 2 * case.num_kv_heads]
+    x["slots"] = case.slot_mapping()
+    for slot in x["slots"][: case.num_seqs].tolist():
+        block, offset = divmod(slot, case.block_size)
+        x["k_cache"][block, offset] = float("nan")
+        x["v_cache"][block, offset] = float("nan")
+    return x
+
+
+def _fused_decode(case: PagedCase, x: dict[str, torch.Tensor], num_splits: int) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """The fused launch on the Triton device: (output, k pool after, v pool after)."""
+    on = {k: t.to(TRITON_DEVICE) for k, t in x.items()}
+    out = paged_decode_attention(
+        on["q"], on["k_cache"], on["v_cache"], on["block_tables"], on["context_lens"],
+        case.scale, num_splits=num_splits, block_n=16,
+        new_kv=(on["k_new"], on["v_new"], on["slots"]),
+    )  # fmt: skip
+    return out.cpu(), on["k_cache"].cpu(), on["v_cache"].cpu()
+
+
+@given(case=paged_cases(decode=True), num_splits=st.sampled_from([1, 2, 3]))
+def test_fused_store_decode_equals_store_then_attend(case: PagedCase, num_splits: int) -> None:
+    """With ``new_kv`` the launch stores the step's keys and values and attends them: the
+    output is the reference's over the stored pool, and the pool after it equals the
+    reference store's, bit for bit (NaN payloads of unread slots included)."""
+    x = _fused_inputs(case)
+    out, k_after, v_after = _fused_decode(case, x, num_splits)
+    expected = {**x, "k_cache": x["k_cache"].clone(), "v_cache": x["v_cache"].clone()}
+    reference_store_kv(x["k_new"], x["v_new"], expected["k_cache"], expected["v_cache"],
+                       x["slots"])
+    assert torch.equal(k_after.view(torch.int32), expected["k_cache"].view(torch.int32))
+    assert torch.equal(v_after.view(torch.int32), expected["v_cache"].view(torch.int32))
+    assert_matches_reference(out, _reference(case, expected))
+
+
+@given(case=paged_cases(decode=True), num_splits=st.sampled_from([1, 3]))
+def test_fused_store_decode_over_an_all_pad_slot_mapping_writes_nothing(
+    case: PagedCase, num_splits: int
+) -> None:
+    """What a capture does to the fused launch: slot_mapping blanked to PAD, every
+    context length left as it was. Not one byte of the pool may change."""
+    x = _fused_inputs(case)
+    x["slots"] = torch.full_like(x["slots"], PAD_SLOT_ID)
+    _, k_after, v_after = _fused_decode(case, x, num_splits)
+    assert torch.equal(k_after.view(torch.int32), x["k_cache"].view(torch.int32))
+    assert torch.equal(v_after.view(torch.int32), x["v_cache"].view(torch.int32))
 
 
 @given(case=paged_cases(decode=True))

@@ -80,6 +80,31 @@ def test_compiled_decode_matches_reference(dtype: torch.dtype, num_splits: int) 
     torch.testing.assert_close(out.cpu().float(), ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_compiled_fused_store_decode_stores_then_attends(
+    dtype: torch.dtype, num_splits: int
+) -> None:
+    """The decode launch that stores this step's keys and values: the pool afterwards is
+    the reference store's, the output the reference attention's over it."""
+    case = _case(64, 16, [(1, 1), (1, 17), (1, 250), (1, 64)])
+    rows = case.num_seqs + case.num_pad_rows
+    x = _inputs(case, dtype, rows, rows)
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn((rows, 2 * case.num_kv_heads, case.head_dim), generator=gen).to(dtype)
+    k, v, slots = kv[:, : case.num_kv_heads], kv[:, case.num_kv_heads :], case.slot_mapping()
+    on = _to(x, CUDA)
+    out = paged_decode_attention(**on, scale=case.scale, num_splits=num_splits,
+                                 new_kv=(k.to(CUDA), v.to(CUDA), slots.to(CUDA)))
+    reference_store_kv(k, v, x["k_cache"], x["v_cache"], slots)
+    assert torch.equal(on["k_cache"].cpu(), x["k_cache"])
+    assert torch.equal(on["v_cache"].cpu(), x["v_cache"])
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    ref = reference_paged_attention(**x, query_start_loc=starts, scale=case.scale)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.cpu().float(), ref, **tol)
+
+
 def _prefill_matches_reference(case, dtype: torch.dtype, **launch: int) -> None:
     """The compiled prefill on ``case`` equals the fp32 reference within ``dtype``'s
     tolerance (``launch``: overrides of the default launch parameters)."""

@@ -1,4 +1,8 @@
-"""The attention layer object ``make_layer`` returns: store this step's KV, then attend."""
+"""The attention layer object ``make_layer`` returns: store this step's KV, then attend.
+
+On Triton a decode step does both in one launch (the decode kernel stores the keys
+and values it attends); prefill and the torch path store first, then attend.
+"""
 
 from __future__ import annotations
 
@@ -70,26 +74,37 @@ class PagedAttention:
         if rows > md.slot_mapping.shape[0]:
             raise ValueError(f"{rows} token rows but metadata for {md.slot_mapping.shape[0]}")
         k_cache, v_cache = self.pools.kv(self.layer_index)
-        self._store(k, v, k_cache, v_cache, md.slot_mapping[:rows])
+        slots = md.slot_mapping[:rows]
         if md.is_decode:
-            return self._decode_attention(q, k_cache, v_cache, md)
+            return self._decode_attention(q, k, v, k_cache, v_cache, slots, md)
+        self._store(k, v, k_cache, v_cache, slots)
         return self._prefill_attention(q, k_cache, v_cache, md)
 
     def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        md: PagedMetadata,
     ) -> torch.Tensor:
         rows = q.shape[0]
         if rows > md.context_lens.shape[0]:
             raise ValueError(f"{rows} decode rows but metadata for {md.context_lens.shape[0]}")
         if not self.use_triton:
+            self._store(k, v, k_cache, v_cache, slots)
             return torch_ops.paged_decode_attention_torch(
                 q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale
             )
         # From static shapes only: a captured graph keeps this split count forever.
         splits = self._choose_splits(rows, self.num_kv_heads, self.max_model_len, self._num_sms)
+        # The kernel stores this step's keys and values itself: one launch a layer fewer.
         return self._decode(
             _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
             num_splits=splits,
+            new_kv=(_contiguous_rows(k), _contiguous_rows(v), slots),
         )
 
     def _prefill_attention(

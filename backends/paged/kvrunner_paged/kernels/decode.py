@@ -14,6 +14,13 @@ kernel merges the slices. ``num_splits`` must be chosen from static shapes only 
 
 A row whose ``context_lens`` entry is 0 (a padded tail row) reads nothing and
 outputs zeros.
+
+With ``new_kv`` the launch also stores the step's keys and values (what
+:func:`~kvrunner_paged.kernels.store_kv.store_kv` would do first, one launch fewer a
+layer): the program whose slice holds a row's newest position (``context_lens - 1``)
+writes that key and value to the row's slot (none for a PAD slot), waits at a
+barrier of its own threads, and then walks its keys as usual. That slot is read by
+that program only, so programs need no order between them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrunner_paged.kernels.store_kv import store_newest_kv
 from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
 
 
@@ -32,8 +40,10 @@ from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
+    k_new_ptr, v_new_ptr, slot_ptr,
     scale_log2,
     stride_qt, stride_qh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -48,6 +58,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FUSE_STORE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -77,6 +88,17 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + row * stride_bt
+    if FUSE_STORE:
+        # The program whose slice holds the newest position writes it first; after the
+        # barrier its own walk reads it back like any other key. No other program reads
+        # that slot, so programs need no order between them.
+        store_newest_kv(
+            row, kv_head, ctx_len - 1, lo, hi, k_new_ptr, v_new_ptr, slot_ptr,
+            k_cache_ptr, v_cache_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+        )  # fmt: skip
+        tl.debug_barrier()
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
@@ -175,6 +197,7 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attend one query token per row over that row's paged keys.
 
@@ -184,6 +207,11 @@ def paged_decode_attention(
     :param context_lens: ``[>= num_rows]`` int32, keys per row including this token;
         0 for a padded row, which then outputs zeros.
     :param num_splits: split-KV factor (1 = a single pass, no merge kernel).
+    :param new_kv: ``(k, v, slot_mapping)`` of this step (``k``/``v`` ``[num_rows,
+        num_kv_heads, head_dim]``, any row/head strides; ``slot_mapping`` ``[>=
+        num_rows]``): each row's key and value for position ``context_lens - 1``,
+        stored to their slot by this launch (a slot < 0 stores nothing) and attended
+        without being read back. Without it the pool must already hold every position.
     :returns: ``out`` (allocated like ``q`` when not given).
     """
     num_rows, num_heads, head_dim = q.shape
@@ -206,11 +234,19 @@ def paged_decode_attention(
         )
     else:  # never dereferenced: the single-pass kernel writes ``out`` directly
         part_out = part_lse = out
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        assert k_new.shape == v_new.shape == (num_rows, num_kv_heads, head_dim)
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+    else:  # never dereferenced: FUSE_STORE is off
+        k_new = v_new = slots = q
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse,
+        k_new, v_new, slots,
         scale * LOG2_E,
         q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -225,6 +261,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSE_STORE=new_kv is not None,
         num_warps=num_warps,
     )
     if num_splits > 1:

@@ -3,6 +3,10 @@
 One program per token row. The row's slot comes from ``slot_mapping``; a slot < 0
 (``PAD_SLOT_ID``) masks every load and store of the program, so a padded row or a
 capture over a blanked ``slot_mapping`` touches no cache byte at all.
+
+:func:`store_newest_kv` is the same write for one decode row and KV head, called from
+inside the decode kernel (``paged_decode_attention(new_kv=...)``), which saves the
+decode step this launch.
 """
 
 from __future__ import annotations
@@ -57,6 +61,35 @@ def _store_kv_kernel(
     v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
     tl.store(k_dst + heads * stride_kc_head + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst + heads * stride_vc_head + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_newest_kv(
+    row, kv_head, newest, lo, hi,
+    k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    block_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One decode row's key and value of one KV head, written to the row's slot, from
+    inside the decode kernel: only by the program whose key slice ``[lo, hi)`` holds
+    position ``newest``, and not at all for a PAD slot."""
+    dims = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    # Tensor-valued masks, not scalar ones: the compiler and the interpreter both take them.
+    newest_d = tl.zeros([BLOCK_D], dtype=tl.int32) + newest
+    slot_d = tl.zeros([BLOCK_D], dtype=tl.int64) + slot
+    writes = (dims < HEAD_DIM) & (newest_d >= lo) & (newest_d < hi) & (slot_d >= 0)
+    safe = tl.where(slot >= 0, slot, 0)  # a PAD row forms its (unused) address from slot 0
+    block, offset = safe // block_size, safe % block_size
+    k = tl.load(k_new_ptr + row * stride_knt + kv_head * stride_knh + dims, mask=writes)
+    v = tl.load(v_new_ptr + row * stride_vnt + kv_head * stride_vnh + dims, mask=writes)
+    k_dst = k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
+    v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh
+    tl.store(k_dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=writes)
+    tl.store(v_dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
