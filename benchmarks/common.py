@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: timing with CUDA events, the measured copy bandwidth."""
+"""Shared benchmark helpers: timing with CUDA events or in a CUDA graph, the measured copy
+bandwidth."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ import triton.testing
 def median_ms(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     """Median milliseconds of ``fn()`` over repeated launches (CUDA events)."""
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_ms(fn, *, rep_ms: int = 100) -> float:
+    """Median milliseconds of ``fn()`` with the host out of the window: the calls are
+    captured back to back in one CUDA graph and replayed (triton's
+    ``do_bench_cudagraph``). For calls of tens of microseconds, where a Python launch
+    costs more than the kernel and ``median_ms`` would time the host."""
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
 def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:

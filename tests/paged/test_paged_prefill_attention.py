@@ -82,24 +82,27 @@ GQA_SHAPES = ((1, 1), (2, 1), (6, 2), (4, 1), (8, 1), (16, 2), (16, 1), (32, 1))
     ),
     block_m=32,
     block_n=16,
+    tiles_outer=True,
 )  # fmt: skip
 @given(
     case=paged_cases(head_shapes=GQA_SHAPES, head_dims=(16, 24), max_query_len=40, max_seqs=3),
     block_m=st.sampled_from([16, 32]),
     block_n=st.sampled_from([16, 32]),
+    tiles_outer=st.booleans(),
 )
 def test_triton_prefill_packs_any_group_into_its_tiles(
-    case: PagedCase, block_m: int, block_n: int
+    case: PagedCase, block_m: int, block_n: int, tiles_outer: bool
 ) -> None:
     """Tiles of ``block_m // group`` tokens: queries cross several tiles, prefixes cross
     blocks and key tiles, a group of 3 is padded to 4 rows, a group as wide as the tile
     or wider (16, 32 heads) gets one token per tile, and a head_dim of 24 is padded to 32
-    (the unmasked key tiles still mask the padded dims)."""
+    (the unmasked key tiles still mask the padded dims). Either grid order (query tiles
+    outermost or innermost) computes the same attention."""
     x = _prefill_inputs(case)
     out = paged_prefill_attention(
         **{k: t.to(TRITON_DEVICE) for k, t in x.items()}, scale=case.scale,
         num_seqs=case.num_seqs, max_query_len=max(case.query_lens), block_m=block_m,
-        block_n=block_n,
+        block_n=block_n, tiles_outer=tiles_outer,
     )  # fmt: skip
     assert_matches_reference(out.cpu(), _reference(case, x))
 
