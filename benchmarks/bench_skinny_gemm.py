@@ -10,7 +10,12 @@ projections' dispatch sends to the kernel (``KVRUNNER_SKINNY_GEMM``, default
 ``auto``). ``--sweep`` also times every candidate launch (tile shape, split of K,
 the one-row GEMV kernel) per case and prints the fastest beside ``default_launch``'s.
 
-    python benchmarks/bench_skinny_gemm.py [--sweep]
+``--swiglu`` times the two down projections with the SwiGLU activation before them,
+at 1-64 rows: what cuBLAS needs (the activation's kernel, then ``F.linear``) against
+the one skinny launch that forms ``silu(gate) * up`` as it reads ``[gate | up]``
+(``project_silu_mul``'s fused path), each in a graph of 20 calls as above.
+
+    python benchmarks/bench_skinny_gemm.py [--sweep] [--swiglu]
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
-from kvrunner.layers.fused.dispatch import use_skinny_gemm
+from kvrunner.layers.fused.dispatch import SKINNY_SWIGLU_AUTO_MAX_ROWS, use_skinny_gemm
+from kvrunner.layers.fused.silu_mul_triton import silu_mul_triton
 from kvrunner.layers.fused.skinny_gemm_triton import (
     SkinnyLaunch,
     choose_splits,
@@ -84,11 +90,43 @@ def sweep_line(xs: list[torch.Tensor], ws: list[torch.Tensor], blas: float,
             f"err {err:.1e})")
 
 
+#: (model, N, K) of the down projections the --swiglu table times
+SWIGLU = [("0.6B", 1024, 3072), ("8B", 4096, 12288)]
+SWIGLU_ROWS = (1, 8, 16, 32, 64)
+
+
+def swiglu_table(bw: float) -> None:
+    """Activation + cuBLAS against the fused skinny launch, per down projection and M."""
+    print(f"{'model':>5} {'M':>3} {'act + cuBLAS us':>15} {'fused us':>9} {'floor us':>8} "
+          f"{'fused/cuBLAS':>12} {'err fused':>9}")
+    for model, n, k in SWIGLU:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        ws = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+              for _ in range(CALLS)]
+        for m in SWIGLU_ROWS:
+            xs = [(3 * torch.randn(m, 2 * k, device="cuda", generator=g)).to(torch.bfloat16)
+                  for _ in range(CALLS)]
+            gate, up = xs[0].float().chunk(2, dim=-1)
+            ref = (torch.nn.functional.silu(gate) * up) @ ws[0].float().T
+            apart = graph_us(lambda x, w: F.linear(silu_mul_triton(x), w), xs, ws)
+            fused = graph_us(lambda x, w: skinny_gemm(x, w, silu_mul=True), xs, ws)
+            floor = (n * k * 2 + m * (2 * k + n) * 2) / (bw * 1e12) * 1e6
+            err = rel_err(skinny_gemm(xs[0], ws[0], silu_mul=True), ref)
+            print(f"{model:>5} {m:>3} {apart:>15.2f} {fused:>9.2f} {floor:>8.2f} "
+                  f"{fused / apart:>12.2f} {err:>9.1e}")
+    print(f"project_silu_mul fuses up to {SKINNY_SWIGLU_AUTO_MAX_ROWS} rows (auto)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time every candidate launch too")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="only the down projections with the activation fused in")
     args = ap.parse_args()
     bw = copy_bandwidth_tbps()
+    if args.swiglu:
+        swiglu_table(bw)
+        return
     print(f"copy bandwidth {bw:.2f} TB/s; {CALLS} calls per graph on distinct weights "
           "(4 for the lm_head)")
     print(f"{'model':>5} {'proj':>7} {'M':>3} {'splits':>6} {'cuBLAS us':>9} {'ours us':>8} "

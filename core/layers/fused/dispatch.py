@@ -86,16 +86,26 @@ def skinny_gemm_mode() -> str:
     return mode
 
 
-def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+#: ``auto``'s rule for a SwiGLU MLP's down projection with its activation fused in
+#: (one launch where cuBLAS takes two: the activation's kernel, then the product):
+#: one row, as for a plain projection. ``bench_skinny_gemm.py --swiglu`` on an H200
+#: (2026-12-01, bf16, graphs of 20 calls): fused / (activation + cuBLAS) 0.64 (0.6B)
+#: and 0.88 (8B) at M = 1, but 1.35-1.50 (0.6B) and 2.16-3.59 (8B) at M = 8-64, where
+#: cuBLAS's product is the faster part; ``KVRUNNER_SKINNY_GEMM=1`` still fuses them.
+SKINNY_SWIGLU_AUTO_MAX_ROWS = 1
+
+
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, *, auto_max_rows: int = 1) -> bool:
     """Whether ``x @ weight.T`` should take the skinny-GEMM kernel: the mode allows
-    these rows (``auto``: one; ``1``: at most :data:`SKINNY_GEMM_MAX_ROWS`), one kernel
-    dtype, a weight contiguous along K, and the Triton path taken for ``x``."""
+    these rows (``auto``: ``auto_max_rows``, one for a plain projection; ``1``: at most
+    :data:`SKINNY_GEMM_MAX_ROWS`), one kernel dtype, a weight contiguous along K, and
+    the Triton path taken for ``x``."""
     mode = skinny_gemm_mode()
     if mode == "0" or x.dim() == 0:
         return False
     rows = x.numel() // max(1, x.shape[-1])
     return (
-        rows <= (1 if mode == "auto" else SKINNY_GEMM_MAX_ROWS)
+        rows <= (auto_max_rows if mode == "auto" else SKINNY_GEMM_MAX_ROWS)
         and same_kernel_dtype(x, weight)
         and weight.dim() == 2
         and weight.stride(-1) == 1

@@ -89,27 +89,41 @@ def _weight_tile(w_ptr, cols, ks, in_k, N, stride_wn):
 
 
 @triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in ``dtype``, rounded exactly as ``silu_mul_triton`` rounds
+    it (SiLU to the dtype, then the product): the input row ``[gate | up]`` of a
+    SwiGLU MLP's down projection, formed as the kernel reads it."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_os, stride_om,
     K_PER_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start, k_end = _split_bounds(split, K, K_PER_SPLIT)
     for k in range(k_start, k_end, BLOCK_K):
         ks = k + depth
         in_k = ks < k_end
         w = _weight_tile(w_ptr, cols, ks, in_k, N, stride_wn)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(rows < M)[:, None] & in_k[None, :], other=0.0)
+        x_rows = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        x_mask = (rows < M)[:, None] & in_k[None, :]
+        x = tl.load(x_rows, mask=x_mask, other=0.0)
+        if SILU_MUL:
+            x = _silu_mul(x, tl.load(x_rows + K, mask=x_mask, other=0.0), dtype)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     out = out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
@@ -135,14 +149,10 @@ def _gemv_kernel(
         ks = k + depth
         in_k = ks < k_end
         w = _weight_tile(w_ptr, cols, ks, in_k, N, stride_wn)
-        x = tl.load(x_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
         if SILU_MUL:
-            # x holds [gate | up]: the input is silu(gate) * up, rounded exactly as
-            # silu_mul_triton rounds it (SiLU to the dtype, then the product).
-            up = tl.load(x_ptr + K + ks, mask=in_k, other=0.0).to(tl.float32)
-            act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-            x = (act * up).to(dtype).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+            x = _silu_mul(x, tl.load(x_ptr + K + ks, mask=in_k, other=0.0), dtype)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + split * stride_os + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
 
@@ -164,9 +174,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | No
     the result in ``x``'s dtype. No host sync: capturable in a CUDA graph.
 
     ``launch`` overrides :func:`default_launch` (benchmarks sweep it); a ``gemv``
-    launch takes one row only. ``silu_mul``: ``x`` is one row ``[gate | up]`` of
-    ``2K`` and the product is ``silu_mul_triton(x) @ weight.T``, bit for bit, in one
-    launch (the GEMV reads gate and up and forms the input itself)."""
+    launch takes one row only. ``silu_mul``: each row of ``x`` is ``[gate | up]`` of
+    ``2K`` and the product is ``silu_mul_triton(x) @ weight.T``, bit for bit (with the
+    same launch), in one launch (the kernel reads gate and up and forms the input
+    itself)."""
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
     if rows.stride(-1) != 1:
@@ -175,7 +186,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | No
     m, n = rows.shape[0], weight.shape[0]
     assert m <= MAX_ROWS, f"skinny_gemm takes at most {MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and weight.stride(-1) == 1
-    assert not silu_mul or (m == 1 and width == 2 * k), "silu_mul takes one [gate | up] row"
+    assert not silu_mul or width == 2 * k, "silu_mul takes [gate | up] rows"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
@@ -183,7 +194,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | No
         return out.zero_().reshape(*lead, n)
     launch = launch or default_launch(m, n, k, x.element_size())
     assert not launch.gemv or m == 1, f"a gemv launch takes one row, got {m}"
-    assert launch.gemv or not silu_mul, "silu_mul needs a gemv launch"
     per_split = triton.cdiv(triton.cdiv(k, launch.splits), launch.block_k) * launch.block_k
     splits = triton.cdiv(k, per_split)  # no empty split after rounding up
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
@@ -201,7 +211,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | No
             per_split,
             BLOCK_M=16 if m <= 16 else MAX_ROWS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
             # fp32 stays fp32 (tl.dot would round it to TF32); 16-bit inputs ignore it
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SILU_MUL=silu_mul,
+            num_warps=4,
         )  # fmt: skip
     if splits > 1:
         block = 1024

@@ -1,8 +1,10 @@
-"""A one-row SwiGLU MLP's activation fused into its down projection (the skinny GEMV
+"""A decode batch's SwiGLU activation fused into its down projection (the skinny GEMM
 reads ``[gate | up]`` and forms ``silu(gate) * up`` as it streams the weight): the
-product is bit for bit the activation's kernel followed by the same GEMV, it takes
-one launch instead of two, and more rows keep the two steps. Triton under the
-interpreter on the CPU (fp32 and fp16: the interpreter's bf16 is not the GPU's)."""
+product is bit for bit the activation's kernel followed by the same launch, the GEMV
+for one row and the tensor-core tile for more, one row (and a decode batch under
+``KVRUNNER_SKINNY_GEMM=1``) takes one launch instead of two, and more rows keep the
+two steps. Triton under the interpreter on
+the CPU (fp32 and fp16: the interpreter's bf16 is not the GPU's)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner.layers import linear
-from kvrunner.layers.fused.dispatch import SKINNY_GEMM_ENV
+from kvrunner.layers.fused.dispatch import SKINNY_GEMM_ENV, SKINNY_GEMM_MAX_ROWS
 
 pytest.importorskip("triton")
 from fused_testing import triton_path  # noqa: E402
@@ -24,9 +26,9 @@ from kvrunner.layers.fused import silu_mul_triton as activation  # noqa: E402
 from kvrunner.layers.fused import skinny_gemm_triton as kernel  # noqa: E402
 
 
-def gate_up_row(k: int, n: int, dtype: torch.dtype, seed: int):
+def gate_up_rows(k: int, n: int, dtype: torch.dtype, seed: int, m: int = 1):
     g = torch.Generator().manual_seed(seed)
-    gate_up = (3 * torch.randn(1, 2 * k, generator=g)).to(dtype)
+    gate_up = (3 * torch.randn(m, 2 * k, generator=g)).to(dtype)
     return gate_up, torch.randn(n, k, generator=g).to(dtype)
 
 
@@ -38,8 +40,22 @@ def gate_up_row(k: int, n: int, dtype: torch.dtype, seed: int):
 def test_the_fused_product_is_the_activation_then_the_product_bit_for_bit(
     n: int, k: int, block_n: int, block_k: int, splits: int, dtype, seed: int
 ) -> None:
-    gate_up, w = gate_up_row(k, n, dtype, seed)
+    gate_up, w = gate_up_rows(k, n, dtype, seed)
     launch = kernel.SkinnyLaunch(block_n, block_k, splits, gemv=True)
+    fused = kernel.skinny_gemm(gate_up, w, launch, silu_mul=True)
+    assert torch.equal(fused, kernel.skinny_gemm(activation.silu_mul_triton(gate_up), w, launch))
+
+
+@given(
+    st.integers(2, 64), st.integers(1, 120), st.integers(1, 300), st.sampled_from([16, 32]),
+    st.sampled_from([16, 64]), st.integers(1, 4),
+    st.sampled_from([torch.float32, torch.float16]), st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_more_rows_fuse_it_into_the_tensor_core_tile_bit_for_bit(
+    m: int, n: int, k: int, block_n: int, block_k: int, splits: int, dtype, seed: int
+) -> None:
+    gate_up, w = gate_up_rows(k, n, dtype, seed, m)
+    launch = kernel.SkinnyLaunch(block_n, block_k, splits)
     fused = kernel.skinny_gemm(gate_up, w, launch, silu_mul=True)
     assert torch.equal(fused, kernel.skinny_gemm(activation.silu_mul_triton(gate_up), w, launch))
 
@@ -58,16 +74,20 @@ def launches(layer: linear.RowParallelLinear, gate_up: torch.Tensor) -> tuple[in
     return gemm.call_count, act.call_count
 
 
-@pytest.mark.parametrize("mode", ["auto", "0"])
-def test_one_row_is_one_launch_and_more_rows_are_two_steps(monkeypatch, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["auto", "1", "0"])
+def test_one_row_is_one_launch_and_more_rows_as_the_mode_says(monkeypatch, mode: str) -> None:
     monkeypatch.setenv(SKINNY_GEMM_ENV, mode)
     layer = linear.RowParallelLinear(24, 40, dtype=torch.float32, device="cpu")
     torch.nn.init.normal_(layer.weight)
     with triton_path(True):
         one = launches(layer, torch.randn(1, 48))
-        rows = launches(layer, torch.randn(5, 48))
-    assert one == ((1, 0) if mode == "auto" else (0, 1))  # off: activation, then cuBLAS
-    assert rows == (0, 1)  # auto leaves five rows to cuBLAS, after the activation
+        five = launches(layer, torch.randn(5, 48))
+        past = launches(layer, torch.randn(SKINNY_GEMM_MAX_ROWS + 1, 48))
+    fused, apart = (1, 0), (0, 1)  # apart: the activation, then cuBLAS
+    assert one == (apart if mode == "0" else fused)
+    # auto fuses one row only (measured slower from 8 rows on); 1 fuses a decode batch
+    assert five == (fused if mode == "1" else apart)
+    assert past == apart  # past a decode batch every mode keeps the two steps
 
 
 def test_a_single_sequence_decodes_the_same_greedy_tokens_with_it_on_and_off(
