@@ -7,7 +7,7 @@ not how fast it is: a first filter before timing candidates with ``bench_prefill
 Needs only Triton's bundled ``ptxas`` / ``cuobjdump``; alignment attributes mimic a
 real launch (16-byte pointers, strides that are multiples of 16).
 
-    python benchmarks/bench_prefill_compile.py                  # LAUNCH, groups 2 and 4
+    python benchmarks/bench_prefill_compile.py          # LAUNCH, LONG_RUN_LAUNCH; groups 2, 4
     python benchmarks/bench_prefill_compile.py bf16,4,128,128,8,2 fp32,4,64,32,4,2,ieee
 """
 
@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvrunner_paged.kernels.prefill import LAUNCH, _prefill_kernel
+from kvrunner_paged.kernels.prefill import LAUNCH, LONG_RUN_LAUNCH, _prefill_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HEAD_DIM = 128
@@ -75,13 +75,15 @@ def resources(dtype: str, group: int, block_m: int, block_n: int, num_warps: int
 
 
 def default_configs() -> list[tuple]:
-    """``LAUNCH`` for bf16 and fp32 at the 0.6B (group 2) and 8B (group 4) shapes."""
+    """``LAUNCH`` and ``LONG_RUN_LAUNCH`` for bf16 and fp32 at the 0.6B (group 2) and 8B
+    (group 4) shapes."""
     out = []
-    for name, dtype in DTYPES.items():
-        launch = LAUNCH[dtype]
-        for group in (2, 4):
-            out.append((name, group, launch.block_m, launch.block_n, launch.num_warps,
-                        launch.num_stages, launch.dot_precision))  # fmt: skip
+    for table in (LAUNCH, LONG_RUN_LAUNCH):
+        for name, dtype in DTYPES.items():
+            launch = table[dtype]
+            for group in (2, 4):
+                out.append((name, group, launch.block_m, launch.block_n, launch.num_warps,
+                            launch.num_stages, launch.dot_precision))  # fmt: skip
     return out
 
 

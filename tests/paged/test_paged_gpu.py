@@ -17,9 +17,7 @@ from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged.kernels.decode import paged_decode_attention
 from kvrunner_paged.kernels.prefill import (
-    FP32_SMALL_TILES,
-    LAUNCH,
-    PrefillLaunch,
+    LONG_RUN_LAUNCH,
     paged_prefill_attention,
 )
 from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
@@ -133,16 +131,15 @@ def test_compiled_prefill_packs_each_gqa_group(dtype: torch.dtype, heads: tuple[
     _prefill_matches_reference(case, dtype)
 
 
-@pytest.mark.parametrize(
-    "launch", [LAUNCH[torch.float32], FP32_SMALL_TILES], ids=["large", "small"]
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (12, 4)])
-def test_both_fp32_launches_compute_the_reference(launch: PrefillLaunch, heads) -> None:
-    """The short test prompts take the small fp32 tiles by default; long group-2 runs
-    take the large ones. Both, at every group, over the same batch."""
+def test_the_long_run_launch_computes_the_reference(dtype: torch.dtype, heads) -> None:
+    """The short test prompts take each dtype's default launch; runs of 4,096 queries
+    and more take the long-run one. It too, at every group, over the same batch."""
     case = _case(96, 16, [(300, 300), (1, 77), (129, 400), (33, 50)], heads)
+    launch = LONG_RUN_LAUNCH[dtype]
     _prefill_matches_reference(
-        case, torch.float32, block_m=launch.block_m, block_n=launch.block_n,
+        case, dtype, block_m=launch.block_m, block_n=launch.block_n,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, paged_cases
 
 from kvrunner_paged.kernels.prefill import (
-    FP32_SMALL_TILES,
-    FP32_SMALL_TILES_MAX_QUERY_LEN,
     LAUNCH,
+    LONG_RUN_LAUNCH,
+    LONG_RUN_QUERY_LEN,
     launch_for,
     paged_prefill_attention,
 )
@@ -107,16 +107,13 @@ def test_triton_prefill_packs_any_group_into_its_tiles(
     assert_matches_reference(out.cpu(), _reference(case, x))
 
 
-@given(
-    group=st.sampled_from([1, 2, 3, 4, 8]),
-    max_query_len=st.integers(1, 3 * FP32_SMALL_TILES_MAX_QUERY_LEN),
-)
-def test_fp32_takes_small_tiles_for_wide_groups_and_short_runs(group, max_query_len) -> None:
-    """Where the H200 measured small fp32 tiles faster (groups of 4 or more, runs up to
-    4,096 queries) they are the default; long runs of narrow groups keep the large
-    tiles, and half precision keeps its one launch."""
-    small = group >= 4 or max_query_len <= FP32_SMALL_TILES_MAX_QUERY_LEN
-    expected = FP32_SMALL_TILES if small else LAUNCH[torch.float32]
-    assert launch_for(torch.float32, group, max_query_len) == expected
-    for dtype in (torch.bfloat16, torch.float16):
-        assert launch_for(dtype, group, max_query_len) == LAUNCH[dtype]
+@given(max_query_len=st.integers(1, 3 * LONG_RUN_QUERY_LEN))
+def test_runs_of_4096_queries_and_more_take_the_long_run_launch(max_query_len) -> None:
+    """Where the H200 measured wider key tiles faster (one sequence of 4,096 queries or
+    more) every dtype takes its long-run launch; shorter runs keep the default, and a
+    dtype without entries takes fp32's."""
+    table = LONG_RUN_LAUNCH if max_query_len >= LONG_RUN_QUERY_LEN else LAUNCH
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert launch_for(dtype, max_query_len) == table[dtype]
+    assert launch_for(torch.float64, max_query_len) == table[torch.float32]
+    assert LONG_RUN_LAUNCH[torch.bfloat16] != LAUNCH[torch.bfloat16]

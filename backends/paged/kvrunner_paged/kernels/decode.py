@@ -210,8 +210,9 @@ def paged_decode_attention(
     :param new_kv: ``(k, v, slot_mapping)`` of this step (``k``/``v`` ``[num_rows,
         num_kv_heads, head_dim]``, any row/head strides; ``slot_mapping`` ``[>=
         num_rows]``): each row's key and value for position ``context_lens - 1``,
-        stored to their slot by this launch (a slot < 0 stores nothing) and attended
-        without being read back. Without it the pool must already hold every position.
+        stored to their slot by this launch (a slot < 0 stores nothing) before the
+        program that owns that position attends it. Without it the pool must already
+        hold every position.
     :returns: ``out`` (allocated like ``q`` when not given).
     """
     num_rows, num_heads, head_dim = q.shape

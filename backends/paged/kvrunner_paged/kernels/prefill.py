@@ -45,48 +45,49 @@ class PrefillLaunch:
     tiles_outer: bool = True
 
 
-#: Chosen for an H200 (Hopper: 228 KB shared memory and 64K registers per SM), not
-#: measured: the usual flash-attention forward shapes for head_dim 128, kept modest.
-#: The one place to tune them (``benchmarks/bench_prefill.py`` takes overrides).
+#: Chosen for an H200 (Hopper: 228 KB shared memory and 64K registers per SM) by
+#: ``benchmarks/bench_prefill.py`` per case (it takes overrides of every field).
 LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     # 128 rows = two warpgroups of 64 (one wgmma M each); the fp32 accumulator is 64
     # registers a thread at 8 warps. K and V tiles of 64 x 128 bf16 are 16 KB each, so
-    # 3 stages are 96 KB plus 32 KB of Q: well inside shared memory.
+    # 3 stages are 96 KB plus 32 KB of Q: well inside shared memory. 64/64/4/3 and
+    # 64/128/4/2 were slower in 11 and 12 of the 12 cases.
     torch.bfloat16: PrefillLaunch(128, 64, 8, 3, "tf32"),
     torch.float16: PrefillLaunch(128, 64, 8, 3, "tf32"),
     # fp32: three TF32 products (hi*hi + hi*lo + lo*hi, the same trick as torch's fp32
     # memory-efficient SDPA): errors near 2^-21 relative per product, far inside the
-    # fp32 tests' 1e-4 / 1e-5, on tensor cores rather than fp32 FMA units. fp32 tiles
-    # are twice the bytes and the split doubles the operands, so half the keys per
-    # step and two stages. Measured on an H200 (bench_prefill.py --dtypes fp32, worst
-    # ratio to SDPA over its 12 cases): 128/32/8/2 1.43, 32/32/4/2 1.41, 64/32/4/2
-    # 1.88, 64/32/4/3 2.16, 64/32/8/2 2.58; 128/64/8/2 failed to launch. (Plain
-    # "tf32" would be 1.31 but with 1e-3 errors; "ieee" about 6x SDPA.)
-    torch.float32: PrefillLaunch(128, 32, 8, 2, "tf32x3"),
+    # fp32 tests' 1e-4 / 1e-5, on tensor cores rather than fp32 FMA units (plain
+    # "tf32" errs by 1e-3; "ieee" ran about 6x SDPA). Small tiles (8 tokens of a group
+    # of 4, 16 of a group of 2): more programs, each with a shorter walk along the
+    # diagonal. Against 128/32/8/2 per case (H200, ours / SDPA): 8B 1024 x 1 1.40 ->
+    # 1.08, 0.6B 1024 x 1 1.42 -> 1.25; 64/32/4/2 and 64/32/4/3 were slower everywhere.
+    torch.float32: PrefillLaunch(32, 32, 4, 2, "tf32x3"),
 }
 
-#: fp32 with smaller tiles (8 tokens of a group of 4, 16 of a group of 2): more
-#: programs, each with a shorter walk along the diagonal. Per case on an H200
-#: (bench_prefill.py --dtypes fp32, ours / SDPA, 128-row tiles -> 32-row tiles): every
-#: group-4 case gained (1024 x 1: 1.40 -> 1.08; 8192 x 1: 1.18 -> 1.15), group-2 cases
-#: up to 4,096 queries gained (1024 x 1: 1.42 -> 1.25; 4096 x 1: 1.31 -> 1.23), and
-#: group-2 cases of 8,192 lost (8192 x 1: 1.16 -> 1.33), where each key tile is
-#: re-read by four times as many programs.
-FP32_SMALL_TILES = PrefillLaunch(32, 32, 4, 2, "tf32x3")
-#: the longest query run a group-2 fp32 launch still takes small tiles for
-FP32_SMALL_TILES_MAX_QUERY_LEN = 4096
+#: From this many queries in one sequence, a run takes :data:`LONG_RUN_LAUNCH`
+LONG_RUN_QUERY_LEN = 4096
+#: Wider key tiles for long runs: each program walks many key tiles, so fewer, larger
+#: steps pay. H200, query tiles outermost, CUDA-graph timing, ours / SDPA against the
+#: default launch: bf16 128/128/8/2 (160 KB of shared memory at 2 stages) 0.6B 4096 x
+#: 1 0.88 -> 0.77, 8192 x 1 1.13 -> 0.96, 8B 4096 x 1 0.99 -> 0.95, 8192 x 1 1.13 ->
+#: 1.06 (but slower on runs of 1,024: 8B 1024 x 8 1.13 -> 1.31); fp32 32/64/4/2 0.6B
+#: 4096 x 1 1.23 -> 1.04, 8192 x 1 1.14 -> 1.09 (against 128/32/8/2), 8B 4096 x 1
+#: 1.11 -> 1.03, 8192 x 1 1.17 -> 1.07 (but 0.6B 1024 x 8 1.08 -> 1.36).
+LONG_RUN_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
+    torch.bfloat16: PrefillLaunch(128, 128, 8, 2, "tf32"),
+    torch.float16: PrefillLaunch(128, 128, 8, 2, "tf32"),
+    torch.float32: PrefillLaunch(32, 64, 4, 2, "tf32x3"),
+}
 #: CUDA's limit on a grid's second and third axes
 MAX_OUTER_GRID = 65535
 
 
-def launch_for(dtype: torch.dtype, group: int, max_query_len: int) -> PrefillLaunch:
-    """The launch parameters for one call: :data:`LAUNCH` for ``dtype``, except fp32
-    takes :data:`FP32_SMALL_TILES` for groups of 4 or more and for shorter runs."""
-    if dtype == torch.float32 and (
-        group >= 4 or max_query_len <= FP32_SMALL_TILES_MAX_QUERY_LEN
-    ):
-        return FP32_SMALL_TILES
-    return LAUNCH.get(dtype, LAUNCH[torch.float32])
+def launch_for(dtype: torch.dtype, max_query_len: int) -> PrefillLaunch:
+    """The launch parameters for one call: :data:`LAUNCH` for ``dtype``, or its
+    :data:`LONG_RUN_LAUNCH` from :data:`LONG_RUN_QUERY_LEN` queries on (other dtypes
+    take fp32's)."""
+    table = LONG_RUN_LAUNCH if max_query_len >= LONG_RUN_QUERY_LEN else LAUNCH
+    return table.get(dtype, table[torch.float32])
 
 
 @triton.jit
@@ -216,7 +217,7 @@ def paged_prefill_attention(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
-    launch = launch_for(q.dtype, num_heads // num_kv_heads, max_query_len)
+    launch = launch_for(q.dtype, max_query_len)
     block_m = block_m or launch.block_m
     block_n = block_n or launch.block_n
     for name, size in (("block_m", block_m), ("block_n", block_n)):

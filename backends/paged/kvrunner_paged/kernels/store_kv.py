@@ -5,8 +5,8 @@ One program per token row. The row's slot comes from ``slot_mapping``; a slot < 
 capture over a blanked ``slot_mapping`` touches no cache byte at all.
 
 :func:`store_newest_kv` is the same write for one decode row and KV head, called from
-inside the decode kernel (``paged_decode_attention(new_kv=...)``), which saves the
-decode step this launch.
+inside the decode kernel (``paged_decode_attention(new_kv=...)``), so that a decode
+step needs no launch of its own for it.
 """
 
 from __future__ import annotations
