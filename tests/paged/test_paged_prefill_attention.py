@@ -11,8 +11,10 @@ from kvrunner_paged.kernels.prefill import (
     LAUNCH,
     LONG_RUN_LAUNCH,
     LONG_RUN_QUERY_LEN,
+    MAX_OUTER_GRID,
     launch_for,
     paged_prefill_attention,
+    prefill_grid,
 )
 from kvrunner_paged.kernels.reference import reference_paged_attention
 from kvrunner_paged.kernels.torch_ops import paged_prefill_attention_torch
@@ -117,3 +119,13 @@ def test_runs_of_4096_queries_and_more_take_the_long_run_launch(max_query_len) -
         assert launch_for(dtype, max_query_len) == table[dtype]
     assert launch_for(torch.float64, max_query_len) == table[torch.float32]
     assert LONG_RUN_LAUNCH[torch.bfloat16] != LAUNCH[torch.bfloat16]
+
+
+@given(tiles=st.integers(1, 3 * MAX_OUTER_GRID), tiles_outer=st.booleans())
+def test_query_tiles_go_outermost_only_where_the_grid_holds_them(tiles, tiles_outer) -> None:
+    """The outer grid axes take at most 65,535 programs: a longer run of tiles stays on
+    the first axis, in the per-(sequence, head) order, rather than fail to launch."""
+    grid, outer = prefill_grid(8, 3, tiles, tiles_outer)
+    assert outer == (tiles_outer and tiles <= MAX_OUTER_GRID)
+    assert grid == ((8, 3, tiles) if outer else (tiles, 3, 8))
+    assert max(grid[1:]) <= MAX_OUTER_GRID

@@ -82,6 +82,17 @@ LONG_RUN_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
 MAX_OUTER_GRID = 65535
 
 
+def prefill_grid(
+    num_kv_heads: int, num_seqs: int, tiles: int, tiles_outer: bool
+) -> tuple[tuple[int, int, int], bool]:
+    """The launch grid and the order it takes: query tiles on the outermost axis where
+    asked and where they fit (a grid's outer axes hold at most :data:`MAX_OUTER_GRID`
+    programs, its first 2^31 - 1), else on the first."""
+    if tiles_outer and tiles <= MAX_OUTER_GRID:
+        return (num_kv_heads, num_seqs, tiles), True
+    return (tiles, num_seqs, num_kv_heads), False
+
+
 def launch_for(dtype: torch.dtype, max_query_len: int) -> PrefillLaunch:
     """The launch parameters for one call: :data:`LAUNCH` for ``dtype``, or its
     :data:`LONG_RUN_LAUNCH` from :data:`LONG_RUN_QUERY_LEN` queries on (other dtypes
@@ -230,11 +241,10 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group)
     # Tokens per tile; a group wider than block_m gets one token (rows = group_pad).
     block_q = max(1, block_m // group_pad)
-    tiles = triton.cdiv(max_query_len, block_q)
-    tiles_outer = launch.tiles_outer if tiles_outer is None else tiles_outer
-    # a grid's outer axes hold at most 65,535 programs; the first, 2^31 - 1
-    tiles_outer = tiles_outer and tiles <= MAX_OUTER_GRID
-    grid = (num_kv_heads, num_seqs, tiles) if tiles_outer else (tiles, num_seqs, num_kv_heads)
+    grid, tiles_outer = prefill_grid(
+        num_kv_heads, num_seqs, triton.cdiv(max_query_len, block_q),
+        launch.tiles_outer if tiles_outer is None else tiles_outer,
+    )  # fmt: skip
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         out,
