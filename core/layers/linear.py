@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrunner.layers.activation import silu_and_mul
-from kvrunner.layers.fused.dispatch import SKINNY_SWIGLU_AUTO_MAX_ROWS, use_skinny_gemm
+from kvrunner.layers.fused.dispatch import use_skinny_gemm
 from kvrunner.layers.weight_copy import copy_weight_
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
@@ -42,10 +42,9 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def project_silu_mul(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``project(silu(gate) * up, weight)`` for ``gate_up = [gate | up]``: one launch
     where the rows take the skinny GEMM (it forms the input as it reads it, the same
-    roundings; ``auto``: one row, see ``SKINNY_SWIGLU_AUTO_MAX_ROWS``), else the
-    activation's kernel and then :func:`project`."""
-    fits = gate_up.shape[-1] == 2 * weight.shape[-1]
-    if fits and use_skinny_gemm(gate_up, weight, auto_max_rows=SKINNY_SWIGLU_AUTO_MAX_ROWS):
+    roundings; the rows :func:`use_skinny_gemm` allows), else the activation's kernel
+    and then :func:`project`."""
+    if gate_up.shape[-1] == 2 * weight.shape[-1] and use_skinny_gemm(gate_up, weight):
         from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
 
         return skinny_gemm(gate_up, weight, silu_mul=True)

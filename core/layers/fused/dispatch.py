@@ -75,7 +75,11 @@ SKINNY_GEMM_MAX_ROWS = 64
 #: took 0.40-0.98x cuBLAS's time in all 9 cases, the GEMV in 8 of them (0.6B o_proj 5.3
 #: vs 13.1 us; 8B gate_up's GEMV ran 1.00x in the next call); at M = 8
 #: and 64 the best launch ran 0.87-1.14x, a loss in 12 of 18 cases, so more rows stay
-#: with cuBLAS unless ``KVRUNNER_SKINNY_GEMM=1``.
+#: with cuBLAS unless ``KVRUNNER_SKINNY_GEMM=1``. The same holds for a SwiGLU MLP's
+#: down projection with its activation fused in (one launch where cuBLAS takes two):
+#: ``bench_skinny_gemm.py --swiglu`` (2026-12-01, graphs of 20 calls), fused /
+#: (activation + cuBLAS) 0.64 (0.6B) and 0.88 (8B) at M = 1, but 1.35-1.50 (0.6B)
+#: and 2.16-3.59 (8B) at M = 8-64.
 
 
 def skinny_gemm_mode() -> str:
@@ -86,26 +90,16 @@ def skinny_gemm_mode() -> str:
     return mode
 
 
-#: ``auto``'s rule for a SwiGLU MLP's down projection with its activation fused in
-#: (one launch where cuBLAS takes two: the activation's kernel, then the product):
-#: one row, as for a plain projection. ``bench_skinny_gemm.py --swiglu`` on an H200
-#: (2026-12-01, bf16, graphs of 20 calls): fused / (activation + cuBLAS) 0.64 (0.6B)
-#: and 0.88 (8B) at M = 1, but 1.35-1.50 (0.6B) and 2.16-3.59 (8B) at M = 8-64, where
-#: cuBLAS's product is the faster part; ``KVRUNNER_SKINNY_GEMM=1`` still fuses them.
-SKINNY_SWIGLU_AUTO_MAX_ROWS = 1
-
-
-def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, *, auto_max_rows: int = 1) -> bool:
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` should take the skinny-GEMM kernel: the mode allows
-    these rows (``auto``: ``auto_max_rows``, one for a plain projection; ``1``: at most
-    :data:`SKINNY_GEMM_MAX_ROWS`), one kernel dtype, a weight contiguous along K, and
-    the Triton path taken for ``x``."""
+    these rows (``auto``: one; ``1``: at most :data:`SKINNY_GEMM_MAX_ROWS`), one kernel
+    dtype, a weight contiguous along K, and the Triton path taken for ``x``."""
     mode = skinny_gemm_mode()
     if mode == "0" or x.dim() == 0:
         return False
     rows = x.numel() // max(1, x.shape[-1])
     return (
-        rows <= (auto_max_rows if mode == "auto" else SKINNY_GEMM_MAX_ROWS)
+        rows <= (1 if mode == "auto" else SKINNY_GEMM_MAX_ROWS)
         and same_kernel_dtype(x, weight)
         and weight.dim() == 2
         and weight.stride(-1) == 1

@@ -37,12 +37,6 @@ class PrefillLaunch:
     num_warps: int
     num_stages: int  #: software-pipeline depth of the unmasked key loop
     dot_precision: str  #: ``tl.dot`` input precision (only fp32 inputs read it)
-    #: grid order: query tiles outermost (every sequence's and head's last tiles start
-    #: first), else each (sequence, head)'s tiles together, last first. Measured on an
-    #: H200 (bench_prefill.py, CUDA-graph timing, the default tiles): outermost took
-    #: the worst of the 12 cases from 1.34 to 1.23x SDPA in bf16 and 1.43 to 1.27 in
-    #: fp32 (0.6B 8192 x 8: 1.34 -> 1.21; 0.6B 1024 x 8 fp32: 1.43 -> 1.08)
-    tiles_outer: bool = True
 
 
 #: Chosen for an H200 (Hopper: 228 KB shared memory and 64K registers per SM) by
@@ -203,7 +197,7 @@ def paged_prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     dot_precision: str | None = None,
-    tiles_outer: bool | None = None,
+    tiles_outer: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new queries over its paged keys.
@@ -218,8 +212,13 @@ def paged_prefill_attention(
     :param max_query_len: the longest ``q_len`` (sizes the grid; host-known).
     :param block_m: rows of a program's tile, query tokens times the group's query heads
         (padded to a power of two); a power of two >= 16. ``block_n``: keys per step, a
-        power of two >= 16. These, ``num_warps``, ``num_stages``, ``dot_precision``
-        and ``tiles_outer`` default to :func:`launch_for` ``q``'s dtype and shape.
+        power of two >= 16. These, ``num_warps``, ``num_stages`` and
+        ``dot_precision`` default to :func:`launch_for` ``q``'s dtype and shape.
+    :param tiles_outer: the grid order (see :func:`prefill_grid`): query tiles
+        outermost, so every sequence's and head's last tile starts before any
+        shorter one (the default: on an H200 it took the worst of 12 cases from 1.34
+        to 1.23x SDPA in bf16 and 1.43 to 1.27 in fp32); else each (sequence,
+        head)'s tiles together.
     :returns: ``out`` (allocated like ``q`` when not given). Rows of ``q`` owned by no
         sequence are left as they were in ``out`` (zeros when allocated here).
     """
@@ -241,10 +240,8 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group)
     # Tokens per tile; a group wider than block_m gets one token (rows = group_pad).
     block_q = max(1, block_m // group_pad)
-    grid, tiles_outer = prefill_grid(
-        num_kv_heads, num_seqs, triton.cdiv(max_query_len, block_q),
-        launch.tiles_outer if tiles_outer is None else tiles_outer,
-    )  # fmt: skip
+    tiles = triton.cdiv(max_query_len, block_q)
+    grid, tiles_outer = prefill_grid(num_kv_heads, num_seqs, tiles, tiles_outer)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         out,
