@@ -6,7 +6,9 @@ writes the state in place through state indices; fla's
 scattered back, which is timed with it (and its kernel alone is shown too).
 Prefill: one sequence of T = 4096: our Triton kernel, fla's ``chunk_gated_delta_rule``
 alone, and the path the gdn layer dispatches to (``KVRUNNER_GDN_PREFILL``, default
-``auto``: fla through our pool wrapper where fla imports), each with its ratio to fla.
+``auto``: fla through our pool wrapper where fla imports, calling fla's forward
+functions directly where that binds; also shown through fla's public call), each with
+its ratio to fla.
 
     python benchmarks/bench_gdn.py             (without fla-core: ours only, no ratios)
     python benchmarks/bench_gdn.py --profile   also: host µs per call (launch only) and
@@ -19,6 +21,7 @@ alone, and the path the gdn layer dispatches to (``KVRUNNER_GDN_PREFILL``, defau
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -28,7 +31,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, gdn_prefill_fla
+from kvrunner_gdn.kernels.fla_forward import FlaDirectForward
+from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, fla_chunk_kernel, gdn_prefill_fla
 from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
 from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 
@@ -157,7 +161,9 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: boo
     read = torch.tensor([-1], dtype=torch.int32, device="cuda")
     write = torch.tensor([0], dtype=torch.int32, device="cuda")
     kernel = choose_prefill_kernel(use_triton=True, device=q.device, dtype=q.dtype, head_k_dim=K)
-    chosen = gdn_prefill_fla if kernel == "fla" else gdn_prefill_triton
+    # bound once, as the layer binds it: fla's forward called directly where it binds
+    bound = {"kernel": fla_chunk_kernel()} if kernel == "fla" else {}
+    chosen = functools.partial(gdn_prefill_fla, **bound) if kernel == "fla" else gdn_prefill_triton
 
     def ours_prefill() -> torch.Tensor:
         return gdn_prefill_triton(
@@ -171,10 +177,20 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: boo
         return chosen(q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T],
                       **host)
 
+    def dispatched_public() -> torch.Tensor:
+        # the layer's path through fla's public call: what the direct forward saves
+        return gdn_prefill_fla(q, k, v, decay, beta, state, cu, read, write, scale,
+                               cu_seqlens_host=[0, T], kernel=chunk_gated_delta_rule, **host)
+
     paths = []
     if triton_prefill:
         paths.append(("ours (Triton)", median_ms(ours_prefill), ours_prefill()))
-    paths.append((f"ours (dispatch: {kernel})", median_ms(dispatched), dispatched()))
+    direct = kernel == "fla" and isinstance(bound["kernel"], FlaDirectForward)
+    paths.append((f"ours (dispatch: {kernel}{', direct forward' if direct else ''})",
+                  median_ms(dispatched), dispatched()))
+    if direct:
+        paths.append(("ours (dispatch: fla, public call)", median_ms(dispatched_public),
+                      dispatched_public()))
     t_fla = None
     if chunk_gated_delta_rule is not None:
 
@@ -217,6 +233,8 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: boo
         print(line)
     if profiled:
         gpu_ours = where_the_time_goes(f"ours (dispatch: {kernel})", dispatched)
+        if direct:
+            where_the_time_goes("ours (dispatch: fla, public call)", dispatched_public)
         if t_fla is not None:
             gpu_fla = where_the_time_goes("fla kernel alone", fla_prefill)
             where_the_time_goes("fla varlen call", fla_varlen)

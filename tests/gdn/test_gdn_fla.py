@@ -297,8 +297,11 @@ def test_the_wrapper_with_only_pad_rows_writes_no_slot_and_outputs_zeros():
 
 @pytest.fixture(scope="module")
 def fla_kernel():
-    """fla's chunk_gated_delta_rule itself (module scope: hypothesis reruns the test)."""
-    return pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    """fla's forward as the layer binds it: called directly where that binds (it is the
+    public call bit for bit, test_gdn_fla_forward.py), else ``chunk_gated_delta_rule``
+    (module scope: hypothesis reruns the test)."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    return fla_chunk_kernel()
 
 
 @pytest.mark.gpu

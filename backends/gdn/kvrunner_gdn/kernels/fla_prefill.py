@@ -47,6 +47,7 @@ from kvrunner_gdn.kernels.common import (
     dot_block,
     valid_rows,
 )
+from kvrunner_gdn.kernels.fla_forward import fla_direct_forward
 
 #: fla's chunk kernels keep the state in 64-row blocks of K, at most four (fla asserts it)
 FLA_MAX_HEAD_K = 256
@@ -54,13 +55,16 @@ FLA_MAX_HEAD_K = 256
 FlaChunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def fla_chunk_kernel() -> FlaChunk | None:
-    """fla's ``chunk_gated_delta_rule``, or ``None`` where fla does not import."""
+def fla_chunk_kernel(direct: bool = True) -> FlaChunk | None:
+    """fla's chunked forward: where it binds (and ``direct``), fla's forward functions
+    without its training-op layers (:func:`~kvrunner_gdn.kernels.fla_forward.fla_direct_forward`,
+    the public call's result at less host time), else the public
+    ``chunk_gated_delta_rule``; ``None`` where fla does not import."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # not installed, or built against another torch/triton
         return None
-    return chunk_gated_delta_rule
+    return (fla_direct_forward() if direct else None) or chunk_gated_delta_rule
 
 
 def fla_chunk_size(chunk_size: int) -> int:
@@ -141,16 +145,16 @@ def gdn_prefill_fla(
     kernel = kernel or fla_chunk_kernel()
     if kernel is None:
         raise RuntimeError("flash-linear-attention (fla-core) does not import here")
-    read, write = read_indices.long(), write_indices.long()
     batched = tuple(t[None] for t in (q, k, v, g, beta))  # fla's [1, T, ...] varlen layout
     call = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
                 chunk_size=fla_chunk_size(chunk_size))
     if host_indices is not None and cu_seqlens_host is not None:
         reads_host, writes_host = host_indices
         if all(w >= 0 for w in writes_host) and cu_seqlens_host[-1] == q.shape[0]:
-            out = _prefill_running_rows(kernel, batched, call, state, cu_seqlens, read, write,
-                                        cu_seqlens_host, reads_host)
+            out = _prefill_running_rows(kernel, batched, call, state, cu_seqlens, read_indices,
+                                        write_indices, cu_seqlens_host, host_indices)
             return out.to(v.dtype)
+    read, write = read_indices.long(), write_indices.long()
     runs, reads = valid_rows(read, write)
     initial = _initial_states(state, read, reads)
     cu = cu_seqlens.long()
@@ -174,24 +178,30 @@ def _prefill_running_rows(
     call: dict[str, Any],
     state: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    read: torch.Tensor,
-    write: torch.Tensor,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
     cu_seqlens_host: Sequence[int],
-    reads_host: Sequence[int],
+    host_indices: tuple[Sequence[int], Sequence[int]],
 ) -> torch.Tensor:
     """fla's output ``[T, Hv, V]`` for a step whose rows all run and whose sequences
     cover every token row: no output row to zero and no PAD row to steer, so the work
-    is fla's call plus one state write."""
+    is fla's call plus one state write. The host indices pick the fewest launches."""
+    reads_host, writes_host = host_indices
     if len(reads_host) == 1:
-        # One sequence: fla's plain call (no offsets); its state is one slice of the pool.
-        r = reads_host[0]
+        # One sequence: fla's plain call (no offsets); its states are slices of the pool.
+        r, w = reads_host[0], writes_host[0]
         out, final = kernel(*batched, initial_state=state[r : r + 1] if r >= 0 else None, **call)
-        state.index_copy_(0, write, final)
+        state[w : w + 1].copy_(final)
         return out[0]
-    # every row fresh: no initial state, fla starts from zeros
-    initial = _initial_states(state, read, read >= 0) if any(r >= 0 for r in reads_host) else None
+    if all(r >= 0 for r in reads_host):  # every row continues: a plain gather
+        initial = state.index_select(0, read_indices)
+    elif any(r >= 0 for r in reads_host):
+        read = read_indices.long()
+        initial = _initial_states(state, read, read >= 0)
+    else:  # every row fresh: no initial state, fla starts from zeros
+        initial = None
     chunks = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu_seqlens.device)
     out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu_seqlens.long(),
                         chunk_indices=chunks, **call)
-    state.index_copy_(0, write, final)
+    state.index_copy_(0, write_indices.long(), final)
     return out[0]
