@@ -148,6 +148,41 @@ def main() -> None:
 
     prefill(chunk_gated_delta_rule, scale, profiled=args.profile,
             triton_prefill=not args.skip_triton_prefill)
+    if chunk_gated_delta_rule is not None:
+        varlen_prefill(chunk_gated_delta_rule, scale)
+
+
+def varlen_prefill(chunk_gated_delta_rule: Callable, scale: float, seqs: int = 4) -> None:
+    """T tokens as ``seqs`` fresh sequences (a prefill step of several prompts): fla's
+    varlen call with its chunk map given (its cheapest documented form) against the
+    layer's path, through fla's public call and through the direct forward."""
+    q, k, v, decay, beta = inputs(T, 2)
+    state = torch.zeros(seqs, H, K, V, device="cuda")
+    cu_host = [T // seqs * i for i in range(seqs + 1)]
+    cu = torch.tensor(cu_host, dtype=torch.int32, device="cuda")
+    read = torch.full((seqs,), -1, dtype=torch.int32, device="cuda")
+    write = torch.arange(seqs, dtype=torch.int32, device="cuda")
+    host = {"cu_seqlens_host": cu_host, "host_indices": ([-1] * seqs, list(range(seqs)))}
+    chunks, cu_long = fla_chunk_indices(cu_host, 64, q.device), cu.long()
+
+    def fla_varlen() -> torch.Tensor:
+        return chunk_gated_delta_rule(
+            q[None], k[None], v[None], decay[None], beta[None], scale=scale,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_long,
+            chunk_indices=chunks)[0][0]  # fmt: skip
+
+    def layer_path(kernel: Callable) -> Callable[[], torch.Tensor]:
+        return lambda: gdn_prefill_fla(q, k, v, decay, beta, state, cu, read, write, scale,
+                                       kernel=kernel, **host)
+
+    want, t_fla = fla_varlen(), median_ms(fla_varlen)
+    print(f"prefill {seqs} x {T // seqs}: fla varlen call (chunk map given) {t_fla * 1e3:.0f} us")
+    for name, kernel in (("public call", chunk_gated_delta_rule), ("direct forward",
+                                                                   fla_chunk_kernel())):
+        run = layer_path(kernel)
+        t, err = median_ms(run), rel_err(run().float(), want.float())
+        print(f"prefill {seqs} x {T // seqs}: the layer's path, {name}: {t * 1e3:.0f} us, "
+              f"{t / t_fla:.2f}x fla's varlen call, rel err {err:.1e}")
 
 
 def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: bool = False,

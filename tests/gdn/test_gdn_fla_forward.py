@@ -15,7 +15,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrunner_gdn.kernels.fla_forward import CHECKED_VERSIONS, FlaDirectForward, fla_direct_forward
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, fla_chunk_kernel
+from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, fla_chunk_kernel, fla_chunk_maps
+
+
+@given(lens=st.lists(st.integers(0, 200), min_size=1, max_size=6),
+       chunk=st.sampled_from((16, 32, 64)))
+def test_the_chunk_offsets_point_at_each_sequences_first_chunk(lens, chunk):
+    """The offsets the direct forward is given with the chunk map, in the same copy:
+    sequence s owns rows offsets[s]:offsets[s + 1] of the map, numbered 0, 1, ... and
+    one per started chunk of its tokens (none for an empty sequence)."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    maps = fla_chunk_maps(cu, chunk, torch.device("cpu"))
+    indices, offsets = maps["chunk_indices"], maps["chunk_offsets"].tolist()
+    assert torch.equal(indices, fla_chunk_indices(cu, chunk, torch.device("cpu")))
+    assert offsets[0] == 0 and offsets[-1] == indices.shape[0] and len(offsets) == len(lens) + 1
+    for s, n in enumerate(lens):
+        rows = indices[offsets[s] : offsets[s + 1]].tolist()
+        assert rows == [[s, c] for c in range(-(-n // chunk))], f"sequence {s}"
+
+
+def test_the_chunk_offsets_are_the_ones_fla_would_build():
+    index = pytest.importorskip("fla.ops.utils.index")
+    for cu in ([0, 1], [0, 64, 65, 65, 300], [0, 17, 200, 201]):
+        for chunk in (16, 32, 64):
+            want = index.prepare_chunk_offsets(torch.tensor(cu), chunk)
+            got = fla_chunk_maps(cu, chunk, torch.device("cpu"))["chunk_offsets"]
+            assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +116,15 @@ def test_the_direct_forward_is_the_public_call_bit_for_bit(fla_public, case, h, 
                 chunk_size=64)
     if start:
         call["initial_state"] = torch.randn(len(lens), h.hv, h.dk, h.dv, generator=gen).to(DEVICE)
+    direct_call = dict(call)
     if varlen:
-        call["cu_seqlens"] = torch.tensor(cu, device=DEVICE)
-        if layout == "varlen":  # else both build it from the device offsets
+        call["cu_seqlens"] = direct_call["cu_seqlens"] = torch.tensor(cu, device=DEVICE)
+        if layout == "varlen":  # else both build the map from the device offsets
             call["chunk_indices"] = fla_chunk_indices(cu, 64, DEVICE)
+            direct_call |= fla_chunk_maps(cu, 64, DEVICE)  # as the wrapper gives it
     batched = [t[None] for t in (q, k, v, g, beta)]
     want_out, want_final = fla_public(*batched, **call)
-    out, final = direct(*batched, **call)
+    out, final = direct(*batched, **direct_call)
     assert out.dtype == want_out.dtype == dtype
     assert same_bytes(out, want_out)
     assert same_bytes(final, want_final)

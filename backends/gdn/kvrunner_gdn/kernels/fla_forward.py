@@ -23,6 +23,7 @@ returns ``None`` and the public call serves.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -42,7 +43,7 @@ _PIECES = {
               ("k", "v", "g", "beta", "cu_seqlens", "chunk_indices", "chunk_size")),
     "state": ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_h",
               ("k", "w", "u", "g", "initial_state", "output_final_state", "cu_seqlens",
-               "chunk_indices", "chunk_size")),
+               "chunk_indices", "chunk_size", "chunk_offsets")),
     "output": ("fla.ops.common.chunk_o", "chunk_fwd_o",
                ("q", "k", "v", "h", "g", "scale", "cu_seqlens", "chunk_indices",
                 "chunk_size")),
@@ -68,7 +69,12 @@ def _another_backend_active(wrapped: list[Callable[..., Any]]) -> bool:
 class FlaDirectForward:
     """``chunk_gated_delta_rule``'s forward with the keyword arguments the prefill
     wrapper passes (:mod:`kvrunner_gdn.kernels.fla_prefill`); returns ``(o,
-    final_state)`` as the public call does."""
+    final_state)`` as the public call does.
+
+    One more than the public call takes: ``chunk_offsets`` (each sequence's first chunk,
+    ``[N + 1]`` int64), which fla's state scan otherwise computes from ``cu_seqlens``
+    on the device in four small launches; the wrapper copies it from the host with
+    the chunk map."""
 
     def __init__(self, pieces: dict[str, Callable[..., Any]], gate_scale: float,
                  chunk_map: Callable[..., torch.Tensor]) -> None:
@@ -87,7 +93,8 @@ class FlaDirectForward:
                  use_qk_l2norm_in_kernel: bool, chunk_size: int,
                  initial_state: torch.Tensor | None = None,
                  cu_seqlens: torch.Tensor | None = None,
-                 chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk_indices: torch.Tensor | None = None,
+                 chunk_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if cu_seqlens is not None and chunk_indices is None:
             # as the public call does (fla reads the offsets on the host: a sync)
             chunk_indices = self.chunk_map(cu_seqlens, chunk_size)
@@ -96,21 +103,18 @@ class FlaDirectForward:
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
         if initial_state is not None:
             initial_state = initial_state.contiguous()
+        seq = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size)
+        run = functools.partial(self._forward, q, k, v, g, beta, scale, output_final_state,
+                                use_qk_l2norm_in_kernel, initial_state, seq, chunk_offsets)
         if q.device.index == torch.cuda.current_device():
-            return self._forward(q, k, v, g, beta, scale, output_final_state,
-                                 use_qk_l2norm_in_kernel, initial_state,
-                                 dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                                      chunk_size=chunk_size))
+            return run()
         with torch.cuda.device(q.device):
-            return self(q, k, v, g, beta, scale=scale, output_final_state=output_final_state,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                        chunk_size=chunk_size, initial_state=initial_state,
-                        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+            return run()
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, scale: float, output_final_state: bool, l2norm: bool,
-                 initial_state: torch.Tensor | None,
-                 seq: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+                 initial_state: torch.Tensor | None, seq: dict[str, Any],
+                 chunk_offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """fla's ``chunk_gated_delta_rule_fwd`` order (gates given in log space, state
         K-first, no context parallelism), after its L2 norm of q and k."""
         if l2norm:
@@ -118,7 +122,8 @@ class FlaDirectForward:
         g = self.cumsum(g, scale=self.gate_scale, **seq)
         w, u, _ = self.intra(k=k, v=v, g=g, beta=beta, **seq)
         h, v_new, final = self.state(k=k, w=w, u=u, g=g, initial_state=initial_state,
-                                     output_final_state=output_final_state, **seq)
+                                     output_final_state=output_final_state,
+                                     chunk_offsets=chunk_offsets, **seq)
         o = self.output(q=q, k=k, v=v_new, h=h, g=g, scale=scale, **seq)
         return o.to(q.dtype), final
 

@@ -47,7 +47,7 @@ from kvrunner_gdn.kernels.common import (
     dot_block,
     valid_rows,
 )
-from kvrunner_gdn.kernels.fla_forward import fla_direct_forward
+from kvrunner_gdn.kernels.fla_forward import FlaDirectForward, fla_direct_forward
 
 #: fla's chunk kernels keep the state in 64-row blocks of K, at most four (fla asserts it)
 FLA_MAX_HEAD_K = 256
@@ -73,17 +73,42 @@ def fla_chunk_size(chunk_size: int) -> int:
     return min(64, dot_block(chunk_size))
 
 
+def _chunk_pairs(cu_seqlens_host: Sequence[int], chunk: int) -> tuple[list[int], list[int]]:
+    """``[sequence, chunk within it]`` for every chunk of every sequence (flattened), and
+    each sequence's first chunk, with the total last."""
+    pairs, offsets = [], [0]
+    for s, (lo, hi) in enumerate(zip(cu_seqlens_host[:-1], cu_seqlens_host[1:], strict=True)):
+        chunks = -(-(hi - lo) // chunk)
+        for c in range(chunks):
+            pairs += (s, c)
+        offsets.append(offsets[-1] + chunks)
+    return pairs, offsets
+
+
 def fla_chunk_indices(cu_seqlens_host: Sequence[int], chunk: int,
                       device: torch.device) -> torch.Tensor:
     """fla's ``chunk_indices`` (a documented argument): ``[sequence, chunk within it]``
     for every chunk of every sequence, ``[NT, 2]`` int64. Built on the host and copied
     from pinned memory without blocking, where fla would copy from pageable memory, which
     waits for the device to drain."""
-    bounds = zip(cu_seqlens_host[:-1], cu_seqlens_host[1:], strict=True)
-    pairs = []
-    for s, (lo, hi) in enumerate(bounds):
-        pairs += [(s, c) for c in range(-(-(hi - lo) // chunk))]
-    return on_device(pairs, torch.long, device).reshape(-1, 2)
+    return on_device(_chunk_pairs(cu_seqlens_host, chunk)[0], torch.long, device).reshape(-1, 2)
+
+
+def fla_chunk_maps(cu_seqlens_host: Sequence[int], chunk: int,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """:func:`fla_chunk_indices` and fla's ``chunk_offsets`` (each sequence's first chunk,
+    ``[N + 1]`` int64, which the direct forward takes), in one copy."""
+    pairs, offsets = _chunk_pairs(cu_seqlens_host, chunk)
+    both = on_device(pairs + offsets, torch.long, device)
+    return {"chunk_indices": both[: len(pairs)].view(-1, 2), "chunk_offsets": both[len(pairs):]}
+
+
+def _varlen_maps(kernel: FlaChunk, cu_seqlens_host: Sequence[int], chunk: int,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """The chunk maps ``kernel`` takes: the offsets too for the direct forward."""
+    if isinstance(kernel, FlaDirectForward):
+        return fla_chunk_maps(cu_seqlens_host, chunk, device)
+    return {"chunk_indices": fla_chunk_indices(cu_seqlens_host, chunk, device)}
 
 
 def _initial_states(state: torch.Tensor, read: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
@@ -159,7 +184,7 @@ def gdn_prefill_fla(
     initial = _initial_states(state, read, reads)
     cu = cu_seqlens.long()
     if cu_seqlens_host is not None:  # without the host offsets, fla reads them (a sync)
-        call["chunk_indices"] = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu.device)
+        call |= _varlen_maps(kernel, cu_seqlens_host, call["chunk_size"], cu.device)
     out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu, **call)
     tokens = q.shape[0]
     # The sequence of every token row; rows past the last sequence get index `seqs`.
@@ -200,8 +225,8 @@ def _prefill_running_rows(
         initial = _initial_states(state, read, read >= 0)
     else:  # every row fresh: no initial state, fla starts from zeros
         initial = None
-    chunks = fla_chunk_indices(cu_seqlens_host, call["chunk_size"], cu_seqlens.device)
-    out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu_seqlens.long(),
-                        chunk_indices=chunks, **call)
+    maps = _varlen_maps(kernel, cu_seqlens_host, call["chunk_size"], cu_seqlens.device)
+    out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu_seqlens.long(), **maps,
+                        **call)
     state.index_copy_(0, write_indices.long(), final)
     return out[0]
