@@ -177,8 +177,9 @@ def varlen_prefill(chunk_gated_delta_rule: Callable, scale: float, seqs: int = 4
 
     want, t_fla = fla_varlen(), median_ms(fla_varlen)
     print(f"prefill {seqs} x {T // seqs}: fla varlen call (chunk map given) {t_fla * 1e3:.0f} us")
-    for name, kernel in (("public call", chunk_gated_delta_rule), ("direct forward",
-                                                                   fla_chunk_kernel())):
+    bound = fla_chunk_kernel()
+    bound_name = "direct forward" if isinstance(bound, FlaDirectForward) else "public call again"
+    for name, kernel in (("public call", chunk_gated_delta_rule), (bound_name, bound)):
         run = layer_path(kernel)
         t, err = median_ms(run), rel_err(run().float(), want.float())
         print(f"prefill {seqs} x {T // seqs}: the layer's path, {name}: {t * 1e3:.0f} us, "

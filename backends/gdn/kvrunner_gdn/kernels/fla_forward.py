@@ -2,7 +2,7 @@
 
 fla's public ``chunk_gated_delta_rule`` is built for training. Every call passes a
 backend dispatcher (a ``torch.compiler.disable`` wrapper around a scan of registered
-backends, repeated for each of the six forward functions it calls), an input guard
+backends, repeated for each of the six forward calls it makes), an input guard
 (a contiguity check per argument and a device context), and an autograd
 ``Function`` that saves its inputs for a backward. None of it launches a kernel, and
 at T = 4096 on an H200 the host already needs about 1 ms to launch fla's 285 µs of

@@ -15,16 +15,19 @@ and returns the final states ``[N, Hv, K, V]`` (fp32); it cannot index a pool. S
    PAD row.
 
 No step reads a device value on the host or waits for the device: fla gets its chunk
-map built from the host copy of ``cu_seqlens`` (:func:`fla_chunk_indices`), and the
-scatter avoids a boolean mask (see :func:`_scatter`).
+map built from the host copy of ``cu_seqlens`` (:func:`fla_chunk_indices`; with each
+sequence's first chunk as well, :func:`fla_chunk_maps`, when the kernel is the direct
+forward of :mod:`kvrunner_gdn.kernels.fla_forward`), and the scatter avoids a boolean
+mask (see :func:`_scatter`).
 
 With the host copies of the indices as well (``host_indices``, which the layer's
 metadata carries), the common steps skip the general path's work, all of it small
 torch ops whose launches cost more host time than fla's own at T = 4096: when every
 row runs and the sequences cover every token row, there is nothing to zero and the
 scatter is one ``index_copy_``; fresh rows need no gather (fla starts from zeros
-without an initial state); and one sequence takes fla's plain call, without offsets
-(fla's varlen call costs more host time). PAD rows take the general path.
+without an initial state) and continuing rows a plain one; and one sequence takes
+fla's plain call, without offsets (fla's varlen call costs more host time), its states
+as slices of the pool. PAD rows take the general path.
 
 fla's numerics are its own: q and k are rounded to the input dtype after its L2 norm,
 its per-chunk states are rounded to the input dtype for the matrix products, and
@@ -55,16 +58,16 @@ FLA_MAX_HEAD_K = 256
 FlaChunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def fla_chunk_kernel(direct: bool = True) -> FlaChunk | None:
-    """fla's chunked forward: where it binds (and ``direct``), fla's forward functions
-    without its training-op layers (:func:`~kvrunner_gdn.kernels.fla_forward.fla_direct_forward`,
-    the public call's result at less host time), else the public
-    ``chunk_gated_delta_rule``; ``None`` where fla does not import."""
+def fla_chunk_kernel() -> FlaChunk | None:
+    """fla's chunked forward: where it binds, fla's forward functions without its
+    training-op layers (:func:`~kvrunner_gdn.kernels.fla_forward.fla_direct_forward`, the
+    public call's result at less host time), else the public ``chunk_gated_delta_rule``;
+    ``None`` where fla does not import."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # not installed, or built against another torch/triton
         return None
-    return (fla_direct_forward() if direct else None) or chunk_gated_delta_rule
+    return fla_direct_forward() or chunk_gated_delta_rule
 
 
 def fla_chunk_size(chunk_size: int) -> int:
