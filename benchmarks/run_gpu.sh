@@ -4,7 +4,8 @@
 #   bash benchmarks/run_gpu.sh                      every benchmark (TP only with 2 GPUs)
 #   bash benchmarks/run_gpu.sh bench_tp_decode      only the named ones
 # Logs go to $OUT when set. GPU_TEST_TIMEOUT / BENCH_TIMEOUT bound the tests / each benchmark (s).
-# GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/).
+# GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/,
+# the gdn tests last: fla's kernels compile and autotune for minutes on a fresh machine).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}
@@ -17,10 +18,11 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged 
   > "$LOG/install.log" 2>&1 || { tail -5 "$LOG/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 nvidia-smi topo -m 2>/dev/null | head -4
+DEFAULT_GPU_TESTS="$(ls -d tests/*/ | grep -v '^tests/gdn/$' | tr '\n' ' ') tests/gdn"
 # SIGINT first: pytest then still prints the failures so far (a plain kill loses them);
 # -rfEs names every failure, error and skip; the log keeps one line per test.
 timeout -s INT -k 30 "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -v -m gpu -p no:cacheprovider \
-  -rfEs --tb=short ${GPU_TESTS:-tests} 2>&1 | tee "$LOG/gpu_tests.log" | grep -v " PASSED" | tail -40
+  -rfEs --tb=short ${GPU_TESTS:-$DEFAULT_GPU_TESTS} 2>&1 | tee "$LOG/gpu_tests.log" | grep -v " PASSED" | tail -40
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
   benches=(bench_decode_attention bench_prefill bench_skinny_gemm bench_sampler bench_e2e_decode bench_gdn bench_moe bench_sleep_wake bench_rollout)
