@@ -4,9 +4,10 @@ fla's public ``chunk_gated_delta_rule`` is built for training. Every call passes
 backend dispatcher (a ``torch.compiler.disable`` wrapper around a scan of registered
 backends, repeated for each of the six forward calls it makes), an input guard
 (a contiguity check per argument and a device context), and an autograd
-``Function`` that saves its inputs for a backward. None of it launches a kernel, and
-at T = 4096 on an H200 the host already needs about 1 ms to launch fla's 285 µs of
-kernels, so those layers set a prefill's wall time.
+``Function`` that saves its inputs for a backward. Apart from the guard's copies of
+non-contiguous inputs (which the direct forward makes too), none of it launches a
+kernel, and at T = 4096 on an H200 the host already needs about 1 ms to launch fla's
+285 µs of kernels, so those layers set a prefill's wall time.
 
 :func:`fla_direct_forward` binds the forward functions fla's own forward runs (L2
 norm, the gates' chunk-local cumsum, the intra-chunk WY representation, the
