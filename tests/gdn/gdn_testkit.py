@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from kvrunner.contract import BackendContext, ModelSpec, StepBatch, StepMetadata, pad_block_tables
 from kvrunner.plugins import BackendManager
 from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.testing.host_reads import allow_host_reads
+from kvrunner_gdn.kernels.reference import ref_gated_delta_rule
 
 PAD = -1
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -198,3 +200,46 @@ def make_manager(use_triton: bool, model: ModelSpec = TINY_MODEL) -> BackendMana
         )
 
     return BackendManager({"linear_attention": "gdn"}, context_for)
+
+
+# -- a stand-in for fla on the CPU ------------------------------------------------------
+
+
+def oracle_in_fla_layout(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, chunk_size, cu_seqlens=None,
+                         chunk_indices=None):
+    """fla's documented contract for the wrapper's call (``[1, T, ...]`` varlen in,
+    per-sequence initial and final states, output in q's dtype), computed by our naive
+    oracle. A stand-in on the CPU: it checks the wrapper's layouts and indices, not fla.
+    Rows outside every sequence stay NaN, as fla leaves them unwritten."""
+    assert q.shape[0] == 1 and output_final_state and chunk_size in (16, 32, 64)
+    # Without offsets the batch row is one sequence; without an initial state each
+    # sequence starts from zeros (both as fla documents).
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
+    assert cu_seqlens is None or cu_seqlens.dtype == torch.long
+    if initial_state is None:
+        initial_state = torch.zeros(len(cu) - 1, *v.shape[2:3], q.shape[-1], v.shape[-1])
+    assert initial_state.dtype == torch.float32 and initial_state.shape[0] == len(cu) - 1
+    if chunk_indices is not None:  # (sequence, chunk) for every chunk, in order
+        expected = [[s, c] for s in range(len(cu) - 1)
+                    for c in range(-(-(cu[s + 1] - cu[s]) // chunk_size))]
+        assert chunk_indices.tolist() == expected
+    out = torch.full(v.shape, float("nan"))
+    finals = []
+    for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        o, final = ref_gated_delta_rule(q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi],
+                                        beta[0, lo:hi], initial_state[s], scale,
+                                        use_qk_l2norm_in_kernel)
+        out[0, lo:hi] = o
+        finals.append(final)
+    return out.to(q.dtype), torch.stack(finals)
+
+
+def unguarded(kernel):
+    """``kernel`` run with host reads allowed: the stand-in is not what is under test."""
+
+    def call(*args, **kwargs):
+        with allow_host_reads():
+            return kernel(*args, **kwargs)
+
+    return call

@@ -18,12 +18,17 @@ from gdn_testkit import (
     cases,
     poison_fresh_slots,
     rel_rms,
+    same_bytes,
     seq_rows,
 )
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill
+from kvrunner_gdn.kernels.conv_prefill import (
+    conv1d_prefill,
+    conv1d_prefill_split_triton,
+    conv1d_prefill_triton,
+)
 from kvrunner_gdn.kernels.conv_update import conv1d_update
 from kvrunner_gdn.kernels.reference import ref_causal_conv1d
 
@@ -108,3 +113,37 @@ def test_conv_prefill_then_updates_equal_one_long_conv(use_triton):
     ref_out, ref_state = ref_causal_conv1d(x, weight, bias, None)
     assert rel_rms(torch.cat(outs).cpu(), ref_out) < TOL
     assert rel_rms(pool[slot].cpu(), ref_state) < TOL
+
+
+@given(
+    case=cases(max_len=9),
+    widths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+    width=st.sampled_from((3, 4)),
+    with_bias=st.booleans(),
+)
+def test_the_sectioned_conv_prefill_is_the_whole_outputs_column_slices_bit_for_bit(
+    case, widths, width, with_bias
+):
+    """Cut into sections (q, k and v in the layer), each a contiguous tensor: the same
+    bytes as the whole output's column slices, and the same pool afterwards."""
+    dim = sum(widths)
+    pool, x, weight, bias = _setup(case, dim, width, with_bias)
+    read, write = case.indices()
+    whole_pool, cut_pool = pool.to(DEVICE, copy=True), pool.to(DEVICE, copy=True)
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    args = (weight.to(DEVICE), dev(bias), case.cu_seqlens, read, write, max(case.lens))
+    whole = conv1d_prefill_triton(x.to(DEVICE), whole_pool, *args)
+    cut = conv1d_prefill_split_triton(x.to(DEVICE), cut_pool, *args, widths)
+    assert [tuple(part.shape) for part in cut] == [(x.shape[0], w) for w in widths]
+    for i, (part, columns) in enumerate(zip(cut, whole.split(widths, 1), strict=True)):
+        assert part.is_contiguous() and same_bytes(part, columns), f"section {i}"
+    assert same_bytes(cut_pool, whole_pool)
+
+
+def test_sections_that_do_not_cover_the_channels_are_refused():
+    case = Case(lens=(3,), read=(-1,), write=(0,), num_slots=2, seed=1)
+    pool, x, weight, _ = _setup(case, 8, 4, False)
+    read, write = case.indices()
+    for bad in ((3, 4), (4, 5), (8, 0)):
+        with pytest.raises(ValueError, match="sum to 8"):
+            conv1d_prefill_split_triton(x, pool, weight, None, case.cu_seqlens, read, write, 3, bad)

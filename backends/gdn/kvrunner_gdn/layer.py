@@ -81,6 +81,8 @@ class GDNLayer:
         self.use_triton = use_triton
         self.chunk_size = chunk_size
         self.scale = shapes.head_k_dim**-0.5
+        #: the conv's channels: q, k, v
+        self._sections = (shapes.key_dim, shapes.key_dim, shapes.value_dim)
         self._conv_update = conv1d_update_torch
         self._conv_prefill = conv1d_prefill_torch
         self._decode = gdn_decode_torch
@@ -88,12 +90,16 @@ class GDNLayer:
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
             from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
-            from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_triton
+            from kvrunner_gdn.kernels.conv_prefill import (
+                conv1d_prefill_split_triton,
+                conv1d_prefill_triton,
+            )
             from kvrunner_gdn.kernels.conv_update import conv1d_update_triton
             from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
 
             self._conv_update = conv1d_update_triton
             self._conv_prefill = conv1d_prefill_triton
+            self._conv_prefill_split = conv1d_prefill_split_triton
             self._decode = gdn_decode_triton
             self._prefill = gdn_prefill_triton
         self.prefill_kernel = prefill_kernel or ("triton" if use_triton else "torch")
@@ -157,12 +163,19 @@ class GDNLayer:
             # Rows past the real batch are PAD in both index views: they do nothing.
             read, write = md.read_indices[:tokens], md.write_indices[:tokens]
             x = self._conv_update(mixed_qkv, conv_state, weight, conv_bias, read, write)
+            qx, kx, vx = x.split(self._sections, 1)
         else:
-            x = self._conv_prefill(mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens,
-                                   md.read_indices, md.write_indices, md.max_seqlen)
-        q = x[:, : sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
-        k = x[:, sh.key_dim : 2 * sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
-        v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
+            conv = (mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens, md.read_indices,
+                    md.write_indices, md.max_seqlen)
+            if self.prefill_kernel == "fla":
+                # fla's kernels index dense tensors: the conv writes q, k and v apart, so
+                # none of them is copied on the way in
+                qx, kx, vx = self._conv_prefill_split(*conv, self._sections)
+            else:  # ours take column slices as they are
+                qx, kx, vx = self._conv_prefill(*conv).split(self._sections, 1)
+        q = qx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
+        k = kx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
+        v = vx.unflatten(1, (sh.num_value_heads, sh.head_v_dim))
         if md.is_decode:
             return self._decode(q, k, v, g, beta, ssm_state, read, write, self.scale, True)
         host: dict[str, Any] = {}  # what each launcher reads on the host instead of the device

@@ -9,7 +9,11 @@ write index is < 0 reads nothing, writes nothing and outputs zeros.
 The Triton path is two launches: outputs first (they read the old state as left
 context), then the state write-back. One launch could not do both without a
 race between a program still reading the old window and another overwriting it.
+:func:`conv1d_prefill_split_triton` cuts the output into column sections, each its own
+dense tensor (q, k and v for fla's kernels), with one output launch per section.
 """
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -120,31 +124,61 @@ def conv1d_prefill_triton(
 ) -> torch.Tensor:
     """Triton launcher; ``max_seqlen`` (a host int) sizes the grid. Rows of ``x`` past
     ``cu_seqlens[-1]`` come back as zeros."""
+    (out,) = conv1d_prefill_split_triton(x, conv_state, weight, bias, cu_seqlens, read_indices,
+                                         write_indices, max_seqlen, (x.shape[1],), activation)
+    return out
+
+
+def conv1d_prefill_split_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor,
+    max_seqlen: int,
+    sections: Sequence[int],
+    activation: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`conv1d_prefill_triton` with the output's channels cut into ``sections``
+    (widths summing to ``D``), each its own contiguous ``[T, width]`` tensor: the same
+    values as the ``[T, D]`` output's column slices, bit for bit. A kernel that indexes
+    dense tensors (fla's) then takes q, k and v without a copy each. One output launch
+    per section (the kernel takes any column window through its strides and pointers),
+    then the state write-back once, after every output has read the old window."""
     seqs = check_prefill(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
     dim = x.shape[1]
+    if sum(sections) != dim or any(w <= 0 for w in sections):
+        raise ValueError(f"sections {tuple(sections)} must be positive and sum to {dim}")
     width = weight.shape[1]
-    out = torch.zeros_like(x)
+    outs = tuple(x.new_zeros(x.shape[0], w) for w in sections)
     if seqs == 0 or max_seqlen == 0:
-        return out
+        return outs
     block_d = min(64, next_pow2(dim))
     block_t = min(64, next_pow2(max_seqlen))
-    b = bias if bias is not None else weight
-    grid = (seqs, triton.cdiv(max_seqlen, block_t), triton.cdiv(dim, block_d))
-    _conv_prefill_out_kernel[grid](
-        x, out, conv_state, weight, b, cu_seqlens, read_indices, write_indices,
-        dim, x.stride(0), out.stride(0),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        weight.stride(0), weight.stride(1),
-        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation,
-        BLOCK_T=block_t, BLOCK_D=block_d,
-    )  # fmt: skip
+    start = 0
+    for out in outs:
+        cols = slice(start, start + out.shape[1])
+        start = cols.stop
+        w, st = weight[cols], conv_state[:, cols]
+        b = bias[cols] if bias is not None else w
+        grid = (seqs, triton.cdiv(max_seqlen, block_t), triton.cdiv(out.shape[1], block_d))
+        _conv_prefill_out_kernel[grid](
+            x[:, cols], out, st, w, b, cu_seqlens, read_indices, write_indices,
+            out.shape[1], x.stride(0), out.stride(0),
+            st.stride(0), st.stride(1), st.stride(2),
+            w.stride(0), w.stride(1),
+            WIDTH=width, HAS_BIAS=bias is not None, SILU=activation,
+            BLOCK_T=block_t, BLOCK_D=block_d,
+        )  # fmt: skip
     _conv_prefill_state_kernel[(seqs, triton.cdiv(dim, block_d))](
         x, conv_state, cu_seqlens, read_indices, write_indices,
         dim, x.stride(0),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         WIDTH=width, BLOCK_D=block_d, BLOCK_W=next_pow2(max(width - 1, 1)),
     )  # fmt: skip
-    return out
+    return outs
 
 
 def conv1d_prefill(
