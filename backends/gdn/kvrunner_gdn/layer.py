@@ -85,32 +85,40 @@ class GDNLayer:
         self._sections = (shapes.key_dim, shapes.key_dim, shapes.value_dim)
         self._conv_update = conv1d_update_torch
         self._conv_prefill = conv1d_prefill_torch
+        #: the prefill conv as (q, k, v): column slices of its output, which ours take
+        self._conv_prefill_qkv = self._conv_prefill_columns
         self._decode = gdn_decode_torch
         self._prefill = gdn_prefill_torch
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
             from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
-            from kvrunner_gdn.kernels.conv_prefill import (
-                conv1d_prefill_split_triton,
-                conv1d_prefill_triton,
-            )
+            from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_triton
             from kvrunner_gdn.kernels.conv_update import conv1d_update_triton
             from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
 
             self._conv_update = conv1d_update_triton
             self._conv_prefill = conv1d_prefill_triton
-            self._conv_prefill_split = conv1d_prefill_split_triton
             self._decode = gdn_decode_triton
             self._prefill = gdn_prefill_triton
         self.prefill_kernel = prefill_kernel or ("triton" if use_triton else "torch")
         if self.prefill_kernel not in KERNELS or (self.prefill_kernel != "torch") != use_triton:
             raise ValueError(f"prefill_kernel {self.prefill_kernel!r} with use_triton={use_triton}")
         if self.prefill_kernel == "fla":
+            from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_split_triton
+
             # Bound once: the import is looked up here, never on the hot path.
             kernel = fla_chunk_kernel()
             if kernel is None:
                 raise RuntimeError("prefill_kernel 'fla', but fla (fla-core) does not import")
             self._prefill = functools.partial(gdn_prefill_fla, kernel=kernel)
+            # fla's kernels index dense tensors: the conv writes q, k and v apart, so none
+            # of them is copied on the way in
+            self._conv_prefill_qkv = functools.partial(conv1d_prefill_split_triton,
+                                                       sections=self._sections)
+
+    def _conv_prefill_columns(self, *conv: Any) -> tuple[torch.Tensor, ...]:
+        """The prefill conv's ``[T, conv_dim]`` output as q, k, v column slices."""
+        return self._conv_prefill(*conv).split(self._sections, 1)
 
     # Shapes the model needs to lay out its projections.
     @property
@@ -167,12 +175,7 @@ class GDNLayer:
         else:
             conv = (mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens, md.read_indices,
                     md.write_indices, md.max_seqlen)
-            if self.prefill_kernel == "fla":
-                # fla's kernels index dense tensors: the conv writes q, k and v apart, so
-                # none of them is copied on the way in
-                qx, kx, vx = self._conv_prefill_split(*conv, self._sections)
-            else:  # ours take column slices as they are
-                qx, kx, vx = self._conv_prefill(*conv).split(self._sections, 1)
+            qx, kx, vx = self._conv_prefill_qkv(*conv)
         q = qx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
         k = kx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
         v = vx.unflatten(1, (sh.num_value_heads, sh.head_v_dim))
