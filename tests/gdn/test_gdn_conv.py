@@ -140,6 +140,49 @@ def test_the_sectioned_conv_prefill_is_the_whole_outputs_column_slices_bit_for_b
     assert same_bytes(cut_pool, whole_pool)
 
 
+@given(
+    case=cases(max_len=9),
+    block_t=st.sampled_from((1, 2, 4, 16)),
+    block_d=st.sampled_from((16, 32, 64)),
+    warps=st.sampled_from((1, 4)),
+    width=st.sampled_from((3, 4)),
+    with_bias=st.booleans(),
+)
+def test_every_tile_of_the_triton_conv_prefill_matches_the_oracle(case, block_t, block_d, warps,
+                                                                  width, with_bias):
+    """The output launch's tile (tokens x channels, warps) is a speed choice only: tiles
+    shorter than the window put its history in several tiles, and tiles narrower than
+    the channels cut them across programs."""
+    pool, x, weight, bias = _setup(case, 40, width, with_bias)
+    pool_dev = pool.to(DEVICE, copy=True)
+    read, write = case.indices()
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    out = conv1d_prefill_triton(x.to(DEVICE), pool_dev, weight.to(DEVICE), dev(bias),
+                                case.cu_seqlens, read, write, max(case.lens),
+                                tiles=(block_t, block_d, warps))
+    _check_against_oracle(case, pool, pool_dev.cpu(), x, out.cpu(), weight, bias)
+
+
+@given(case=cases(max_len=9), widths=st.lists(st.integers(1, 20), min_size=1, max_size=3))
+def test_told_that_the_sequences_cover_every_row_the_conv_skips_zeroing_and_writes_them_all(
+    case, widths
+):
+    """``total_tokens == T`` lets the launcher hand out uninitialised outputs: every row
+    must still be written (memory freed full of NaN is what the allocator hands back)."""
+    dim = sum(widths)
+    pool, x, weight, _ = _setup(case, dim, 4, False)
+    read, write = case.indices()
+    args = (weight.to(DEVICE), None, case.cu_seqlens, read, write, max(case.lens), widths)
+    want = conv1d_prefill_split_triton(x.to(DEVICE), pool.to(DEVICE, copy=True), *args)
+    pools = pool.to(DEVICE, copy=True)
+    # Freed NaN blocks of every section's size, for the allocator to hand back.
+    garbage = [torch.full((x.shape[0], w), float("nan"), device=DEVICE) for w in widths]
+    del garbage
+    got = conv1d_prefill_split_triton(x.to(DEVICE), pools, *args, total_tokens=x.shape[0])
+    for i, (part, expected) in enumerate(zip(got, want, strict=True)):
+        assert same_bytes(part, expected), f"section {i}"
+
+
 def test_sections_that_do_not_cover_the_channels_are_refused():
     case = Case(lens=(3,), read=(-1,), write=(0,), num_slots=2, seed=1)
     pool, x, weight, _ = _setup(case, 8, 4, False)

@@ -116,9 +116,9 @@ class GDNLayer:
             self._conv_prefill_qkv = functools.partial(conv1d_prefill_split_triton,
                                                        sections=self._sections)
 
-    def _conv_prefill_columns(self, *conv: Any) -> tuple[torch.Tensor, ...]:
+    def _conv_prefill_columns(self, *conv: Any, **hints: Any) -> tuple[torch.Tensor, ...]:
         """The prefill conv's ``[T, conv_dim]`` output as q, k, v column slices."""
-        return self._conv_prefill(*conv).split(self._sections, 1)
+        return self._conv_prefill(*conv, **hints).split(self._sections, 1)
 
     # Shapes the model needs to lay out its projections.
     @property
@@ -175,7 +175,10 @@ class GDNLayer:
         else:
             conv = (mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens, md.read_indices,
                     md.write_indices, md.max_seqlen)
-            qx, kx, vx = self._conv_prefill_qkv(*conv)
+            # Where the host knows the step covers every row, the conv's output needs no
+            # zeroing first.
+            total = md.cu_seqlens_host[-1] if md.cu_seqlens_host else None
+            qx, kx, vx = self._conv_prefill_qkv(*conv, total_tokens=total)
         q = qx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
         k = kx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
         v = vx.unflatten(1, (sh.num_value_heads, sh.head_v_dim))

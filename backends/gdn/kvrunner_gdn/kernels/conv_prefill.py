@@ -10,7 +10,7 @@ The Triton path is two launches: outputs first (they read the old state as left
 context), then the state write-back. One launch could not do both without a
 race between a program still reading the old window and another overwriting it.
 :func:`conv1d_prefill_split_triton` cuts the output into column sections, each its own
-dense tensor (q, k and v for fla's kernels), with one output launch per section.
+dense tensor (q, k and v for fla's kernels), in the same single output launch.
 """
 
 from collections.abc import Sequence
@@ -25,53 +25,72 @@ from kvrunner_gdn.kernels.conv_torch import check_prefill, conv1d_prefill_torch
 
 @triton.jit
 def _conv_prefill_out_kernel(
-    x_ptr, out_ptr, state_ptr, w_ptr, b_ptr, cu_ptr, read_ptr, write_ptr,
-    dim,
-    stride_x_t, stride_o_t,
+    x_ptr, out_ptr, out1_ptr, out2_ptr, state_ptr, w_ptr, b_ptr, cu_ptr, read_ptr, write_ptr,
+    dim, split1, split2,
+    stride_x_t, stride_o_t, stride_o1_t, stride_o2_t,
     stride_s_n, stride_s_d, stride_s_w,
     stride_w_d, stride_w_k,
-    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SECTIONS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     start = tl.load(cu_ptr + seq).to(tl.int64)
     length = tl.load(cu_ptr + seq + 1).to(tl.int64) - start
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t0 = tl.program_id(1) * BLOCK_T
+    if t0 >= length:  # the grid covers the longest sequence
+        return
+    t = t0 + tl.arange(0, BLOCK_T)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < dim
     w_idx = tl.load(write_ptr + seq).to(tl.int64)
     r_idx = tl.load(read_ptr + seq).to(tl.int64)
     runs = w_idx >= 0
-    reads = runs & (r_idx >= 0)
     tmask = t < length
     # Per-sequence conditions folded into bounds (see conv_update for why).
     t_run = t < tl.where(runs, length, 0)
-    d_read = d < tl.where(reads, dim, 0)
-    r_base = state_ptr + tl.maximum(r_idx, 0) * stride_s_n + d[None, :] * stride_s_d
+    # Row pointers once; tap j reads them shifted by a compile-time number of rows.
+    x_rows = x_ptr + (start + t)[:, None] * stride_x_t + d[None, :]
 
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(WIDTH):
-        # Tap j sees the input at relative position t - (WIDTH - 1) + j; a negative
-        # position is column (WIDTH - 1) + pos of the left-context state.
+        # Tap j sees the input at relative position t - (WIDTH - 1) + j.
         pos = t + j - (WIDTH - 1)
-        in_x = pos >= 0
-        xm = t_run[:, None] & in_x[:, None] & dmask[None, :]
-        xv = tl.load(
-            x_ptr + (start + tl.maximum(pos, 0))[:, None] * stride_x_t + d[None, :],
-            mask=xm, other=0.0,
-        ).to(tl.float32)
-        sm = tmask[:, None] & (pos < 0)[:, None] & d_read[None, :]
-        col = tl.maximum(pos + (WIDTH - 1), 0)
-        sv = tl.load(r_base + col[:, None] * stride_s_w, mask=sm, other=0.0)
+        xm = (t_run & (pos >= 0))[:, None] & dmask[None, :]
+        xv = tl.load(x_rows + (j - (WIDTH - 1)) * stride_x_t, mask=xm, other=0.0)
         wj = tl.load(w_ptr + d * stride_w_d + j * stride_w_k, mask=dmask, other=0.0)
-        acc += tl.where(in_x[:, None], xv, sv) * wj.to(tl.float32)[None, :]
+        acc += xv.to(tl.float32) * wj.to(tl.float32)[None, :]
+    if (t0 < WIDTH - 1) & runs & (r_idx >= 0):
+        # Only a sequence's first tile sees its left context: a negative position is
+        # column (WIDTH - 1) + pos of the state, read for taps that reach back that far.
+        r_base = state_ptr + r_idx * stride_s_n + d[None, :] * stride_s_d
+        for j in tl.static_range(WIDTH - 1):
+            pos = t + j - (WIDTH - 1)
+            sm = (tmask & (pos < 0))[:, None] & dmask[None, :]
+            col = tl.maximum(pos + (WIDTH - 1), 0)
+            sv = tl.load(r_base + col[:, None] * stride_s_w, mask=sm, other=0.0)
+            wj = tl.load(w_ptr + d * stride_w_d + j * stride_w_k, mask=dmask, other=0.0)
+            acc += sv.to(tl.float32) * wj.to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     acc = tl.where(runs, acc, 0.0)
-    o_ptrs = out_ptr + (start + t)[:, None] * stride_o_t + d[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & dmask[None, :])
+    rows = (start + t)[:, None]
+    if SECTIONS == 1:
+        tl.store(out_ptr + rows * stride_o_t + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & dmask[None, :])
+    else:
+        # Each column goes to its section's tensor; a tile inside one section masks off
+        # the others' stores entirely.
+        tl.store(out_ptr + rows * stride_o_t + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & (d < split1)[None, :])
+        in1 = (d >= split1) & (d < split2)
+        tl.store(out1_ptr + rows * stride_o1_t + (d - split1)[None, :],
+                 acc.to(out1_ptr.dtype.element_ty), mask=tmask[:, None] & in1[None, :])
+        if SECTIONS == 3:
+            tl.store(out2_ptr + rows * stride_o2_t + (d - split2)[None, :],
+                     acc.to(out2_ptr.dtype.element_ty),
+                     mask=tmask[:, None] & ((d >= split2) & dmask)[None, :])
 
 
 @triton.jit
@@ -111,6 +130,16 @@ def _conv_prefill_state_kernel(
              mask=d_run[None, :] & cmask[:, None])
 
 
+#: (BLOCK_T, BLOCK_D, num_warps) of the output launch
+ConvTiles = tuple[int, int, int]
+
+
+def default_conv_tiles(dim: int, max_seqlen: int) -> ConvTiles:
+    """The output launch's tile: 64 tokens by 64 channels, four warps, capped at the
+    problem's own size."""
+    return min(64, next_pow2(max_seqlen)), min(64, next_pow2(dim)), 4
+
+
 def conv1d_prefill_triton(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -121,11 +150,17 @@ def conv1d_prefill_triton(
     write_indices: torch.Tensor,
     max_seqlen: int,
     activation: bool = True,
+    *,
+    total_tokens: int | None = None,
+    tiles: ConvTiles | None = None,
 ) -> torch.Tensor:
     """Triton launcher; ``max_seqlen`` (a host int) sizes the grid. Rows of ``x`` past
-    ``cu_seqlens[-1]`` come back as zeros."""
+    ``cu_seqlens[-1]`` come back as zeros. ``total_tokens``, where the host knows
+    ``cu_seqlens[-1]``, spares zeroing an output every row of which the kernel writes;
+    ``tiles`` overrides :func:`default_conv_tiles`."""
     (out,) = conv1d_prefill_split_triton(x, conv_state, weight, bias, cu_seqlens, read_indices,
-                                         write_indices, max_seqlen, (x.shape[1],), activation)
+                                         write_indices, max_seqlen, (x.shape[1],), activation,
+                                         total_tokens=total_tokens, tiles=tiles)
     return out
 
 
@@ -140,43 +175,48 @@ def conv1d_prefill_split_triton(
     max_seqlen: int,
     sections: Sequence[int],
     activation: bool = True,
+    *,
+    total_tokens: int | None = None,
+    tiles: ConvTiles | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`conv1d_prefill_triton` with the output's channels cut into ``sections``
-    (widths summing to ``D``), each its own contiguous ``[T, width]`` tensor: the same
-    values as the ``[T, D]`` output's column slices, bit for bit. A kernel that indexes
-    dense tensors (fla's) then takes q, k and v without a copy each. One output launch
-    per section (the kernel takes any column window through its strides and pointers),
-    then the state write-back once, after every output has read the old window."""
+    """:func:`conv1d_prefill_triton` with the output's channels cut into one to three
+    ``sections`` (widths summing to ``D``), each its own contiguous ``[T, width]``
+    tensor: the same values as the ``[T, D]`` output's column slices, bit for bit. A
+    kernel that indexes dense tensors (fla's) then takes q, k and v without a copy each.
+    One output launch stores each column into its section's tensor, then the state
+    write-back runs once, after every output has read the old window."""
     seqs = check_prefill(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
     dim = x.shape[1]
-    if sum(sections) != dim or any(w <= 0 for w in sections):
-        raise ValueError(f"sections {tuple(sections)} must be positive and sum to {dim}")
-    width = weight.shape[1]
-    outs = tuple(x.new_zeros(x.shape[0], w) for w in sections)
+    if sum(sections) != dim or any(w <= 0 for w in sections) or not 1 <= len(sections) <= 3:
+        raise ValueError(f"sections {tuple(sections)} must be one to three positive widths "
+                         f"that sum to {dim}")
+    # Every row of the output is written when the sequences cover every row of x.
+    alloc = x.new_empty if total_tokens == x.shape[0] else x.new_zeros
+    outs = tuple(alloc(x.shape[0], w) for w in sections)
     if seqs == 0 or max_seqlen == 0:
         return outs
-    block_d = min(64, next_pow2(dim))
-    block_t = min(64, next_pow2(max_seqlen))
-    start = 0
-    for out in outs:
-        cols = slice(start, start + out.shape[1])
-        start = cols.stop
-        w, st = weight[cols], conv_state[:, cols]
-        b = bias[cols] if bias is not None else w
-        grid = (seqs, triton.cdiv(max_seqlen, block_t), triton.cdiv(out.shape[1], block_d))
-        _conv_prefill_out_kernel[grid](
-            x[:, cols], out, st, w, b, cu_seqlens, read_indices, write_indices,
-            out.shape[1], x.stride(0), out.stride(0),
-            st.stride(0), st.stride(1), st.stride(2),
-            w.stride(0), w.stride(1),
-            WIDTH=width, HAS_BIAS=bias is not None, SILU=activation,
-            BLOCK_T=block_t, BLOCK_D=block_d,
-        )  # fmt: skip
-    _conv_prefill_state_kernel[(seqs, triton.cdiv(dim, block_d))](
+    width = weight.shape[1]
+    block_t, block_d, warps = tiles or default_conv_tiles(dim, max_seqlen)
+    splits = [sum(sections[:i + 1]) for i in range(len(sections))] + [dim, dim]
+    padded = (*outs, outs[-1], outs[-1])  # unused pointers of fewer sections: never stored
+    b = bias if bias is not None else weight  # a pointer HAS_BIAS=False never reads
+    grid = (seqs, triton.cdiv(max_seqlen, block_t), triton.cdiv(dim, block_d))
+    _conv_prefill_out_kernel[grid](
+        x, padded[0], padded[1], padded[2], conv_state, weight, b,
+        cu_seqlens, read_indices, write_indices,
+        dim, splits[0], splits[1],
+        x.stride(0), padded[0].stride(0), padded[1].stride(0), padded[2].stride(0),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(1),
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation, SECTIONS=len(sections),
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
+    state_block = min(64, next_pow2(dim))
+    _conv_prefill_state_kernel[(seqs, triton.cdiv(dim, state_block))](
         x, conv_state, cu_seqlens, read_indices, write_indices,
         dim, x.stride(0),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        WIDTH=width, BLOCK_D=block_d, BLOCK_W=next_pow2(max(width - 1, 1)),
+        WIDTH=width, BLOCK_D=state_block, BLOCK_W=next_pow2(max(width - 1, 1)),
     )  # fmt: skip
     return outs
 

@@ -73,8 +73,12 @@ def conv1d_prefill_torch(
     write_indices: torch.Tensor,
     max_seqlen: int | None = None,
     activation: bool = True,
+    *,
+    total_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch path: one ``conv1d`` per sequence (host loop), same contract."""
+    """Plain-torch path: one ``conv1d`` per sequence (host loop), same contract.
+    ``total_tokens`` (the launchers' hint that every row is written) changes nothing
+    here: the output always starts from zeros."""
     seqs = check_prefill(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
     width = weight.shape[1]
     out = torch.zeros_like(x)
