@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 from collections.abc import Callable
 
 import torch
-from common import copy_bandwidth_tbps, median_ms, rel_err
+from common import copy_bandwidth_tbps, host_us, median_ms, rel_err
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -51,12 +50,7 @@ def inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
 def where_the_time_goes(name: str, fn: Callable[[], object], calls: int = 5) -> float:
     """Host time to launch one call (no sync inside), GPU kernel time per call, and the
     kernels that take it: tells host-bound from device-bound."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host_us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
+    host = host_us(fn, calls)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
@@ -64,7 +58,7 @@ def where_the_time_goes(name: str, fn: Callable[[], object], calls: int = 5) -> 
     # the device's own events (kernels, memcpy/memset), each counted once
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     gpu_us = sum(e.device_time_total for e in kernels) / calls
-    print(f"  {name}: host {host_us:.0f} us to launch a call, GPU kernels {gpu_us:.0f} us a call")
+    print(f"  {name}: host {host:.0f} us to launch a call, GPU kernels {gpu_us:.0f} us a call")
     for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:8]:
         print(f"    {e.device_time_total / calls:8.1f} us  x{e.count // calls:<3} {e.key[:70]}")
     return gpu_us

@@ -5,21 +5,30 @@ one run:
 - column slices: the conv's ``[T, conv_dim]`` output cut into q/k/v views, which fla's
   call copies to dense tensors (the layer before the sectioned conv);
 - sections: the conv writes q, k and v as three dense tensors
-  (``conv1d_prefill_split_triton``, the layer's fla path now).
+  (``conv1d_prefill_split_triton``, the layer's fla path now), in the same one output
+  launch.
+
+Both tell the conv that the sequence covers every row (``total_tokens``), as the
+layer does, so neither zero-fills its output first.
 
 Qwen3-Next-80B-A3B's heads (16 key / 32 value heads of 128, conv kernel 4), one fresh
 sequence of T = 4,096, bf16. Prints wall time, GPU kernel time per call (the host
 launches these slower than the GPU runs them, so the GPU time is the one a model step
 sees), and the copies' byte floor.
 
-    python benchmarks/bench_gdn_layer.py
+    python benchmarks/bench_gdn_layer.py [--host-profile]   (cProfile of the recurrence's
+                                                          launches, each way)
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
+import sys
+
 import torch
 from bench_gdn import where_the_time_goes
-from common import copy_bandwidth_tbps, median_ms, rel_err
+from common import copy_bandwidth_tbps, host_us, median_ms, rel_err
 
 from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_split_triton, conv1d_prefill_triton
 from kvrunner_gdn.kernels.fla_prefill import fla_chunk_kernel, gdn_prefill_fla
@@ -29,6 +38,7 @@ HK, HV, DK, DV, WIDTH, T = 16, 32, 128, 128, 4, 4096
 
 
 def main() -> None:
+    host_profile = "--host-profile" in sys.argv
     kernel = fla_chunk_kernel()
     if kernel is None:
         print("fla unavailable: this bench measures fla's path only")
@@ -55,11 +65,17 @@ def main() -> None:
         return gdn_prefill_fla(q, k, v2.unflatten(1, (HV, DV)), g, beta, ssm_state, cu, read,
                                write, DK**-0.5, kernel=kernel, **host)
 
+    def slices_conv() -> tuple[torch.Tensor, ...]:
+        return conv1d_prefill_triton(*conv, total_tokens=T).split(sections, 1)
+
+    def sections_conv() -> tuple[torch.Tensor, ...]:
+        return conv1d_prefill_split_triton(*conv, sections, total_tokens=T)
+
     def column_slices() -> torch.Tensor:
-        return recurrence(*conv1d_prefill_triton(*conv).split(sections, 1))
+        return recurrence(*slices_conv())
 
     def dense_sections() -> torch.Tensor:
-        return recurrence(*conv1d_prefill_split_triton(*conv, sections))
+        return recurrence(*sections_conv())
 
     bw = copy_bandwidth_tbps()
     copy_bytes = 2 * T * conv_dim * mixed.element_size()  # each of q/k/v read and written
@@ -72,6 +88,16 @@ def main() -> None:
                      ("dense sections", dense_sections)):
         print(f"{name}: wall {median_ms(fn) * 1e3:.0f} us")
         gpu[name] = where_the_time_goes(name, fn)
+    for name, fn in (("column slices", slices_conv), ("dense sections", sections_conv)):
+        print(f"the conv alone, {name}: host {host_us(fn):.0f} us to launch a call")
+        inputs = fn()
+        print(f"the recurrence alone, {name}: host "
+              f"{host_us(lambda i=inputs: recurrence(*i)):.0f} us to launch a call")
+        if host_profile:
+            stats = cProfile.Profile()
+            stats.runcall(lambda i=inputs: [recurrence(*i) for _ in range(50)])
+            torch.cuda.synchronize()
+            pstats.Stats(stats).sort_stats("tottime").print_stats(14)
     slices, dense = gpu.values()
     print(f"GPU time, sections / slices: {dense / slices:.3f} ({slices - dense:.1f} us saved a "
           f"layer); output rel err {err:.1e}")

@@ -3,6 +3,8 @@ bandwidth."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import triton.testing
 
@@ -18,6 +20,19 @@ def graph_ms(fn, *, rep_ms: int = 100) -> float:
     ``do_bench_cudagraph``). For calls of tens of microseconds, where a Python launch
     costs more than the kernel and ``median_ms`` would time the host."""
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host microseconds to launch one call of ``fn`` (no sync inside the loop): above the
+    GPU's time per call, the host sets the pace."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:

@@ -6,6 +6,7 @@
 # Logs go to $OUT when set. GPU_TEST_TIMEOUT / BENCH_TIMEOUT bound the tests / each benchmark (s).
 # GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/,
 # the gdn tests last: fla's kernels compile and autotune for minutes on a fresh machine).
+# Node ids run in the order given; naming a whole file beside them reorders by file.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}

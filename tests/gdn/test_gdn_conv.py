@@ -145,21 +145,23 @@ def test_the_sectioned_conv_prefill_is_the_whole_outputs_column_slices_bit_for_b
     block_t=st.sampled_from((1, 2, 4, 16)),
     block_d=st.sampled_from((16, 32, 64)),
     warps=st.sampled_from((1, 4)),
+    channels_fastest=st.booleans(),
     width=st.sampled_from((3, 4)),
     with_bias=st.booleans(),
 )
-def test_every_tile_of_the_triton_conv_prefill_matches_the_oracle(case, block_t, block_d, warps,
-                                                                  width, with_bias):
-    """The output launch's tile (tokens x channels, warps) is a speed choice only: tiles
-    shorter than the window put its history in several tiles, and tiles narrower than
-    the channels cut them across programs."""
+def test_every_tile_of_the_triton_conv_prefill_matches_the_oracle(
+    case, block_t, block_d, warps, channels_fastest, width, with_bias
+):
+    """The output launch's tile (tokens x channels, warps, program order) is a speed
+    choice only: tiles shorter than the window put its history in several tiles, and
+    tiles narrower than the channels cut them across programs."""
     pool, x, weight, bias = _setup(case, 40, width, with_bias)
     pool_dev = pool.to(DEVICE, copy=True)
     read, write = case.indices()
     dev = lambda t: None if t is None else t.to(DEVICE)
     out = conv1d_prefill_triton(x.to(DEVICE), pool_dev, weight.to(DEVICE), dev(bias),
                                 case.cu_seqlens, read, write, max(case.lens),
-                                tiles=(block_t, block_d, warps))
+                                tiles=(block_t, block_d, warps, channels_fastest))
     _check_against_oracle(case, pool, pool_dev.cpu(), x, out.cpu(), weight, bias)
 
 
