@@ -7,10 +7,28 @@
 # GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/,
 # the gdn tests last: fla's kernels compile and autotune for minutes on a fresh machine).
 # Node ids run in the order given; naming a whole file beside them reorders by file.
+# Triton's cache (compiled kernels, and the autotune results fla keeps there) travels
+# between calls: SAVE_TRITON_CACHE=1 writes it to $OUT as triton_cache.tgz.part-NN
+# (15 MiB each: a file back from $OUT may hold 16, and at most 8 files come back, logs
+# included); put the parts in .triton_cache/ and carry it, and the next call starts
+# from it. It unpacks to the same path: Triton's cache records absolute paths.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .triton_cache/triton_cache.tgz* >/dev/null 2>&1; then
+  cat .triton_cache/triton_cache.tgz* | tar xzf - -C "$TRITON_CACHE_DIR" \
+    && echo "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files from .triton_cache/"
+fi
+save_triton_cache() {
+  [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -n "${OUT:-}" ] || return 0
+  tar czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . \
+    && split -b 15M -d /tmp/triton_cache.tgz "$OUT/triton_cache.tgz.part-" \
+    && echo "Triton cache: $(du -h /tmp/triton_cache.tgz | cut -f1) in $(ls "$OUT"/triton_cache.tgz.part-* | wc -l) part(s)"
+}
+trap save_triton_cache EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
