@@ -89,8 +89,9 @@ def main() -> None:
     for name, fn in ways:
         print(f"{name}: wall {median_ms(fn) * 1e3:.0f} us")
         gpu[name] = where_the_time_goes(name, fn)
-    # Timed again in the other order: the first calls found the way timed second slower
-    # in wall time by 58-326 us, where its GPU and launch times were not.
+    # Timed again in both orders: in the first calls the way timed second (the sections)
+    # was slower in wall time by 58-326 us, though its GPU time was lower and its conv
+    # cost the host the same to launch.
     walls = {name: [] for name, _ in ways}
     for name, fn in (*ways[::-1], *ways):
         walls[name].append(median_ms(fn) * 1e3)

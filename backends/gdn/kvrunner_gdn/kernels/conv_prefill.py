@@ -210,8 +210,8 @@ def conv1d_prefill_split_triton(
     if seqs == 0 or max_seqlen == 0:
         return outs
     width = weight.shape[1]
-    tile = ConvTiles(*(tiles or default_conv_tiles(dim, max_seqlen)))
-    block_t, block_d, warps, channels_fastest = tile
+    block_t, block_d, warps, channels_fastest = ConvTiles(
+        *(tiles or default_conv_tiles(dim, max_seqlen)))
     splits = [sum(sections[:i + 1]) for i in range(len(sections))] + [dim, dim]
     padded = (*outs, outs[-1], outs[-1])  # unused pointers of fewer sections: never stored
     b = bias if bias is not None else weight  # a pointer HAS_BIAS=False never reads
