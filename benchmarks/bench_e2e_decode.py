@@ -99,8 +99,14 @@ def prompts(batch: int, seed: int) -> list[list[int]]:
     return torch.randint(1, SHAPE["vocab"], (batch, PROMPT), generator=g).tolist()
 
 
-def timed_generate(llm: LLM, batch: int, new: int, seed: int) -> float:
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+def timed_generate(llm: LLM, batch: int, new: int, seed: int, *, seeded: bool = False) -> float:
+    """Seconds for ``new`` tokens of ``batch`` prompts: greedy, or (``seeded``) each
+    request drawing at temperature 1 with a seed of its own."""
+    if seeded:
+        params = [SamplingParams(max_tokens=new, temperature=1.0, seed=seed * 1000 + i,
+                                 ignore_eos=True) for i in range(batch)]
+    else:
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
     llm.generate(prompts(batch, seed), params)
@@ -108,11 +114,11 @@ def timed_generate(llm: LLM, batch: int, new: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def ours_step_ms(llm: LLM, batch: int, new: int = NEW) -> float:
+def ours_step_ms(llm: LLM, batch: int, new: int = NEW, *, seeded: bool = False) -> float:
     """Decode ms per step: (time for ``new`` tokens - time for 1 token) / (``new`` - 1)."""
-    timed_generate(llm, batch, 4, seed=99)  # warm up every kernel at this batch
-    full = timed_generate(llm, batch, new, seed=batch)
-    prefill = timed_generate(llm, batch, 1, seed=batch + 1)
+    timed_generate(llm, batch, 4, seed=99, seeded=seeded)  # warm up every kernel at this batch
+    full = timed_generate(llm, batch, new, seed=batch, seeded=seeded)
+    prefill = timed_generate(llm, batch, 1, seed=batch + 1, seeded=seeded)
     return (full - prefill) / (new - 1) * 1e3
 
 
@@ -165,7 +171,8 @@ def host_busy_ms(llm: LLM, batch: int, new: int = NEW) -> tuple[float, float]:
 
 def graph_replay_ms(llm: LLM, batch: int, new: int = NEW) -> float:
     """Mean GPU time of the decode graph's replays during a real ``new``-token generate
-    at ``batch`` (the forward alone: no step preparation, logits or sampling).
+    at ``batch``: the forward, the logits and the greedy draw (where the graph ends:
+    ``runner/graph_sampling.py``), without the step's preparation.
 
     CUDA events around every replay, read after the run: each replay sees the
     metadata of its own step (contexts growing from the prompt to prompt + new), so
@@ -326,7 +333,8 @@ def main() -> None:
         f"{eager_b1 / ours[1]:.1f}x (target >= 3x)"
     )
     print("targets: batch 64 speedup >= 30x; x floor <= 4 at batch 1, <= 2 at 64 and 256")
-    print("replay ms: the captured forward alone; rest ms: the step's time outside it; "
+    print("replay ms: the captured graph (forward, logits, greedy draw); rest ms: the "
+          "step's time outside it; "
           "host ms: the host's busy time a step (near ms/step: the host sets the step); "
           "launch ms: the part of it inside graph launches (beyond ~0.02 ms, waiting for the "
           "device)")

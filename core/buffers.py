@@ -27,3 +27,18 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+
+def upload_into(target: torch.Tensor, values: list) -> None:
+    """Copy the host ``values`` (nested lists of ``target``'s shape) into ``target``, a
+    device buffer or a view of one, without making the host wait: through pinned
+    memory on CUDA (torch's pinned cache keeps the block until the copy has run, so
+    the host may fill another for the next step at once)."""
+    host = torch.tensor(values, dtype=target.dtype)
+    if host.shape != target.shape:  # copy_ would broadcast a smaller one silently
+        raise ValueError(f"values of shape {tuple(host.shape)} for a target of "
+                         f"{tuple(target.shape)}")
+    if target.device.type == "cuda":
+        host = host.pin_memory()
+    target.copy_(host, non_blocking=True)

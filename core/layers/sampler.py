@@ -33,9 +33,10 @@ import torch
 
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
-from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
-from kvrunner.layers.sampling_seeds import int64_seed, step_seed
+from kvrunner.layers.sampling_draw import draw_rows, fused_draw_serves, use_fused_draw
 from kvrunner.sampling_params import SamplingParams
+
+__all__ = ["fused_draw_serves", "sample", "use_fused_draw", "with_logprobs"]
 
 
 @attrs.frozen(kw_only=True)
@@ -64,112 +65,6 @@ class SamplerOutput:
             return None
         ids = self.top_ids[row, :n].tolist()
         return dict(zip(ids, self.top_logprobs[row, :n].tolist(), strict=True))
-
-
-def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_ks: list[int],
-            top_ps: list[float]) -> torch.Tensor:
-    """Set every logit outside each row's top-k set / top-p nucleus to ``-inf``. The
-    ranking is ``raw``'s (the logits before the temperature): dividing keeps the order
-    but may merge two logits (a subnormal halved to zero), ranking a lower one first."""
-    rows, vocab = scaled.shape
-    ks = [k if 0 < k < vocab else vocab for k in top_ks]
-    if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_ps):
-        return scaled
-    device = scaled.device
-    # Stable sort: among equal logits the lower token id ranks first, as argmax does.
-    order = raw.sort(dim=-1, descending=True, stable=True).indices
-    values = scaled.gather(-1, order)  # non-increasing, as the scaling keeps order
-    rank = torch.arange(vocab, device=device)
-    values = values.masked_fill(rank >= on_device(ks, torch.int64, device)[:, None], float("-inf"))
-    if any(p < 1.0 for p in top_ps):
-        probs = values.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # A disabled row gets a threshold no mass reaches: its cumsum may round past 1.
-        ps = on_device([p if p < 1.0 else 2.0 for p in top_ps], torch.float32, device)
-        values = values.masked_fill(mass_before >= ps[:, None], float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
-
-
-def _gumbel(
-    rows: int,
-    vocab: int,
-    seeds: list[int | None],
-    counts: list[int],
-    generator: torch.Generator | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """``[rows, vocab]`` standard Gumbel noise; a seeded row's noise depends only on
-    its ``(seed, count)`` (and the vocabulary size and device)."""
-    u = torch.empty(rows, vocab, device=device)
-    unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if len(unseeded) == rows:
-        u.uniform_(generator=generator)  # the same draws as torch.rand, with no index
-    elif unseeded:
-        u[on_device(unseeded, torch.int64, device)] = torch.rand(
-            len(unseeded), vocab, generator=generator, device=device
-        )
-    seeded = [i for i, s in enumerate(seeds) if s is not None]
-    if seeded and use_triton(u):
-        from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
-
-        # One launch of a counter-based generator for every seeded row, keyed on the
-        # device: no per-row hashing here.
-        seeded_uniform_(
-            u,
-            on_device(seeded, torch.int64, device),
-            on_device([int64_seed(seeds[i]) for i in seeded], torch.int64, device),
-            on_device([counts[i] for i in seeded], torch.int64, device),
-        )
-    elif seeded:
-        # Without Triton: one generator re-seeded per row.
-        g = torch.Generator(device=device)
-        for i in seeded:
-            g.manual_seed(step_seed(seeds[i], counts[i]))
-            u[i].uniform_(generator=g)
-    # Keep u strictly inside (0, 1) so both logs are finite: an infinite noise value
-    # could lift a filtered (-inf) token to NaN and NaN wins argmax.
-    eps = torch.finfo(u.dtype).eps
-    u.clamp_(min=torch.finfo(u.dtype).tiny, max=1.0 - eps)
-    return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: no [N, V] temporaries
-
-
-def _draw(
-    logits: torch.Tensor,
-    rows: torch.Tensor | None,
-    params: list[SamplingParams],
-    counts: list[int],
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
-    with ``params[i]`` after ``counts[i]`` generated tokens: ``argmax(logits / T + G)``
-    over the filtered logits, ``G`` Gumbel noise."""
-    device, vocab = logits.device, logits.shape[1]
-    temps = on_device([p.temperature for p in params], torch.float32, device)
-    if use_fused_draw(logits, params):
-        from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
-
-        # seeds and counts (and every row's id, when no rows were given) in one upload:
-        # each upload is a pinned copy and a launch
-        cols = [[int64_seed(p.seed) for p in params], counts]
-        if rows is None:
-            rows, *cols = on_device([list(range(len(params))), *cols], torch.int64, device)
-        else:
-            cols = on_device(cols, torch.int64, device)
-        return gumbel_argmax(logits, rows, temps, cols[0], cols[1])
-    raw = logits if rows is None else logits[rows]
-    scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
-    scaled = _filter(scaled, raw, [p.top_k for p in params], [p.top_p for p in params])
-    noise = _gumbel(len(params), vocab, [p.seed for p in params], counts, generator, device)
-    return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
-
-
-def use_fused_draw(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
-    """Whether the one-pass kernel draws these rows: not switched off
-    (``KVRUNNER_FUSED_SAMPLER=0``), on the Triton path, every row seeded (the kernel
-    makes the seeded rows' noise) and none filtered by top-k / top-p (a sort)."""
-    vocab = logits.shape[1]
-    serves = (p.seed is not None and not 0 < p.top_k < vocab and p.top_p >= 1.0 for p in params)
-    return fused_sampler_enabled() and use_triton(logits) and all(serves)
 
 
 def sample(
@@ -204,13 +99,25 @@ def sample(
         # When every row draws (a sampling rollout's steps), no row gather.
         rows = None if len(random_rows) == n else on_device(random_rows, torch.int64,
                                                               logits.device)
-        drawn = _draw(logits, rows, [params[i] for i in random_rows],
-                      [num_generated[i] for i in random_rows], generator)
+        drawn = draw_rows(logits, rows, [params[i] for i in random_rows],
+                          [num_generated[i] for i in random_rows], generator)
         if rows is None:
             tokens = drawn
         else:
             tokens[rows] = drawn
+    return with_logprobs(logits, tokens, row_max, params)
 
+
+def with_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    row_max: torch.Tensor,
+    params: Sequence[SamplingParams],
+) -> SamplerOutput:
+    """The :class:`SamplerOutput` of rows whose ``tokens`` (and raw ``row_max``) are
+    chosen: the logprobs the rows ask for, from the raw ``logits``. Also for tokens a
+    decode graph drew (``runner/graph_sampling.py``)."""
+    n, vocab = logits.shape
     asked = [p.logprobs for p in params]
     num_top = tuple(min(n or 0, vocab) for n in asked) if any(asked) else (0,) * n
     token_logprobs = top_ids = top_values = None
@@ -261,10 +168,18 @@ class StepSamples:
 
 
 def sample_step_rows(
-    logits: torch.Tensor, step: StepInput, *, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    step: StepInput,
+    *,
+    generator: torch.Generator | None = None,
+    drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> StepSamples:
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
-    ``i``-th chunk with ``sample`` set. Nothing is read back to the host."""
+    ``i``-th chunk with ``sample`` set. Nothing is read back to the host.
+
+    ``drawn``: the rows' tokens and raw row maxima, already chosen on the device (by a
+    decode graph); then only the logprobs are computed here.
+    """
     cols = step
     if all(cols.sample):  # every decode step: the columns themselves, no index passes
         params, counts, seq_ids = list(cols.sampling), cols.num_output_tokens, list(cols.seq_id)
@@ -273,7 +188,10 @@ def sample_step_rows(
         params = [cols.sampling[i] for i in rows]
         counts = [cols.num_output_tokens[i] for i in rows]
         seq_ids = [cols.seq_id[i] for i in rows]
-    out = sample(logits, params, counts, generator=generator)
+    if drawn is None:
+        out = sample(logits, params, counts, generator=generator)
+    else:
+        out = with_logprobs(logits, *drawn, params)
     return StepSamples(out=out, seq_ids=seq_ids, params=params)
 
 
@@ -293,9 +211,17 @@ class Sampler:
     ) -> SamplerOutput:
         return sample(logits, params, num_generated, generator=self._generator_for(logits.device))
 
-    def sample_step_rows(self, logits: torch.Tensor, step: StepInput) -> StepSamples:
+    def sample_step_rows(
+        self,
+        logits: torch.Tensor,
+        step: StepInput,
+        *,
+        drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> StepSamples:
         """:func:`sample_step_rows` with this sampler's generator."""
-        return sample_step_rows(logits, step, generator=self._generator_for(logits.device))
+        return sample_step_rows(
+            logits, step, generator=self._generator_for(logits.device), drawn=drawn
+        )
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

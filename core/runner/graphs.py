@@ -11,12 +11,15 @@ value that should have lived in a buffer) shows up as a wrong answer in tests.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kvrunner.contract import ForwardContext
 
-Forward = Callable[[int, ForwardContext], torch.Tensor]
+#: ``(rows, ctx) -> outputs``: a tensor, or any structure of tensors (the runner's
+#: ``DecodeOutputs``); a CUDA graph's replay refills the same tensors
+Forward = Callable[[int, ForwardContext], Any]
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -34,7 +37,7 @@ class DecodeGraph:
     def __init__(self, batch_size: int, ctx: ForwardContext) -> None:
         self.batch_size = batch_size
         self.ctx = ctx
-        self.output: torch.Tensor | None = None
+        self.output: Any = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._forward: Forward | None = None
 
@@ -57,7 +60,7 @@ class DecodeGraph:
         else:
             self.output = forward(self.batch_size, self.ctx)
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Any:
         if self._graph is not None:
             self._graph.replay()
         else:

@@ -21,6 +21,7 @@ from kvrunner.overlap_contract import LayerStack, OverlapContext
 from kvrunner.plugins import BackendManager
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
+from kvrunner.runner.graph_sampling import GraphSampling, graph_ends_at
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
 from kvrunner.runner.launched_step import DeviceTokens
 from kvrunner.runner.setup import (
@@ -167,6 +168,8 @@ class ModelRunner(SleepWake, StepLaunch):
         # Counted on the device: a host read here would stall every step.
         self._nan_rows = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sampler = Sampler(config.seed)
+        #: where the decode graphs end (graph_sampling.py); read at each capture
+        self.graph_end = graph_ends_at()
         # Only the first rank draws tokens: the engine sends the tokens each step
         # feeds, so the other ranks never need what was sampled - except with
         # asynchronous steps, whose next step feeds them before the engine knows them:
@@ -174,6 +177,11 @@ class ModelRunner(SleepWake, StepLaunch):
         self.samples = group is None or group.rank == 0
         self.shares_samples = (
             group is not None and group.size > 1 and config.scheduler.async_scheduling
+        )
+        #: the buffers of the graphs' draws, on the rank that samples
+        self.graph_sampling = (
+            GraphSampling(sched.max_num_seqs, self.model_config.vocab_size, self.device)
+            if self.samples else None
         )
         #: the last step's tokens, on the device: the next step's placeholders
         self.previous_tokens: DeviceTokens | None = None
@@ -269,11 +277,12 @@ class ModelRunner(SleepWake, StepLaunch):
         if not self.kv_resident or self.weights.state != "resident":
             raise SleepStateError("cannot capture while asleep: wake_up() first")
         self.graphs = {}
+        self.graph_end = graph_ends_at()
         with torch.inference_mode():
             self.graphs, self.capture_seconds = capture_decode_graphs(
                 sizes=self.capture_sizes(),
                 backends=self.backends,
-                forward=self._forward_rows,
+                forward=self._decode_outputs,
                 forward_vars=self.forward_vars,
                 step_builder=self.step_builder,
                 pools=self.pools,

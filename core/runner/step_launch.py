@@ -1,7 +1,9 @@
 """One step on one rank, up to its samples on the device (a part of :class:`ModelRunner`).
 
 ``launch`` prepares the step, fills its placeholders from the last step's tokens on
-the device, replays the decode graph (or runs eagerly), samples on rank 0 and returns
+the device, replays the decode graph (which ends with the logits, and on rank 0 with
+the tokens where it can draw them: ``graph_sampling.py``) or runs eagerly, samples
+what the graph did not on rank 0, and returns
 a :class:`~kvrunner.runner.launched_step.LaunchedStep` without waiting for the
 device: with asynchronous steps the host schedules the next step meanwhile.
 ``execute`` is ``launch`` followed by ``result()``.
@@ -13,6 +15,8 @@ import torch
 
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
+from kvrunner.contract import ForwardContext
+from kvrunner.runner.graph_sampling import DecodeOutputs
 from kvrunner.runner.graphs import DecodeGraph
 from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
 from kvrunner.runner.step_batch import prepare_step
@@ -23,7 +27,8 @@ class StepLaunch:
 
     Uses the runner's ``config``, ``device``, ``group``, ``graphs``, ``forward_vars``,
     ``step_builder``, ``backends``, ``model``, ``sampler``, ``samples``,
-    ``shares_samples``, ``previous_tokens``, ``_nan_rows`` and ``_forward_rows``.
+    ``shares_samples``, ``previous_tokens``, ``_nan_rows``, ``graph_sampling``,
+    ``graph_end`` and ``_forward_rows``.
     """
 
     def _graph_for(self, step: StepInput) -> DecodeGraph | None:
@@ -55,21 +60,28 @@ class StepLaunch:
         if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 (position 0)
             fv["input_ids"][num_tokens:rows].zero_()
         ctx = self.backends.build_metadata(self.step_builder.fill(prepared.batch))
+        drawn_in_graph = graph is not None and self._stage_graph_draws(step, graph)
         if graph is not None:
-            hidden = graph.replay()
+            out: DecodeOutputs = graph.replay()
         else:
-            hidden = self._forward_rows(num_tokens, ctx)
+            out = DecodeOutputs(self._forward_rows(num_tokens, ctx), None, None, None)
         if not prepared.sample_rows:
             return LaunchedStep(None)
         rows = prepared.sample_rows
         if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
-            selected = hidden[: len(rows)]
+            index = None
         else:
             # Through pinned memory: torch.tensor(..., device=cuda) would wait for the
             # step still running, which asynchronous steps exist to overlap.
-            selected = hidden.index_select(0, on_device(rows, torch.int64, self.device))
-        # every rank joins its all-gather; the sampler widens only what it reads
-        logits = self.model.compute_logits(selected, widen=False)
+            index = on_device(rows, torch.int64, self.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[: len(rows)] if index is None else t.index_select(0, index)
+
+        if out.logits is not None:
+            logits = pick(out.logits)
+        else:  # every rank joins its all-gather; the sampler widens only what it reads
+            logits = self.model.compute_logits(pick(out.hidden), widen=False)
         if not self.samples:
             if self.shares_samples:  # the next step's placeholders need rank 0's draws
                 tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
@@ -77,7 +89,11 @@ class StepLaunch:
                 tokens = self.group.broadcast_from_first(tokens)
                 self.previous_tokens = DeviceTokens(seq_ids, tokens)
             return LaunchedStep(None)
-        samples = self.sampler.sample_step_rows(logits, step)
+        # The graph's tokens live in its memory until the next replay: every reader
+        # below (the NaN count, the copy to the host, the next step's placeholder feed)
+        # is queued before that replay, on the same stream.
+        drawn = (pick(out.tokens), pick(out.row_max)) if drawn_in_graph else None
+        samples = self.sampler.sample_step_rows(logits, step, drawn=drawn)
         self._nan_rows += torch.isnan(samples.out.row_max).sum()
         tokens = samples.out.token_ids
         if self.shares_samples:
@@ -85,3 +101,23 @@ class StepLaunch:
         # The sampler already listed the sampled rows' ids: the next step's placeholders.
         self.previous_tokens = DeviceTokens(samples.seq_ids, tokens)
         return LaunchedStep(samples)
+
+    def _stage_graph_draws(self, step: StepInput, graph: DecodeGraph) -> bool:
+        """Fill the graph's sampling buffers for ``step``; whether its tokens are the
+        step's draws (a decode step whose every row the graph's sampler serves)."""
+        if self.graph_sampling is None or self.graph_end != "tokens" or not all(step.sample):
+            return False
+        return self.graph_sampling.stage(
+            step.sampling, step.num_output_tokens, rows=graph.batch_size
+        )
+
+    def _decode_outputs(self, num_rows: int, ctx: ForwardContext) -> DecodeOutputs:
+        """What a decode graph captures: the forward, then (unless ``graph_end`` says
+        otherwise) the logits and, on the rank that samples, the tokens."""
+        hidden = self._forward_rows(num_rows, ctx)
+        if self.graph_end == "hidden":
+            return DecodeOutputs(hidden, None, None, None)
+        logits = self.model.compute_logits(hidden, widen=False)
+        if self.graph_end == "logits" or self.graph_sampling is None:
+            return DecodeOutputs(None, logits, None, None)
+        return DecodeOutputs(None, logits, *self.graph_sampling.sample(logits))

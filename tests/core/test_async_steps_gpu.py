@@ -21,19 +21,27 @@ MIX = [
     SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=7, logprobs=0),
     SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True),  # unseeded
 ]
+#: every row greedy or seeded without a filter: the decode graph draws them, from
+#: temperatures and keys each step uploads (graph_sampling.py)
+DRAWN_IN_GRAPH = [
+    SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.8, seed=7, logprobs=0, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=1.2, seed=8, ignore_eos=True),
+]
 PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11], [200]]
 
 
+@pytest.mark.parametrize("mix", [MIX, DRAWN_IN_GRAPH], ids=["eager-draws", "graph-draws"])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
-def test_launching_a_step_makes_the_host_wait_for_nothing(tmp_path, kind: str) -> None:
+def test_launching_a_step_makes_the_host_wait_for_nothing(tmp_path, kind: str, mix) -> None:
     path = write_tiny_checkpoint(tmp_path / kind, kind=kind)
     with LLM(model=str(path), max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.3) as llm:
-        _check_launches_wait_for_nothing(llm)
+        _check_launches_wait_for_nothing(llm, mix)
 
 
-def _check_launches_wait_for_nothing(llm: LLM) -> None:
+def _check_launches_wait_for_nothing(llm: LLM, mix: list[SamplingParams]) -> None:
     assert llm.runner.device.type == "cuda" and llm.engine.async_scheduling
-    want = llm.generate(PROMPTS, MIX)  # first launches may initialise libraries: not checked
+    want = llm.generate(PROMPTS, mix)  # first launches may initialise libraries: not checked
     launch = llm.runner.launch
     launched = []
 
@@ -46,7 +54,7 @@ def _check_launches_wait_for_nothing(llm: LLM) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
     llm.runner.launch = strict_launch
-    got = llm.generate(PROMPTS, MIX)
+    got = llm.generate(PROMPTS, mix)
     assert any(-1 in t for step in launched for t in step.token_ids), "placeholders were fed"
     assert [o.token_ids for o in got][:2] == [o.token_ids for o in want][:2]  # greedy, seeded
 

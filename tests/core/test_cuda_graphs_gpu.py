@@ -45,6 +45,23 @@ def test_every_bucket_replays_what_eager_computes(tiny_qwen3) -> None:
     assert graphs.runner.nan_rows == 0
 
 
+def test_seeded_draws_in_the_graph_are_the_eager_engines(tiny_qwen3) -> None:
+    """Greedy and seeded rows drawn inside the graph (graph_sampling.py): the tokens of
+    the eager engine, the logprobs to float32 rounding, padded or not."""
+    graphs = LLM(model=tiny_qwen3, **SETTINGS)
+    eager = LLM(model=tiny_qwen3, enforce_eager=True, **SETTINGS)
+    assert graphs.runner.graph_sampling.draws
+    for batch in (1, 3, 8, 17):
+        ps = prompts(batch)
+        params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 3 == 0 else 0.9,
+                                 seed=1000 + i, ignore_eos=True, logprobs=1)
+                  for i in range(batch)]
+        got, want = graphs.generate(ps, params), eager.generate(ps, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], f"batch {batch}"
+        for g, w in zip(got, want, strict=True):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4), f"batch {batch}"
+
+
 def test_recapture_after_serving_is_clean_and_outputs_repeat(tiny_qwen3) -> None:
     llm = LLM(model=tiny_qwen3, **SETTINGS)
     ps = prompts(5)

@@ -32,15 +32,11 @@ BLOCK = 2048
 
 
 @triton.jit
-def _gumbel_argmax_kernel(
-    logits_ptr, stride_l, rows_ptr, temps_ptr, seeds_ptr, counts_ptr, out_ptr,
-    vocab,
-    KEY_STRIDE: tl.constexpr, TINY: tl.constexpr, TOP: tl.constexpr, BLOCK_V: tl.constexpr,
+def _first_max_of_perturbed(
+    logits_ptr, row, stride_l, temp, key, vocab,
+    TINY: tl.constexpr, TOP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    temp = tl.load(temps_ptr + i)
-    key = tl.load(seeds_ptr + i) * KEY_STRIDE + tl.load(counts_ptr + i)
+    """The first column of ``row`` holding the largest ``logit / temp + G``."""
     best = tl.full((), float("-inf"), tl.float32)
     best_col = tl.full((), 0, tl.int64)
     for start in range(0, vocab, BLOCK_V):
@@ -57,7 +53,32 @@ def _gumbel_argmax_kernel(
         take = tile_best > best  # strict: an equal later tile keeps the earlier column
         best_col = tl.where(take, tile_col, best_col)
         best = tl.where(take, tile_best, best)
-    tl.store(out_ptr + i, best_col)
+    return best_col
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    logits_ptr, stride_l, rows_ptr, temps_ptr, seeds_ptr, counts_ptr, out_ptr,
+    vocab,
+    KEY_STRIDE: tl.constexpr, TINY: tl.constexpr, TOP: tl.constexpr, BLOCK_V: tl.constexpr,
+    KEEP_GREEDY: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    temp = tl.load(temps_ptr + i)
+    key = tl.load(seeds_ptr + i) * KEY_STRIDE + tl.load(counts_ptr + i)
+    if KEEP_GREEDY:
+        # Row i of the logits; a row at temperature 0 keeps the token already in
+        # out (its argmax) and reads nothing.
+        if temp > 0.0:
+            row = i.to(tl.int64)
+            col = _first_max_of_perturbed(logits_ptr, row, stride_l, temp, key, vocab,
+                                          TINY, TOP, BLOCK_V)
+            tl.store(out_ptr + i, col)
+    else:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        col = _first_max_of_perturbed(logits_ptr, row, stride_l, temp, key, vocab,
+                                      TINY, TOP, BLOCK_V)
+        tl.store(out_ptr + i, col)
 
 
 def gumbel_argmax(
@@ -75,17 +96,47 @@ def gumbel_argmax(
         ``seeds`` / ``counts`` ``[S]`` int64.
     No host sync: the launch is capturable in a CUDA graph.
     """
-    assert logits.stride(-1) == 1 and temperatures.dtype == torch.float32
+    assert temperatures.dtype == torch.float32
     assert rows.shape == temperatures.shape == seeds.shape == counts.shape
     assert rows.dtype == seeds.dtype == counts.dtype == torch.int64
     out = torch.empty(rows.shape, dtype=torch.int64, device=logits.device)
     vocab = logits.shape[1]
     if rows.numel() == 0 or vocab == 0:
         return out.zero_()
+    _launch(out, logits, rows, temperatures, seeds, counts, keep_greedy=False)
+    return out
+
+
+def gumbel_argmax_into_(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Overwrite ``tokens[i]`` with the draw for row ``i`` of ``logits`` wherever
+    ``temperatures[i] > 0`` (the noise as :func:`gumbel_argmax`'s); a row at
+    temperature 0 keeps its token and costs no pass over its logits.
+
+    For a batch of greedy and seeded rows in one launch, after ``tokens`` took the
+    rows' argmax: what the decode graph captures (``runner/graph_sampling.py``).
+    """
+    n = tokens.shape[0]
+    assert tokens.dtype == seeds.dtype == counts.dtype == torch.int64
+    assert temperatures.dtype == torch.float32 and logits.shape[0] >= n
+    assert temperatures.shape == seeds.shape == counts.shape == tokens.shape
+    if n and logits.shape[1]:
+        _launch(tokens, logits, tokens, temperatures, seeds, counts, keep_greedy=True)
+    return tokens
+
+
+def _launch(out, logits, rows, temperatures, seeds, counts, *, keep_greedy: bool) -> None:
+    assert logits.stride(-1) == 1
     eps = torch.finfo(torch.float32).eps
-    _gumbel_argmax_kernel[(rows.numel(),)](
+    vocab = logits.shape[1]
+    _gumbel_argmax_kernel[(out.numel(),)](
         logits, logits.stride(0), rows, temperatures, seeds, counts, out, vocab,
         KEY_STRIDE=KEY_STRIDE, TINY=torch.finfo(torch.float32).tiny, TOP=1.0 - eps,
-        BLOCK_V=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=8,
+        BLOCK_V=min(BLOCK, triton.next_power_of_2(vocab)), KEEP_GREEDY=keep_greedy,
+        num_warps=8,
     )  # fmt: skip
-    return out

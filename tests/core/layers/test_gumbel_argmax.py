@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
-from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
+from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, gumbel_argmax_into_
 from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
 from kvrunner.layers.sampler import sample, use_fused_draw
 from kvrunner.sampling_params import SamplingParams
@@ -75,6 +75,29 @@ def test_on_the_gpu_the_kernel_draws_the_torch_paths_token(rows, vocab, dtype) -
     seeds = torch.arange(rows, device="cuda") * 7919 - 2**40
     counts = torch.arange(rows, device="cuda") * 131
     assert_draws_the_torch_paths_token(logits, pick, temps, seeds, counts)
+
+
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 3000), dtype=st.sampled_from(DTYPES),
+       data=st.data())
+def test_in_place_rows_at_temperature_zero_keep_their_token_and_the_rest_draw(
+    rows, vocab, dtype, data
+) -> None:
+    """The decode graph's form: row ``i`` of the logits, drawn where its temperature is
+    above 0 (the row kernel's token, bit for bit), left as it was at 0."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    logits = (torch.randn(rows + 1, vocab, generator=gen) * 3).to(dtype)  # one row unread
+    temps = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+                                            min_size=rows, max_size=rows)))
+    seeds = torch.tensor(data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=rows,
+                                            max_size=rows)))
+    counts = torch.randint(0, 10**5, (rows,), generator=gen)
+    before = torch.full((rows,), -7)  # not a column: a row that drew shows
+    tokens = gumbel_argmax_into_(before.clone(), logits, temps, seeds, counts)
+    drawing = temps > 0
+    assert tokens[~drawing].tolist() == before[~drawing].tolist()
+    rows_drawn = torch.arange(rows)[drawing]
+    assert tokens[drawing].tolist() == gumbel_argmax(
+        logits, rows_drawn, temps[drawing], seeds[drawing], counts[drawing]).tolist()
 
 
 def test_a_tie_takes_the_first_column_as_argmax_does() -> None:

@@ -1,0 +1,63 @@
+"""Where the decode graph ends: the forward alone, + the logits, + the draw.
+
+``KVRUNNER_DECODE_GRAPH_ENDS_AT`` (``runner/graph_sampling.py``) at ``hidden``,
+``logits`` and ``tokens`` (the default), one engine each, on the Qwen3-0.6B shape of
+``bench_e2e_decode.py``: decode ms per step at batch 1, 64 and 256, greedy and with
+every request seeded at temperature 1 (drawn in the graph at ``tokens``), against the
+HBM floor, and each end's step against ``hidden``'s. The ends differ only in where the
+logits' and the sampler's launches happen, so the figures are launch gaps and host
+work, measured in one run.
+
+    python benchmarks/bench_graph_end.py
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from bench_e2e_decode import NEW, PROMPT, SHAPE, ours_step_ms, release_memory, write_checkpoint
+from common import copy_bandwidth_tbps
+
+from kvrunner import LLM
+from kvrunner.runner.graph_sampling import GRAPH_ENDS, GRAPH_ENDS_AT_ENV
+
+BATCHES = (1, 64, 256)
+
+
+def main() -> None:
+    path = Path(tempfile.mkdtemp()) / "qwen3-0.6b-random"
+    weight_bytes = write_checkpoint(path)
+    bw = copy_bandwidth_tbps() * 1e12
+    s = SHAPE
+    kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
+    ms: dict[tuple[str, str, int], float] = {}
+    for end in reversed(GRAPH_ENDS):  # hidden first: the reference
+        os.environ[GRAPH_ENDS_AT_ENV] = end
+        llm = LLM(model=str(path), dtype="bfloat16", max_num_seqs=max(BATCHES),
+                  max_model_len=PROMPT + NEW + 16,
+                  max_num_batched_tokens=max(8192, max(BATCHES) * PROMPT),
+                  gpu_memory_utilization=0.6)
+        assert llm.runner.graph_end == end
+        for b in BATCHES:
+            for sampling in ("greedy", "seeded"):
+                ms[end, sampling, b] = ours_step_ms(llm, b, seeded=sampling == "seeded")
+                print(f"{end:>6} {sampling:>6} batch {b:>3}: {ms[end, sampling, b]:.3f} ms/step",
+                      flush=True)
+        del llm
+        release_memory()
+    print(f"\n{'sampling':>8} {'batch':>5} {'floor ms':>8} "
+          + " ".join(f"{e + ' ms':>10} {'x floor':>7}" for e in reversed(GRAPH_ENDS))
+          + f" {'tokens/hidden':>13}")
+    for sampling in ("greedy", "seeded"):
+        for b in BATCHES:
+            floor = (weight_bytes + b * (PROMPT + NEW // 2) * kv_per_token) / bw * 1e3
+            cells = " ".join(f"{ms[e, sampling, b]:>10.3f} {ms[e, sampling, b] / floor:>7.2f}"
+                             for e in reversed(GRAPH_ENDS))
+            ratio = ms["tokens", sampling, b] / ms["hidden", sampling, b]
+            print(f"{sampling:>8} {b:>5} {floor:>8.3f} {cells} {ratio:>13.3f}")
+
+
+if __name__ == "__main__":
+    main()

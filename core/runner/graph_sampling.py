@@ -1,0 +1,117 @@
+"""The end of a decode graph: the logits, and the sampler's common rows.
+
+A decode graph captures the forward and, after it, the logits of its padded batch
+(``compute_logits``, with its tensor-parallel gather), so no launch between the last
+layer and the logits is host work. On the rank that samples it goes on: each row's
+maximum and argmax (a greedy row's token; the maxima count NaN rows), then one
+launch that overwrites the token of every row at a temperature above 0 with its
+seeded draw (:func:`~kvrunner.layers.fused.gumbel_argmax_triton.gumbel_argmax_into_`:
+the kernel, noise and key the eager sampler uses for those rows).
+
+The rows' temperatures, seeds and token counts live in buffers a step fills before
+its replay (:meth:`GraphSampling.stage`: two pinned uploads, none while every row
+stays greedy), so the graph holds no Python value of any step.
+
+A step is drawn in the graph when every row is greedy or seeded without top-k /
+top-p: the rows the one-pass kernel serves eagerly too, so the tokens are the same.
+Any other step (an unseeded draw, which takes torch's generator; a top-k / top-p
+sort) is sampled eagerly from the graph's logits, as before. Logprobs are computed
+after the replay either way, from the graph's logits and tokens.
+
+``KVRUNNER_DECODE_GRAPH_ENDS_AT`` says where the graph ends: ``tokens`` (default),
+``logits``, or ``hidden`` (the forward alone, the sampler and logits eager), for
+measuring what each part saves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvrunner.buffers import upload_into
+from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
+from kvrunner.layers.sampling_draw import fused_draw_serves
+from kvrunner.layers.sampling_seeds import int64_seed
+from kvrunner.sampling_params import SamplingParams
+
+#: where a decode graph ends: ``tokens`` (default), ``logits`` or ``hidden``
+GRAPH_ENDS_AT_ENV = "KVRUNNER_DECODE_GRAPH_ENDS_AT"
+GRAPH_ENDS = ("tokens", "logits", "hidden")
+
+
+def graph_ends_at() -> str:
+    """:data:`GRAPH_ENDS_AT_ENV`'s value (unset: ``tokens``); read when graphs capture."""
+    end = os.environ.get(GRAPH_ENDS_AT_ENV, "tokens").strip().lower() or "tokens"
+    if end not in GRAPH_ENDS:
+        raise ValueError(f"{GRAPH_ENDS_AT_ENV}={end!r}; expected one of {', '.join(GRAPH_ENDS)}")
+    return end
+
+
+class DecodeOutputs(NamedTuple):
+    """What a decode graph leaves for its padded batch; the parts it did not compute
+    are ``None``."""
+
+    hidden: torch.Tensor | None  # [B, hidden]: only when the graph ends at the forward
+    logits: torch.Tensor | None  # [B, vocab] in the model dtype
+    tokens: torch.Tensor | None  # [B] int64: argmax, or the seeded draw above T = 0
+    row_max: torch.Tensor | None  # [B]: each row's largest logit (NaN where it holds one)
+
+
+class GraphSampling:
+    """The sampling buffers one runner's decode graphs read, and the captured draw.
+
+    :param max_batch: the largest graph's batch.
+    :param vocab: the logits' width (a top-k of at least this filters nothing).
+    """
+
+    def __init__(self, max_batch: int, vocab: int, device: torch.device) -> None:
+        self.vocab = vocab
+        probe = torch.empty(0, device=device)
+        #: whether the graph draws seeded rows (the one-pass kernel's path), else greedy
+        #: rows only; fixed when the runner is built, as the graphs are
+        self.draws = use_triton(probe) and fused_sampler_enabled()
+        self.temperatures = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # seed, count
+        self._any_drawing = False  # a temperature above 0 is in the buffers
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captured after the logits: every row's token and raw maximum."""
+        row_max, tokens = logits.max(dim=-1)  # as the eager sampler picks greedy rows
+        if self.draws:
+            from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax_into_
+
+            rows = logits.shape[0]
+            gumbel_argmax_into_(
+                tokens, logits, self.temperatures[:rows], self.keys[0, :rows], self.keys[1, :rows]
+            )
+        return tokens, row_max
+
+    def serves(self, params: Sequence[SamplingParams]) -> bool:
+        """Whether the graph's tokens are these rows' draws."""
+        if all(p.temperature == 0.0 for p in params):
+            return True
+        return self.draws and all(
+            p.temperature == 0.0 or fused_draw_serves(p, self.vocab) for p in params
+        )
+
+    def stage(
+        self, params: Sequence[SamplingParams], num_generated: Sequence[int], *, rows: int
+    ) -> bool:
+        """Fill the buffers for a replay over ``rows`` padded rows whose first
+        ``len(params)`` are these; returns whether the graph draws them (else the step
+        samples eagerly, and the graph's draws, all greedy then, are ignored)."""
+        served = self.serves(params)
+        if not served or all(p.temperature == 0.0 for p in params):
+            if self._any_drawing:  # a previous step's temperatures would draw again
+                self.temperatures.zero_()
+                self._any_drawing = False
+            return served
+        pad = [0] * (rows - len(params))
+        upload_into(self.temperatures[:rows], [p.temperature for p in params] + pad)
+        seeds = [int64_seed(p.seed) if p.seed is not None else 0 for p in params]
+        upload_into(self.keys[:, :rows], [seeds + pad, list(num_generated) + pad])
+        self._any_drawing = True
+        return True

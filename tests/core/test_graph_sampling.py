@@ -1,0 +1,149 @@
+"""The decode graph's own sampling: it draws exactly what the eager sampler draws.
+
+A decode graph ends with the logits and, for a step whose every row is greedy or
+seeded without top-k / top-p, the tokens (``runner/graph_sampling.py``). The staged
+buffers and the captured draw are checked against the eager sampler over sequences
+of steps (a step's temperatures must never leak into the next), with padded rows;
+then a whole engine with graphs against one without.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
+from kvrunner.layers.sampler import Sampler, sample
+from kvrunner.runner.graph_sampling import GRAPH_ENDS_AT_ENV, GraphSampling
+
+pytest.importorskip("triton")
+VOCAB = 300
+GREEDY = st.builds(SamplingParams, temperature=st.just(0.0),
+                   logprobs=st.sampled_from([None, 0, 2]))
+SEEDED = st.builds(SamplingParams, temperature=st.floats(0.1, 2.0),
+                   seed=st.integers(-(2**63), 2**63 - 1), logprobs=st.sampled_from([None, 1]),
+                   top_k=st.sampled_from([0, VOCAB]))  # top_k = vocabulary filters nothing
+EAGER_ONLY = st.one_of(
+    st.builds(SamplingParams, temperature=st.floats(0.1, 2.0)),  # unseeded
+    st.builds(SamplingParams, temperature=st.just(1.0), seed=st.integers(0, 99),
+              top_k=st.integers(1, VOCAB - 1)),
+    st.builds(SamplingParams, temperature=st.just(1.0), seed=st.integers(0, 99),
+              top_p=st.floats(0.1, 0.95)),
+)
+STEP = st.lists(st.one_of(GREEDY, SEEDED, SEEDED, EAGER_ONLY), min_size=1, max_size=5)
+
+
+def graph_serves(params: list[SamplingParams], *, draws: bool) -> bool:
+    greedy = [p.temperature == 0.0 for p in params]
+    seeded_plain = [p.seed is not None and p.top_k in (0, VOCAB) and p.top_p >= 1.0
+                    for p in params]
+    return all(greedy) or draws and all(g or s for g, s in zip(greedy, seeded_plain, strict=True))
+
+
+@pytest.mark.parametrize("triton", [True, False])
+@given(steps=st.lists(STEP, min_size=1, max_size=4), pad=st.integers(0, 3),
+       seed=st.integers(0, 2**31))
+def test_a_staged_step_draws_the_eager_samplers_tokens(triton, steps, pad, seed) -> None:
+    """Step after step on one set of buffers, each padded to its graph's batch: where
+    the graph serves the step, its tokens and maxima are the eager sampler's; where it
+    does not, it says so. Without Triton only greedy steps are served."""
+    gen = torch.Generator().manual_seed(seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(USE_TRITON_ENV, "1" if triton else "0")
+        mp.setenv(FUSED_SAMPLER_ENV, "1")
+        buffers = GraphSampling(max_batch=8, vocab=VOCAB, device=torch.device("cpu"))
+        assert buffers.draws == triton
+        for params in steps:
+            n = len(params)
+            logits = torch.randn(n + pad, VOCAB, generator=gen) * 3
+            counts = torch.randint(0, 10**4, (n,), generator=gen).tolist()
+            served = buffers.stage(params, counts, rows=n + pad)
+            tokens, row_max = buffers.sample(logits)  # what the graph replays
+            assert served == graph_serves(params, draws=triton)
+            if served:
+                eager = sample(logits[:n], params, counts)
+                assert tokens[:n].tolist() == eager.token_ids.tolist()
+                assert torch.equal(row_max[:n], eager.row_max)
+
+
+def test_a_greedy_step_after_a_drawing_one_draws_nothing() -> None:
+    """The temperatures a step staged are cleared when the next step is all greedy:
+    every row takes its argmax again."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(USE_TRITON_ENV, "1")
+        buffers = GraphSampling(max_batch=4, vocab=50, device=torch.device("cpu"))
+        logits = torch.randn(4, 50)
+        assert buffers.stage([SamplingParams(temperature=5.0, seed=s) for s in range(4)],
+                             [0] * 4, rows=4)
+        drawn, _ = buffers.sample(logits)
+        assert buffers.stage([SamplingParams(temperature=0.0)] * 4, [0] * 4, rows=4)
+        greedy, _ = buffers.sample(logits)
+    assert greedy.tolist() == logits.argmax(dim=-1).tolist() != drawn.tolist()
+
+
+def generate(*, eager: bool, params: list[SamplingParams]) -> tuple[list, list[bool]]:
+    """The engine's outputs, and for each step it sampled whether the graph drew it."""
+    drawn_in_graph: list[bool] = []
+    original = Sampler.sample_step_rows
+
+    def spy(self, logits, step, *, drawn=None):
+        drawn_in_graph.append(drawn is not None)
+        return original(self, logits, step, drawn=drawn)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Sampler, "sample_step_rows", spy)
+        with LLM("tiny-qwen3", device="cpu", dtype="float32", max_num_seqs=4,
+                 max_model_len=64, enforce_eager=eager) as llm:
+            outputs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], params)
+    return outputs, drawn_in_graph
+
+
+MIXED = [
+    SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=4, temperature=0.8, seed=7, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=6, temperature=1.3, seed=8, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("end", ["tokens", "logits", "hidden"])
+def test_an_engine_with_graphs_draws_what_an_eager_one_draws(monkeypatch, end) -> None:
+    """Three requests padded to a graph of 4 (one ends early): the same tokens, and the
+    same logprobs to float32 rounding, wherever the graph ends; ending at the tokens,
+    every decode step is drawn in the graph, and nothing else is."""
+    monkeypatch.setenv(USE_TRITON_ENV, "1")
+    monkeypatch.setenv(GRAPH_ENDS_AT_ENV, end)
+    want, eager_drawn = generate(eager=True, params=MIXED)
+    got, graph_drawn = generate(eager=False, params=MIXED)
+    assert not any(eager_drawn)
+    assert any(graph_drawn) == (end == "tokens")
+    if end == "tokens":  # the prefill step samples eagerly, every decode step in the graph
+        assert graph_drawn == [False] + [True] * (len(graph_drawn) - 1)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert (g.logprobs is None) == (w.logprobs is None)
+        if w.logprobs is not None:
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+def test_an_unseeded_draw_samples_the_graphs_logits_eagerly(monkeypatch) -> None:
+    """A step with an unseeded row is not drawn in the graph (its noise is the
+    engine's generator's), and its tokens are still those of the eager engine."""
+    monkeypatch.setenv(USE_TRITON_ENV, "1")
+    params = [*MIXED[:2], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)]
+    want, _ = generate(eager=True, params=params)
+    got, graph_drawn = generate(eager=False, params=params)
+    assert not graph_drawn[1]  # the first decode step holds the unseeded row
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_where_the_graph_ends_is_checked() -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(GRAPH_ENDS_AT_ENV, "sampler")
+        from kvrunner.runner.graph_sampling import graph_ends_at
+
+        with pytest.raises(ValueError, match="KVRUNNER_DECODE_GRAPH_ENDS_AT='sampler'"):
+            graph_ends_at()
+
