@@ -10,7 +10,9 @@ value that should have lived in a buffer) shows up as a wrong answer in tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +31,21 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
     return sorted(set(sizes))
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """No automatic garbage collection inside: a collection during a CUDA graph capture
+    runs the finalizers of whatever dead cycles it finds (an engine dropped before this
+    one, with its graphs, events and pinned blocks), and a CUDA call that a capture
+    forbids aborts the process. The garbage is collected after, outside the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraph:
@@ -55,7 +72,7 @@ class DecodeGraph:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph, pool=pool):
+            with garbage_collection_paused(), torch.cuda.graph(self._graph, pool=pool):
                 self.output = forward(self.batch_size, self.ctx)
         else:
             self.output = forward(self.batch_size, self.ctx)

@@ -7,11 +7,15 @@ leave every pool byte-identical.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.contract import ForwardContext
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.runner.graphs import DecodeGraph
 
 pytestmark = pytest.mark.gpu
 
@@ -97,3 +101,19 @@ def test_bf16_generation_has_no_nan_rows(tiny_qwen3) -> None:
     outs = llm.generate(prompts(16), GREEDY)
     assert all(len(o.token_ids) == 12 for o in outs)
     assert llm.runner.nan_rows == 0
+
+
+def test_no_garbage_collection_runs_inside_a_capture() -> None:
+    """A dead cycle's finalizers may make CUDA calls a capture forbids (an engine dropped
+    before this one aborted the process in a capture): automatic collection is off
+    while the graph records, on for the warmup and again after."""
+    seen: list[bool] = []
+
+    def forward(rows: int, ctx: ForwardContext) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return torch.full((rows,), 2.0, device="cuda")
+
+    graph = DecodeGraph(4, ForwardContext())
+    graph.capture(forward, pool=None, device=torch.device("cuda"))
+    assert seen == [True, False] and gc.isenabled()
+    assert graph.replay().tolist() == [2.0] * 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import assume, given
@@ -17,7 +19,7 @@ from kvrunner.runner.capture_safety import (
     seed_undeclared_index_buffers,
 )
 from kvrunner.runner.forward_vars import ForwardVars
-from kvrunner.runner.graphs import default_capture_sizes
+from kvrunner.runner.graphs import default_capture_sizes, garbage_collection_paused
 from kvrunner.runner.sizing import CacheSizingError, num_blocks_for_budget
 
 
@@ -130,3 +132,20 @@ def test_checksum_kernel_equals_the_torch_reference(numel: int, dtype: torch.dty
         reference = capture_safety.chunk_checksums(pool)
         mp.setenv(USE_TRITON_ENV, "1")
         assert torch.equal(capture_safety.chunk_checksums(pool), reference)
+
+
+def test_garbage_collection_pauses_inside_and_comes_back_as_it_was() -> None:
+    """The pause a CUDA graph capture runs under: off inside, and afterwards as before
+    (on stays on, off stays off), also when the body raises."""
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), garbage_collection_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with garbage_collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
