@@ -148,8 +148,9 @@ class ConvTiles(NamedTuple):
 def default_conv_tiles(dim: int, max_seqlen: int) -> ConvTiles:
     """The output launch's tile: 16 tokens by 128 channels, four warps, capped at the
     problem's own size. At Qwen3-Next's 8,192 channels on an H200, fresh and continuing,
-    78 us against 94 for 64 x 64, within 4% of the fastest of 61 tiles swept (8 x 128,
-    two warps: 75 us; ``benchmarks/bench_gdn_conv.py --sweep``)."""
+    78 us against 94 for 64 x 64, within 5% of the fastest tile swept
+    (``benchmarks/bench_gdn_conv.py --sweep``: 75 us for 8 x 128 with two warps; with
+    channels first, which moved a tile by -8 to +2 us, 74 us for 16 x 32 with one)."""
     return ConvTiles(min(16, next_pow2(max_seqlen)), min(128, next_pow2(dim)), 4)
 
 
