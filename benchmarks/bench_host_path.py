@@ -1,9 +1,10 @@
 """Host work of a whole decode step, on any machine: ``LLM.generate`` through the
 real engine, runner and sampler, with the model's compute replaced by constants.
 
-The tiny Qwen3 checkpoint runs on the CPU; the runner's forward (eager and graph
-replay) returns a fixed hidden state and the logits are a fixed tensor, so what is
-timed is the host's share of a step: scheduling, block bookkeeping, step
+The tiny Qwen3 checkpoint runs on the CPU; the runner's eager forward returns a fixed
+hidden state and its logits are a fixed tensor, and a graph replay returns what a
+decode graph ends with (fixed logits, greedy tokens and row maxima), so what is timed
+is the host's share of a step: scheduling, block bookkeeping, step
 preparation and metadata, placeholders, sampling over a small vocabulary, reading
 the samples back and applying them. Compare with the GPU's step time to see whether
 asynchronous steps can hide it.
@@ -25,6 +26,7 @@ import torch
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.runner.graph_sampling import DecodeOutputs
 
 PROMPT, NEW = 64, 64
 
@@ -41,8 +43,11 @@ def host_ms_per_step(batch: int, *, profile: bool = False) -> float:
     logits = torch.zeros(batch, vocab)
     logits[:, 7] = 1.0
     runner._forward_rows = lambda n, ctx: hidden[:n]  # no model compute
+    # A replayed graph ends with its logits and greedy tokens (runner/graph_sampling.py)
+    tokens, row_max = torch.full((batch,), 7), torch.ones(batch)
     for graph in runner.graphs.values():
-        graph.replay = lambda graph=graph: hidden[: graph.batch_size]
+        b = graph.batch_size
+        graph.replay = lambda b=b: DecodeOutputs(None, logits[:b], tokens[:b], row_max[:b])
     runner.model.compute_logits = lambda x, **_: logits[: x.shape[0]]
     prompts = [[1 + (i * 31 + j) % (vocab - 1) for j in range(PROMPT)] for i in range(batch)]
 
