@@ -6,6 +6,10 @@ run through ``sample`` (``KVRUNNER_FUSED_SAMPLER`` 0 / 1); the floor is one read
 the logits at the measured copy bandwidth. Also prints how many rows draw the same
 token on both paths (all of them but close calls, which are rounding).
 
+Then the kernel alone, captured in a CUDA graph (GPU time only): each row walked by
+one program against the row cut into :func:`vocab_splits` slices and reduced, with
+their tokens compared bit for bit.
+
     python benchmarks/bench_sampler.py [--batches 1,64,256,1024]
 """
 
@@ -15,9 +19,10 @@ import argparse
 import os
 
 import torch
-from common import copy_bandwidth_tbps, median_ms
+from common import copy_bandwidth_tbps, graph_ms, median_ms
 
 from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV
+from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, vocab_splits
 from kvrunner.layers.sampler import sample
 from kvrunner.sampling_params import SamplingParams
 
@@ -49,6 +54,21 @@ def main() -> None:
               f"{times['1'] / times['0']:>11.2f} {floor:>9.1f} {times['1'] / floor:>11.2f} "
               f"{same:>6}/{batch:<5}")
     os.environ.pop(FUSED_SAMPLER_ENV, None)
+    print(f"\nthe kernel alone, in a CUDA graph\n{'batch':>5} {'slices':>6} "
+          f"{'one slice us':>12} {'sliced us':>9} {'sliced/one':>10} {'same tokens':>11}")
+    for batch in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        rows = torch.arange(batch, device="cuda")
+        temps = torch.ones(batch, device="cuda")
+        seeds, counts = rows + 1000, rows.clone()
+        splits = vocab_splits(batch, VOCAB, logits.device)
+        args_ = (logits, rows, temps, seeds, counts)
+        us = {k: graph_ms(lambda k=k, a=args_: gumbel_argmax(*a, splits=k)) * 1e3
+              for k in (1, splits)}
+        same = torch.equal(gumbel_argmax(*args_, splits=1), gumbel_argmax(*args_, splits=splits))
+        print(f"{batch:>5} {splits:>6} {us[1]:>12.1f} {us[splits]:>9.1f} "
+              f"{us[splits] / us[1]:>10.2f} {str(same):>11}")
 
 
 if __name__ == "__main__":

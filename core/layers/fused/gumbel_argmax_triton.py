@@ -4,10 +4,15 @@ The sampler's torch path draws a seeded row's token as ``argmax(logits / T + G)`
 with ``G = -log(-log(u))`` and ``u`` from :func:`seeded_uniform_`: about ten passes
 over ``[N, vocab]`` float32 (the division, the noise, its clamp and four logs and
 negations, the sum, the argmax), some 2.6 GB a step at 256 rows of a 152k
-vocabulary. This kernel makes the same draw reading each logit once: one program a
-row walks the vocabulary in tiles, makes ``u`` with the same counter-based generator
-and key as :func:`seeded_uniform_` (``tl.rand(seed * KEY_STRIDE + count, column)``,
-so the noise is the same bits), and keeps the running first maximum.
+vocabulary. This kernel makes the same draw reading each logit once: a program walks
+a slice of a row's vocabulary in tiles, makes ``u`` with the same counter-based
+generator and key as :func:`seeded_uniform_` (``tl.rand(seed * KEY_STRIDE + count,
+column)``, so the noise is the same bits), and keeps the running first maximum. With
+few rows a row is cut into several slices (:func:`vocab_splits`) and a second launch
+takes the first maximum of their partials: the token is the one-slice token bit for
+bit. One program a row walking all 152k columns left most of an H200 idle: a seeded
+decode step took 165 us more than a greedy one at batch 1 and 64
+(``benchmarks/bench_graph_end.py``). The cut is not yet timed on the GPU.
 
 The draw equals the torch path's wherever the largest perturbed score leads the
 next by more than a float32 rounding of it: the two compute the same expression
@@ -29,19 +34,22 @@ from kvrunner.layers.fused.seeded_uniform_triton import KEY_STRIDE
 
 #: vocabulary columns per tile
 BLOCK = 2048
+#: programs per streaming multiprocessor the vocabulary split aims for
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit
 def _first_max_of_perturbed(
-    logits_ptr, row, stride_l, temp, key, vocab,
+    logits_ptr, row, stride_l, temp, key, lo, hi,
     TINY: tl.constexpr, TOP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """The first column of ``row`` holding the largest ``logit / temp + G``."""
+    """The largest ``logit / temp + G`` of ``row`` over columns ``[lo, hi)``, and the
+    first column holding it (``-inf`` and column 0 when every score is ``-inf``)."""
     best = tl.full((), float("-inf"), tl.float32)
     best_col = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < vocab
+        mask = cols < hi
         x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf"))
         u = tl.minimum(tl.maximum(tl.rand(key, cols), TINY), TOP)
         # div_rn: the correctly rounded quotient torch computes (``/`` may be approximate)
@@ -49,36 +57,78 @@ def _first_max_of_perturbed(
         score = tl.where(mask, score, float("-inf"))
         tile_best = tl.max(score, 0)
         # the first column holding the tile's maximum, as torch's argmax picks
-        tile_col = tl.min(tl.where(score == tile_best, cols, vocab), 0).to(tl.int64)
+        tile_col = tl.min(tl.where(score == tile_best, cols, hi), 0).to(tl.int64)
         take = tile_best > best  # strict: an equal later tile keeps the earlier column
         best_col = tl.where(take, tile_col, best_col)
         best = tl.where(take, tile_best, best)
-    return best_col
+    return best, best_col
 
 
 @triton.jit
 def _gumbel_argmax_kernel(
     logits_ptr, stride_l, rows_ptr, temps_ptr, seeds_ptr, counts_ptr, out_ptr,
-    vocab,
+    part_best_ptr, part_col_ptr, vocab, cols_per_split,
     KEY_STRIDE: tl.constexpr, TINY: tl.constexpr, TOP: tl.constexpr, BLOCK_V: tl.constexpr,
-    KEEP_GREEDY: tl.constexpr,
+    KEEP_GREEDY: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
+    """Program ``(i, s)``: row ``i``'s draw over the ``s``-th slice of the vocabulary,
+    into ``out`` (one slice) or the partials (several, reduced by the next kernel)."""
     i = tl.program_id(0)
+    lo = tl.program_id(1) * cols_per_split
+    hi = tl.minimum(lo + cols_per_split, vocab)
     temp = tl.load(temps_ptr + i)
     key = tl.load(seeds_ptr + i) * KEY_STRIDE + tl.load(counts_ptr + i)
     if KEEP_GREEDY:
         # Row i of the logits; a row at temperature 0 keeps the token already in
         # out (its argmax) and reads nothing.
-        if temp > 0.0:
-            row = i.to(tl.int64)
-            col = _first_max_of_perturbed(logits_ptr, row, stride_l, temp, key, vocab,
-                                          TINY, TOP, BLOCK_V)
-            tl.store(out_ptr + i, col)
+        row = i.to(tl.int64)
+        draws = temp > 0.0
     else:
         row = tl.load(rows_ptr + i).to(tl.int64)
-        col = _first_max_of_perturbed(logits_ptr, row, stride_l, temp, key, vocab,
-                                      TINY, TOP, BLOCK_V)
-        tl.store(out_ptr + i, col)
+        draws = tl.full((), 1, tl.int1)
+    if draws:
+        best, col = _first_max_of_perturbed(logits_ptr, row, stride_l, temp, key, lo, hi,
+                                            TINY, TOP, BLOCK_V)
+        if SPLITS == 1:
+            tl.store(out_ptr + i, col)
+        else:
+            tl.store(part_best_ptr + i * SPLITS + tl.program_id(1), best)
+            tl.store(part_col_ptr + i * SPLITS + tl.program_id(1), col)
+
+
+@triton.jit
+def _first_max_of_splits_kernel(
+    part_best_ptr, part_col_ptr, temps_ptr, out_ptr,
+    KEEP_GREEDY: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Row ``i``'s token from its slices' partials: the largest score's column, the
+    earliest slice on a tie (the whole vocabulary's first maximum, as one slice)."""
+    i = tl.program_id(0)
+    if KEEP_GREEDY:
+        draws = tl.load(temps_ptr + i) > 0.0
+    else:
+        draws = tl.full((), 1, tl.int1)
+    if draws:
+        s = tl.arange(0, BLOCK_S)
+        best = tl.load(part_best_ptr + i * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+        col = tl.load(part_col_ptr + i * SPLITS + s, mask=s < SPLITS, other=0)
+        top = tl.max(best, 0)
+        first = tl.min(tl.where(best == top, s, SPLITS), 0)
+        # a row whose every score is -inf draws column 0, as one slice does
+        tl.store(out_ptr + i, tl.where(top > float("-inf"),
+                                       tl.sum(tl.where(s == first, col, 0), 0), 0))
+
+
+def vocab_splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Slices of the vocabulary a row's draw is cut into: enough programs to give each
+    streaming multiprocessor :data:`PROGRAMS_PER_SM` (below 132 rows, one program a row
+    leaves most of an H200 idle), never a slice under one tile, and one slice (no
+    reduce launch) where the rows already fill the chip. One off CUDA (the
+    interpreter, where tests choose the slices)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(rows, 1)), triton.cdiv(vocab, BLOCK)))
 
 
 def gumbel_argmax(
@@ -87,6 +137,8 @@ def gumbel_argmax(
     temperatures: torch.Tensor,
     seeds: torch.Tensor,
     counts: torch.Tensor,
+    *,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """The token drawn for each ``rows[i]`` of ``logits`` at ``temperatures[i]``, with
     the noise :func:`seeded_uniform_` keys by ``(seeds[i], counts[i])``; ``[S]`` int64.
@@ -94,6 +146,8 @@ def gumbel_argmax(
     :param logits: ``[N, V]`` float32 / bfloat16 / float16, last dimension contiguous.
     :param rows: ``[S]`` int64 row indices; ``temperatures`` ``[S]`` float32 (> 0);
         ``seeds`` / ``counts`` ``[S]`` int64.
+    :param splits: vocabulary slices a row is cut into (``None``: :func:`vocab_splits`);
+        the tokens are the same for every value.
     No host sync: the launch is capturable in a CUDA graph.
     """
     assert temperatures.dtype == torch.float32
@@ -103,7 +157,7 @@ def gumbel_argmax(
     vocab = logits.shape[1]
     if rows.numel() == 0 or vocab == 0:
         return out.zero_()
-    _launch(out, logits, rows, temperatures, seeds, counts, keep_greedy=False)
+    _launch(out, logits, rows, temperatures, seeds, counts, keep_greedy=False, splits=splits)
     return out
 
 
@@ -113,6 +167,8 @@ def gumbel_argmax_into_(
     temperatures: torch.Tensor,
     seeds: torch.Tensor,
     counts: torch.Tensor,
+    *,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Overwrite ``tokens[i]`` with the draw for row ``i`` of ``logits`` wherever
     ``temperatures[i] > 0`` (the noise as :func:`gumbel_argmax`'s); a row at
@@ -126,17 +182,33 @@ def gumbel_argmax_into_(
     assert temperatures.dtype == torch.float32 and logits.shape[0] >= n
     assert temperatures.shape == seeds.shape == counts.shape == tokens.shape
     if n and logits.shape[1]:
-        _launch(tokens, logits, tokens, temperatures, seeds, counts, keep_greedy=True)
+        _launch(tokens, logits, tokens, temperatures, seeds, counts, keep_greedy=True,
+                splits=splits)
     return tokens
 
 
-def _launch(out, logits, rows, temperatures, seeds, counts, *, keep_greedy: bool) -> None:
+def _launch(out, logits, rows, temperatures, seeds, counts, *, keep_greedy: bool,
+            splits: int | None) -> None:
     assert logits.stride(-1) == 1
     eps = torch.finfo(torch.float32).eps
-    vocab = logits.shape[1]
-    _gumbel_argmax_kernel[(out.numel(),)](
-        logits, logits.stride(0), rows, temperatures, seeds, counts, out, vocab,
+    n, vocab = out.numel(), logits.shape[1]
+    block_v = min(BLOCK, triton.next_power_of_2(vocab))
+    splits = vocab_splits(n, vocab, logits.device) if splits is None else splits
+    # whole tiles a slice, and no empty slice after rounding up
+    cols_per_split = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
+    splits = triton.cdiv(vocab, cols_per_split)
+    part_best = part_col = out  # unused with one slice
+    if splits > 1:
+        part_best = torch.empty(n, splits, dtype=torch.float32, device=out.device)
+        part_col = torch.empty(n, splits, dtype=torch.int64, device=out.device)
+    _gumbel_argmax_kernel[(n, splits)](
+        logits, logits.stride(0), rows, temperatures, seeds, counts, out,
+        part_best, part_col, vocab, cols_per_split,
         KEY_STRIDE=KEY_STRIDE, TINY=torch.finfo(torch.float32).tiny, TOP=1.0 - eps,
-        BLOCK_V=min(BLOCK, triton.next_power_of_2(vocab)), KEEP_GREEDY=keep_greedy,
-        num_warps=8,
+        BLOCK_V=block_v, KEEP_GREEDY=keep_greedy, SPLITS=splits, num_warps=8,
     )  # fmt: skip
+    if splits > 1:
+        _first_max_of_splits_kernel[(n,)](
+            part_best, part_col, temperatures, out,
+            KEEP_GREEDY=keep_greedy, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        )  # fmt: skip

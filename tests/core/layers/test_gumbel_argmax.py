@@ -100,6 +100,84 @@ def test_in_place_rows_at_temperature_zero_keep_their_token_and_the_rest_draw(
         logits, rows_drawn, temps[drawing], seeds[drawing], counts[drawing]).tolist()
 
 
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 9000), splits=st.integers(2, 6),
+       dtype=st.sampled_from(DTYPES), in_place=st.booleans(), data=st.data())
+def test_cutting_the_vocabulary_into_slices_draws_the_same_tokens(
+    rows, vocab, splits, dtype, in_place, data
+) -> None:
+    """A row's draw over several slices, reduced, is the one-slice draw bit for bit:
+    the whole row's first maximum, also where half the row is -inf, where every
+    logit is (column 0), or where one column is finite (that column, wherever the
+    slices meet)."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    shape = data.draw(st.sampled_from(["plain", "half -inf", "one finite column", "all -inf"]))
+    only = None
+    if shape == "half -inf":
+        logits[:, vocab // 2:] = float("-inf")
+    elif shape == "one finite column":  # often at a tile's edge, where slices meet
+        edges = [c for c in (2047, 2048, 4095, 4096, 6143, 6144) if c < vocab]
+        only = data.draw(st.sampled_from(edges) if edges and data.draw(st.booleans())
+                         else st.integers(0, vocab - 1))
+        logits[:, :only] = float("-inf")
+        logits[:, only + 1:] = float("-inf")
+    elif shape == "all -inf":
+        logits[:] = float("-inf")
+    logits = logits.to(dtype)
+    temps = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                                            min_size=rows, max_size=rows)))
+    if not in_place:
+        temps = temps.clamp(min=0.25)
+    seeds = torch.tensor(data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=rows,
+                                            max_size=rows)))
+    counts = torch.randint(0, 10**5, (rows,), generator=gen)
+    if in_place:
+        def draw(k):
+            return gumbel_argmax_into_(torch.full((rows,), -7), logits, temps, seeds, counts,
+                                       splits=k)
+    else:
+        pick = torch.arange(rows - 1, -1, -1)
+
+        def draw(k):
+            return gumbel_argmax(logits, pick, temps, seeds, counts, splits=k)
+    assert draw(splits).tolist() == draw(1).tolist()
+    if only is not None:
+        assert set(draw(splits)[temps > 0].tolist()) <= {only}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_on_the_gpu_the_sliced_draw_is_the_one_slice_draw(rows) -> None:
+    """Compiled, at a real vocabulary, with the slices the chip's size chooses."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (torch.randn(rows, 151_936, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    pick = torch.arange(rows, device="cuda")
+    temps = torch.linspace(0.3, 1.7, rows, device="cuda")
+    seeds, counts = pick * 7919 - 2**40, pick * 131
+    assert torch.equal(gumbel_argmax(logits, pick, temps, seeds, counts),
+                       gumbel_argmax(logits, pick, temps, seeds, counts, splits=1))
+    tokens = logits.float().argmax(dim=-1)
+    greedy_too = temps.masked_fill(pick % 2 == 0, 0.0)  # the graph's in-place form
+    assert torch.equal(
+        gumbel_argmax_into_(tokens.clone(), logits, greedy_too, seeds, counts),
+        gumbel_argmax_into_(tokens.clone(), logits, greedy_too, seeds, counts, splits=1))
+
+
+def test_a_lone_finite_column_is_drawn_wherever_the_slices_meet() -> None:
+    """Every column on either side of every slice edge belongs to exactly one slice: a
+    row finite only there draws it, for 1-4 slices of a 6,145-column row."""
+    edges = [0, 2047, 2048, 4095, 4096, 6143, 6144]
+    logits = torch.full((len(edges), 6145), float("-inf"))
+    for row, col in enumerate(edges):
+        logits[row, col] = 0.0
+    n = len(edges)
+    temps, seeds, counts = torch.ones(n), torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    for splits in (1, 2, 3, 4):
+        assert gumbel_argmax(logits, torch.arange(n), temps, seeds, counts,
+                             splits=splits).tolist() == edges, f"{splits} slices"
+
+
 def test_a_tie_takes_the_first_column_as_argmax_does() -> None:
     """Noise differs per column, so equal scores come from equal logits at -inf: a row
     masked over several tiles draws column 0, as torch's argmax does, and a row with
