@@ -3,7 +3,7 @@
 A random checkpoint shaped like Qwen3-0.6B (28 layers, hidden 1024, 16 q / 8 kv
 heads of 128, MLP 3072, vocab 151936, bf16), prompts of 128 random tokens. Prints
 decode tokens/s for both at batch 1, 64 and 256 (ours also at 512 and 1,024), the
-ratio, the captured forward's replay time apart, step time as a multiple
+ratio, the captured graph's replay time apart, step time as a multiple
 of the HBM floor (weights + KV bytes over the measured copy bandwidth), graph
 replay vs eager per step at batch 1, the host's busy time per step (what is not
 spent waiting for the device), and the capture time of every bucket.
@@ -227,6 +227,28 @@ def hf_step_ms(path: Path, batch: int, model) -> float:
     return (run(n) - run(1)) / (n - 1) * 1e3
 
 
+#: KV bytes a token keeps (bf16 keys and values of every layer)
+KV_PER_TOKEN = SHAPE["layers"] * 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
+
+
+def step_floor_ms(weight_bytes: int, batch: int, bandwidth: float) -> float:
+    """HBM floor of a decode step: the weights and the KV at the run's mean context,
+    over ``bandwidth`` (bytes/s)."""
+    return (weight_bytes + batch * (PROMPT + NEW // 2) * KV_PER_TOKEN) / bandwidth * 1e3
+
+
+def decode_engine(path: Path, batches: tuple[int, ...], **config) -> LLM:
+    """The engine these decode figures come from, sized for ``batches``."""
+    # Every prompt of the largest batch in one prefill step: with a smaller budget the
+    # prefill spans several steps that also carry the first sequences' decode tokens,
+    # and those mixed (eager) steps fall into the decode figure, which is
+    # (time for NEW tokens - time for 1) / (NEW - 1).
+    return LLM(model=str(path), dtype="bfloat16", max_num_seqs=max(batches),
+               max_model_len=PROMPT + NEW + 16,
+               max_num_batched_tokens=max(8192, max(batches) * PROMPT),
+               gpu_memory_utilization=0.6, **config)
+
+
 def release_memory() -> None:
     """Return what the last dropped engine or model held (call after ``del``)."""
     gc.collect()
@@ -242,18 +264,9 @@ def main() -> None:
     path = root / "qwen3-0.6b-random"
     weight_bytes = write_checkpoint(path)
     bw = copy_bandwidth_tbps() * 1e12
-    s = SHAPE
-    kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
 
     def engine(batches: tuple[int, ...], **config) -> LLM:
-        # Every prompt of the largest batch in one prefill step: with a smaller budget
-        # the prefill spans several steps that also carry the first sequences' decode
-        # tokens, and those mixed (eager) steps fall into the decode figure, which is
-        # (time for NEW tokens - time for 1) / (NEW - 1).
-        return LLM(model=str(path), dtype="bfloat16", max_num_seqs=max(batches),
-                   max_model_len=PROMPT + NEW + 16,
-                   max_num_batched_tokens=max(8192, max(batches) * PROMPT),
-                   gpu_memory_utilization=0.6, **config)
+        return decode_engine(path, batches, **config)
 
     ours, replay, host, launch = {}, {}, {}, {}
 
@@ -313,8 +326,7 @@ def main() -> None:
     )
 
     def floor_ms(b: int) -> float:
-        """HBM floor of a step: the weights and the KV at the run's mean context."""
-        return (weight_bytes + b * (PROMPT + NEW // 2) * kv_per_token) / bw * 1e3
+        return step_floor_ms(weight_bytes, b, bw)
 
     for b in BATCHES + LARGE_BATCHES:
         hf_ms = hf.get(b, float("nan"))

@@ -17,10 +17,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench_e2e_decode import NEW, PROMPT, SHAPE, ours_step_ms, release_memory, write_checkpoint
+from bench_e2e_decode import (
+    decode_engine,
+    ours_step_ms,
+    release_memory,
+    step_floor_ms,
+    write_checkpoint,
+)
 from common import copy_bandwidth_tbps
 
-from kvrunner import LLM
 from kvrunner.runner.graph_sampling import GRAPH_ENDS, GRAPH_ENDS_AT_ENV
 
 BATCHES = (1, 64, 256)
@@ -30,15 +35,10 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "qwen3-0.6b-random"
     weight_bytes = write_checkpoint(path)
     bw = copy_bandwidth_tbps() * 1e12
-    s = SHAPE
-    kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
     ms: dict[tuple[str, str, int], float] = {}
     for end in reversed(GRAPH_ENDS):  # hidden first: the reference
         os.environ[GRAPH_ENDS_AT_ENV] = end
-        llm = LLM(model=str(path), dtype="bfloat16", max_num_seqs=max(BATCHES),
-                  max_model_len=PROMPT + NEW + 16,
-                  max_num_batched_tokens=max(8192, max(BATCHES) * PROMPT),
-                  gpu_memory_utilization=0.6)
+        llm = decode_engine(path, BATCHES)
         assert llm.runner.graph_end == end
         for b in BATCHES:
             for sampling in ("greedy", "seeded"):
@@ -52,7 +52,7 @@ def main() -> None:
           + f" {'tokens/hidden':>13}")
     for sampling in ("greedy", "seeded"):
         for b in BATCHES:
-            floor = (weight_bytes + b * (PROMPT + NEW // 2) * kv_per_token) / bw * 1e3
+            floor = step_floor_ms(weight_bytes, b, bw)
             cells = " ".join(f"{ms[e, sampling, b]:>10.3f} {ms[e, sampling, b] / floor:>7.2f}"
                              for e in reversed(GRAPH_ENDS))
             ratio = ms["tokens", sampling, b] / ms["hidden", sampling, b]

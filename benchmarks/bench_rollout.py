@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
+from bench_e2e_decode import KV_PER_TOKEN, SHAPE, release_memory, write_checkpoint
 from common import copy_bandwidth_tbps
 
 from kvrunner import LLM, SamplingParams
@@ -75,8 +75,6 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "qwen3-0.6b-random"
     weight_bytes = write_checkpoint(path, max_positions=8192)  # room for the 4k TTFT prompt
     bw = copy_bandwidth_tbps() * 1e12
-    s = SHAPE
-    kv_per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
     rows = []
 
     prompts = random_prompts(BATCH, PROMPT, seed=1)
@@ -85,7 +83,7 @@ def main() -> None:
     on = ours_seconds(path, "bfloat16", prompts, sampled)
     off = float("nan") if args.rollout_only else ours_seconds(
         path, "bfloat16", prompts, sampled, async_scheduling=False)
-    decode_floor = sum(weight_bytes + BATCH * (PROMPT + i) * kv_per_token for i in range(NEW)) / bw
+    decode_floor = sum(weight_bytes + BATCH * (PROMPT + i) * KV_PER_TOKEN for i in range(NEW)) / bw
     prefill_floor = 2 * weight_bytes / 2 * BATCH * PROMPT / (BF16_TFLOPS * 1e12)
     floor = decode_floor + prefill_floor
     rollout = [("rollout bf16 (async on)", BATCH * NEW, on, floor),

@@ -29,7 +29,6 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
-
 def upload_into(target: torch.Tensor, values: list) -> None:
     """Copy the host ``values`` (nested lists of ``target``'s shape) into ``target``, a
     device buffer or a view of one, without making the host wait: through pinned

@@ -33,10 +33,8 @@ import torch
 
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
-from kvrunner.layers.sampling_draw import draw_rows, fused_draw_serves, use_fused_draw
+from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.sampling_params import SamplingParams
-
-__all__ = ["fused_draw_serves", "sample", "use_fused_draw", "with_logprobs"]
 
 
 @attrs.frozen(kw_only=True)

@@ -89,22 +89,17 @@ class GraphSampling:
             )
         return tokens, row_max
 
-    def serves(self, params: Sequence[SamplingParams]) -> bool:
-        """Whether the graph's tokens are these rows' draws."""
-        if all(p.temperature == 0.0 for p in params):
-            return True
-        return self.draws and all(
-            p.temperature == 0.0 or fused_draw_serves(p, self.vocab) for p in params
-        )
-
     def stage(
         self, params: Sequence[SamplingParams], num_generated: Sequence[int], *, rows: int
     ) -> bool:
         """Fill the buffers for a replay over ``rows`` padded rows whose first
         ``len(params)`` are these; returns whether the graph draws them (else the step
         samples eagerly, and the graph's draws, all greedy then, are ignored)."""
-        served = self.serves(params)
-        if not served or all(p.temperature == 0.0 for p in params):
+        greedy = all(p.temperature == 0.0 for p in params)
+        served = greedy or self.draws and all(
+            p.temperature == 0.0 or fused_draw_serves(p, self.vocab) for p in params
+        )
+        if greedy or not served:
             if self._any_drawing:  # a previous step's temperatures would draw again
                 self.temperatures.zero_()
                 self._any_drawing = False

@@ -38,7 +38,8 @@ def garbage_collection_paused() -> Iterator[None]:
     """No automatic garbage collection inside: a collection during a CUDA graph capture
     runs the finalizers of whatever dead cycles it finds (an engine dropped before this
     one, with its graphs, events and pinned blocks), and a CUDA call that a capture
-    forbids aborts the process. The garbage is collected after, outside the capture."""
+    forbids aborts the process. The garbage waits for the next automatic collection,
+    outside the capture."""
     enabled = gc.isenabled()
     gc.disable()
     try:

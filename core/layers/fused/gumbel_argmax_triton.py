@@ -26,6 +26,8 @@ token the same (``benchmarks/bench_sampler.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -127,8 +129,14 @@ def vocab_splits(rows: int, vocab: int, device: torch.device) -> int:
     interpreter, where tests choose the slices)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(rows, 1)), triton.cdiv(vocab, BLOCK)))
+    programs = PROGRAMS_PER_SM * _multiprocessors(device.index)
+    return max(1, min(triton.cdiv(programs, max(rows, 1)), triton.cdiv(vocab, BLOCK)))
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    """The device's multiprocessor count, asked once (the draw runs every step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def gumbel_argmax(

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
 from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, gumbel_argmax_into_
 from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
-from kvrunner.layers.sampler import sample, use_fused_draw
+from kvrunner.layers.sampler import sample
+from kvrunner.layers.sampling_draw import use_fused_draw
 from kvrunner.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
