@@ -99,12 +99,15 @@ def prompts(batch: int, seed: int) -> list[list[int]]:
     return torch.randint(1, SHAPE["vocab"], (batch, PROMPT), generator=g).tolist()
 
 
-def timed_generate(llm: LLM, batch: int, new: int, seed: int, *, seeded: bool = False) -> float:
-    """Seconds for ``new`` tokens of ``batch`` prompts: greedy, or (``seeded``) each
-    request drawing at temperature 1 with a seed of its own."""
+def timed_generate(llm: LLM, batch: int, new: int, seed: int, *, seeded: bool = False,
+                   unseeded: bool = False) -> float:
+    """Seconds for ``new`` tokens of ``batch`` prompts: greedy, or each request drawing
+    at temperature 1 with a seed of its own (``seeded``) or none (``unseeded``)."""
     if seeded:
         params = [SamplingParams(max_tokens=new, temperature=1.0, seed=seed * 1000 + i,
                                  ignore_eos=True) for i in range(batch)]
+    elif unseeded:
+        params = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True)
     else:
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     torch.cuda.synchronize()
@@ -114,11 +117,13 @@ def timed_generate(llm: LLM, batch: int, new: int, seed: int, *, seeded: bool = 
     return time.perf_counter() - start
 
 
-def ours_step_ms(llm: LLM, batch: int, new: int = NEW, *, seeded: bool = False) -> float:
+def ours_step_ms(llm: LLM, batch: int, new: int = NEW, *, seeded: bool = False,
+                 unseeded: bool = False) -> float:
     """Decode ms per step: (time for ``new`` tokens - time for 1 token) / (``new`` - 1)."""
-    timed_generate(llm, batch, 4, seed=99, seeded=seeded)  # warm up every kernel at this batch
-    full = timed_generate(llm, batch, new, seed=batch, seeded=seeded)
-    prefill = timed_generate(llm, batch, 1, seed=batch + 1, seeded=seeded)
+    kw = {"seeded": seeded, "unseeded": unseeded}
+    timed_generate(llm, batch, 4, seed=99, **kw)  # warm up every kernel at this batch
+    full = timed_generate(llm, batch, new, seed=batch, **kw)
+    prefill = timed_generate(llm, batch, 1, seed=batch + 1, **kw)
     return (full - prefill) / (new - 1) * 1e3
 
 

@@ -3,7 +3,8 @@
 ``KVRUNNER_DECODE_GRAPH_ENDS_AT`` (``runner/graph_sampling.py``) at ``hidden``,
 ``logits`` and ``tokens`` (the default), one engine each, on the Qwen3-0.6B shape of
 ``bench_e2e_decode.py``: decode ms per step at batch 1, 64 and 256, greedy and with
-every request seeded at temperature 1 (drawn in the graph at ``tokens``), against the
+every request at temperature 1, seeded or unseeded (both drawn in the graph at
+``tokens``: an unseeded request is keyed by the engine), against the
 HBM floor, and each end's step against ``hidden``'s. The ends differ only in where the
 logits' and the sampler's launches happen, so the figures are launch gaps and host
 work, measured in one run.
@@ -29,6 +30,7 @@ from common import copy_bandwidth_tbps
 from kvrunner.runner.graph_sampling import GRAPH_ENDS, GRAPH_ENDS_AT_ENV
 
 BATCHES = (1, 64, 256)
+SAMPLINGS = ("greedy", "seeded", "unseeded")
 
 
 def main() -> None:
@@ -41,16 +43,17 @@ def main() -> None:
         llm = decode_engine(path, BATCHES)
         assert llm.runner.graph_end == end
         for b in BATCHES:
-            for sampling in ("greedy", "seeded"):
-                ms[end, sampling, b] = ours_step_ms(llm, b, seeded=sampling == "seeded")
-                print(f"{end:>6} {sampling:>6} batch {b:>3}: {ms[end, sampling, b]:.3f} ms/step",
+            for sampling in SAMPLINGS:
+                ms[end, sampling, b] = ours_step_ms(llm, b, seeded=sampling == "seeded",
+                                                    unseeded=sampling == "unseeded")
+                print(f"{end:>6} {sampling:>8} batch {b:>3}: {ms[end, sampling, b]:.3f} ms/step",
                       flush=True)
         del llm
         release_memory()
     print(f"\n{'sampling':>8} {'batch':>5} {'floor ms':>8} "
           + " ".join(f"{e + ' ms':>10} {'x floor':>7}" for e in reversed(GRAPH_ENDS))
           + f" {'tokens/hidden':>13}")
-    for sampling in ("greedy", "seeded"):
+    for sampling in SAMPLINGS:
         for b in BATCHES:
             floor = step_floor_ms(weight_bytes, b, bw)
             cells = " ".join(f"{ms[e, sampling, b]:>10.3f} {ms[e, sampling, b] / floor:>7.2f}"

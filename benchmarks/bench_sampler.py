@@ -6,6 +6,10 @@ run through ``sample`` (``KVRUNNER_FUSED_SAMPLER`` 0 / 1); the floor is one read
 the logits at the measured copy bandwidth. Also prints how many rows draw the same
 token on both paths (all of them but close calls, which are rounding).
 
+Then unseeded rows (an RL rollout's usual sampling): drawn from the engine's shared
+generator on the torch path (how the engine drew them before it keyed them) against
+keyed by the engine's seed and their request ids on the kernel (how it draws them now).
+
 Then the kernel alone, captured in a CUDA graph (GPU time only): each row walked by
 one program against the row cut into :func:`vocab_splits` slices and reduced, with
 their tokens compared bit for bit.
@@ -24,6 +28,7 @@ from common import copy_bandwidth_tbps, graph_ms, median_ms
 from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV
 from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, vocab_splits
 from kvrunner.layers.sampler import sample
+from kvrunner.layers.sampling_seeds import request_keys
 from kvrunner.sampling_params import SamplingParams
 
 VOCAB = 151_936
@@ -54,6 +59,19 @@ def main() -> None:
               f"{times['1'] / times['0']:>11.2f} {floor:>9.1f} {times['1'] / floor:>11.2f} "
               f"{same:>6}/{batch:<5}")
     os.environ.pop(FUSED_SAMPLER_ENV, None)
+    print(f"\nunseeded rows, T=1.0\n{'batch':>5} {'generator us':>12} {'keyed us':>9} "
+          f"{'keyed/generator':>15}")
+    for batch in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        params = [SamplingParams(temperature=1.0)] * batch
+        counts = list(range(batch))
+        keys = request_keys(0, list(range(batch)))
+        shared = median_ms(lambda x=logits, p=params, c=counts, gen=g:
+                           sample(x, p, c, generator=gen)) * 1e3
+        keyed = median_ms(lambda x=logits, p=params, c=counts, k=keys:
+                          sample(x, p, c, keys=k)) * 1e3
+        print(f"{batch:>5} {shared:>12.1f} {keyed:>9.1f} {keyed / shared:>15.2f}")
     print(f"\nthe kernel alone, in a CUDA graph\n{'batch':>5} {'slices':>6} "
           f"{'one slice us':>12} {'sliced us':>9} {'sliced/one':>10} {'same tokens':>11}")
     for batch in (int(b) for b in args.batches.split(",")):

@@ -13,7 +13,12 @@ requests share the batch, on the batch order, or on preemption and recompute (on
 CUDA one Triton launch of a counter-based generator keyed by ``(seed, count)`` serves
 every seeded row; without Triton, torch's generator re-seeded per row with
 :func:`step_seed`: the two paths draw different noise).
-Requests without a seed share one generator (the engine's).
+The engine's sampler (:class:`Sampler`, which knows each row's request id) keys an
+unseeded request the same way, by a key mixed from the engine's seed and the request
+id (``sampling_seeds.request_keys``): its draws are its own too, the same with
+asynchronous steps or without, drawn by the same kernel as seeded rows (in the decode
+graph where it ends with the tokens), and one engine seed repeats them. Rows that
+:func:`sample` is given no key for share one generator.
 
 Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
 filtering), which is what vLLM reports by default and what an RL trainer compares
@@ -34,6 +39,7 @@ import torch
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
 from kvrunner.layers.sampling_draw import draw_rows
+from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.sampling_params import SamplingParams
 
 
@@ -71,6 +77,7 @@ def sample(
     num_generated: Sequence[int],
     *,
     generator: torch.Generator | None = None,
+    keys: Sequence[int] | None = None,
 ) -> SamplerOutput:
     """Sample one token per row.
 
@@ -81,6 +88,8 @@ def sample(
     :param num_generated: tokens each row's request has generated so far (keys seeds).
     :param generator: for rows without a seed; ``None`` uses torch's default generator.
         Must live on ``logits.device``.
+    :param keys: each row's int64 draw key (``sampling_seeds.row_keys``); then no row
+        reads ``generator``.
     """
     n, vocab = logits.shape
     if not len(params) == len(num_generated) == n:
@@ -98,7 +107,8 @@ def sample(
         rows = None if len(random_rows) == n else on_device(random_rows, torch.int64,
                                                               logits.device)
         drawn = draw_rows(logits, rows, [params[i] for i in random_rows],
-                          [num_generated[i] for i in random_rows], generator)
+                          [num_generated[i] for i in random_rows], generator,
+                          None if keys is None else [keys[i] for i in random_rows])
         if rows is None:
             tokens = drawn
         else:
@@ -171,12 +181,14 @@ def sample_step_rows(
     *,
     generator: torch.Generator | None = None,
     drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+    engine_seed: int | None = None,
 ) -> StepSamples:
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
     ``i``-th chunk with ``sample`` set. Nothing is read back to the host.
 
     ``drawn``: the rows' tokens and raw row maxima, already chosen on the device (by a
-    decode graph); then only the logprobs are computed here.
+    decode graph); then only the logprobs are computed here. ``engine_seed``: key the
+    unseeded rows by it and their request ids (else they draw from ``generator``).
     """
     cols = step
     if all(cols.sample):  # every decode step: the columns themselves, no index passes
@@ -187,17 +199,20 @@ def sample_step_rows(
         counts = [cols.num_output_tokens[i] for i in rows]
         seq_ids = [cols.seq_id[i] for i in rows]
     if drawn is None:
-        out = sample(logits, params, counts, generator=generator)
+        keys = None if engine_seed is None else row_keys(params, seq_ids, engine_seed)
+        out = sample(logits, params, counts, generator=generator, keys=keys)
     else:
         out = with_logprobs(logits, *drawn, params)
     return StepSamples(out=out, seq_ids=seq_ids, params=params)
 
 
 class Sampler:
-    """:func:`sample` with the engine's generator for unseeded requests.
+    """The engine's sampler: a step's unseeded rows are keyed by ``seed`` and their
+    request ids (:meth:`sample_step_rows`), so two engines built with the same seed
+    draw the same unseeded tokens.
 
-    The generator is created on the first call's device, seeded with ``seed``, so two
-    engines built with the same seed draw the same unseeded tokens.
+    Called on bare rows (no request ids), unseeded rows draw from a generator created
+    on the first call's device and seeded with ``seed``.
     """
 
     def __init__(self, seed: int = 0) -> None:
@@ -216,10 +231,8 @@ class Sampler:
         *,
         drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> StepSamples:
-        """:func:`sample_step_rows` with this sampler's generator."""
-        return sample_step_rows(
-            logits, step, generator=self._generator_for(logits.device), drawn=drawn
-        )
+        """:func:`sample_step_rows`, unseeded rows keyed by this sampler's seed."""
+        return sample_step_rows(logits, step, drawn=drawn, engine_seed=self.seed)
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

@@ -2,10 +2,11 @@
 filtered logits, with ``G`` standard Gumbel noise (see ``sampler.py`` for the rules).
 
 Two paths. The one-pass Triton kernel (``layers/fused/gumbel_argmax_triton.py``)
-serves seeded rows without top-k / top-p; every other row takes the torch path: the
-scaling, the filter (a sort), the noise (seeded rows keyed on the device, or torch's
-generator re-seeded per row without Triton, or the engine's generator for unseeded
-rows), and an argmax.
+serves keyed rows (a seed of their own, or the engine's key for an unseeded request:
+``sampling_seeds.row_keys``) without top-k / top-p; every other row takes the torch
+path: the scaling, the filter (a sort), the noise (keyed rows keyed on the device, or
+torch's generator re-seeded per row without Triton; rows given no key draw from a
+shared generator), and an argmax.
 """
 
 from __future__ import annotations
@@ -91,18 +92,22 @@ def draw_rows(
     params: list[SamplingParams],
     counts: list[int],
     generator: torch.Generator | None,
+    keys: list[int] | None = None,
 ) -> torch.Tensor:
     """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
     with ``params[i]`` after ``counts[i]`` generated tokens: ``argmax(logits / T + G)``
-    over the filtered logits, ``G`` Gumbel noise."""
+    over the filtered logits, ``G`` Gumbel noise keyed by ``keys[i]`` (default: the
+    row's own seed; an unseeded row without a key draws from ``generator``)."""
     device, vocab = logits.device, logits.shape[1]
     temps = on_device([p.temperature for p in params], torch.float32, device)
-    if use_fused_draw(logits, params):
+    if use_fused_draw(logits, params, keyed=keys is not None):
         from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
 
-        # seeds and counts (and every row's id, when no rows were given) in one upload:
+        # keys and counts (and every row's id, when no rows were given) in one upload:
         # each upload is a pinned copy and a launch
-        cols = [[int64_seed(p.seed) for p in params], counts]
+        if keys is None:
+            keys = [int64_seed(p.seed) for p in params]
+        cols = [keys, counts]
         if rows is None:
             rows, *cols = on_device([list(range(len(params))), *cols], torch.int64, device)
         else:
@@ -111,19 +116,28 @@ def draw_rows(
     raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
     scaled = _filter(scaled, raw, [p.top_k for p in params], [p.top_p for p in params])
-    noise = _gumbel(len(params), vocab, [p.seed for p in params], counts, generator, device)
+    seeds = [p.seed for p in params] if keys is None else keys
+    noise = _gumbel(len(params), vocab, seeds, counts, generator, device)
     return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
 
 
-def fused_draw_serves(params: SamplingParams, vocab: int) -> bool:
-    """Whether the one-pass kernel can draw a row with ``params``: seeded (the kernel
-    makes the seeded rows' noise) and not filtered by top-k / top-p (a sort)."""
-    return params.seed is not None and not 0 < params.top_k < vocab and params.top_p >= 1.0
+def fused_draw_serves(params: SamplingParams, vocab: int, *, keyed: bool = False) -> bool:
+    """Whether the one-pass kernel can draw a row with ``params``: keyed (a seed of its
+    own, or ``keyed``: the engine keys it; the kernel makes keyed noise only) and not
+    filtered by top-k / top-p (a sort)."""
+    return (
+        (keyed or params.seed is not None)
+        and not 0 < params.top_k < vocab
+        and params.top_p >= 1.0
+    )
 
 
-def use_fused_draw(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
+def use_fused_draw(
+    logits: torch.Tensor, params: list[SamplingParams], *, keyed: bool = False
+) -> bool:
     """Whether the one-pass kernel draws these rows: not switched off
-    (``KVRUNNER_FUSED_SAMPLER=0``), on the Triton path, and it serves every row."""
+    (``KVRUNNER_FUSED_SAMPLER=0``), on the Triton path, and it serves every row
+    (``keyed``: every row has a key)."""
     vocab = logits.shape[1]
-    serves = (fused_draw_serves(p, vocab) for p in params)
+    serves = (fused_draw_serves(p, vocab, keyed=keyed) for p in params)
     return fused_sampler_enabled() and use_triton(logits) and all(serves)

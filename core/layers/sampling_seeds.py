@@ -1,13 +1,19 @@
-"""How a seeded request's draws are keyed: by its seed and the tokens it generated.
+"""How a request's draws are keyed: by its seed and the tokens it generated.
 
 Two keyings, one per noise path of the sampler: :func:`step_seed` re-seeds torch's
 generator per row (without Triton); :func:`int64_seed` is the seed the Triton kernel
 keys on the device together with the count (``layers/fused/seeded_uniform_triton.py``).
+A request without a seed is keyed by the engine (:func:`request_keys`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvrunner.sampling_params import SamplingParams
 
 
 def _hash63(text: str) -> int:
@@ -26,3 +32,39 @@ def step_seed(seed: int, num_generated: int) -> int:
 def int64_seed(seed: int) -> int:
     """``seed`` itself where it fits an int64, else a 63-bit hash of it."""
     return seed if -(2**63) <= seed < 2**63 else _hash63(str(seed))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def request_keys(engine_seed: int, seq_ids: Sequence[int]) -> list[int]:
+    """The int64 keys the engine draws unseeded requests' noise with, one per id.
+
+    A request without a seed is keyed like a seeded one, by a splitmix64 mix of the
+    engine's seed and its request id: its draws depend only on (engine seed, request
+    id, tokens generated), never on which other requests share its batch, their
+    order or a preemption. For one engine seed the mix is a bijection of the id, so
+    two requests (the n samples of one prompt) never share their noise. Vectorised:
+    a decode step keys every row.
+    """
+    # The offset keeps the keys away from small user seeds (splitmix64 maps 0 to 0).
+    offset = (engine_seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
+    z = np.asarray(seq_ids, dtype=np.uint64) + np.uint64(offset)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return z.view(np.int64).tolist()
+
+
+def row_keys(
+    params: Sequence[SamplingParams], seq_ids: Sequence[int], engine_seed: int
+) -> list[int]:
+    """Each row's int64 draw key: its own seed's (:func:`int64_seed`), or for an
+    unseeded request the engine's (:func:`request_keys`)."""
+    keys = [0 if p.seed is None else int64_seed(p.seed) for p in params]
+    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        for i, key in zip(unseeded, request_keys(engine_seed, [seq_ids[i] for i in unseeded]),
+                          strict=True):  # fmt: skip
+            keys[i] = key
+    return keys

@@ -5,18 +5,18 @@ A decode graph captures the forward and, after it, the logits of its padded batc
 layer and the logits is host work. On the rank that samples it goes on: each row's
 maximum and argmax (a greedy row's token; the maxima count NaN rows), then one
 launch that overwrites the token of every row at a temperature above 0 with its
-seeded draw (:func:`~kvrunner.layers.fused.gumbel_argmax_triton.gumbel_argmax_into_`:
+keyed draw (:func:`~kvrunner.layers.fused.gumbel_argmax_triton.gumbel_argmax_into_`:
 the kernel, noise and key the eager sampler uses for those rows).
 
-The rows' temperatures, seeds and token counts live in buffers a step fills before
-its replay (:meth:`GraphSampling.stage`: two pinned uploads, none while every row
-stays greedy), so the graph holds no Python value of any step.
+The rows' temperatures, keys (a request's seed, or the engine's key for an unseeded
+request) and token counts live in buffers a step fills before its replay
+(:meth:`GraphSampling.stage`: two pinned uploads, none while every row stays greedy),
+so the graph holds no Python value of any step.
 
-A step is drawn in the graph when every row is greedy or seeded without top-k /
-top-p: the rows the one-pass kernel serves eagerly too, so the tokens are the same.
-Any other step (an unseeded draw, which takes torch's generator; a top-k / top-p
-sort) is sampled eagerly from the graph's logits, as before. Logprobs are computed
-after the replay either way, from the graph's logits and tokens.
+A step is drawn in the graph when no row filters by top-k / top-p: the rows the
+one-pass kernel serves eagerly too, with the same keys, so the tokens are the same.
+A step with a top-k / top-p row (a sort) is sampled eagerly from the graph's logits.
+Logprobs are computed after the replay either way, from the graph's logits and tokens.
 
 ``KVRUNNER_DECODE_GRAPH_ENDS_AT`` says where the graph ends: ``tokens`` (default),
 ``logits``, or ``hidden`` (the forward alone, the sampler and logits eager), for
@@ -26,7 +26,7 @@ measuring what each part saves.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,7 +34,6 @@ import torch
 from kvrunner.buffers import upload_into
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
 from kvrunner.layers.sampling_draw import fused_draw_serves
-from kvrunner.layers.sampling_seeds import int64_seed
 from kvrunner.sampling_params import SamplingParams
 
 #: where a decode graph ends: ``tokens`` (default), ``logits`` or ``hidden``
@@ -56,7 +55,7 @@ class DecodeOutputs(NamedTuple):
 
     hidden: torch.Tensor | None  # [B, hidden]: only when the graph ends at the forward
     logits: torch.Tensor | None  # [B, vocab] in the model dtype
-    tokens: torch.Tensor | None  # [B] int64: argmax, or the seeded draw above T = 0
+    tokens: torch.Tensor | None  # [B] int64: argmax, or the keyed draw above T = 0
     row_max: torch.Tensor | None  # [B]: each row's largest logit (NaN where it holds one)
 
 
@@ -70,11 +69,11 @@ class GraphSampling:
     def __init__(self, max_batch: int, vocab: int, device: torch.device) -> None:
         self.vocab = vocab
         probe = torch.empty(0, device=device)
-        #: whether the graph draws seeded rows (the one-pass kernel's path), else greedy
+        #: whether the graph draws keyed rows (the one-pass kernel's path), else greedy
         #: rows only; fixed when the runner is built, as the graphs are
         self.draws = use_triton(probe) and fused_sampler_enabled()
         self.temperatures = torch.zeros(max_batch, dtype=torch.float32, device=device)
-        self.keys = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # seed, count
+        self.keys = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # key, count
         self._any_drawing = False  # a temperature above 0 is in the buffers
 
     def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,14 +89,21 @@ class GraphSampling:
         return tokens, row_max
 
     def stage(
-        self, params: Sequence[SamplingParams], num_generated: Sequence[int], *, rows: int
+        self,
+        params: Sequence[SamplingParams],
+        keys: Callable[[], list[int]],
+        num_generated: Sequence[int],
+        *,
+        rows: int,
     ) -> bool:
         """Fill the buffers for a replay over ``rows`` padded rows whose first
-        ``len(params)`` are these; returns whether the graph draws them (else the step
-        samples eagerly, and the graph's draws, all greedy then, are ignored)."""
+        ``len(params)`` are these, keyed by ``keys()`` (``sampling_seeds.row_keys``,
+        asked only for a step the graph draws); returns whether the graph draws them
+        (else the step samples eagerly, and the graph's draws, all greedy then, are
+        ignored)."""
         greedy = all(p.temperature == 0.0 for p in params)
         served = greedy or self.draws and all(
-            p.temperature == 0.0 or fused_draw_serves(p, self.vocab) for p in params
+            p.temperature == 0.0 or fused_draw_serves(p, self.vocab, keyed=True) for p in params
         )
         if greedy or not served:
             if self._any_drawing:  # a previous step's temperatures would draw again
@@ -106,7 +112,6 @@ class GraphSampling:
             return served
         pad = [0] * (rows - len(params))
         upload_into(self.temperatures[:rows], [p.temperature for p in params] + pad)
-        seeds = [int64_seed(p.seed) if p.seed is not None else 0 for p in params]
-        upload_into(self.keys[:, :rows], [seeds + pad, list(num_generated) + pad])
+        upload_into(self.keys[:, :rows], [keys() + pad, list(num_generated) + pad])
         self._any_drawing = True
         return True

@@ -16,6 +16,7 @@ import torch
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
 from kvrunner.contract import ForwardContext
+from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.runner.graph_sampling import DecodeOutputs
 from kvrunner.runner.graphs import DecodeGraph
 from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
@@ -108,7 +109,10 @@ class StepLaunch:
         if self.graph_sampling is None or self.graph_end != "tokens" or not all(step.sample):
             return False
         return self.graph_sampling.stage(
-            step.sampling, step.num_output_tokens, rows=graph.batch_size
+            step.sampling,
+            lambda: row_keys(step.sampling, step.seq_id, self.sampler.seed),
+            step.num_output_tokens,
+            rows=graph.batch_size,
         )
 
     def _decode_outputs(self, num_rows: int, ctx: ForwardContext) -> DecodeOutputs:

@@ -21,12 +21,13 @@ MIX = [
     SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=7, logprobs=0),
     SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True),  # unseeded
 ]
-#: every row greedy or seeded without a filter: the decode graph draws them, from
-#: temperatures and keys each step uploads (graph_sampling.py)
+#: no row filters by top-k / top-p: the decode graph draws them (greedy, seeded, and
+#: unseeded rows keyed by the engine), from temperatures and keys each step uploads
+#: (graph_sampling.py)
 DRAWN_IN_GRAPH = [
     SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=6, temperature=0.8, seed=7, logprobs=0, ignore_eos=True),
-    SamplingParams(max_tokens=7, temperature=1.2, seed=8, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=1.2, ignore_eos=True),  # unseeded
 ]
 PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11], [200]]
 
@@ -56,7 +57,8 @@ def _check_launches_wait_for_nothing(llm: LLM, mix: list[SamplingParams]) -> Non
     llm.runner.launch = strict_launch
     got = llm.generate(PROMPTS, mix)
     assert any(-1 in t for step in launched for t in step.token_ids), "placeholders were fed"
-    assert [o.token_ids for o in got][:2] == [o.token_ids for o in want][:2]  # greedy, seeded
+    # Greedy and seeded rows repeat; an unseeded row is a new request with a new key.
+    assert [o.token_ids for o in got][:2] == [o.token_ids for o in want][:2]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
@@ -68,6 +70,9 @@ def test_seeded_and_greedy_tokens_are_those_of_synchronous_steps(tmp_path, kind:
         if i % 2 else SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[17])
         for i in range(12)
     ]
+    # Unseeded rows are keyed by the engine's seed and their request ids, which both
+    # engines give alike: they too must draw the same tokens.
+    params[4] = params[8] = SamplingParams(max_tokens=9, temperature=1.0)
     got = {}
     for mode in (True, False):
         with LLM(model=path, max_num_seqs=8, max_model_len=64, gpu_memory_utilization=0.3,

@@ -1,7 +1,8 @@
 """The decode graph's own sampling: it draws exactly what the eager sampler draws.
 
-A decode graph ends with the logits and, for a step whose every row is greedy or
-seeded without top-k / top-p, the tokens (``runner/graph_sampling.py``). The staged
+A decode graph ends with the logits and, for a step where no row filters by top-k /
+top-p, the tokens (``runner/graph_sampling.py``), each drawing row keyed by its own
+seed or, unseeded, by the engine's key for its request. The staged
 buffers and the captured draw are checked against the eager sampler over sequences
 of steps (a step's temperatures must never leak into the next), with padded rows;
 then a whole engine with graphs against one without.
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
 from kvrunner.layers.sampler import Sampler, sample
+from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.runner.graph_sampling import GRAPH_ENDS_AT_ENV, GraphSampling
 
 pytest.importorskip("triton")
@@ -26,30 +28,33 @@ GREEDY = st.builds(SamplingParams, temperature=st.just(0.0),
 SEEDED = st.builds(SamplingParams, temperature=st.floats(0.1, 2.0),
                    seed=st.integers(-(2**63), 2**63 - 1), logprobs=st.sampled_from([None, 1]),
                    top_k=st.sampled_from([0, VOCAB]))  # top_k = vocabulary filters nothing
+UNSEEDED = st.builds(SamplingParams, temperature=st.floats(0.1, 2.0),
+                     logprobs=st.sampled_from([None, 1]))
 EAGER_ONLY = st.one_of(
-    st.builds(SamplingParams, temperature=st.floats(0.1, 2.0)),  # unseeded
     st.builds(SamplingParams, temperature=st.just(1.0), seed=st.integers(0, 99),
               top_k=st.integers(1, VOCAB - 1)),
     st.builds(SamplingParams, temperature=st.just(1.0), seed=st.integers(0, 99),
               top_p=st.floats(0.1, 0.95)),
 )
-STEP = st.lists(st.one_of(GREEDY, SEEDED, SEEDED, EAGER_ONLY), min_size=1, max_size=5)
+STEP = st.lists(st.one_of(GREEDY, SEEDED, UNSEEDED, EAGER_ONLY), min_size=1, max_size=5)
 
 
 def graph_serves(params: list[SamplingParams], *, draws: bool) -> bool:
     greedy = [p.temperature == 0.0 for p in params]
-    seeded_plain = [p.seed is not None and p.top_k in (0, VOCAB) and p.top_p >= 1.0
-                    for p in params]
-    return all(greedy) or draws and all(g or s for g, s in zip(greedy, seeded_plain, strict=True))
+    unfiltered = [p.top_k in (0, VOCAB) and p.top_p >= 1.0 for p in params]
+    return all(greedy) or draws and all(g or u for g, u in zip(greedy, unfiltered, strict=True))
 
 
 @pytest.mark.parametrize("triton", [True, False])
 @given(steps=st.lists(STEP, min_size=1, max_size=4), pad=st.integers(0, 3),
-       seed=st.integers(0, 2**31))
-def test_a_staged_step_draws_the_eager_samplers_tokens(triton, steps, pad, seed) -> None:
+       seed=st.integers(0, 2**31), engine_seed=st.integers(-(2**63), 2**63 - 1))
+def test_a_staged_step_draws_the_eager_samplers_tokens(
+    triton, steps, pad, seed, engine_seed
+) -> None:
     """Step after step on one set of buffers, each padded to its graph's batch: where
-    the graph serves the step, its tokens and maxima are the eager sampler's; where it
-    does not, it says so. Without Triton only greedy steps are served."""
+    the graph serves the step, its tokens and maxima are the eager sampler's with the
+    same keys; where it does not, it says so. Without Triton only greedy steps are
+    served."""
     gen = torch.Generator().manual_seed(seed)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(USE_TRITON_ENV, "1" if triton else "0")
@@ -60,11 +65,13 @@ def test_a_staged_step_draws_the_eager_samplers_tokens(triton, steps, pad, seed)
             n = len(params)
             logits = torch.randn(n + pad, VOCAB, generator=gen) * 3
             counts = torch.randint(0, 10**4, (n,), generator=gen).tolist()
-            served = buffers.stage(params, counts, rows=n + pad)
+            seq_ids = torch.randperm(50, generator=gen)[:n].tolist()
+            keys = row_keys(params, seq_ids, engine_seed)
+            served = buffers.stage(params, lambda k=keys: k, counts, rows=n + pad)
             tokens, row_max = buffers.sample(logits)  # what the graph replays
             assert served == graph_serves(params, draws=triton)
             if served:
-                eager = sample(logits[:n], params, counts)
+                eager = sample(logits[:n], params, counts, keys=keys)
                 assert tokens[:n].tolist() == eager.token_ids.tolist()
                 assert torch.equal(row_max[:n], eager.row_max)
 
@@ -77,9 +84,9 @@ def test_a_greedy_step_after_a_drawing_one_draws_nothing() -> None:
         buffers = GraphSampling(max_batch=4, vocab=50, device=torch.device("cpu"))
         logits = torch.randn(4, 50)
         assert buffers.stage([SamplingParams(temperature=5.0, seed=s) for s in range(4)],
-                             [0] * 4, rows=4)
+                             lambda: [0, 1, 2, 3], [0] * 4, rows=4)
         drawn, _ = buffers.sample(logits)
-        assert buffers.stage([SamplingParams(temperature=0.0)] * 4, [0] * 4, rows=4)
+        assert buffers.stage([SamplingParams(temperature=0.0)] * 4, list, [0] * 4, rows=4)
         greedy, _ = buffers.sample(logits)
     assert greedy.tolist() == logits.argmax(dim=-1).tolist() != drawn.tolist()
 
@@ -128,14 +135,25 @@ def test_an_engine_with_graphs_draws_what_an_eager_one_draws(monkeypatch, end) -
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
 
 
-def test_an_unseeded_draw_samples_the_graphs_logits_eagerly(monkeypatch) -> None:
-    """A step with an unseeded row is not drawn in the graph (its noise is the
-    engine's generator's), and its tokens are still those of the eager engine."""
+def test_unseeded_draws_are_drawn_in_the_graph_as_the_eager_engine_draws_them(
+    monkeypatch,
+) -> None:
+    """Unseeded rows are keyed by the engine (its seed, the request id), so the graph
+    draws them too: every decode step in the graph, the eager engine's tokens. A top-p
+    row sends its steps to the eager sampler, with the same tokens again."""
     monkeypatch.setenv(USE_TRITON_ENV, "1")
-    params = [*MIXED[:2], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)]
+    unseeded = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, logprobs=1)
+    params = [MIXED[0], unseeded, SamplingParams(max_tokens=6, temperature=0.7,
+                                                 ignore_eos=True)]  # fmt: skip
     want, _ = generate(eager=True, params=params)
     got, graph_drawn = generate(eager=False, params=params)
-    assert not graph_drawn[1]  # the first decode step holds the unseeded row
+    assert graph_drawn == [False] + [True] * (len(graph_drawn) - 1)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    top_p = [*params[:2], SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9,
+                                         ignore_eos=True)]  # fmt: skip
+    want, _ = generate(eager=True, params=top_p)
+    got, graph_drawn = generate(eager=False, params=top_p)
+    assert not any(graph_drawn)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
