@@ -49,7 +49,8 @@ def request_keys(engine_seed: int, seq_ids: Sequence[int]) -> list[int]:
     """
     # The offset keeps the keys away from small user seeds (splitmix64 maps 0 to 0).
     offset = (engine_seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
-    z = np.asarray(seq_ids, dtype=np.uint64) + np.uint64(offset)
+    # Ids as int64 bits (the runner's profiling step numbers its rows -1, -2, ...).
+    z = np.asarray(seq_ids, dtype=np.int64).view(np.uint64) + np.uint64(offset)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
@@ -59,10 +60,11 @@ def request_keys(engine_seed: int, seq_ids: Sequence[int]) -> list[int]:
 def row_keys(
     params: Sequence[SamplingParams], seq_ids: Sequence[int], engine_seed: int
 ) -> list[int]:
-    """Each row's int64 draw key: its own seed's (:func:`int64_seed`), or for an
-    unseeded request the engine's (:func:`request_keys`)."""
+    """Each drawing row's int64 key: its own seed's (:func:`int64_seed`), or for an
+    unseeded request the engine's (:func:`request_keys`); a greedy row draws nothing
+    and gets 0."""
     keys = [0 if p.seed is None else int64_seed(p.seed) for p in params]
-    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    unseeded = [i for i, p in enumerate(params) if p.seed is None and p.temperature != 0.0]
     if unseeded:
         for i, key in zip(unseeded, request_keys(engine_seed, [seq_ids[i] for i in unseeded]),
                           strict=True):  # fmt: skip

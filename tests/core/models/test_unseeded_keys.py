@@ -22,7 +22,7 @@ from kvrunner.layers.sampling_seeds import int64_seed, request_keys, row_keys
 INT64 = st.integers(-(2**63), 2**63 - 1)
 
 
-@given(engine_seed=INT64, first=st.integers(0, 2**40), n=st.integers(1, 300))
+@given(engine_seed=INT64, first=st.integers(-(2**40), 2**40), n=st.integers(1, 300))
 def test_one_engine_never_gives_two_requests_the_same_key(engine_seed, first, n) -> None:
     keys = request_keys(engine_seed, list(range(first, first + n)))
     assert len(set(keys)) == n
@@ -37,10 +37,11 @@ def test_a_key_is_a_function_of_the_engine_seed_and_the_request_alone(engine_see
     assert request_keys(engine_seed + 1, [seq_id]) != alone
 
 
-def test_a_row_with_a_seed_keeps_its_own_key() -> None:
-    params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0)]
-    keys = row_keys(params, [10, 11], engine_seed=3)
-    assert keys == [int64_seed(5), request_keys(3, [11])[0]]
+def test_a_row_with_a_seed_keeps_its_own_key_and_a_greedy_row_needs_none() -> None:
+    params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0)]  # fmt: skip
+    keys = row_keys(params, [10, 11, -1], engine_seed=3)
+    assert keys == [int64_seed(5), request_keys(3, [11])[0], 0]
 
 
 @pytest.mark.parametrize("triton", [True, False])
