@@ -9,6 +9,10 @@ HBM floor, and each end's step against ``hidden``'s. The ends differ only in whe
 logits' and the sampler's launches happen, so the figures are launch gaps and host
 work, measured in one run.
 
+``shared`` is the unseeded sampling as the engine drew it before it keyed unseeded
+requests: every step with an unseeded row sampled eagerly after the graph, on the
+torch path, from the engine's one generator (patched back in for this row only).
+
     python benchmarks/bench_graph_end.py
 """
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from bench_e2e_decode import (
@@ -27,10 +33,37 @@ from bench_e2e_decode import (
 )
 from common import copy_bandwidth_tbps
 
+from kvrunner.layers.sampler import Sampler, sample_step_rows
 from kvrunner.runner.graph_sampling import GRAPH_ENDS, GRAPH_ENDS_AT_ENV
+from kvrunner.runner.step_launch import StepLaunch
 
 BATCHES = (1, 64, 256)
-SAMPLINGS = ("greedy", "seeded", "unseeded")
+SAMPLINGS = ("greedy", "seeded", "unseeded", "shared")
+
+
+@contextmanager
+def shared_generator_draws() -> Iterator[None]:
+    """Unseeded rows as the engine drew them before keying: the graph draws no step
+    that holds one, and the eager sampler takes them from its one generator."""
+    stage, step_rows = StepLaunch._stage_graph_draws, Sampler.sample_step_rows
+
+    def stage_keyed_only(self, step, graph):
+        if any(p.seed is None and p.temperature > 0 for p in step.sampling):
+            if self.graph_sampling is not None:  # clear any temperatures staged before
+                self.graph_sampling.stage([], list, [], rows=0)
+            return False
+        return stage(self, step, graph)
+
+    def from_generator(self, logits, step, *, drawn=None):
+        return sample_step_rows(logits, step, drawn=drawn,
+                                generator=self._generator_for(logits.device))
+
+    StepLaunch._stage_graph_draws = stage_keyed_only
+    Sampler.sample_step_rows = from_generator
+    try:
+        yield
+    finally:
+        StepLaunch._stage_graph_draws, Sampler.sample_step_rows = stage, step_rows
 
 
 def main() -> None:
@@ -44,8 +77,10 @@ def main() -> None:
         assert llm.runner.graph_end == end
         for b in BATCHES:
             for sampling in SAMPLINGS:
-                ms[end, sampling, b] = ours_step_ms(llm, b, seeded=sampling == "seeded",
-                                                    unseeded=sampling == "unseeded")
+                with shared_generator_draws() if sampling == "shared" else nullcontext():
+                    ms[end, sampling, b] = ours_step_ms(
+                        llm, b, seeded=sampling == "seeded",
+                        unseeded=sampling in ("unseeded", "shared"))
                 print(f"{end:>6} {sampling:>8} batch {b:>3}: {ms[end, sampling, b]:.3f} ms/step",
                       flush=True)
         del llm
@@ -60,6 +95,11 @@ def main() -> None:
                              for e in reversed(GRAPH_ENDS))
             ratio = ms["tokens", sampling, b] / ms["hidden", sampling, b]
             print(f"{sampling:>8} {b:>5} {floor:>8.3f} {cells} {ratio:>13.3f}")
+    print(f"\nunseeded, keyed now against the shared generator before\n{'batch':>5} "
+          + " ".join(f"{e + ' now/before':>20}" for e in reversed(GRAPH_ENDS)))
+    for b in BATCHES:
+        print(f"{b:>5} " + " ".join(f"{ms[e, 'unseeded', b] / ms[e, 'shared', b]:>20.3f}"
+                                     for e in reversed(GRAPH_ENDS)))
 
 
 if __name__ == "__main__":
