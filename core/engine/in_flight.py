@@ -13,6 +13,7 @@ import itertools
 from collections import deque
 
 from kvrunner.batch import SampledTokens
+from kvrunner.engine.decode_batch import DecodeBatch
 from kvrunner.engine.sequence import Sequence
 
 #: steps that may be in flight at once: the one running and the one being prepared
@@ -23,25 +24,54 @@ class StepChunks:
     """One step as the scheduler remembers it: its rows, tokens per sequence, and who
     samples.
 
-    Kept as the step's own columns plus a dict and a set built in C-level passes (no
-    object per sequence): it is made on every step, and per-sequence objects cost
-    garbage collection time at batch 256.
+    Kept as the step's own columns; the dict and the set that the row loops look up
+    are built in C-level passes, and only when first asked for: a steady decode step
+    (``batch``) needs neither.
     """
 
-    __slots__ = ("num_tokens", "sample_ids", "samples", "seqs", "sizes")
+    __slots__ = ("_num_tokens", "_sample_ids", "_samples", "batch", "sample", "seq_ids",
+                 "seqs", "sizes")  # fmt: skip
 
     def __init__(
-        self, seqs: list[Sequence], seq_ids: list[int], sizes: list[int], sample: list[bool]
+        self,
+        seqs: list[Sequence],
+        seq_ids: list[int],
+        sizes: list[int],
+        sample: list[bool],
+        batch: DecodeBatch | None = None,
     ) -> None:
         #: the rows as ``schedule()`` returned them, and the tokens each feeds
         self.seqs = seqs
         self.sizes = sizes
-        #: seq id -> tokens its chunk feeds
-        self.num_tokens: dict[int, int] = dict(zip(seq_ids, sizes, strict=True))
-        #: seq ids whose chunk ends their known tokens, so the step samples for them,
-        #: in row order (the order the runner answers in)
-        self.sample_ids: list[int] = list(itertools.compress(seq_ids, sample))
-        self.samples: set[int] = set(self.sample_ids)
+        self.seq_ids = seq_ids
+        self.sample = sample
+        #: the step's columns, when it is a steady decode step (``decode_batch.py``)
+        self.batch = batch
+        self._num_tokens: dict[int, int] | None = None
+        self._sample_ids: list[int] | None = None
+        self._samples: set[int] | None = None
+
+    @property
+    def num_tokens(self) -> dict[int, int]:
+        """seq id -> tokens its chunk feeds."""
+        if self._num_tokens is None:
+            self._num_tokens = dict(zip(self.seq_ids, self.sizes, strict=True))
+        return self._num_tokens
+
+    @property
+    def sample_ids(self) -> list[int]:
+        """seq ids whose chunk ends their known tokens, so the step samples for them,
+        in row order (the order the runner answers in)."""
+        if self._sample_ids is None:
+            self._sample_ids = list(itertools.compress(self.seq_ids, self.sample))
+        return self._sample_ids
+
+    @property
+    def samples(self) -> set[int]:
+        """:attr:`sample_ids` as a set."""
+        if self._samples is None:
+            self._samples = set(self.sample_ids)
+        return self._samples
 
 
 class InFlight:

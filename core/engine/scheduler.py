@@ -22,6 +22,11 @@ has it on the device). A sequence that step certainly ends (``max_tokens``,
 one step too many, whose token ``update()`` discards. That step writes only KV slots
 and a state slot the sequence still held when it was scheduled: freed ones are
 handed out again only by a later ``schedule()``, whose steps run after it.
+
+A steady decode step (every running sequence feeds one token and samples, and nobody
+joined or left since the last step was planned) is derived from the last step's
+columns and applied from them (``decode_batch.py``): the row loops below plan and
+apply every other step, and are what those columns are tested against.
 """
 
 from __future__ import annotations
@@ -30,16 +35,18 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvrunner.batch import SampledToken, SampledTokens, StepInput
+from kvrunner.batch import StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
-from kvrunner.engine.in_flight import InFlight, StepChunks, check_step_result
-from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvrunner.engine.decode_batch import DecodeBatch
+from kvrunner.engine.in_flight import InFlight, StepChunks
+from kvrunner.engine.scheduler_update import SchedulerUpdate
+from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.engine.step_columns import step_columns
 
 
-class Scheduler:
+class Scheduler(SchedulerUpdate):
     """Decides which sequences run each step and with how many tokens.
 
     Protocol: ``schedule()`` then ``update()`` with the step's sampled tokens, in
@@ -75,6 +82,15 @@ class Scheduler:
         self._arrivals = itertools.count()
         # the steps scheduled but not yet updated
         self._in_flight = InFlight()
+        #: plan and apply steady decode steps from the last step's columns
+        #: (``decode_batch.py``); False runs the row loops they must equal
+        self.use_columns = True
+        #: sequences that joined / left ``running``, ever: a decode batch holds while
+        #: neither moved since it was planned
+        self.arrivals = 0
+        self.departures = 0
+        # the last planned step's columns, if it was a steady decode step
+        self._batch: DecodeBatch | None = None
 
     # -- requests ---------------------------------------------------------------------
 
@@ -112,6 +128,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
+            self.departures += 1
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -132,49 +149,26 @@ class Scheduler:
         if len(self._in_flight) > 1:
             raise RuntimeError("schedule() called again before update() for the last step")
         budget = self.config.max_num_batched_tokens
-        # Parallel columns, not a tuple per sequence: this runs every step.
-        seqs: list[Sequence] = []
-        sizes: list[int] = []  # tokens each feeds
-        starts: list[int] = []  # from where: after what the step in flight feeds
-        pending: list[int] = []  # 1 if the step in flight samples a token for it
-        samples: list[bool] = []  # whether this step samples for it
         newest = self._in_flight.newest()
-        fed_ahead = newest.num_tokens if newest is not None else {}
-        sampling_ahead = newest.samples if newest is not None else set()
-        block_size = self.block_manager.block_size
         preemptions_before = self.num_preemptions
-        add_seq, add_size, add_start = seqs.append, sizes.append, starts.append
-        add_pending, add_sample = pending.append, samples.append
-
-        # The hot loop of a step: every lookup it repeats per sequence is a local or
-        # a field cached on the sequence (``length_limit``), not a property call. A
-        # preemption pops ``running``'s tail, which simply ends the iteration there.
-        for seq in self.running:
-            if budget <= 0:
-                break
-            seq_id = seq.seq_id
-            known = len(seq.token_ids)
-            ahead = 0
-            if seq_id in sampling_ahead:
-                if known + 1 >= seq.length_limit:
-                    continue  # the step in flight samples its last token: nothing to feed
-                ahead = 1
-            start = seq.num_computed_tokens + fed_ahead.get(seq_id, 0)
-            # Without chunked prefill a running sequence is only still prefilling when it
-            # resumed with more tokens than a step may hold; chunking is its way through.
-            n = known + ahead - start
-            if n > budget:
-                n = budget
-            if start + n > len(seq.block_table) * block_size and not self._make_room(
-                seq, start + n - seq.num_computed_tokens
-            ):
-                break  # seq preempted itself: it was the last running sequence
-            add_seq(seq)
-            add_size(n)
-            add_start(start)
-            add_pending(ahead)
-            add_sample(start + n == known + ahead)
-            budget -= n
+        # A steady decode step follows from the last one's columns; anything else (and
+        # a plan that preempted) is planned row by row.
+        continued = None
+        batch, self._batch = self._batch, None
+        if batch is not None and batch.membership == (self.arrivals, self.departures):
+            continued = batch.advance(budget, newest is not None, self.block_manager.block_size,
+                                      self.block_manager.table_rows, self._room_or_stop)
+        if continued is not None:
+            seqs, starts = list(continued.seqs), continued.starts.tolist()
+            sizes, samples = [1] * len(seqs), [True] * len(seqs)
+            pending = [1 if newest is not None else 0] * len(seqs)
+        else:
+            seqs, sizes, starts, pending, samples = self._plan_by_row(
+                budget,
+                newest.num_tokens if newest is not None else {},
+                newest.samples if newest is not None else set(),
+            )
+        budget -= sum(sizes)
         preempted = self.num_preemptions > preemptions_before
 
         # Admitting while another sequence just lost its blocks would only thrash. (So
@@ -194,6 +188,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.arrivals += 1
             seqs.append(seq)
             sizes.append(n)
             starts.append(seq.num_computed_tokens)
@@ -203,76 +198,71 @@ class Scheduler:
 
         if not seqs:
             return None
-        step = step_columns(seqs, sizes, starts, pending, samples, self.block_manager.table_rows)
-        self._in_flight.push(StepChunks(seqs, step.seq_id, sizes, samples))
+        tables = self.block_manager.table_rows
+        membership = (self.arrivals, self.departures)
+        if continued is not None and len(seqs) == len(continued.seqs):  # nobody admitted
+            step = continued.step(tables)
+            if len(seqs) == len(self.running):
+                self._batch = continued.batch_of(step, membership)
+        else:
+            step = step_columns(seqs, sizes, starts, pending, samples, tables)
+            if self.use_columns:
+                self._batch = DecodeBatch.of_step(seqs, sizes, step, len(self.running),
+                                                  membership)  # fmt: skip
+        self._in_flight.push(StepChunks(seqs, step.seq_id, sizes, samples, self._batch))
         return step, seqs
 
-    def update(
-        self, seqs: list[Sequence], sampled: SampledTokens | list[SampledToken]
-    ) -> list[Sequence]:
-        """Apply the oldest step in flight: advance computed tokens, append samples,
-        finish.
-
-        ``seqs`` is the list ``schedule()`` returned; ``sampled`` holds one token for
-        every chunk that had ``sample=True`` (tokens for sequences that finished during
-        the step - aborted, or ended by the step before - are dropped), as the
-        runner's columns or as ``SampledToken`` objects. Returns the sequences that
-        finished in this step.
-        """
-        chunks = self._in_flight.oldest()
-        sizes, tokens, logprobs, tops = check_step_result(
-            chunks, seqs, SampledTokens.of(sampled)
-        )
-        self._in_flight.pop_oldest()
-
-        block_manager = self.block_manager
-        block_size = block_manager.block_size
-        finished: list[Sequence] = []
-        # The other hot loop: one pass over the step's rows, locals only, and the block
-        # manager called only for a chunk that fills a block (to publish it) or one
-        # whose count it must refuse.
-        for seq, n, token, logprob, top in zip(seqs, sizes, tokens, logprobs, tops,
-                                               strict=True):  # fmt: skip
-            status = seq.status
-            if status is SequenceStatus.FINISHED:
-                continue  # aborted, or ended one step early: a token past the end
-            running = status is SequenceStatus.RUNNING
-            if running:  # else preempted since: its blocks are gone, its token stands
-                computed = seq.num_computed_tokens + n
-                if (
-                    computed // block_size == (computed - n) // block_size
-                    and computed <= len(seq.token_ids)
-                    and computed <= len(seq.block_table) * block_size
-                ):
-                    seq.num_computed_tokens = computed  # no block filled: nothing to publish
-                else:
-                    block_manager.mark_computed(seq, n)
-            if token is None:
-                continue  # still prefilling
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top)
-            # "stop" wins over "length" on the same token: the model ended on its own.
-            if token in seq.stop_on:
-                reason: FinishReason = "stop"
-            elif len(token_ids) >= seq.length_limit:
-                reason = "length"
-            else:
-                continue
-            if running:
-                block_manager.free(seq)
-            else:
-                self.waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = reason
-            del self._unfinished[seq.seq_id]
-            finished.append(seq)
-        if finished:
-            self.running = [s for s in self.running if not s.is_finished]
-        return finished
-
     # -- internals --------------------------------------------------------------------
+
+    def _plan_by_row(
+        self, budget: int, fed_ahead: dict[int, int], sampling_ahead: set[int]
+    ) -> tuple[list[Sequence], list[int], list[int], list[int], list[bool]]:
+        """The running sequences' chunks, one row at a time: per row the sequence,
+        tokens it feeds, from where (after what the step in flight feeds), 1 if the
+        step in flight samples for it, whether this step samples.
+
+        Every lookup it repeats per sequence is a local or a field cached on the
+        sequence (``length_limit``), not a property call. A preemption pops
+        ``running``'s tail, which simply ends the iteration there.
+        """
+        seqs: list[Sequence] = []
+        sizes: list[int] = []
+        starts: list[int] = []
+        pending: list[int] = []
+        samples: list[bool] = []
+        block_size = self.block_manager.block_size
+        for seq in self.running:
+            if budget <= 0:
+                break
+            seq_id = seq.seq_id
+            known = len(seq.token_ids)
+            ahead = 0
+            if seq_id in sampling_ahead:
+                if known + 1 >= seq.length_limit:
+                    continue  # the step in flight samples its last token: nothing to feed
+                ahead = 1
+            start = seq.num_computed_tokens + fed_ahead.get(seq_id, 0)
+            # Without chunked prefill a running sequence is only still prefilling when it
+            # resumed with more tokens than a step may hold; chunking is its way through.
+            n = min(known + ahead - start, budget)
+            if start + n > len(seq.block_table) * block_size and not self._make_room(
+                seq, start + n - seq.num_computed_tokens
+            ):
+                break  # seq preempted itself: it was the last running sequence
+            seqs.append(seq)
+            sizes.append(n)
+            starts.append(start)
+            pending.append(ahead)
+            samples.append(start + n == known + ahead)
+            budget -= n
+        return seqs, sizes, starts, pending, samples
+
+    def _room_or_stop(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """:meth:`_make_room`, False as soon as it preempts anybody: a plan from the
+        last step's columns no longer holds, and the row loop re-plans (the rooms
+        already made stand: growing a table is idempotent)."""
+        before = self.num_preemptions
+        return self._make_room(seq, num_new_tokens) and self.num_preemptions == before
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Get blocks for ``seq``'s chunk, preempting latest arrivals; False if ``seq``
@@ -287,6 +277,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         assert self.running[-1] is seq, "only the latest admitted sequence is preempted"
         self.running.pop()
+        self.departures += 1
         self.block_manager.free(seq)  # also resets num_computed_tokens to 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

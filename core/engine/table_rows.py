@@ -68,7 +68,10 @@ class TableRows:
     def gather(self, rows: Sequence[int]) -> BlockTables:
         """The tables of ``rows``, in that order, as a step carries them (a copy: the
         step keeps them after the rows change)."""
-        index = np.fromiter(rows, np.intp, len(rows))
+        return self.gather_rows(np.fromiter(rows, np.intp, len(rows)))
+
+    def gather_rows(self, index: np.ndarray) -> BlockTables:
+        """:meth:`gather` for rows already in an integer array."""
         lens = self.lens[index]
         width = max(int(lens.max(initial=0)), 1)
         return BlockTables(self.array[index, :width], lens)

@@ -82,8 +82,10 @@ def expected_outputs(case: Case, i: int) -> tuple[list[int], str]:
     return out, "length"
 
 
-def run(case: Case, *, async_scheduling: bool) -> tuple[LLMEngine, list[Sequence], FakeRunner]:
-    """Drive the engine to completion, checking block accounting after every step."""
+def engine_for(
+    case: Case, *, async_scheduling: bool
+) -> tuple[LLMEngine, FakeExecutor, FakeRunner, list[Sequence]]:
+    """An engine over a fake runner for ``case``, and its requests (not yet added)."""
     w = case.workload
     config = EngineConfig(
         cache=CacheConfig(block_size=w.block_size, enable_prefix_caching=w.prefix_caching),
@@ -100,6 +102,13 @@ def run(case: Case, *, async_scheduling: bool) -> tuple[LLMEngine, list[Sequence
             zip(w.requests, case.stops, strict=True)
         )
     ]
+    return engine, executor, runner, seqs
+
+
+def run(case: Case, *, async_scheduling: bool) -> tuple[LLMEngine, list[Sequence], FakeRunner]:
+    """Drive the engine to completion, checking block accounting after every step."""
+    w = case.workload
+    engine, _, runner, seqs = engine_for(case, async_scheduling=async_scheduling)
     arrivals = sorted(zip((r[0] for r in w.requests), seqs, strict=True), key=lambda a: a[0])
     steps = 0
     while arrivals or engine.has_unfinished():

@@ -1,0 +1,222 @@
+"""The decode batch: a steady decode step's columns, kept from one step to the next.
+
+Once every running sequence decodes (one token a step, each sampling), step N+1 is
+step N moved on by one position: the same sequences in the same order, each start
+one later, one more output, the same sampling settings, state slots and table rows.
+:class:`DecodeBatch` keeps step N's columns as arrays and lists and derives step N+1
+from them in a few numpy passes, where the scheduler's row loop reads a dozen fields
+off every ``Sequence`` (about a microsecond a row at batch 1,024; reading the same
+columns off the objects in C-level passes costs as much, see docs/benchmarks.md).
+Applying a decode step's tokens (:meth:`DecodeBatch.apply`) likewise computes the
+new counts and finishes from the columns, and touches each sequence only to record
+its token.
+
+Why the derivation holds: a row's chunk starts where the step in flight (or, with
+synchronous steps, the last applied one) leaves it, ``num_computed_tokens`` plus
+what that step feeds it; after step N fed one token from ``start``, that is
+``start + 1`` whatever the step before fed. It holds while nobody joined or left the
+running list since step N was planned: the scheduler counts arrivals and departures,
+and the batch is used only when neither moved (else the row loop plans, as always).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from itertools import compress, repeat
+from operator import attrgetter
+
+import numpy as np
+
+from kvrunner.batch import PLACEHOLDER_CHUNK, StepInput
+from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.table_rows import TableRows
+
+_token_ids = attrgetter("token_ids")
+_logprobs = attrgetter("logprobs")
+_top_logprobs = attrgetter("top_logprobs")
+_stop_on = attrgetter("stop_on")
+_length_limit = attrgetter("length_limit")
+_table_row = attrgetter("table_row")
+
+
+def _consume(iterator) -> None:
+    """Run a C-level ``map`` for its side effects, keeping nothing."""
+    deque(iterator, maxlen=0)
+
+
+class DecodeBatch:
+    """One planned decode step as columns: every running sequence, in running order,
+    feeding one token from ``starts`` and sampling.
+
+    Made from a planned step (:meth:`of_step`, None unless it is such a step), moved
+    on by :meth:`advance`. ``membership`` is the scheduler's (arrivals, departures)
+    count when the step was planned.
+    """
+
+    __slots__ = ("limits", "membership", "outputs", "rows", "sampling", "seq_ids", "seqs",
+                 "starts", "state_slots", "stop_sets")  # fmt: skip
+
+    def __init__(self, seqs: list[Sequence], step: StepInput, membership: tuple[int, int],
+                 limits: np.ndarray, rows: np.ndarray, stop_sets: list) -> None:  # fmt: skip
+        self.seqs = seqs
+        self.seq_ids = step.seq_id
+        self.starts = np.array(step.start_pos, np.int64)
+        self.outputs = np.array(step.num_output_tokens, np.int64)
+        self.sampling = step.sampling
+        self.state_slots = step.state_slot
+        self.membership = membership
+        self.limits = limits
+        self.rows = rows
+        self.stop_sets = stop_sets
+
+    @classmethod
+    def of_step(cls, seqs: list[Sequence], sizes: list[int], step: StepInput,
+                num_running: int, membership: tuple[int, int]) -> DecodeBatch | None:  # fmt: skip
+        """The batch of a just planned step, if it is one: every running sequence feeds
+        exactly one token and samples (and holds a persistent table row)."""
+        n = len(seqs)
+        if n != num_running or sizes.count(1) != n or not all(step.sample):
+            return None
+        rows = np.fromiter(map(_table_row, seqs), np.int64, n)
+        if n and rows.min() < 0:
+            return None  # a table built by hand (tests): no row to gather from
+        limits = np.fromiter(map(_length_limit, seqs), np.int64, n)
+        return cls(seqs, step, membership, limits, rows, list(map(_stop_on, seqs)))
+
+    def advance(
+        self,
+        budget: int,
+        in_flight: bool,
+        block_size: int,
+        tables: TableRows,
+        make_room: Callable[[Sequence, int], bool],
+    ) -> Continuation | None:
+        """The next step of these rows, or None when the row loop must plan it (the
+        budget does not cover every row, or making room preempted somebody).
+
+        ``in_flight``: this batch's step is still running (asynchronous steps), so a row
+        whose sample there is its last (``start + 1 >= limit``) has nothing to feed.
+        ``make_room(seq, tokens)``: the scheduler's, for a row whose table is full.
+        """
+        n = len(self.seqs)
+        if n == 0 or n > budget:
+            return None
+        starts = self.starts + 1
+        keep = None
+        if in_flight:
+            done = starts + 1 >= self.limits
+            if done.any():
+                keep = (~done).tolist()
+        cont = Continuation(self, starts, keep, in_flight)
+        rows = self.rows if keep is None else self.rows[~done]
+        needs = np.flatnonzero(cont.starts + 1 > tables.lens[rows] * block_size)
+        for i in needs.tolist():
+            seq = cont.seqs[i]
+            if not make_room(seq, int(cont.starts[i]) + 1 - seq.num_computed_tokens):
+                return None
+        return cont
+
+    def apply(
+        self,
+        tokens: list[int],
+        logprobs: list,
+        tops: list,
+        block_size: int,
+        mark_computed: Callable[[Sequence, int], None],
+        finish: Callable[[Sequence, str], None],
+    ) -> None:
+        """Apply this step's sampled tokens (one per row, in row order; every row still
+        running): each row's computed count moves past the token it fed, the sampled
+        token, logprob and top logprobs are recorded, and a row that ends is finished.
+
+        Rows whose fed token fills a block go through ``mark_computed`` (which
+        publishes the block), and rows that end through ``finish``, one at a time in
+        row order, as the row loop meets them; the others in C-level passes.
+        """
+        computed = self.starts + 1  # every row fed the token at ``start``
+        fills = computed % block_size == 0
+        # "stop" wins over "length" on the same token: the model ended on its own.
+        stop = np.fromiter(map(frozenset.__contains__, self.stop_sets, tokens), bool,
+                           len(tokens))  # fmt: skip
+        length = computed + 1 >= self.limits  # the new token's length reaches the limit
+        special = np.flatnonzero(fills | stop | length).tolist()
+        seqs = self.seqs
+        plain_seqs, plain_computed = seqs, computed.tolist()
+        plain_tokens, plain_logprobs, plain_tops = tokens, logprobs, tops
+        if special:
+            mask = [True] * len(seqs)
+            for i in special:
+                mask[i] = False
+            plain_seqs = list(compress(seqs, mask))
+            plain_computed = list(compress(plain_computed, mask))
+            plain_tokens = list(compress(tokens, mask))
+            plain_logprobs, plain_tops = list(compress(logprobs, mask)), list(compress(tops, mask))
+        _consume(map(setattr, plain_seqs, repeat("num_computed_tokens"), plain_computed))
+        _consume(map(list.append, map(_token_ids, plain_seqs), plain_tokens))
+        _consume(map(list.append, map(_logprobs, plain_seqs), plain_logprobs))
+        _consume(map(list.append, map(_top_logprobs, plain_seqs), plain_tops))
+        for i in special:
+            seq = seqs[i]
+            if fills[i]:
+                mark_computed(seq, 1)
+            else:
+                seq.num_computed_tokens = int(computed[i])
+            seq.token_ids.append(tokens[i])
+            seq.logprobs.append(logprobs[i])
+            seq.top_logprobs.append(tops[i])
+            if stop[i]:
+                finish(seq, "stop")
+            elif length[i]:
+                finish(seq, "length")
+
+
+class Continuation:
+    """The step after a :class:`DecodeBatch`'s: its rows (those with a token left to
+    feed), each one position on."""
+
+    __slots__ = ("batch", "in_flight", "keep", "seqs", "starts")
+
+    def __init__(self, batch: DecodeBatch, starts: np.ndarray, keep: list[bool] | None,
+                 in_flight: bool) -> None:  # fmt: skip
+        self.batch = batch
+        self.keep = keep
+        self.in_flight = in_flight
+        self.seqs = batch.seqs if keep is None else list(compress(batch.seqs, keep))
+        self.starts = starts if keep is None else starts[np.array(keep)]
+
+    def _pick(self, column: list) -> list:
+        return list(column) if self.keep is None else list(compress(column, self.keep))
+
+    def step(self, tables: TableRows) -> StepInput:
+        """The step as the runner reads it, from the batch's columns."""
+        batch, m = self.batch, len(self.seqs)
+        if self.in_flight:
+            tokens = [PLACEHOLDER_CHUNK] * m
+        else:  # each feeds its newest token, sampled by the step just applied
+            tokens = [(t[-1],) for t in map(_token_ids, self.seqs)]
+        rows, outputs = batch.rows, batch.outputs + 1
+        if self.keep is not None:
+            keep = np.array(self.keep)
+            rows, outputs = rows[keep], outputs[keep]
+        return StepInput(
+            seq_id=self._pick(batch.seq_ids),
+            token_ids=tokens,
+            start_pos=self.starts.tolist(),
+            block_table=tables.gather_rows(rows),
+            state_slot=self._pick(batch.state_slots),
+            sample=[True] * m,
+            sampling=self._pick(batch.sampling),
+            num_output_tokens=outputs.tolist(),
+        )
+
+    def batch_of(self, step: StepInput, membership: tuple[int, int]) -> DecodeBatch:
+        """The :class:`DecodeBatch` of ``step`` (this continuation's own), without
+        reading the sequences again."""
+        batch = self.batch
+        rows, limits, stop_sets = batch.rows, batch.limits, batch.stop_sets
+        if self.keep is not None:
+            keep = np.array(self.keep)
+            rows, limits = rows[keep], limits[keep]
+            stop_sets = list(compress(stop_sets, self.keep))
+        return DecodeBatch(self.seqs, step, membership, limits, rows, stop_sets)
