@@ -73,6 +73,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``seed`` makes sampling reproducible per request whatever the batch.
+    Without one the engine keys the request by its own seed (``EngineConfig.seed``)
+    and the request's id: still independent of the batch, and two engines with the
+    same seed given the same requests in the same order draw the same tokens.
     ``logprobs=None`` returns none; ``logprobs=N`` returns the sampled token's logprob
     and the N most likely tokens' logprobs at every step.
 
