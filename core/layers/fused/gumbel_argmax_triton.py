@@ -12,16 +12,18 @@ few rows a row is cut into several slices (:func:`vocab_splits`) and a second la
 takes the first maximum of their partials: the token is the one-slice token bit for
 bit. One program a row walking all 152k columns left most of an H200 idle: a seeded
 decode step took 165 us more than a greedy one at batch 1 and 64
-(``benchmarks/bench_graph_end.py``). The cut is not yet timed on the GPU.
+(``benchmarks/bench_graph_end.py``); cut, the kernel takes 5.7 us at one row and
+73 us at 64 where it took 154 (``benchmarks/bench_sampler.py``).
 
 The draw equals the torch path's wherever the largest perturbed score leads the
 next by more than a float32 rounding of it: the two compute the same expression
 with their own ``log``. A row holding a NaN (which the sampler reports through its
 row maxima) draws some column in range, not necessarily torch's. Rows with top-k /
-top-p filters, or without a seed, keep the torch path (a sort, and torch's
-generator). The default on the Triton path (``KVRUNNER_FUSED_SAMPLER=0`` keeps the
-torch path): 0.31-0.62x the torch path's time on an H200 at batch 1-1,024, every
-token the same (``benchmarks/bench_sampler.py``).
+top-p filters keep the torch path (a sort); an unseeded row is drawn here with the
+engine's key for its request (``layers/sampling_seeds.py``). The default on the
+Triton path (``KVRUNNER_FUSED_SAMPLER=0`` keeps the torch path): 0.31-0.62x the
+torch path's time on an H200 at batch 1-1,024, every token the same
+(``benchmarks/bench_sampler.py``).
 """
 
 from __future__ import annotations
@@ -66,12 +68,15 @@ def _first_max_of_perturbed(
     return best, best_col
 
 
-@triton.jit
+# The slice count is a runtime argument, not specialised on: each decode-graph bucket
+# has its own (75 at one row, 5 at 64, ...), and as a compile-time constant every
+# bucket compiled both kernels anew on a cold cache (a capture of 20 buckets took 10 s).
+@triton.jit(do_not_specialize=["splits"])
 def _gumbel_argmax_kernel(
     logits_ptr, stride_l, rows_ptr, temps_ptr, seeds_ptr, counts_ptr, out_ptr,
-    part_best_ptr, part_col_ptr, vocab, cols_per_split,
+    part_best_ptr, part_col_ptr, vocab, cols_per_split, splits,
     KEY_STRIDE: tl.constexpr, TINY: tl.constexpr, TOP: tl.constexpr, BLOCK_V: tl.constexpr,
-    KEEP_GREEDY: tl.constexpr, SPLITS: tl.constexpr,
+    KEEP_GREEDY: tl.constexpr, ONE_SLICE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(i, s)``: row ``i``'s draw over the ``s``-th slice of the vocabulary,
     into ``out`` (one slice) or the partials (several, reduced by the next kernel)."""
@@ -91,17 +96,17 @@ def _gumbel_argmax_kernel(
     if draws:
         best, col = _first_max_of_perturbed(logits_ptr, row, stride_l, temp, key, lo, hi,
                                             TINY, TOP, BLOCK_V)
-        if SPLITS == 1:
+        if ONE_SLICE:
             tl.store(out_ptr + i, col)
         else:
-            tl.store(part_best_ptr + i * SPLITS + tl.program_id(1), best)
-            tl.store(part_col_ptr + i * SPLITS + tl.program_id(1), col)
+            tl.store(part_best_ptr + i * splits + tl.program_id(1), best)
+            tl.store(part_col_ptr + i * splits + tl.program_id(1), col)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _first_max_of_splits_kernel(
-    part_best_ptr, part_col_ptr, temps_ptr, out_ptr,
-    KEEP_GREEDY: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_best_ptr, part_col_ptr, temps_ptr, out_ptr, splits,
+    KEEP_GREEDY: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Row ``i``'s token from its slices' partials: the largest score's column, the
     earliest slice on a tie (the whole vocabulary's first maximum, as one slice)."""
@@ -112,10 +117,10 @@ def _first_max_of_splits_kernel(
         draws = tl.full((), 1, tl.int1)
     if draws:
         s = tl.arange(0, BLOCK_S)
-        best = tl.load(part_best_ptr + i * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
-        col = tl.load(part_col_ptr + i * SPLITS + s, mask=s < SPLITS, other=0)
+        best = tl.load(part_best_ptr + i * splits + s, mask=s < splits, other=float("-inf"))
+        col = tl.load(part_col_ptr + i * splits + s, mask=s < splits, other=0)
         top = tl.max(best, 0)
-        first = tl.min(tl.where(best == top, s, SPLITS), 0)
+        first = tl.min(tl.where(best == top, s, splits), 0)
         # a row whose every score is -inf draws column 0, as one slice does
         tl.store(out_ptr + i, tl.where(top > float("-inf"),
                                        tl.sum(tl.where(s == first, col, 0), 0), 0))
@@ -211,12 +216,14 @@ def _launch(out, logits, rows, temperatures, seeds, counts, *, keep_greedy: bool
         part_col = torch.empty(n, splits, dtype=torch.int64, device=out.device)
     _gumbel_argmax_kernel[(n, splits)](
         logits, logits.stride(0), rows, temperatures, seeds, counts, out,
-        part_best, part_col, vocab, cols_per_split,
+        part_best, part_col, vocab, cols_per_split, splits,
         KEY_STRIDE=KEY_STRIDE, TINY=torch.finfo(torch.float32).tiny, TOP=1.0 - eps,
-        BLOCK_V=block_v, KEEP_GREEDY=keep_greedy, SPLITS=splits, num_warps=8,
+        BLOCK_V=block_v, KEEP_GREEDY=keep_greedy, ONE_SLICE=splits == 1, num_warps=8,
     )  # fmt: skip
     if splits > 1:
+        # One block wide enough for the most slices this vocabulary can have (one tile
+        # each): the same compile for every slice count.
         _first_max_of_splits_kernel[(n,)](
-            part_best, part_col, temperatures, out,
-            KEEP_GREEDY=keep_greedy, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            part_best, part_col, temperatures, out, splits, KEEP_GREEDY=keep_greedy,
+            BLOCK_S=triton.next_power_of_2(triton.cdiv(vocab, block_v)),
         )  # fmt: skip

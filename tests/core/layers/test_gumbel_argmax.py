@@ -165,6 +165,38 @@ def test_on_the_gpu_the_sliced_draw_is_the_one_slice_draw(rows) -> None:
         gumbel_argmax_into_(tokens.clone(), logits, greedy_too, seeds, counts, splits=1))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_decode_bucket_shares_one_compile_of_each_draw_kernel() -> None:
+    """The slice count differs from bucket to bucket (75 at one row, 5 at 64, ...) but
+    is a runtime argument: drawing at every size a decode graph is captured at adds
+    one compile of the one-slice kernel, one of the sliced kernel and one of its
+    reduce, not one per bucket (a capture on a cold cache paid each)."""
+    from kvrunner.layers.fused import gumbel_argmax_triton as kernels
+
+    vocab = 151_936 - 64  # a width no other test compiles for
+    logits = torch.randn(320, vocab, device="cuda").to(torch.bfloat16)
+
+    def compiled(kernel) -> int:
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps no per-device kernel cache to count")
+        return sum(len(cache[0]) for cache in caches.values())
+
+    kernel_fns = (kernels._gumbel_argmax_kernel, kernels._first_max_of_splits_kernel)
+    before = [compiled(k) for k in kernel_fns]
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), 320]  # 320 rows fill the chip: one slice
+    assert len({kernels.vocab_splits(b, vocab, logits.device) for b in sizes}) > 4
+    for b in sizes:
+        tokens = logits[:b].float().argmax(dim=-1)
+        pick = torch.arange(b, device="cuda")
+        kernels.gumbel_argmax_into_(tokens, logits[:b], torch.ones(b, device="cuda"),
+                                    pick, pick)  # fmt: skip
+    torch.cuda.synchronize()
+    added = [compiled(k) - n for k, n in zip(kernel_fns, before, strict=True)]
+    assert added == [2, 1], f"compiles added per kernel: {added}"
+
+
 def test_a_lone_finite_column_is_drawn_wherever_the_slices_meet() -> None:
     """Every column on either side of every slice edge belongs to exactly one slice: a
     row finite only there draws it, for 1-4 slices of a 6,145-column row."""
