@@ -9,6 +9,8 @@ GPU step times in docs/benchmarks.md to see how much of them is host work.
     python benchmarks/bench_host_step.py          # one rank, asynchronous steps
     python benchmarks/bench_host_step.py --sync   # one step at a time
     python benchmarks/bench_host_step.py --pickle # plus TP's pipe: step and reply pickled
+    python benchmarks/bench_host_step.py --staggered --row-loops  # requests ending apart;
+                                                  # the scheduler's row loops alone
 
 With nothing on a device to overlap, both do the same host work; the difference is
 the bookkeeping of a step in flight.
@@ -58,7 +60,8 @@ class HostOnlyExecutor:
 
 
 def step_ms(
-    batch: int, *, async_scheduling: bool = True, pickled: bool = False, repeats: int = 3
+    batch: int, *, async_scheduling: bool = True, pickled: bool = False, repeats: int = 3,
+    staggered: bool = False, row_loops: bool = False,
 ) -> float:
     """Mean host ms per decode step: (time for NEW tokens - time for 1) / (NEW - 1),
     each the fastest of ``repeats`` runs (the machine is shared: noise only adds)."""
@@ -71,9 +74,12 @@ def step_ms(
         blocks = batch * ((PROMPT + NEW + 16) // BLOCK + 1)
         engine = LLMEngine(config, HostOnlyExecutor(blocks, pickled=pickled), eos_token_ids=(0,),
                            vocab_size=1000, uses_state_slots=False)
-        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        engine.scheduler.use_columns = not row_loops
         for i in range(batch):
             prompt = [1 + (i * 31 + j) % 997 for j in range(PROMPT)]
+            # staggered: requests end one after another over the run's second half
+            length = new - (i * (new // 2) // batch if staggered and new > 1 else 0)
+            params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
             engine.add_request(engine.make_request(prompt, params, i))
         start = time.perf_counter()
         while engine.has_unfinished():
@@ -93,11 +99,17 @@ def main() -> None:
                         help="pickle the step and the reply, as a spawned TP group does")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (the min)")
+    parser.add_argument("--staggered", action="store_true",
+                        help="requests end one after another (max_tokens from NEW down "
+                             "to NEW / 2), not all on the last step")
+    parser.add_argument("--row-loops", action="store_true",
+                        help="the scheduler's row loops alone (no decode batch)")
     args = parser.parse_args()
     print(f"{'batch':>5} {'host ms/step':>13} {'µs/sequence':>12}")
     for b in args.batches:
         ms = step_ms(b, async_scheduling=not args.sync, pickled=args.pickle,
-                     repeats=args.repeats)
+                     repeats=args.repeats, staggered=args.staggered,
+                     row_loops=args.row_loops)
         print(f"{b:>5} {ms:>13.3f} {ms / b * 1e3:>12.2f}")
 
 

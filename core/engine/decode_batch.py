@@ -14,9 +14,13 @@ its token.
 Why the derivation holds: a row's chunk starts where the step in flight (or, with
 synchronous steps, the last applied one) leaves it, ``num_computed_tokens`` plus
 what that step feeds it; after step N fed one token from ``start``, that is
-``start + 1`` whatever the step before fed. It holds while nobody joined or left the
-running list since step N was planned: the scheduler counts arrivals and departures,
-and the batch is used only when neither moved (else the row loop plans, as always).
+``start + 1`` whatever the step before fed. It holds for every row still running,
+whoever else left since, so a departure only drops its row (the rows' statuses are
+read then, one C-level pass). An admission adds rows the batch does not know: the
+scheduler counts admissions (:class:`Membership`), and the batch is used only when
+none happened since it was planned (else the row loop plans, as always). Applying a
+step's tokens from the batch also needs no preemption since: a preempted row keeps
+its token as a waiting sequence, which only the row loop does.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from collections import deque
 from collections.abc import Callable
 from itertools import compress, repeat
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
 from kvrunner.batch import PLACEHOLDER_CHUNK, StepInput
-from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.engine.table_rows import TableRows
 
 _token_ids = attrgetter("token_ids")
@@ -38,6 +43,16 @@ _top_logprobs = attrgetter("top_logprobs")
 _stop_on = attrgetter("stop_on")
 _length_limit = attrgetter("length_limit")
 _table_row = attrgetter("table_row")
+_status = attrgetter("status")
+
+
+class Membership(NamedTuple):
+    """The scheduler's counts of sequences that joined ``running``, left it (finished,
+    aborted or preempted), and were preempted, ever."""
+
+    arrivals: int
+    departures: int
+    preemptions: int
 
 
 def _consume(iterator) -> None:
@@ -50,14 +65,13 @@ class DecodeBatch:
     feeding one token from ``starts`` and sampling.
 
     Made from a planned step (:meth:`of_step`, None unless it is such a step), moved
-    on by :meth:`advance`. ``membership`` is the scheduler's (arrivals, departures)
-    count when the step was planned.
+    on by :meth:`advance`. ``membership`` is the scheduler's when the step was planned.
     """
 
     __slots__ = ("limits", "membership", "outputs", "rows", "sampling", "seq_ids", "seqs",
                  "starts", "state_slots", "stop_sets")  # fmt: skip
 
-    def __init__(self, seqs: list[Sequence], step: StepInput, membership: tuple[int, int],
+    def __init__(self, seqs: list[Sequence], step: StepInput, membership: Membership,
                  limits: np.ndarray, rows: np.ndarray, stop_sets: list) -> None:  # fmt: skip
         self.seqs = seqs
         self.seq_ids = step.seq_id
@@ -72,7 +86,7 @@ class DecodeBatch:
 
     @classmethod
     def of_step(cls, seqs: list[Sequence], sizes: list[int], step: StepInput,
-                num_running: int, membership: tuple[int, int]) -> DecodeBatch | None:  # fmt: skip
+                num_running: int, membership: Membership) -> DecodeBatch | None:  # fmt: skip
         """The batch of a just planned step, if it is one: every running sequence feeds
         exactly one token and samples (and holds a persistent table row)."""
         n = len(seqs)
@@ -84,32 +98,45 @@ class DecodeBatch:
         limits = np.fromiter(map(_length_limit, seqs), np.int64, n)
         return cls(seqs, step, membership, limits, rows, list(map(_stop_on, seqs)))
 
+    def holds(self, now: Membership) -> bool:
+        """Whether the next step may follow from this one: nobody admitted since it was
+        planned. Whoever left (finished, aborted; preempted, which happens only while
+        a step is planned, before its batch is kept) only drops a row."""
+        return now.arrivals == self.membership.arrivals
+
+    def running_rows(self, now: Membership) -> list[bool] | None:
+        """Which rows are still running (None: all of them, nobody left since)."""
+        if now.departures == self.membership.departures:
+            return None
+        return [s is SequenceStatus.RUNNING for s in map(_status, self.seqs)]
+
     def advance(
         self,
+        now: Membership,
         budget: int,
         in_flight: bool,
         block_size: int,
         tables: TableRows,
         make_room: Callable[[Sequence, int], bool],
     ) -> Continuation | None:
-        """The next step of these rows, or None when the row loop must plan it (the
-        budget does not cover every row, or making room preempted somebody).
+        """The next step of the rows still running, or None when the row loop must plan
+        it (the budget does not cover every row, or making room preempted somebody).
 
         ``in_flight``: this batch's step is still running (asynchronous steps), so a row
         whose sample there is its last (``start + 1 >= limit``) has nothing to feed.
         ``make_room(seq, tokens)``: the scheduler's, for a row whose table is full.
         """
-        n = len(self.seqs)
-        if n == 0 or n > budget:
-            return None
         starts = self.starts + 1
-        keep = None
+        alive = self.running_rows(now)
+        keep = None if alive is None else np.array(alive, bool)
         if in_flight:
             done = starts + 1 >= self.limits
             if done.any():
-                keep = (~done).tolist()
-        cont = Continuation(self, starts, keep, in_flight)
-        rows = self.rows if keep is None else self.rows[~done]
+                keep = ~done if keep is None else keep & ~done
+        cont = Continuation(self, starts, None if keep is None else keep.tolist(), in_flight)
+        if len(cont.seqs) > budget:
+            return None
+        rows = self.rows if keep is None else self.rows[keep]
         needs = np.flatnonzero(cont.starts + 1 > tables.lens[rows] * block_size)
         for i in needs.tolist():
             seq = cont.seqs[i]
@@ -119,6 +146,7 @@ class DecodeBatch:
 
     def apply(
         self,
+        now: Membership,
         tokens: list[int],
         logprobs: list,
         tops: list,
@@ -126,9 +154,11 @@ class DecodeBatch:
         mark_computed: Callable[[Sequence, int], None],
         finish: Callable[[Sequence, str], None],
     ) -> None:
-        """Apply this step's sampled tokens (one per row, in row order; every row still
-        running): each row's computed count moves past the token it fed, the sampled
-        token, logprob and top logprobs are recorded, and a row that ends is finished.
+        """Apply this step's sampled tokens (one per row, in row order; nobody preempted
+        since it was planned): each running row's computed count moves past the token
+        it fed, the sampled token, logprob and top logprobs are recorded, and a row
+        that ends is finished. A row that finished or was aborted since keeps nothing:
+        its token was computed past its end.
 
         Rows whose fed token fills a block go through ``mark_computed`` (which
         publishes the block), and rows that end through ``finish``, one at a time in
@@ -140,12 +170,17 @@ class DecodeBatch:
         stop = np.fromiter(map(frozenset.__contains__, self.stop_sets, tokens), bool,
                            len(tokens))  # fmt: skip
         length = computed + 1 >= self.limits  # the new token's length reaches the limit
-        special = np.flatnonzero(fills | stop | length).tolist()
+        alive = self.running_rows(now)
+        special_rows = fills | stop | length
+        if alive is not None:
+            gone = ~np.array(alive, bool)
+            special_rows &= ~gone
+        special = np.flatnonzero(special_rows).tolist()
         seqs = self.seqs
         plain_seqs, plain_computed = seqs, computed.tolist()
         plain_tokens, plain_logprobs, plain_tops = tokens, logprobs, tops
-        if special:
-            mask = [True] * len(seqs)
+        if special or alive is not None:
+            mask = [True] * len(seqs) if alive is None else alive
             for i in special:
                 mask[i] = False
             plain_seqs = list(compress(seqs, mask))
@@ -172,8 +207,8 @@ class DecodeBatch:
 
 
 class Continuation:
-    """The step after a :class:`DecodeBatch`'s: its rows (those with a token left to
-    feed), each one position on."""
+    """The step after a :class:`DecodeBatch`'s: its rows still running with a token
+    left to feed (``keep``; None: every row), each one position on."""
 
     __slots__ = ("batch", "in_flight", "keep", "seqs", "starts")
 
@@ -210,7 +245,7 @@ class Continuation:
             num_output_tokens=outputs.tolist(),
         )
 
-    def batch_of(self, step: StepInput, membership: tuple[int, int]) -> DecodeBatch:
+    def batch_of(self, step: StepInput, membership: Membership) -> DecodeBatch:
         """The :class:`DecodeBatch` of ``step`` (this continuation's own), without
         reading the sequences again."""
         batch = self.batch

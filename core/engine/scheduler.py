@@ -24,8 +24,8 @@ and a state slot the sequence still held when it was scheduled: freed ones are
 handed out again only by a later ``schedule()``, whose steps run after it.
 
 A steady decode step (every running sequence feeds one token and samples, and nobody
-joined or left since the last step was planned) is derived from the last step's
-columns and applied from them (``decode_batch.py``): the row loops below plan and
+was admitted or preempted since the last step was planned) is derived from the last
+step's columns and applied from them (``decode_batch.py``): the row loops below plan and
 apply every other step, and are what those columns are tested against.
 """
 
@@ -39,7 +39,7 @@ from kvrunner.batch import StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
-from kvrunner.engine.decode_batch import DecodeBatch
+from kvrunner.engine.decode_batch import DecodeBatch, Membership
 from kvrunner.engine.in_flight import InFlight, StepChunks
 from kvrunner.engine.scheduler_update import SchedulerUpdate
 from kvrunner.engine.sequence import Sequence, SequenceStatus
@@ -85,8 +85,7 @@ class Scheduler(SchedulerUpdate):
         #: plan and apply steady decode steps from the last step's columns
         #: (``decode_batch.py``); False runs the row loops they must equal
         self.use_columns = True
-        #: sequences that joined / left ``running``, ever: a decode batch holds while
-        #: neither moved since it was planned
+        #: sequences that joined / left ``running``, ever (``membership``)
         self.arrivals = 0
         self.departures = 0
         # the last planned step's columns, if it was a steady decode step
@@ -155,8 +154,9 @@ class Scheduler(SchedulerUpdate):
         # a plan that preempted) is planned row by row.
         continued = None
         batch, self._batch = self._batch, None
-        if batch is not None and batch.membership == (self.arrivals, self.departures):
-            continued = batch.advance(budget, newest is not None, self.block_manager.block_size,
+        if batch is not None and batch.holds(self.membership):
+            continued = batch.advance(self.membership, budget, newest is not None,
+                                      self.block_manager.block_size,
                                       self.block_manager.table_rows, self._room_or_stop)
         if continued is not None:
             seqs, starts = list(continued.seqs), continued.starts.tolist()
@@ -199,16 +199,15 @@ class Scheduler(SchedulerUpdate):
         if not seqs:
             return None
         tables = self.block_manager.table_rows
-        membership = (self.arrivals, self.departures)
         if continued is not None and len(seqs) == len(continued.seqs):  # nobody admitted
             step = continued.step(tables)
-            if len(seqs) == len(self.running):
-                self._batch = continued.batch_of(step, membership)
+            # Rows it left out are gone, or end when the step in flight is applied.
+            self._batch = continued.batch_of(step, self.membership)
         else:
             step = step_columns(seqs, sizes, starts, pending, samples, tables)
             if self.use_columns:
                 self._batch = DecodeBatch.of_step(seqs, sizes, step, len(self.running),
-                                                  membership)  # fmt: skip
+                                                  self.membership)  # fmt: skip
         self._in_flight.push(StepChunks(seqs, step.seq_id, sizes, samples, self._batch))
         return step, seqs
 
@@ -256,6 +255,12 @@ class Scheduler(SchedulerUpdate):
             samples.append(start + n == known + ahead)
             budget -= n
         return seqs, sizes, starts, pending, samples
+
+    @property
+    def membership(self) -> Membership:
+        """Admissions, departures and preemptions so far (a decode batch holds while
+        nobody was admitted or preempted since it was planned)."""
+        return Membership(self.arrivals, self.departures, self.num_preemptions)
 
     def _room_or_stop(self, seq: Sequence, num_new_tokens: int) -> bool:
         """:meth:`_make_room`, False as soon as it preempts anybody: a plan from the

@@ -13,6 +13,7 @@ from collections import deque
 
 from kvrunner.batch import SampledToken, SampledTokens
 from kvrunner.engine.block_manager import BlockManager
+from kvrunner.engine.decode_batch import Membership
 from kvrunner.engine.in_flight import InFlight, check_step_result
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -21,7 +22,8 @@ class SchedulerUpdate:
     """``update`` for :class:`~kvrunner.engine.scheduler.Scheduler`.
 
     Uses the scheduler's ``block_manager``, ``running``, ``waiting``,
-    ``_unfinished``, ``_in_flight``, ``use_columns`` and ``departures``.
+    ``_unfinished``, ``_in_flight``, ``use_columns``, ``departures`` and
+    ``membership``.
     """
 
     block_manager: BlockManager
@@ -32,6 +34,7 @@ class SchedulerUpdate:
     use_columns: bool
     #: sequences that left ``running`` (finished, aborted, preempted), ever
     departures: int
+    membership: Membership
 
     def update(
         self, seqs: list[Sequence], sampled: SampledTokens | list[SampledToken]
@@ -49,15 +52,16 @@ class SchedulerUpdate:
         sampled = SampledTokens.of(sampled)
         finished: list[Sequence] = []
         batch = chunks.batch
+        now = self.membership
         if (
             self.use_columns
             and batch is not None
-            and batch.membership[1] == self.departures  # every row still running
+            and batch.membership.preemptions == now.preemptions  # every row running or gone
             and seqs == chunks.seqs
             and sampled.seq_ids == chunks.sample_ids  # one token a row, in row order
         ):
             self._in_flight.pop_oldest()
-            batch.apply(sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
+            batch.apply(now, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
                         self.block_manager.block_size, self.block_manager.mark_computed,
                         lambda seq, reason: self._finish(seq, reason, finished))  # fmt: skip
         else:

@@ -69,10 +69,15 @@ def test_the_decode_batch_schedules_and_applies_every_step_as_the_row_loops(
     assert by_columns == by_rows
 
 
-def test_a_decode_workload_leaves_the_row_loops_after_its_first_decode(monkeypatch) -> None:
+@pytest.mark.parametrize("max_tokens", [(12, 12, 12, 12), (6, 9, 12, 14)],
+                         ids=["together", "staggered"])
+def test_a_decode_workload_leaves_the_row_loops_after_its_first_decode(
+    monkeypatch, max_tokens
+) -> None:
     """Guards the properties above against the batch silently never running: with
-    room for everyone, no aborts and no stops, only the prefill steps and the first
-    decode step are planned row by row, and only the prefill steps applied so."""
+    room for everyone and no preemption, only the prefill step and the first decode
+    step are planned row by row, and only the prefill step applied so, also while
+    requests finish one after another (a finish only drops its row)."""
     calls = {"plan": 0, "apply": 0}
     plan_by_row, apply_by_row = Scheduler._plan_by_row, Scheduler._apply_by_row
 
@@ -91,14 +96,15 @@ def test_a_decode_workload_leaves_the_row_loops_after_its_first_decode(monkeypat
     w = Workload(
         config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
         block_size=2, num_blocks=200, prefix_caching=True, num_state_slots=0,
-        requests=tuple((0, p, 12) for p in prompts),
+        requests=tuple((0, p, m) for p, m in zip(prompts, max_tokens, strict=True)),
     )  # fmt: skip
     case = Case(workload=w, stops=(((), True),) * len(prompts))
     steps, _, preemptions, outputs = trace(case, {}, use_columns=True, async_scheduling=True)
-    # The prefill step; the first decode step, planned by the row loop, then 10 more
-    # from its columns (the last token of 12 is sampled by the 11th decode step).
-    assert preemptions == 0 and len(steps) == 12
+    # The prefill step; the first decode step, planned by the row loop, then the rest
+    # from its columns (the last token of the longest is sampled by its step
+    # max_tokens - 1 after the prefill).
+    assert preemptions == 0 and len(steps) == max(max_tokens)
     assert calls == {"plan": 2, "apply": 0}
-    for prompt, (tokens, _, _, reason) in zip(prompts, outputs, strict=True):
-        assert tokens[len(prompt):] == reference_outputs(prompt, 12, 64) and reason == "length"
+    for prompt, m, (tokens, _, _, reason) in zip(prompts, max_tokens, outputs, strict=True):
+        assert tokens[len(prompt):] == reference_outputs(prompt, m, 64) and reason == "length"
 
