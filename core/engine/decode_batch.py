@@ -15,12 +15,14 @@ Why the derivation holds: a row's chunk starts where the step in flight (or, wit
 synchronous steps, the last applied one) leaves it, ``num_computed_tokens`` plus
 what that step feeds it; after step N fed one token from ``start``, that is
 ``start + 1`` whatever the step before fed. It holds for every row still running,
-whoever else left since, so a departure only drops its row (the rows' statuses are
-read then, one C-level pass). An admission adds rows the batch does not know: the
-scheduler counts admissions (:class:`Membership`), and the batch is used only when
-none happened since it was planned (else the row loop plans, as always). Applying a
-step's tokens from the batch also needs no preemption since: a preempted row keeps
-its token as a waiting sequence, which only the row loop does.
+whoever else left since. A batch is made at the end of one ``schedule()`` and
+continued at the start of the next; between the two nobody is admitted or preempted
+(both happen only inside ``schedule()``), so only finishes and aborts change who
+runs, and each only drops its row (the rows' statuses are read then, one C-level
+pass, when the scheduler's count of departures moved). A step with an admission is
+planned by the row loop, as always. Applying a step's tokens from its batch also
+needs no preemption since it was planned (the next ``schedule()`` may preempt): a
+preempted row keeps its token as a waiting sequence, which only the row loop does.
 """
 
 from __future__ import annotations
@@ -47,10 +49,9 @@ _status = attrgetter("status")
 
 
 class Membership(NamedTuple):
-    """The scheduler's counts of sequences that joined ``running``, left it (finished,
-    aborted or preempted), and were preempted, ever."""
+    """The scheduler's counts of sequences that left ``running`` (finished, aborted or
+    preempted), and of those preempted, ever."""
 
-    arrivals: int
     departures: int
     preemptions: int
 
@@ -97,12 +98,6 @@ class DecodeBatch:
             return None  # a table built by hand (tests): no row to gather from
         limits = np.fromiter(map(_length_limit, seqs), np.int64, n)
         return cls(seqs, step, membership, limits, rows, list(map(_stop_on, seqs)))
-
-    def holds(self, now: Membership) -> bool:
-        """Whether the next step may follow from this one: nobody admitted since it was
-        planned. Whoever left (finished, aborted; preempted, which happens only while
-        a step is planned, before its batch is kept) only drops a row."""
-        return now.arrivals == self.membership.arrivals
 
     def running_rows(self, now: Membership) -> list[bool] | None:
         """Which rows are still running (None: all of them, nobody left since)."""

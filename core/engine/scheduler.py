@@ -23,9 +23,9 @@ one step too many, whose token ``update()`` discards. That step writes only KV s
 and a state slot the sequence still held when it was scheduled: freed ones are
 handed out again only by a later ``schedule()``, whose steps run after it.
 
-A steady decode step (every running sequence feeds one token and samples, and nobody
-was admitted or preempted since the last step was planned) is derived from the last
-step's columns and applied from them (``decode_batch.py``): the row loops below plan and
+A steady decode step (every sequence of the last step, still running, feeds one
+token and samples; nobody admitted) is derived from the last step's columns and
+applied from them (``decode_batch.py``): the row loops below plan and
 apply every other step, and are what those columns are tested against.
 """
 
@@ -85,8 +85,7 @@ class Scheduler(SchedulerUpdate):
         #: plan and apply steady decode steps from the last step's columns
         #: (``decode_batch.py``); False runs the row loops they must equal
         self.use_columns = True
-        #: sequences that joined / left ``running``, ever (``membership``)
-        self.arrivals = 0
+        #: sequences that left ``running``, ever (``membership``)
         self.departures = 0
         # the last planned step's columns, if it was a steady decode step
         self._batch: DecodeBatch | None = None
@@ -154,7 +153,7 @@ class Scheduler(SchedulerUpdate):
         # a plan that preempted) is planned row by row.
         continued = None
         batch, self._batch = self._batch, None
-        if batch is not None and batch.holds(self.membership):
+        if batch is not None:
             continued = batch.advance(self.membership, budget, newest is not None,
                                       self.block_manager.block_size,
                                       self.block_manager.table_rows, self._room_or_stop)
@@ -188,7 +187,6 @@ class Scheduler(SchedulerUpdate):
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.arrivals += 1
             seqs.append(seq)
             sizes.append(n)
             starts.append(seq.num_computed_tokens)
@@ -258,9 +256,8 @@ class Scheduler(SchedulerUpdate):
 
     @property
     def membership(self) -> Membership:
-        """Admissions, departures and preemptions so far (a decode batch holds while
-        nobody was admitted or preempted since it was planned)."""
-        return Membership(self.arrivals, self.departures, self.num_preemptions)
+        """Departures and preemptions so far (``decode_batch.py``)."""
+        return Membership(self.departures, self.num_preemptions)
 
     def _room_or_stop(self, seq: Sequence, num_new_tokens: int) -> bool:
         """:meth:`_make_room`, False as soon as it preempts anybody: a plan from the
