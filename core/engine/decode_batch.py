@@ -62,8 +62,9 @@ def _consume(iterator) -> None:
 
 
 class DecodeBatch:
-    """One planned decode step as columns: every running sequence, in running order,
-    feeding one token from ``starts`` and sampling.
+    """One planned decode step as columns: its sequences (every one running when it
+    was planned), in running order, each feeding one token from ``starts`` and
+    sampling.
 
     Made from a planned step (:meth:`of_step`, None unless it is such a step), moved
     on by :meth:`advance`. ``membership`` is the scheduler's when the step was planned.
