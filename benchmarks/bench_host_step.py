@@ -61,14 +61,20 @@ class HostOnlyExecutor:
 
 def step_ms(
     batch: int, *, async_scheduling: bool = True, pickled: bool = False, repeats: int = 3,
-    staggered: bool = False, row_loops: bool = False,
+    staggered: bool = False, row_loops: bool = False, queued: bool = False,
 ) -> float:
     """Mean host ms per decode step: (time for NEW tokens - time for 1) / (NEW - 1),
-    each the fastest of ``repeats`` runs (the machine is shared: noise only adds)."""
+    each the fastest of ``repeats`` runs (the machine is shared: noise only adds).
+
+    ``queued``: room for half the requests at once, the rest admitted as others end
+    (with ``staggered``, one or a few a step); then the figure is a whole run's host
+    time over its steps, prefills included."""
+    steps = [0]
 
     def run(new: int) -> float:
         config = EngineConfig.load(
-            model="tiny-qwen3", max_num_seqs=batch, max_model_len=PROMPT + NEW + 16,
+            model="tiny-qwen3", max_num_seqs=batch // 2 if queued else batch,
+            max_model_len=PROMPT + NEW + 16,
             max_num_batched_tokens=8192, block_size=BLOCK, async_scheduling=async_scheduling,
         )
         blocks = batch * ((PROMPT + NEW + 16) // BLOCK + 1)
@@ -82,12 +88,16 @@ def step_ms(
             params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
             engine.add_request(engine.make_request(prompt, params, i))
         start = time.perf_counter()
+        steps[0] = 0
         while engine.has_unfinished():
             engine.step()
+            steps[0] += 1
         return time.perf_counter() - start
 
     run(4)  # warm up
     full = min(run(NEW) for _ in range(repeats))
+    if queued:
+        return full / steps[0] * 1e3
     prefill = min(run(1) for _ in range(repeats))
     return (full - prefill) / (NEW - 1) * 1e3
 
@@ -104,12 +114,14 @@ def main() -> None:
                              "to NEW / 2), not all on the last step")
     parser.add_argument("--row-loops", action="store_true",
                         help="the scheduler's row loops alone (no decode batch)")
+    parser.add_argument("--queued", action="store_true",
+                        help="room for half the requests: the rest admitted as others end")
     args = parser.parse_args()
     print(f"{'batch':>5} {'host ms/step':>13} {'µs/sequence':>12}")
     for b in args.batches:
         ms = step_ms(b, async_scheduling=not args.sync, pickled=args.pickle,
                      repeats=args.repeats, staggered=args.staggered,
-                     row_loops=args.row_loops)
+                     row_loops=args.row_loops, queued=args.queued)
         print(f"{b:>5} {ms:>13.3f} {ms / b * 1e3:>12.2f}")
 
 

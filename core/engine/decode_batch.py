@@ -1,8 +1,9 @@
 """The decode batch: a steady decode step's columns, kept from one step to the next.
 
-Once every running sequence decodes (one token a step, each sampling), step N+1 is
-step N moved on by one position: the same sequences in the same order, each start
-one later, one more output, the same sampling settings, state slots and table rows.
+Once every running sequence samples in step N (a decode step, or one whose new
+requests prefill whole prompts), step N+1 is step N moved on: the same sequences in
+the same order, each feeding one token from where its chunk in N ended, one more
+output, the same sampling settings, state slots and table rows.
 :class:`DecodeBatch` keeps step N's columns as arrays and lists and derives step N+1
 from them in a few numpy passes, where the scheduler's row loop reads a dozen fields
 off every ``Sequence`` (about a microsecond a row at batch 1,024; reading the same
@@ -13,8 +14,9 @@ its token.
 
 Why the derivation holds: a row's chunk starts where the step in flight (or, with
 synchronous steps, the last applied one) leaves it, ``num_computed_tokens`` plus
-what that step feeds it; after step N fed one token from ``start``, that is
-``start + 1`` whatever the step before fed. It holds for every row still running,
+what that step feeds it; after step N fed ``size`` tokens from ``start``, that is
+``start + size`` whatever the step before fed, and as step N sampled for it, the
+chunk is the one token sampled there. It holds for every row still running,
 whoever else left since. A batch is made at the end of one ``schedule()`` and
 continued at the start of the next; between the two nobody is admitted or preempted
 (both happen only inside ``schedule()``), so only finishes and aborts change who
@@ -62,8 +64,8 @@ def _consume(iterator) -> None:
 
 
 class DecodeBatch:
-    """One planned decode step as columns: its sequences (every one running when it
-    was planned), in running order, each feeding one token from ``starts`` and
+    """One planned step as columns: its sequences (every one running when it was
+    planned), in running order, each feeding ``sizes`` tokens from ``starts`` and
     sampling.
 
     Made from a planned step (:meth:`of_step`, None unless it is such a step), moved
@@ -71,13 +73,15 @@ class DecodeBatch:
     """
 
     __slots__ = ("limits", "membership", "outputs", "rows", "sampling", "seq_ids", "seqs",
-                 "starts", "state_slots", "stop_sets")  # fmt: skip
+                 "sizes", "starts", "state_slots", "stop_sets")  # fmt: skip
 
-    def __init__(self, seqs: list[Sequence], step: StepInput, membership: Membership,
-                 limits: np.ndarray, rows: np.ndarray, stop_sets: list) -> None:  # fmt: skip
+    def __init__(self, seqs: list[Sequence], step: StepInput, sizes: np.ndarray,
+                 membership: Membership, limits: np.ndarray, rows: np.ndarray,
+                 stop_sets: list) -> None:  # fmt: skip
         self.seqs = seqs
         self.seq_ids = step.seq_id
         self.starts = np.array(step.start_pos, np.int64)
+        self.sizes = sizes
         self.outputs = np.array(step.num_output_tokens, np.int64)
         self.sampling = step.sampling
         self.state_slots = step.state_slot
@@ -89,16 +93,18 @@ class DecodeBatch:
     @classmethod
     def of_step(cls, seqs: list[Sequence], sizes: list[int], step: StepInput,
                 num_running: int, membership: Membership) -> DecodeBatch | None:  # fmt: skip
-        """The batch of a just planned step, if it is one: every running sequence feeds
-        exactly one token and samples (and holds a persistent table row)."""
+        """The batch of a just planned step, if it is one: it holds ``num_running``
+        sequences, every one that will still run when the next step is planned, and
+        every row samples (and holds a persistent table row)."""
         n = len(seqs)
-        if n != num_running or sizes.count(1) != n or not all(step.sample):
+        if n != num_running or not all(step.sample):
             return None
         rows = np.fromiter(map(_table_row, seqs), np.int64, n)
         if n and rows.min() < 0:
             return None  # a table built by hand (tests): no row to gather from
         limits = np.fromiter(map(_length_limit, seqs), np.int64, n)
-        return cls(seqs, step, membership, limits, rows, list(map(_stop_on, seqs)))
+        return cls(seqs, step, np.array(sizes, np.int64), membership, limits, rows,
+                   list(map(_stop_on, seqs)))
 
     def running_rows(self, now: Membership) -> list[bool] | None:
         """Which rows are still running (None: all of them, nobody left since)."""
@@ -119,17 +125,23 @@ class DecodeBatch:
         it (the budget does not cover every row, or making room preempted somebody).
 
         ``in_flight``: this batch's step is still running (asynchronous steps), so a row
-        whose sample there is its last (``start + 1 >= limit``) has nothing to feed.
+        whose sample there is its last (its next start + 1 reaches its limit) has
+        nothing to feed.
         ``make_room(seq, tokens)``: the scheduler's, for a row whose table is full.
         """
-        starts = self.starts + 1
+        starts = self.starts + self.sizes
         alive = self.running_rows(now)
         keep = None if alive is None else np.array(alive, bool)
+        ending = 0
         if in_flight:
             done = starts + 1 >= self.limits
-            if done.any():
+            if keep is not None:
+                done &= keep
+            ending = int(done.sum())
+            if ending:
                 keep = ~done if keep is None else keep & ~done
-        cont = Continuation(self, starts, None if keep is None else keep.tolist(), in_flight)
+        cont = Continuation(self, starts, None if keep is None else keep.tolist(), in_flight,
+                            ending)  # fmt: skip
         if len(cont.seqs) > budget:
             return None
         rows = self.rows if keep is None else self.rows[keep]
@@ -151,17 +163,17 @@ class DecodeBatch:
         finish: Callable[[Sequence, str], None],
     ) -> None:
         """Apply this step's sampled tokens (one per row, in row order; nobody preempted
-        since it was planned): each running row's computed count moves past the token
+        since it was planned): each running row's computed count moves past the chunk
         it fed, the sampled token, logprob and top logprobs are recorded, and a row
         that ends is finished. A row that finished or was aborted since keeps nothing:
         its token was computed past its end.
 
-        Rows whose fed token fills a block go through ``mark_computed`` (which
+        Rows whose chunk fills a block go through ``mark_computed`` (which
         publishes the block), and rows that end through ``finish``, one at a time in
         row order, as the row loop meets them; the others in C-level passes.
         """
-        computed = self.starts + 1  # every row fed the token at ``start``
-        fills = computed % block_size == 0
+        computed = self.starts + self.sizes  # every row fed its chunk
+        fills = computed // block_size != self.starts // block_size
         # "stop" wins over "length" on the same token: the model ended on its own.
         stop = np.fromiter(map(frozenset.__contains__, self.stop_sets, tokens), bool,
                            len(tokens))  # fmt: skip
@@ -190,7 +202,7 @@ class DecodeBatch:
         for i in special:
             seq = seqs[i]
             if fills[i]:
-                mark_computed(seq, 1)
+                mark_computed(seq, int(self.sizes[i]))
             else:
                 seq.num_computed_tokens = int(computed[i])
             seq.token_ids.append(tokens[i])
@@ -204,15 +216,18 @@ class DecodeBatch:
 
 class Continuation:
     """The step after a :class:`DecodeBatch`'s: its rows still running with a token
-    left to feed (``keep``; None: every row), each one position on."""
+    left to feed (``keep``; None: every row), each from where its chunk ended."""
 
-    __slots__ = ("batch", "in_flight", "keep", "seqs", "starts")
+    __slots__ = ("batch", "ending", "in_flight", "keep", "seqs", "starts")
 
     def __init__(self, batch: DecodeBatch, starts: np.ndarray, keep: list[bool] | None,
-                 in_flight: bool) -> None:  # fmt: skip
+                 in_flight: bool, ending: int) -> None:  # fmt: skip
         self.batch = batch
         self.keep = keep
         self.in_flight = in_flight
+        #: running rows left out because the step in flight samples their last token:
+        #: they end when it is applied, before the next step is planned
+        self.ending = ending
         self.seqs = batch.seqs if keep is None else list(compress(batch.seqs, keep))
         self.starts = starts if keep is None else starts[np.array(keep)]
 
@@ -250,4 +265,5 @@ class Continuation:
             keep = np.array(self.keep)
             rows, limits = rows[keep], limits[keep]
             stop_sets = list(compress(stop_sets, self.keep))
-        return DecodeBatch(self.seqs, step, membership, limits, rows, stop_sets)
+        return DecodeBatch(self.seqs, step, np.ones(len(self.seqs), np.int64), membership,
+                           limits, rows, stop_sets)

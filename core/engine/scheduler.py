@@ -23,10 +23,10 @@ one step too many, whose token ``update()`` discards. That step writes only KV s
 and a state slot the sequence still held when it was scheduled: freed ones are
 handed out again only by a later ``schedule()``, whose steps run after it.
 
-A steady decode step (every sequence of the last step, still running, feeds one
-token and samples; nobody admitted) is derived from the last step's columns and
-applied from them (``decode_batch.py``): the row loops below plan and
-apply every other step, and are what those columns are tested against.
+When every row of a step samples (a decode step, or one whose new requests prefill
+whole prompts), its columns are kept (``decode_batch.py``): the next step's chunks
+for those rows, and the step's update, are derived from them. The row loops below
+plan and apply every other step, and are what those columns are tested against.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ class Scheduler(SchedulerUpdate):
         budget = self.config.max_num_batched_tokens
         newest = self._in_flight.newest()
         preemptions_before = self.num_preemptions
-        # A steady decode step follows from the last one's columns; anything else (and
-        # a plan that preempted) is planned row by row.
+        # After a step whose every row sampled, this one's rows follow from its
+        # columns; anything else (and a plan that preempted) is planned row by row.
         continued = None
         batch, self._batch = self._batch, None
         if batch is not None:
@@ -204,7 +204,9 @@ class Scheduler(SchedulerUpdate):
         else:
             step = step_columns(seqs, sizes, starts, pending, samples, tables)
             if self.use_columns:
-                self._batch = DecodeBatch.of_step(seqs, sizes, step, len(self.running),
+                # Rows the continuation left out end with the step in flight.
+                staying = len(self.running) - (continued.ending if continued else 0)
+                self._batch = DecodeBatch.of_step(seqs, sizes, step, staying,
                                                   self.membership)  # fmt: skip
         self._in_flight.push(StepChunks(seqs, step.seq_id, sizes, samples, self._batch))
         return step, seqs

@@ -71,13 +71,14 @@ def test_the_decode_batch_schedules_and_applies_every_step_as_the_row_loops(
 
 @pytest.mark.parametrize("max_tokens", [(12, 12, 12, 12), (6, 9, 12, 14)],
                          ids=["together", "staggered"])
-def test_a_decode_workload_leaves_the_row_loops_after_its_first_decode(
+def test_a_decode_workload_leaves_the_row_loops_after_its_prefill(
     monkeypatch, max_tokens
 ) -> None:
     """Guards the properties above against the batch silently never running: with
-    room for everyone and no preemption, only the prefill step and the first decode
-    step are planned row by row, and only the prefill step applied so, also while
-    requests finish one after another (a finish only drops its row)."""
+    room for everyone and no preemption, only the prefill step (whole prompts, every
+    row sampling) is planned row by row, and every decode step follows from the step
+    before it, also while requests finish one after another (a finish only drops its
+    row)."""
     calls = {"plan": 0, "apply": 0}
     plan_by_row, apply_by_row = Scheduler._plan_by_row, Scheduler._apply_by_row
 
@@ -100,11 +101,36 @@ def test_a_decode_workload_leaves_the_row_loops_after_its_first_decode(
     )  # fmt: skip
     case = Case(workload=w, stops=(((), True),) * len(prompts))
     steps, _, preemptions, outputs = trace(case, {}, use_columns=True, async_scheduling=True)
-    # The prefill step; the first decode step, planned by the row loop, then the rest
-    # from its columns (the last token of the longest is sampled by its step
-    # max_tokens - 1 after the prefill).
+    # The prefill step, planned by the row loop, then every decode step from its
+    # columns (the last token of the longest is sampled by its step max_tokens - 1
+    # after the prefill).
     assert preemptions == 0 and len(steps) == max(max_tokens)
-    assert calls == {"plan": 2, "apply": 0}
+    assert calls == {"plan": 1, "apply": 0}
     for prompt, m, (tokens, _, _, reason) in zip(prompts, max_tokens, outputs, strict=True):
         assert tokens[len(prompt):] == reference_outputs(prompt, m, 64) and reason == "length"
 
+
+
+def test_requests_admitted_as_others_finish_join_the_batch(monkeypatch) -> None:
+    """A queue longer than ``max_num_seqs``: each step that admits a request (whose
+    whole prompt is prefilled in it) is planned from the batch plus the admission
+    loop, and the step after it follows from that step's columns: the row loop plans
+    only the first step."""
+    plan_calls = []
+    plan_by_row = Scheduler._plan_by_row
+    monkeypatch.setattr(Scheduler, "_plan_by_row",
+                        lambda self, *a: plan_calls.append(1) or plan_by_row(self, *a))
+    prompts = tuple(tuple(range(10 * i, 10 * i + 3 + i % 4)) for i in range(8))
+    lengths = tuple(3 + 2 * i % 7 for i in range(8))
+    w = Workload(
+        config=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64),
+        block_size=2, num_blocks=200, prefix_caching=True, num_state_slots=0,
+        requests=tuple((0, p, m) for p, m in zip(prompts, lengths, strict=True)),
+    )  # fmt: skip
+    case = Case(workload=w, stops=(((), True),) * len(prompts))
+    steps, _, preemptions, outputs = trace(case, {}, use_columns=True, async_scheduling=True)
+    admitting = [st for st in steps if any(len(t) > 1 for t in st.token_ids)]
+    assert preemptions == 0 and len(admitting) > 3
+    assert plan_calls == [1]
+    for prompt, m, (tokens, _, _, _) in zip(prompts, lengths, outputs, strict=True):
+        assert tokens[len(prompt):] == reference_outputs(prompt, m, 64)
