@@ -69,6 +69,20 @@ def test_the_decode_batch_schedules_and_applies_every_step_as_the_row_loops(
     assert by_columns == by_rows
 
 
+def run_roomy(prompts: tuple, max_tokens: tuple, *, max_num_seqs: int):
+    """Asynchronous steps with the batch on, a pool with room for everyone, EOS
+    ignored: the steps, the preemptions and each request's outputs."""
+    w = Workload(
+        config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                               max_model_len=64),
+        block_size=2, num_blocks=200, prefix_caching=True, num_state_slots=0,
+        requests=tuple((0, p, m) for p, m in zip(prompts, max_tokens, strict=True)),
+    )  # fmt: skip
+    case = Case(workload=w, stops=(((), True),) * len(prompts))
+    steps, _, preemptions, outputs = trace(case, {}, use_columns=True, async_scheduling=True)
+    return steps, preemptions, outputs
+
+
 @pytest.mark.parametrize("max_tokens", [(12, 12, 12, 12), (6, 9, 12, 14)],
                          ids=["together", "staggered"])
 def test_a_decode_workload_leaves_the_row_loops_after_its_prefill(
@@ -94,13 +108,7 @@ def test_a_decode_workload_leaves_the_row_loops_after_its_prefill(
     monkeypatch.setattr(Scheduler, "_plan_by_row", counting_plan)
     monkeypatch.setattr(Scheduler, "_apply_by_row", counting_apply)
     prompts = tuple(tuple(range(10 * i, 10 * i + 5)) for i in range(4))
-    w = Workload(
-        config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
-        block_size=2, num_blocks=200, prefix_caching=True, num_state_slots=0,
-        requests=tuple((0, p, m) for p, m in zip(prompts, max_tokens, strict=True)),
-    )  # fmt: skip
-    case = Case(workload=w, stops=(((), True),) * len(prompts))
-    steps, _, preemptions, outputs = trace(case, {}, use_columns=True, async_scheduling=True)
+    steps, preemptions, outputs = run_roomy(prompts, max_tokens, max_num_seqs=4)
     # The prefill step, planned by the row loop, then every decode step from its
     # columns (the last token of the longest is sampled by its step max_tokens - 1
     # after the prefill).
@@ -108,7 +116,6 @@ def test_a_decode_workload_leaves_the_row_loops_after_its_prefill(
     assert calls == {"plan": 1, "apply": 0}
     for prompt, m, (tokens, _, _, reason) in zip(prompts, max_tokens, outputs, strict=True):
         assert tokens[len(prompt):] == reference_outputs(prompt, m, 64) and reason == "length"
-
 
 
 def test_requests_admitted_as_others_finish_join_the_batch(monkeypatch) -> None:
@@ -122,13 +129,7 @@ def test_requests_admitted_as_others_finish_join_the_batch(monkeypatch) -> None:
                         lambda self, *a: plan_calls.append(1) or plan_by_row(self, *a))
     prompts = tuple(tuple(range(10 * i, 10 * i + 3 + i % 4)) for i in range(8))
     lengths = tuple(3 + 2 * i % 7 for i in range(8))
-    w = Workload(
-        config=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64),
-        block_size=2, num_blocks=200, prefix_caching=True, num_state_slots=0,
-        requests=tuple((0, p, m) for p, m in zip(prompts, lengths, strict=True)),
-    )  # fmt: skip
-    case = Case(workload=w, stops=(((), True),) * len(prompts))
-    steps, _, preemptions, outputs = trace(case, {}, use_columns=True, async_scheduling=True)
+    steps, preemptions, outputs = run_roomy(prompts, lengths, max_num_seqs=3)
     admitting = [st for st in steps if any(len(t) > 1 for t in st.token_ids)]
     assert preemptions == 0 and len(admitting) > 3
     assert plan_calls == [1]
