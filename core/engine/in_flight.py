@@ -25,8 +25,8 @@ class StepChunks:
     samples.
 
     Kept as the step's own columns; the dict and the set that the row loops look up
-    are built in C-level passes, and only when first asked for: a steady decode step
-    (``batch``) needs neither.
+    are built in C-level passes, and only when first asked for: a step kept as a
+    decode batch (``batch``) needs neither.
     """
 
     __slots__ = ("_num_tokens", "_sample_ids", "_samples", "batch", "sample", "seq_ids",
@@ -45,7 +45,7 @@ class StepChunks:
         self.sizes = sizes
         self.seq_ids = seq_ids
         self.sample = sample
-        #: the step's columns, when it is a steady decode step (``decode_batch.py``)
+        #: the step's columns, when every row samples in it (``decode_batch.py``)
         self.batch = batch
         self._num_tokens: dict[int, int] | None = None
         self._sample_ids: list[int] | None = None

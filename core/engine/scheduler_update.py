@@ -1,10 +1,11 @@
 """Applying a step's sampled tokens (a part of :class:`~kvrunner.engine.scheduler.Scheduler`).
 
 ``update`` advances each row's computed tokens, appends its sample and finishes the
-requests that end. A steady decode step (a :class:`~kvrunner.engine.decode_batch.DecodeBatch`
-whose rows are all still running) is applied from its columns; any other step, and
-every step when ``use_columns`` is off, row by row. Both give the same result: the
-row loop is the specification the columns are tested against.
+requests that end. A step whose every row sampled was kept as a
+:class:`~kvrunner.engine.decode_batch.DecodeBatch`, and is applied from its columns
+unless somebody was preempted since; any other step, and every step when
+``use_columns`` is off, row by row. Both give the same result: the row loop is the
+specification the columns are tested against.
 """
 
 from __future__ import annotations
