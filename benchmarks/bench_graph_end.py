@@ -24,14 +24,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from bench_e2e_decode import (
-    decode_engine,
-    ours_step_ms,
-    release_memory,
-    step_floor_ms,
-    write_checkpoint,
-)
+from bench_e2e_decode import decode_engine, release_memory, step_floor_ms, write_checkpoint
 from common import copy_bandwidth_tbps
+from decode_timing import ours_step_ms
 
 from kvrunner.layers.sampler import Sampler, sample_step_rows
 from kvrunner.runner.graph_sampling import GRAPH_ENDS, GRAPH_ENDS_AT_ENV

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_e2e_decode import ours_step_ms, prompts
 from common import copy_bandwidth_tbps, median_ms, rel_err
+from decode_timing import ours_step_ms, prompts
 
 from kvrunner import LLM
 from kvrunner.layers.moe import SparseMoeBlock

@@ -34,6 +34,13 @@ from kvrunner.sampling_params import SamplingParams
 VOCAB = 151_936
 
 
+def decode_logits(batch: int) -> torch.Tensor:
+    """``[batch, VOCAB]`` bf16 logits as a decode step hands them over, seeded by the
+    batch size (each table sees the same logits at a batch)."""
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    return (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64,256,1024")
@@ -43,8 +50,7 @@ def main() -> None:
     print(f"{'batch':>5} {'torch us':>9} {'fused us':>9} {'fused/torch':>11} "
           f"{'floor us':>9} {'fused/floor':>11} {'same tokens':>12}")
     for batch in (int(b) for b in args.batches.split(",")):
-        g = torch.Generator(device="cuda").manual_seed(batch)
-        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        logits = decode_logits(batch)
         params = [SamplingParams(temperature=1.0, seed=1000 + i) for i in range(batch)]
         counts = list(range(batch))
         times, tokens = {}, {}
@@ -62,11 +68,11 @@ def main() -> None:
     print(f"\nunseeded rows, T=1.0\n{'batch':>5} {'generator us':>12} {'keyed us':>9} "
           f"{'keyed/generator':>15}")
     for batch in (int(b) for b in args.batches.split(",")):
-        g = torch.Generator(device="cuda").manual_seed(batch)
-        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        logits = decode_logits(batch)
         params = [SamplingParams(temperature=1.0)] * batch
         counts = list(range(batch))
         keys = request_keys(0, list(range(batch)))
+        g = torch.Generator(device="cuda").manual_seed(batch)
         shared = median_ms(lambda x=logits, p=params, c=counts, gen=g:
                            sample(x, p, c, generator=gen)) * 1e3
         keyed = median_ms(lambda x=logits, p=params, c=counts, k=keys:
@@ -75,8 +81,7 @@ def main() -> None:
     print(f"\nthe kernel alone, in a CUDA graph\n{'batch':>5} {'slices':>6} "
           f"{'one slice us':>12} {'sliced us':>9} {'sliced/one':>10} {'same tokens':>11}")
     for batch in (int(b) for b in args.batches.split(",")):
-        g = torch.Generator(device="cuda").manual_seed(batch)
-        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        logits = decode_logits(batch)
         rows = torch.arange(batch, device="cuda")
         temps = torch.ones(batch, device="cuda")
         seeds, counts = rows + 1000, rows.clone()

@@ -140,8 +140,7 @@ class DecodeBatch:
             ending = int(done.sum())
             if ending:
                 keep = ~done if keep is None else keep & ~done
-        cont = Continuation(self, starts, None if keep is None else keep.tolist(), in_flight,
-                            ending)  # fmt: skip
+        cont = Continuation(self, starts, keep, in_flight, ending)
         if len(cont.seqs) > budget:
             return None
         rows = self.rows if keep is None else self.rows[keep]
@@ -218,18 +217,20 @@ class Continuation:
     """The step after a :class:`DecodeBatch`'s: its rows still running with a token
     left to feed (``keep``; None: every row), each from where its chunk ended."""
 
-    __slots__ = ("batch", "ending", "in_flight", "keep", "seqs", "starts")
+    __slots__ = ("batch", "ending", "in_flight", "keep", "keep_rows", "seqs", "starts")
 
-    def __init__(self, batch: DecodeBatch, starts: np.ndarray, keep: list[bool] | None,
+    def __init__(self, batch: DecodeBatch, starts: np.ndarray, keep: np.ndarray | None,
                  in_flight: bool, ending: int) -> None:  # fmt: skip
         self.batch = batch
-        self.keep = keep
+        #: the rows kept, as a mask for the arrays and as a list for ``compress``
+        self.keep_rows = keep
+        self.keep = None if keep is None else keep.tolist()
         self.in_flight = in_flight
         #: running rows left out because the step in flight samples their last token:
         #: they end when it is applied, before the next step is planned
         self.ending = ending
-        self.seqs = batch.seqs if keep is None else list(compress(batch.seqs, keep))
-        self.starts = starts if keep is None else starts[np.array(keep)]
+        self.seqs = batch.seqs if keep is None else list(compress(batch.seqs, self.keep))
+        self.starts = starts if keep is None else starts[keep]
 
     def _pick(self, column: list) -> list:
         return list(column) if self.keep is None else list(compress(column, self.keep))
@@ -242,9 +243,8 @@ class Continuation:
         else:  # each feeds its newest token, sampled by the step just applied
             tokens = [(t[-1],) for t in map(_token_ids, self.seqs)]
         rows, outputs = batch.rows, batch.outputs + 1
-        if self.keep is not None:
-            keep = np.array(self.keep)
-            rows, outputs = rows[keep], outputs[keep]
+        if self.keep_rows is not None:
+            rows, outputs = rows[self.keep_rows], outputs[self.keep_rows]
         return StepInput(
             seq_id=self._pick(batch.seq_ids),
             token_ids=tokens,
@@ -261,9 +261,8 @@ class Continuation:
         reading the sequences again."""
         batch = self.batch
         rows, limits, stop_sets = batch.rows, batch.limits, batch.stop_sets
-        if self.keep is not None:
-            keep = np.array(self.keep)
-            rows, limits = rows[keep], limits[keep]
+        if self.keep_rows is not None:
+            rows, limits = rows[self.keep_rows], limits[self.keep_rows]
             stop_sets = list(compress(stop_sets, self.keep))
         return DecodeBatch(self.seqs, step, np.ones(len(self.seqs), np.int64), membership,
                            limits, rows, stop_sets)
