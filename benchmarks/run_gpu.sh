@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: install, run every `gpu` test, then the benchmarks.
+# Install, run every `gpu` test, then the benchmarks, on a GPU machine.
 # Needs the wheels the device image lacks in .whl/ (see docs/benchmarks.md).
 #   bash benchmarks/run_gpu.sh                      every benchmark (TP only with 2 GPUs)
 #   bash benchmarks/run_gpu.sh bench_tp_decode      only the named ones
@@ -7,11 +7,10 @@
 # GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/,
 # the gdn tests last: fla's kernels compile and autotune for minutes on a fresh machine).
 # Node ids run in the order given; naming a whole file beside them reorders by file.
-# Triton's cache (compiled kernels, and the autotune results fla keeps there) travels
-# between calls: SAVE_TRITON_CACHE=1 writes it to $OUT as triton_cache.tgz.part-NN
-# (15 MiB each: a file back from $OUT may hold 16, and at most 8 files come back, logs
-# included); put the parts in .triton_cache/ and carry it, and the next call starts
-# from it. It unpacks to the same path: Triton's cache records absolute paths.
+# Triton's cache (compiled kernels, and the autotune results fla keeps there) can be
+# kept between runs: SAVE_TRITON_CACHE=1 writes it to $OUT as triton_cache.tgz.part-NN
+# (parts of 15 MiB); with those parts in .triton_cache/, a run starts from that cache.
+# It unpacks to the same path: Triton's cache records absolute paths.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp}
@@ -32,7 +31,7 @@ trap save_triton_cache EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-else  # .whl is git-ignored: a device call brings it only when asked to carry it
+else  # .whl is git-ignored: it is present only where the wheels were copied in
   echo "no wheels in .whl/: fla's tests skip and its bench rows are missing (carry .whl)"
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/paged -e backends/gdn -e backends/tbo \

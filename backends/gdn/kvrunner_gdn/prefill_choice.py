@@ -13,14 +13,12 @@ Chosen once per backend, when it is built, from the environment variable
   silently measures ours.
 
 Why fla where it serves: at T = 4096 on an H200 ours takes about 3x fla's time (our
-kernel does not split the state's K over programs). fla's path passed every check
-on the H200 (2026-12-01, fla-core 0.6.0, triton 3.6): equality with the torch path
-on varlen batches with history and PAD rows, greedy tokens equal to ours, and no host
-wait in a step (which asynchronous steps rely on). An earlier run had failed the
-last one on the wrapper's own scatter (a 0-dim index read on the host), since fixed.
-Where it binds, the layer calls fla's forward functions without the public function's
-training-op layers (:mod:`kvrunner_gdn.kernels.fla_forward`), the same result at less
-host time.
+kernel does not split the state's K over programs). fla's path passes every GPU
+check on the H200 (fla-core 0.6.0, triton 3.6): equality with the torch path on
+varlen batches with history and PAD rows, greedy tokens equal to ours, and no host
+wait in a step (which asynchronous steps rely on). Where it binds, the layer calls
+fla's forward functions without the public function's training-op layers
+(:mod:`kvrunner_gdn.kernels.fla_forward`), the same result at less host time.
 
 float32 stays ours under ``auto`` because it is the dtype the engine is checked in
 against the torch path and transformers token for token, and TF32 is not that.

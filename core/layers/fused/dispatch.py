@@ -53,7 +53,7 @@ def same_kernel_dtype(*tensors: torch.Tensor) -> bool:
 
 #: seeded, unfiltered sampling rows on the Triton path take the one-pass kernel
 #: (``gumbel_argmax_triton.py``) unless this is 0. From ``benchmarks/bench_sampler.py``
-#: on an H200 (2026-12-01, bf16 logits, 152k vocabulary): 0.31-0.62x the torch path's
+#: on an H200 (bf16 logits, 152k vocabulary): 0.31-0.62x the torch path's
 #: time at batch 1-1,024, every token the same; the RL rollout 4% faster.
 FUSED_SAMPLER_ENV = "KVRUNNER_FUSED_SAMPLER"
 
@@ -70,14 +70,14 @@ SKINNY_GEMM_ENV = "KVRUNNER_SKINNY_GEMM"
 #: the most rows the skinny-GEMM kernel takes (a decode step's batch, not a prefill)
 SKINNY_GEMM_MAX_ROWS = 64
 #: ``auto``'s rule is one row (a batch-1 decode step, a one-sequence prefill's
-#: logits). From ``benchmarks/bench_skinny_gemm.py --sweep`` on an H200 (2026-12-01,
-#: bf16, the 0.6B and 8B layer shapes and the 0.6B lm_head): at M = 1 the best launch
-#: took 0.40-0.98x cuBLAS's time in all 9 cases, the GEMV in 8 of them (0.6B o_proj 5.3
-#: vs 13.1 us; 8B gate_up's GEMV ran 1.00x in the next call); at M = 8
+#: logits). From ``benchmarks/bench_skinny_gemm.py --sweep`` on an H200 (bf16, the
+#: 0.6B and 8B layer shapes and the 0.6B lm_head): at M = 1 the best launch took
+#: 0.40-0.98x cuBLAS's time in all 9 cases, the GEMV in 8 of them (0.6B o_proj 5.3
+#: vs 13.1 us; 8B gate_up's GEMV 1.00x, the tensor-core tile 0.98x); at M = 8
 #: and 64 the best launch ran 0.87-1.14x, a loss in 12 of 18 cases, so more rows stay
 #: with cuBLAS unless ``KVRUNNER_SKINNY_GEMM=1``. The same holds for a SwiGLU MLP's
 #: down projection with its activation fused in (one launch where cuBLAS takes two):
-#: ``bench_skinny_gemm.py --swiglu`` (2026-12-01, graphs of 20 calls), fused /
+#: ``bench_skinny_gemm.py --swiglu`` (H200, graphs of 20 launches), fused /
 #: (activation + cuBLAS) 0.64 (0.6B) and 0.88 (8B) at M = 1, but 1.35-1.50 (0.6B)
 #: and 2.16-3.59 (8B) at M = 8-64.
 

@@ -61,7 +61,7 @@ def default_launch(m: int, n: int, k: int, itemsize: int = 2) -> SkinnyLaunch:
 
     One row takes the GEMV kernel in 8 x 512 tiles, K split only where an unsplit
     program would stream over 32 KB of weight. From ``bench_skinny_gemm.py --sweep`` on
-    an H200 (2026-12-01, bf16): that tile was the fastest of 15 candidates for every
+    an H200 (bf16): that tile was the fastest of 15 candidates for every
     one-row projection of the 0.6B and 8B shapes but 8B gate_up (there the GEMV ran
     1.00x cuBLAS, the tensor-core tile 0.98x), unsplit
     for 0.6B o_proj (K = 2048, 32 KB a program: 5.3 us, cuBLAS 13.1) and split in 3
