@@ -2,8 +2,8 @@
 kernels: a go / no-go measurement before any kernel of ours takes it.
 
 A batch-64 decode step of the 0.6B shape runs ~300 kernels in its graph, and the
-profile counted the GPU idle ~0.8 µs between two of them (docs/benchmarks.md, batch 64
-kernel by kernel). With PDL a kernel is launched while its predecessor drains and waits
+profile counted the GPU idle ~0.8 µs between two of them (docs/benchmarks.md,
+Profiles). With PDL a kernel is launched while its predecessor drains and waits
 for it at ``gdc_wait``. Three chains of 64 dependent kernels, each captured in a CUDA
 graph, PDL off and on:
 
