@@ -3,9 +3,9 @@ split into q/k/v, the chunked recurrence (fla through the pool wrapper), two way
 one run:
 
 - column slices: the conv's ``[T, conv_dim]`` output cut into q/k/v views, which fla's
-  call copies to dense tensors (the layer before the sectioned conv);
+  call copies to dense tensors;
 - sections: the conv writes q, k and v as three dense tensors
-  (``conv1d_prefill_split_triton``, the layer's fla path now), in the same one output
+  (``conv1d_prefill_split_triton``, the layer's fla path), in the same one output
   launch.
 
 Both tell the conv that the sequence covers every row (``total_tokens``), as the

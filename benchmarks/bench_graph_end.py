@@ -9,9 +9,9 @@ HBM floor, and each end's step against ``hidden``'s. The ends differ only in whe
 logits' and the sampler's launches happen, so the figures are launch gaps and host
 work, measured in one run.
 
-``shared`` is the unseeded sampling as the engine drew it before it keyed unseeded
-requests: every step with an unseeded row sampled eagerly after the graph, on the
-torch path, from the engine's one generator (patched back in for this row only).
+``shared`` draws unseeded requests without the engine's keys: every step with an
+unseeded row sampled eagerly after the graph, on the torch path, from the engine's
+one generator (patched in for this row only), the cost keying them removes.
 
     python benchmarks/bench_graph_end.py
 """
@@ -38,8 +38,8 @@ SAMPLINGS = ("greedy", "seeded", "unseeded", "shared")
 
 @contextmanager
 def shared_generator_draws() -> Iterator[None]:
-    """Unseeded rows as the engine drew them before keying: the graph draws no step
-    that holds one, and the eager sampler takes them from its one generator."""
+    """Unseeded rows drawn without keys: the graph draws no step that holds one, and
+    the eager sampler takes them from its one generator."""
     stage, step_rows = StepLaunch._stage_graph_draws, Sampler.sample_step_rows
 
     def stage_keyed_only(self, step, graph):

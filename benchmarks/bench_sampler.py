@@ -7,8 +7,8 @@ the logits at the measured copy bandwidth. Also prints how many rows draw the sa
 token on both paths (all of them but close calls, which are rounding).
 
 Then unseeded rows (an RL rollout's usual sampling): drawn from the engine's shared
-generator on the torch path (how the engine drew them before it keyed them) against
-keyed by the engine's seed and their request ids on the kernel (how it draws them now).
+generator on the torch path against keyed by the engine's seed and their request ids
+on the kernel (how the engine draws them).
 
 Then the kernel alone, captured in a CUDA graph (GPU time only): each row walked by
 one program against the row cut into :func:`vocab_splits` slices and reduced, with

@@ -175,7 +175,7 @@ def push_rates(llm: LLM, path: Path, weight_bytes: int, device_push: list) -> No
                               ("host tensors (pageable)", pageable, h2d),
                               ("host tensors (pageable, unstaged)", pageable, h2d),
                               ("host tensors (pinned)", pinned, h2d)):
-        # "unstaged": every tensor below the staging threshold, as before staging
+        # "unstaged": every tensor below the staging threshold: one pageable copy each
         weight_copy.STAGE_MIN_BYTES = 1 << 62 if "unstaged" in label else min_bytes
         llm.sleep(2, discard_weights=True)
         llm.wake_up(["weights"])
