@@ -194,6 +194,17 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     )
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse turns the error into a usage line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrunner", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvrunner {__version__}")
@@ -248,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "rollout", help="RL loop: generate, sleep, push weights, wake and recapture, per round"
     )
-    p.add_argument("--rounds", type=int, default=3, help="rounds to run (default: %(default)s)")
+    p.add_argument("--rounds", type=_positive_int, default=3,
+                   help="rounds to run, at least 1 (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8,
                    help="prompts per round (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32,

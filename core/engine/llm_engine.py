@@ -109,6 +109,14 @@ class LLMEngine:
     def make_request(self, token_ids: Seq[int], params: SamplingParams, index: int) -> Sequence:
         """A validated, not yet queued request; raises ``RequestError`` naming ``index``."""
         self.validate_prompt(token_ids, index)
+        # SamplingParams cannot know the vocabulary; an id past it could never match,
+        # so the stop the caller asked for would silently never happen.
+        stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if stops:
+            raise RequestError(
+                f"request {index}: stop_token_ids {stops[:5]} outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
         seq = Sequence(next(self._ids), list(token_ids), params)
         self.scheduler.validate(seq, name=f"request {index}")
         return seq

@@ -174,3 +174,12 @@ def test_a_tp_script_without_main_guard_is_told_the_real_cause(tmp_path: Path) -
     assert run.returncode != 0
     assert 'if __name__ == "__main__":' in run.stderr and "line 2" in run.stderr
     assert "ProcessDied" not in run.stderr
+
+
+@pytest.mark.parametrize("rounds", ["0", "-2", "two"])
+def test_rollout_refuses_a_round_count_below_one_before_loading(rounds, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["rollout", "--rounds", rounds])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--rounds" in err and "Traceback" not in err
