@@ -36,7 +36,8 @@ FIELD_HELP: dict[str, str] = {
     "max_num_batched_tokens": "most tokens in one step (unset: 16384 on a GPU of "
     "70 GiB or more, 8192 on a smaller one, 2048 on the CPU)",
     "max_model_len": "most tokens per sequence, prompt and output together "
-    "(at most the model's max_position_embeddings)",
+    "(at most the model's max_position_embeddings; unset: that, capped by what the "
+    "KV pool holds)",
     "enable_chunked_prefill": "split long prompts over several steps",
     "async_scheduling": "schedule the next step while this one runs; sampled tokens "
     "feed the next step on the device (same tokens as off)",
@@ -51,8 +52,8 @@ FIELD_HELP: dict[str, str] = {
     "never (nccl), or always (symm_mem)",
     # [capture]
     "enforce_eager": "run every step eagerly: no decode graphs",
-    "capture_sizes": "comma-separated decode batch sizes to capture (default 1,2,4,8, "
-    "then every 16 up to max_num_seqs)",
+    "capture_sizes": "comma-separated decode batch sizes to capture, each at most "
+    "max_num_seqs (default 1,2,4,8, then every 16 up to max_num_seqs)",
     "audit": "check that no capture changed a byte of any cache pool",
     "blank_write_targets": "blank backends' cache-write buffers before capture",
     # [backends]

@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 
 from kvrunner.config_checks import (
+    capture_sizes_tuple,
+    check_capture_sizes,
     check_device,
     check_number,
     check_type,
@@ -54,7 +56,9 @@ class CacheConfig:
     #: memory budget for all cache pools on the CPU (no device to measure)
     cpu_cache_bytes: int = attrs.field(default=256 << 20, validator=_in_range(1, 1 << 50))
     #: fixed block count; skips sizing (tests, reproducible runs)
-    num_blocks: int | None = None
+    num_blocks: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_in_range(1, 1 << 40))
+    )
     enable_prefix_caching: bool = True
 
 
@@ -67,7 +71,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_in_range(1, 1 << 24))
     )
-    max_model_len: int = attrs.field(default=2048, validator=_in_range(2, 1 << 24))
+    #: tokens per sequence, prompt and output together; None: the model's
+    #: max_position_embeddings, capped by what the KV pool holds, resolved by the ranks
+    #: when they size the pool (``kvrunner.runner.model_len``) and printed at start
+    max_model_len: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_in_range(2, 1 << 24))
+    )
     enable_chunked_prefill: bool = True
     #: schedule step N+1 while step N runs; sampled tokens stay on the device and
     #: the host learns them one step later (false: strictly alternating steps)
@@ -104,8 +113,9 @@ class CaptureConfig:
     #: run every step eagerly (no graphs on CUDA, no capture pass on CPU)
     enforce_eager: bool = False
     #: batch sizes to capture; default 1, 2, 4, 8, then steps of 16 up to max_num_seqs
+    #: (each at most max_num_seqs: checked by EngineConfig, see check_capture_sizes)
     capture_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else tuple(sorted(set(v)))
+        default=None, converter=capture_sizes_tuple
     )
     #: snapshot every pool before capture and require it byte-identical after
     audit: bool = False
@@ -153,7 +163,7 @@ class EngineConfig:
         default="auto", validator=_one_of("auto", "float32", "bfloat16", "float16")
     )
     device: str = attrs.field(default="auto", validator=lambda _i, _a, v: check_device(v))
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_in_range(0, (1 << 63) - 1))
     #: "auto" reads the checkpoint's safetensors; "dummy" starts from config.json alone
     #: with small random weights, for a trainer that pushes the real ones (update_weights)
     load_format: str = attrs.field(default="auto", validator=_one_of("auto", "dummy"))
@@ -164,6 +174,9 @@ class EngineConfig:
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
     capture: CaptureConfig = attrs.field(factory=CaptureConfig)
     backends: BackendsConfig = attrs.field(factory=BackendsConfig)
+
+    def __attrs_post_init__(self) -> None:
+        check_capture_sizes(self.capture.capture_sizes, max_num_seqs=self.scheduler.max_num_seqs)
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> EngineConfig:

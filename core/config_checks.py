@@ -79,6 +79,45 @@ def check_device(name: Any) -> None:
         )
 
 
+def capture_sizes_tuple(sizes: Any) -> tuple[int, ...] | None:
+    """``capture_sizes`` as the config keeps it: sorted, without repeats; each a
+    positive integer (ConfigError naming the field and the bad sizes otherwise)."""
+    from kvrunner.config import ConfigError
+
+    if sizes is None:
+        return None
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Iterable):
+        raise ConfigError(f"capture_sizes must be a list of integers, got {sizes!r}")
+    sizes = list(sizes)
+    if not sizes:
+        # None already means the default list; an empty one would silently mean it too.
+        raise ConfigError(
+            "capture_sizes must list at least one batch size; to capture no decode "
+            "graphs set enforce_eager = true"
+        )
+    bad = [s for s in sizes if not _is_int(s) or s < 1]
+    if bad:
+        raise ConfigError(
+            f"capture_sizes must be positive integers (decode batch sizes); got {bad[:5]}"
+        )
+    return tuple(sorted({int(s) for s in sizes}))
+
+
+def check_capture_sizes(sizes: tuple[int, ...] | None, *, max_num_seqs: int) -> None:
+    """Refuse a capture size above ``max_num_seqs``: no decode step is ever that large,
+    so its graph would never replay (a size the user listed would silently do nothing,
+    and a list of only such sizes would leave every decode step eager)."""
+    from kvrunner.config import ConfigError
+
+    above = [s for s in sizes or () if s > max_num_seqs]
+    if above:
+        raise ConfigError(
+            f"capture_sizes {above} exceed max_num_seqs={max_num_seqs}: no decode step "
+            f"is larger than max_num_seqs, so those graphs would never run; lower them "
+            f"or raise max_num_seqs"
+        )
+
+
 def _suggest(name: str, candidates: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(candidates), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,11 +79,15 @@ class LLM(SleepWakeAPI):
         return llm
 
     def _start(self, config: EngineConfig, executor: DriverExecutor) -> None:
-        # An unset step budget was resolved by the ranks (by device): the scheduler
-        # and every later check use theirs, and llm.config shows it.
+        # An unset step budget and max_model_len were resolved by the ranks (by device;
+        # by the model and the pool): the scheduler and every later check use theirs,
+        # and llm.config shows them.
         self.config = attrs.evolve(config, scheduler=attrs.evolve(
-            config.scheduler, max_num_batched_tokens=executor.max_num_batched_tokens
+            config.scheduler, max_num_batched_tokens=executor.max_num_batched_tokens,
+            max_model_len=executor.model_len.value,
         ))
+        if executor.model_len.source != "config":  # the engine chose it: say so, once
+            print(executor.model_len.line(), file=sys.stderr)
         self.executor = executor
         #: the in-process runner (rank 0's under torchrun); None when ranks are spawned
         self.runner = executor.runner

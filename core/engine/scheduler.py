@@ -65,6 +65,11 @@ class Scheduler(SchedulerUpdate):
                 "the scheduler needs a resolved max_num_batched_tokens (the ranks resolve "
                 "an unset one by device when they start); got None"
             )
+        if config.max_model_len is None:
+            raise ValueError(
+                "the scheduler needs a resolved max_model_len (the ranks resolve an unset "
+                "one from the model and the pool when they start); got None"
+            )
         self.config = config
         self.block_manager = block_manager
         # Checkpoints may name several EOS ids (config and generation_config differ).

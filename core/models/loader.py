@@ -206,14 +206,25 @@ def model_spec(config: Any, tp_size: int = 1) -> ModelSpec:
         raise ConfigError(f"tensor_parallel_size={tp_size} does not fit this model: {e}") from None
 
 
-def check_model_len(max_model_len: int, config: Any) -> None:
-    """Refuse a ``max_model_len`` beyond the positions the model was built for.
+def max_positions(config: Any) -> int:
+    """The model's ``max_position_embeddings`` (the default ``max_model_len``).
 
     :param config: a parsed model config, or a raw ``config.json`` dict.
     """
     if isinstance(config, Mapping):
         config = parse_config(config)[1]
-    limit = config.max_position_embeddings
+    return int(config.max_position_embeddings)
+
+
+def check_model_len(max_model_len: int | None, config: Any) -> None:
+    """Refuse a ``max_model_len`` beyond the positions the model was built for
+    (``None``, unset, is resolved from the model and always fits).
+
+    :param config: a parsed model config, or a raw ``config.json`` dict.
+    """
+    if max_model_len is None:
+        return
+    limit = max_positions(config)
     if max_model_len > limit:
         raise ConfigError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="

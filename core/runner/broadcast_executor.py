@@ -15,6 +15,7 @@ from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerErro
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S
 from kvrunner.runner.launched_step import LaunchedStep, SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
+from kvrunner.runner.model_len import agreed_model_len
 from kvrunner.runner.rank_calls import raise_refused
 from kvrunner.runner.worker import RankWorker
 
@@ -33,6 +34,7 @@ class BroadcastExecutor:
         described = self._all("describe")
         self.num_blocks = agreed_num_blocks(described)
         self.max_num_batched_tokens = agreed_batched_tokens(described)
+        self.model_len = agreed_model_len(described)
 
     def _peer_error(self, during: str, own: BaseException) -> BaseException:
         """The error to raise for a failed collective; the group is unusable after it."""

@@ -31,6 +31,7 @@ from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_
 from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
 from kvrunner.runner.launched_step import SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
+from kvrunner.runner.model_len import ModelLen, agreed_model_len
 from kvrunner.runner.rank_calls import RankCalls, raise_refused
 from kvrunner.runner.sizing import release_unreachable_memory
 from kvrunner.runner.worker import SpawnSpec, run_spawned_rank
@@ -44,6 +45,8 @@ class DriverExecutor(Protocol):
     num_blocks: int
     #: the step budget every rank resolved (``max_num_batched_tokens`` when unset)
     max_num_batched_tokens: int
+    #: the max_model_len every rank resolved, and why (the config's, when set)
+    model_len: ModelLen
     model_info: ModelInfo
     #: the in-process runner (rank 0's under torchrun), or None when ranks are spawned
     runner: Any
@@ -72,6 +75,7 @@ class LocalExecutor:
         self.runner: Any = ModelRunner(config, progress=progress)
         self.num_blocks = self.runner.num_blocks
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
+        self.model_len = self.runner.model_len
         self.model_info = ModelInfo.from_runner(self.runner)
         self._rank = _LocalRank(self.runner)
 
@@ -153,6 +157,7 @@ class MultiprocExecutor:
         described = [ready[r] for r in sorted(ready)]
         self.num_blocks = agreed_num_blocks(described)
         self.max_num_batched_tokens = agreed_batched_tokens(described)
+        self.model_len = agreed_model_len(described)
         # Rank 0 defers each answer until the next step arrives (see worker.py).
         self._deferred = config.scheduler.async_scheduling
         self._steps_sent = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+import attrs
 import torch
 
 from kvrunner.config import ConfigError, EngineConfig
@@ -24,6 +25,7 @@ from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graph_sampling import GraphSampling, graph_ends_at
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
 from kvrunner.runner.launched_step import DeviceTokens
+from kvrunner.runner.model_len import fit_model_len, min_pool_blocks, model_len_bound
 from kvrunner.runner.setup import (
     resolve_device,
     resolve_dtype,
@@ -83,7 +85,13 @@ class ModelRunner(SleepWake, StepLaunch):
     def __init__(
         self, config: EngineConfig, *, progress: bool = False, group: DistGroup | None = None
     ) -> None:
-        from kvrunner.models.loader import check_model_len, load_hf_config, load_model, model_spec
+        from kvrunner.models.loader import (
+            check_model_len,
+            load_hf_config,
+            load_model,
+            max_positions,
+            model_spec,
+        )
 
         tp_size = config.parallel.tensor_parallel_size
         if (group.size if group is not None else 1) != tp_size:
@@ -92,7 +100,6 @@ class ModelRunner(SleepWake, StepLaunch):
                 f"{group.size if group is not None else 1}; build it through an executor "
                 f"(kvrunner.runner.executor.make_executor)"
             )
-        self.config = config
         self.progress = progress
         self.group = group
         self.device = resolve_device(config.device)
@@ -101,6 +108,15 @@ class ModelRunner(SleepWake, StepLaunch):
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         self.spec: ModelSpec = model_spec(hf_config, tp_size=config.parallel.tensor_parallel_size)
         check_model_len(config.scheduler.max_model_len, hf_config)  # before any weight loads
+        # An unset max_model_len: buffers and backends are built for the model's bound,
+        # and the pool may lower it once sized (self.model_len, below).
+        self._asked_model_len = config.scheduler.max_model_len
+        self._max_positions = max_positions(hf_config)
+        config = attrs.evolve(config, scheduler=attrs.evolve(
+            config.scheduler,
+            max_model_len=model_len_bound(self._asked_model_len, self._max_positions),
+        ))
+        self.config = config
         sched = config.scheduler
         self.max_batch = sched.max_num_seqs
         #: the step budget the engine's scheduler is built on (reported to the driver)
@@ -205,6 +221,15 @@ class ModelRunner(SleepWake, StepLaunch):
         # own_num_blocks: what this rank could hold; num_blocks: the group's minimum,
         # the one number every rank allocates and the engine's block manager uses.
         self.own_num_blocks, self.num_blocks = agree_pool_size(self._derive_num_blocks, group)
+        #: the max_model_len the engine serves, and why (the group's one pool size
+        #: fixes it, so every rank resolves the same)
+        self.model_len = fit_model_len(
+            self._asked_model_len, self._max_positions,
+            num_blocks=self.num_blocks, block_size=config.cache.block_size,
+        )
+        self.config = attrs.evolve(config, scheduler=attrs.evolve(
+            config.scheduler, max_model_len=self.model_len.value
+        ))
         self.pools = self.backends.allocate_cache(
             num_blocks=self.num_blocks, num_slots=self.num_slots
         )
@@ -217,7 +242,7 @@ class ModelRunner(SleepWake, StepLaunch):
 
     def _derive_num_blocks(self) -> int:
         cache = self.config.cache
-        min_blocks = math.ceil(self.config.scheduler.max_model_len / cache.block_size)
+        min_blocks = min_pool_blocks(self._asked_model_len, cache.block_size)
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
@@ -237,7 +262,9 @@ class ModelRunner(SleepWake, StepLaunch):
         Runs a real step through the backends over a temporary minimal pool, which is
         released afterwards, so the peak includes every kernel's workspace.
         """
-        min_blocks = math.ceil(self.config.scheduler.max_model_len / self.config.cache.block_size)
+        # The profile's longest row is min(max_model_len - 1, max_tokens) tokens long.
+        longest = min(self.config.scheduler.max_model_len, self.max_tokens)
+        min_blocks = math.ceil(longest / self.config.cache.block_size)
         self.pools = self.backends.allocate_cache(num_blocks=min_blocks, num_slots=self.num_slots)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -24,6 +24,7 @@ def make(
 ) -> tuple[Scheduler, FakeRunner]:
     bm = BlockManager(num_blocks, block_size, prefix_caching, num_state_slots)
     config.setdefault("max_num_batched_tokens", 2048)  # what a CPU rank resolves unset
+    config.setdefault("max_model_len", 2048)  # ranks resolve an unset one from the model
     sched = Scheduler(SchedulerConfig(**config), bm, eos_token_id=eos)
     return sched, FakeRunner(bm)
 
@@ -277,4 +278,11 @@ def test_a_scheduler_refuses_an_unresolved_step_budget() -> None:
     """The ranks resolve an unset max_num_batched_tokens; the scheduler never guesses."""
     bm = BlockManager(8, 4, True, 0)
     with pytest.raises(ValueError, match="resolved max_num_batched_tokens"):
-        Scheduler(SchedulerConfig(), bm)
+        Scheduler(SchedulerConfig(max_model_len=64), bm)
+
+
+def test_a_scheduler_refuses_an_unresolved_max_model_len() -> None:
+    """The ranks resolve an unset max_model_len (model and pool); the scheduler never guesses."""
+    bm = BlockManager(8, 4, True, 0)
+    with pytest.raises(ValueError, match="resolved max_model_len"):
+        Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
