@@ -169,6 +169,10 @@ class EngineConfig:
     load_format: str = attrs.field(default="auto", validator=_one_of("auto", "dummy"))
     #: load no tokenizer even if the checkpoint has one: prompts must be token ids
     skip_tokenizer_init: bool = False
+    #: "auto": a request made without SamplingParams samples with the checkpoint's
+    #: generation_config.json (temperature, top_p, top_k), as vLLM's does;
+    #: "ignore": with SamplingParams()' own defaults
+    generation_config: str = attrs.field(default="auto", validator=_one_of("auto", "ignore"))
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

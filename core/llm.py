@@ -100,6 +100,11 @@ class LLM(SleepWakeAPI):
             vocab_size=info.vocab_size,
             uses_state_slots=info.uses_state_slots,
         )
+        #: what a request made without SamplingParams samples with: the checkpoint's
+        #: generation_config.json defaults unless generation_config="ignore"
+        self.default_sampling_params = SamplingParams(
+            **(info.sampling_defaults if config.generation_config == "auto" else {})
+        )
         self._init_sleep_state()
 
     def shutdown(self) -> None:
@@ -125,12 +130,18 @@ class LLM(SleepWakeAPI):
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
+        Without ``sampling_params`` every request samples with
+        :attr:`default_sampling_params` (the checkpoint's ``generation_config.json``
+        where it sets any; see the ``generation_config`` setting).
+
         Every prompt is checked before any is queued, so a bad one raises a
         :class:`~kvrunner.errors.RequestError` (a ``ValueError``) naming it and leaves
         the engine as it was.
         """
         self.executor.check()  # a group that failed earlier says so, naming the rank
         self.sleep_state.require_servable("generate")
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params
         prompts, params = normalize_requests(prompts, sampling_params)
         token_lists = [prompt_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
         seqs = [

@@ -9,6 +9,7 @@ import attrs
 from tokenizers import Tokenizer
 
 from kvrunner.config import ConfigError, EngineConfig
+from kvrunner.models.generation_config import sampling_defaults
 
 
 @attrs.frozen(kw_only=True)
@@ -21,6 +22,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     layer_types: tuple[str, ...]
+    #: SamplingParams fields the checkpoint's generation_config.json sets
+    sampling_defaults: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def uses_state_slots(self) -> bool:
@@ -34,6 +37,7 @@ class ModelInfo:
             eos_token_ids=tuple(runner.model_config.eos_token_id),
             vocab_size=runner.model_config.vocab_size,
             layer_types=tuple(runner.spec.layer_types),
+            sampling_defaults=sampling_defaults(runner.model_path),
         )
 
     @classmethod
@@ -59,6 +63,7 @@ class ModelInfo:
             eos_token_ids=tuple(parsed.eos_token_id),
             vocab_size=parsed.vocab_size,
             layer_types=tuple(spec.layer_types),
+            sampling_defaults=sampling_defaults(path),
         )
 
 
