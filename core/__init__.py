@@ -2,7 +2,13 @@
 
 from kvrunner.config import ConfigError
 from kvrunner.contract import PAD_SLOT_ID, PLUGIN_API_VERSION
-from kvrunner.errors import CheckpointError, ConcurrentUseError, KvrunnerError, RequestError
+from kvrunner.errors import (
+    CheckpointError,
+    ConcurrentUseError,
+    KvrunnerError,
+    NonFiniteLogitsError,
+    RequestError,
+)
 from kvrunner.hookspecs import hookimpl
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.sleep_state import CacheInfo, SleepStateError, WakeError, WeightUpdateError
@@ -18,6 +24,7 @@ __all__ = [
     "ConcurrentUseError",
     "ConfigError",
     "KvrunnerError",
+    "NonFiniteLogitsError",
     "RequestError",
     "SamplingParams",
     "SleepStateError",

@@ -28,6 +28,17 @@ PLACEHOLDER_TOKEN = -1
 #: shared tuple: building one per sequence per step costs the host time it saves)
 PLACEHOLDER_CHUNK = (PLACEHOLDER_TOKEN,)
 
+#: Token ids the runner answers in place of a row's sample when the row's logits
+#: are non-finite, by cause (the row's maximum tells them apart: NaN propagates
+#: through the max, +inf is the max, and a row whose every logit is -inf has nothing
+#: to sample). A -inf logit among finite ones is a mask and counts as finite. The
+#: engine ends such a request with finish reason "error" and never records the token.
+NONFINITE_CAUSES: dict[int, str] = {
+    -2: "logits hold NaN",
+    -3: "logits hold +inf",
+    -4: "every logit is -inf",
+}
+
 
 class BlockTables(Seq[tuple[int, ...]]):
     """Every sequence's block table in one step, as one zero-padded int32 array.

@@ -41,6 +41,8 @@ FIELD_HELP: dict[str, str] = {
     "enable_chunked_prefill": "split long prompts over several steps",
     "async_scheduling": "schedule the next step while this one runs; sampled tokens "
     "feed the next step on the device (same tokens as off)",
+    "nonfinite": "a request whose logits row is NaN/inf ends with finish reason "
+    "error; raise also makes that call raise NonFiniteLogitsError",
     # [parallel]
     "tensor_parallel_size": "ranks to split the model over (one process each)",
     "distributed_backend": "torch.distributed backend; auto is NCCL on CUDA, gloo on the CPU",

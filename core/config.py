@@ -81,6 +81,10 @@ class SchedulerConfig:
     #: schedule step N+1 while step N runs; sampled tokens stay on the device and
     #: the host learns them one step later (false: strictly alternating steps)
     async_scheduling: bool = True
+    #: a request whose logits row is non-finite ends with finish reason "error";
+    #: "raise" also makes that step raise NonFiniteLogitsError (the call's other
+    #: requests are aborted, the engine stays usable)
+    nonfinite: str = attrs.field(default="error", validator=_one_of("error", "raise"))
 
 
 @attrs.frozen(kw_only=True)

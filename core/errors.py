@@ -53,3 +53,21 @@ class ConcurrentUseError(KvrunnerError, RuntimeError):
 
     ``LLM`` is not thread-safe: use one per thread, or serialise the calls.
     """
+
+
+class NonFiniteLogitsError(KvrunnerError, RuntimeError):
+    """A step sampled a row whose logits were non-finite, with ``nonfinite="raise"``.
+
+    Those requests ended with finish reason ``"error"`` (never a sampled token); the
+    call's other requests were aborted, and the engine takes the next call.
+
+    :ivar errors: each failed request's id and its error (``"step 12: logits hold NaN"``).
+    """
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        listed = "; ".join(f"request {rid}: {why}" for rid, why in errors.items())
+        super().__init__(
+            f"non-finite logits (nonfinite='raise'): {listed}; the weights are likely "
+            f"NaN or inf (check the checkpoint or the last push)"
+        )
+        self.errors = dict(errors)

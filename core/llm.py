@@ -38,6 +38,8 @@ class RequestOutput:
     #: the top-N logprobs at each step, when SamplingParams.logprobs = N > 0
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    #: why it ended with finish reason "error" (``"step 12: logits hold NaN"``), else None
+    error: str | None = None
 
 
 class LLM(SleepWakeAPI):
@@ -173,4 +175,5 @@ class LLM(SleepWakeAPI):
             logprobs=list(seq.logprobs) if wants else None,
             top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
             finish_reason=seq.finish_reason,
+            error=seq.error,
         )

@@ -188,4 +188,5 @@ class SleepWakeAPI:
             last_freed_bytes=t["freed_bytes"],
             num_sleeps=t["sleeps"],
             num_wakes=t["wakes"],
+            nonfinite_rows=self.engine.scheduler.nonfinite_rows,
         )

@@ -5,8 +5,9 @@ itself exactly), then sleeps (level 1 or 2) as if a trainer took the GPU, option
 pushes weights back (the checkpoint's own, or a perturbed copy), wakes and
 recaptures its decode graphs — with forward_vars still holding the last served
 batch's live rows. A capture that wrote into the cache, a pool that came back at
-another size, or weights that came back wrong show up as NaN rows, a changed block
-count, or outputs that differ from round 1.
+another size, or weights that came back wrong show up as non-finite rows (the
+engine's count, ``cache_info().nonfinite_rows``), a changed block count, or outputs
+that differ from round 1.
 
 With ``update="perturbed"`` the rounds alternate: even rounds serve a perturbed
 copy, odd rounds the checkpoint's own weights again, which must answer exactly as
@@ -93,12 +94,12 @@ def run_rollout(
     first: list[list[int]] | None = None
     lost = False
     for r in range(1, rounds + 1):
-        nan_before = llm.executor.describe_ranks()[0]["nan_rows"]
+        nan_before = llm.cache_info().nonfinite_rows
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         tokens = [o.token_ids for o in outs]
-        nan_rows = llm.executor.describe_ranks()[0]["nan_rows"] - nan_before
+        nan_rows = llm.cache_info().nonfinite_rows - nan_before
         # Rounds served by the checkpoint's own weights must repeat round 1 exactly.
         own_weights = update != "perturbed" or r % 2 == 1
         first = first or tokens

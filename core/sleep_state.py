@@ -183,6 +183,9 @@ class CacheInfo:
     last_freed_bytes: int
     num_sleeps: int
     num_wakes: int
+    #: sampled rows whose logits were non-finite (NaN, +inf, or all -inf), since start;
+    #: each ended its request with finish reason "error"
+    nonfinite_rows: int = 0
 
     @property
     def pool_bytes(self) -> int:

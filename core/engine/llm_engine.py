@@ -25,7 +25,7 @@ from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
-from kvrunner.errors import RequestError
+from kvrunner.errors import NonFiniteLogitsError, RequestError
 from kvrunner.sampling_params import SamplingParams
 
 #: a step's sampled tokens as an executor answers them: the runner's columns, or (an
@@ -144,7 +144,20 @@ class LLMEngine:
             self._pending = None  # a failed step is not applied twice
             finished = self.scheduler.update(seqs, pending.result())
         self._pending = launched
+        if self.config.scheduler.nonfinite == "raise":
+            failed = {s.seq_id: s.error for s in finished if s.finish_reason == "error"}
+            if failed:
+                self._drain()
+                raise NonFiniteLogitsError(failed)
         return finished
+
+    def _drain(self) -> None:
+        """Abort every unfinished request and apply the step in flight (its tokens are
+        dropped), leaving the engine empty for the next call."""
+        for seq_id in list(self.scheduler._unfinished):
+            self.scheduler.abort(seq_id)
+        while self.has_unfinished():
+            self.step()
 
     def has_unfinished(self) -> bool:
         """Requests not yet finished, or a launched step not yet applied."""

@@ -94,6 +94,10 @@ class Scheduler(SchedulerUpdate):
         self.departures = 0
         # the last planned step's columns, if it was a steady decode step
         self._batch: DecodeBatch | None = None
+        #: steps applied by ``update``, ever: a non-finite row's error names its step
+        self.num_steps_applied = 0
+        #: sampled rows whose logits were non-finite, each ending its request ("error")
+        self.nonfinite_rows = 0
 
     # -- requests ---------------------------------------------------------------------
 

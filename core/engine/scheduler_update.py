@@ -1,7 +1,9 @@
 """Applying a step's sampled tokens (a part of :class:`~kvrunner.engine.scheduler.Scheduler`).
 
 ``update`` advances each row's computed tokens, appends its sample and finishes the
-requests that end. A step whose every row sampled was kept as a
+requests that end; a row the runner reports non-finite (a negative code,
+:data:`~kvrunner.batch.NONFINITE_CAUSES`) ends its request with ``"error"`` and
+appends nothing. A step whose every row sampled was kept as a
 :class:`~kvrunner.engine.decode_batch.DecodeBatch`, and is applied from its columns
 unless somebody was preempted since; any other step, and every step when
 ``use_columns`` is off, row by row. Both give the same result: the row loop is the
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvrunner.batch import SampledToken, SampledTokens
+from kvrunner.batch import NONFINITE_CAUSES, SampledToken, SampledTokens
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.decode_batch import Membership
 from kvrunner.engine.in_flight import InFlight, check_step_result
@@ -23,8 +25,8 @@ class SchedulerUpdate:
     """``update`` for :class:`~kvrunner.engine.scheduler.Scheduler`.
 
     Uses the scheduler's ``block_manager``, ``running``, ``waiting``,
-    ``_unfinished``, ``_in_flight``, ``use_columns``, ``departures`` and
-    ``membership``.
+    ``_unfinished``, ``_in_flight``, ``use_columns``, ``departures``,
+    ``membership``, ``num_steps_applied`` and ``nonfinite_rows``.
     """
 
     block_manager: BlockManager
@@ -36,6 +38,8 @@ class SchedulerUpdate:
     #: sequences that left ``running`` (finished, aborted, preempted), ever
     departures: int
     membership: Membership
+    num_steps_applied: int
+    nonfinite_rows: int
 
     def update(
         self, seqs: list[Sequence], sampled: SampledTokens | list[SampledToken]
@@ -51,6 +55,7 @@ class SchedulerUpdate:
         """
         chunks = self._in_flight.oldest()
         sampled = SampledTokens.of(sampled)
+        self.num_steps_applied += 1
         finished: list[Sequence] = []
         batch = chunks.batch
         now = self.membership
@@ -60,6 +65,8 @@ class SchedulerUpdate:
             and batch.membership.preemptions == now.preemptions  # every row running or gone
             and seqs == chunks.seqs
             and sampled.seq_ids == chunks.sample_ids  # one token a row, in row order
+            # a non-finite row's code (below 0) ends its request: the row loop's case
+            and min(sampled.token_ids, default=0) >= 0
         ):
             self._in_flight.pop_oldest()
             batch.apply(now, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
@@ -84,6 +91,11 @@ class SchedulerUpdate:
             status = seq.status
             if status is SequenceStatus.FINISHED:
                 continue  # aborted, or ended one step early: a token past the end
+            if token is not None and token < 0:
+                # Non-finite logits: the request ends and keeps nothing of this step
+                # (no token, no logprob, no computed count: its KV may be poisoned).
+                self._fail(seq, token, finished)
+                continue
             if status is SequenceStatus.RUNNING:  # else preempted since: its token stands
                 computed = seq.num_computed_tokens + n
                 if (
@@ -105,6 +117,13 @@ class SchedulerUpdate:
                 self._finish(seq, "stop", finished)
             elif len(token_ids) >= seq.length_limit:
                 self._finish(seq, "length", finished)
+
+    def _fail(self, seq: Sequence, code: int, finished: list[Sequence]) -> None:
+        """End ``seq`` with ``"error"``: its row in the step just applied was non-finite
+        (``code``, one of :data:`~kvrunner.batch.NONFINITE_CAUSES`)."""
+        seq.error = f"step {self.num_steps_applied}: {NONFINITE_CAUSES[code]}"
+        self.nonfinite_rows += 1
+        self._finish(seq, "error", finished)
 
     def _finish(self, seq: Sequence, reason: FinishReason, finished: list[Sequence]) -> None:
         """End ``seq`` with ``reason``: free what it holds (or take it off the queue,

@@ -15,8 +15,9 @@ import attrs
 from kvrunner.sampling_params import SamplingParams
 
 #: Why a sequence stopped: ``stop`` (EOS or a stop token), ``length`` (``max_tokens``
-#: or ``max_model_len``), ``abort`` (the caller withdrew it).
-FinishReason = Literal["stop", "length", "abort"]
+#: or ``max_model_len``), ``abort`` (the caller withdrew it), ``error`` (its logits
+#: row was non-finite: ``Sequence.error`` says which step and why).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +60,8 @@ class Sequence:
     table_row: int = attrs.field(default=-1, init=False)
     status: SequenceStatus = attrs.field(default=SequenceStatus.WAITING, init=False)
     finish_reason: FinishReason | None = attrs.field(default=None, init=False)
+    #: why it ended with ``"error"`` (``"step 12: logits hold NaN"``), else None
+    error: str | None = attrs.field(default=None, init=False)
     #: the sampled token's logprob at each output position (``None`` if not asked)
     logprobs: list[float | None] = attrs.field(factory=list, init=False)
     #: the top-N logprobs at each output position (``None`` if not asked)

@@ -3,7 +3,7 @@
 A decode graph captures the forward and, after it, the logits of its padded batch
 (``compute_logits``, with its tensor-parallel gather), so no launch between the last
 layer and the logits is host work. On the rank that samples it goes on: each row's
-maximum and argmax (a greedy row's token; the maxima count NaN rows), then one
+maximum and argmax (a greedy row's token; the maxima find the non-finite rows), then one
 launch that overwrites the token of every row at a temperature above 0 with its
 keyed draw (:func:`~kvrunner.layers.fused.gumbel_argmax_triton.gumbel_argmax_into_`:
 the kernel, noise and key the eager sampler uses for those rows).

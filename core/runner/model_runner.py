@@ -296,7 +296,8 @@ class ModelRunner(SleepWake, StepLaunch):
 
     @property
     def nan_rows(self) -> int:
-        """Sampled rows whose logits held NaN, since start (reading waits for the device)."""
+        """Sampled rows whose logits were non-finite (NaN, +inf, or all -inf: see
+        ``layers/nonfinite_rows.py``), since start (reading waits for the device)."""
         return int(self._nan_rows)
 
     def capture(self) -> float:

@@ -11,11 +11,13 @@ device: with asynchronous steps the host schedules the next step meanwhile.
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.buffers import on_device
 from kvrunner.contract import ForwardContext
+from kvrunner.layers.nonfinite_rows import mark_nonfinite
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.runner.graph_sampling import DecodeOutputs
 from kvrunner.runner.graphs import DecodeGraph
@@ -91,17 +93,21 @@ class StepLaunch:
                 self.previous_tokens = DeviceTokens(seq_ids, tokens)
             return LaunchedStep(None)
         # The graph's tokens live in its memory until the next replay: every reader
-        # below (the NaN count, the copy to the host, the next step's placeholder feed)
+        # below (the non-finite count, the copy to the host, the next step's placeholder feed)
         # is queued before that replay, on the same stream.
         drawn = (pick(out.tokens), pick(out.row_max)) if drawn_in_graph else None
         samples = self.sampler.sample_step_rows(logits, step, drawn=drawn)
-        self._nan_rows += torch.isnan(samples.out.row_max).sum()
+        # A non-finite row's token reaches the host as its cause's code, so the
+        # engine ends that request instead of recording a sample (nonfinite_rows.py);
+        # the device keeps the drawn tokens for the next step's placeholders.
+        coded, nonfinite = mark_nonfinite(samples.out.token_ids, samples.out.row_max)
+        self._nan_rows += nonfinite
         tokens = samples.out.token_ids
         if self.shares_samples:
             tokens = self.group.broadcast_from_first(tokens)
         # The sampler already listed the sampled rows' ids: the next step's placeholders.
         self.previous_tokens = DeviceTokens(samples.seq_ids, tokens)
-        return LaunchedStep(samples)
+        return LaunchedStep(attrs.evolve(samples, out=attrs.evolve(samples.out, token_ids=coded)))
 
     def _stage_graph_draws(self, step: StepInput, graph: DecodeGraph) -> bool:
         """Fill the graph's sampling buffers for ``step``; whether its tokens are the

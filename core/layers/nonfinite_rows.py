@@ -1,0 +1,41 @@
+"""Non-finite logits rows: found from each row's maximum, on the device, every step.
+
+The sampler already reduces every row to its maximum (a greedy row's token comes
+from it, and a decode graph that ends with the tokens leaves it beside them), so
+finding the rows that must not be sampled costs a few elementwise launches over
+``[rows]`` and no host sync. A row counts as non-finite when its maximum is not
+finite: it holds a NaN (NaN propagates through the max), it holds +inf, or every
+logit is -inf (nothing can be drawn). A -inf logit among finite ones is a mask (a
+filtered or impossible token) and is fine.
+
+The host learns which rows they are with the tokens themselves: such a row's token is
+replaced by the cause's code (:data:`~kvrunner.batch.NONFINITE_CAUSES`) in the copy
+the host reads, while the device keeps the drawn token for the next step's
+placeholder feed (that request ends, so what it feeds is never used).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrunner.batch import NONFINITE_CAUSES
+
+_CODE = {cause: code for code, cause in NONFINITE_CAUSES.items()}
+_NAN = _CODE["logits hold NaN"]
+_POS_INF = _CODE["logits hold +inf"]
+_ALL_NEG_INF = _CODE["every logit is -inf"]
+
+
+def mark_nonfinite(tokens: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` with every non-finite row's token replaced by its cause's code, and
+    the number of such rows (a 0-d int64 tensor on the device; nothing is read back).
+
+    ``row_max[i]`` is row ``i``'s largest raw logit.
+    """
+    finite = torch.isfinite(row_max)
+    cause = torch.where(
+        torch.isnan(row_max),
+        _NAN,
+        torch.where(row_max > 0, _POS_INF, _ALL_NEG_INF),
+    )
+    return torch.where(finite, tokens, cause.to(tokens.dtype)), (~finite).sum()
