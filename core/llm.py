@@ -38,7 +38,8 @@ class RequestOutput:
     #: the top-N logprobs at each step, when SamplingParams.logprobs = N > 0
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
-    #: why it ended with finish reason "error" (``"step 12: logits hold NaN"``), else None
+    #: why it ended with finish reason "error": the engine step, the output position and
+    #: the cause (``"step 12 (output token 3): logits hold NaN"``); else None
     error: str | None = None
 
 

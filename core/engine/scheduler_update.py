@@ -121,7 +121,10 @@ class SchedulerUpdate:
     def _fail(self, seq: Sequence, code: int, finished: list[Sequence]) -> None:
         """End ``seq`` with ``"error"``: its row in the step just applied was non-finite
         (``code``, one of :data:`~kvrunner.batch.NONFINITE_CAUSES`)."""
-        seq.error = f"step {self.num_steps_applied}: {NONFINITE_CAUSES[code]}"
+        position = len(seq.token_ids) - seq.num_prompt_tokens
+        seq.error = (
+            f"step {self.num_steps_applied} (output token {position}): {NONFINITE_CAUSES[code]}"
+        )
         self.nonfinite_rows += 1
         self._finish(seq, "error", finished)
 

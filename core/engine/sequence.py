@@ -60,7 +60,8 @@ class Sequence:
     table_row: int = attrs.field(default=-1, init=False)
     status: SequenceStatus = attrs.field(default=SequenceStatus.WAITING, init=False)
     finish_reason: FinishReason | None = attrs.field(default=None, init=False)
-    #: why it ended with ``"error"`` (``"step 12: logits hold NaN"``), else None
+    #: why it ended with ``"error"``: the engine step (counted since start), the output
+    #: position and the cause (``"step 12 (output token 3): logits hold NaN"``), else None
     error: str | None = attrs.field(default=None, init=False)
     #: the sampled token's logprob at each output position (``None`` if not asked)
     logprobs: list[float | None] = attrs.field(factory=list, init=False)

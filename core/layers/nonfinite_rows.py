@@ -26,7 +26,9 @@ _POS_INF = _CODE["logits hold +inf"]
 _ALL_NEG_INF = _CODE["every logit is -inf"]
 
 
-def mark_nonfinite(tokens: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mark_nonfinite(
+    tokens: torch.Tensor, row_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``tokens`` with every non-finite row's token replaced by its cause's code, and
     the number of such rows (a 0-d int64 tensor on the device; nothing is read back).
 
