@@ -42,6 +42,9 @@ class CheckpointError(KvrunnerError, ValueError):
         self.path = Path(path)
         self.problem = problem
 
+    def __reduce__(self) -> tuple:  # crosses a rank's pipe with its path and problem
+        return (type(self), (self.path, self.problem))
+
 
 class RequestError(KvrunnerError, ValueError):
     """A prompt or its sampling settings can never be served; the message names the

@@ -16,7 +16,8 @@ rank is asked anything, so an illegal order raises and changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ import torch
 from kvrunner.call_guard import exclusive
 from kvrunner.runner.rank_calls import weight_buckets
 from kvrunner.sleep_state import CacheInfo, SleepState, SleepStateError, parse_tags
+from kvrunner.weight_push import checked_pairs
 
 if TYPE_CHECKING:
     from kvrunner.engine.llm_engine import LLMEngine
@@ -69,6 +71,7 @@ class SleepWakeAPI:
         if level == 2:
             state.weights = "discarded" if discard_weights else "offloaded"
             state.weights_pending = reports[0]["pending"]
+            state.weights_missing = tuple(reports[0].get("missing", ()))
         seconds = max(r["seconds"] for r in reports)
         self._timings.update(sleep_level=level, sleep_s=seconds,
                              freed_bytes=reports[0]["freed_bytes"],
@@ -105,52 +108,88 @@ class SleepWakeAPI:
         return seconds
 
     @exclusive
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load ``(name, tensor)`` pairs with Hugging Face names and full (unsharded)
-        tensors of any float dtype; a generator is fine, and an update may be spread
-        over several calls. Returns how many tensors were loaded.
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        check_finite: bool = True,
+    ) -> int:
+        """Load ``(name, tensor)`` pairs, or a Mapping of them (a ``state_dict``), with
+        Hugging Face names and full (unsharded) tensors of any floating dtype, on the
+        CPU or a GPU; a generator is fine, and an update may be spread over several
+        calls. Returns how many tensors were loaded.
 
-        Each rank takes its tensor-parallel shard; fused projections are filled part
-        by part. A wrong name or shape raises
-        :class:`~kvrunner.sleep_state.WeightUpdateError` naming it; the engine then
-        refuses to generate until a later call completes. After a call completes the
+        Each rank takes its tensor-parallel shard in the model's dtype; fused
+        projections are filled part by part. A wrong name or shape, a value that is
+        not a floating-point tensor, or (``check_finite``, one reduction per tensor)
+        NaN or inf raises :class:`~kvrunner.sleep_state.WeightUpdateError` naming it,
+        with nothing of that tensor loaded. If tensors before it were, the weights are
+        ``"partial"`` (``cache_info().weights``) and generation is refused until every
+        tensor this call did not load has been pushed. After a call completes the
         prefix cache is reset and, if the engine is awake, the graphs are recaptured.
         """
         self.executor.check()
         self.sleep_state.require_weights_resident("update_weights")
         self._require_idle("update_weights")
-        self.sleep_state.weights_torn = True  # until this call completes
-        if self.config.parallel.tensor_parallel_size == 1:
-            loaded = self.executor.call_ranks("update_weights", weights)[0]
-        else:
+        pairs = checked_pairs(weights, check_finite=check_finite)
+        with self._weight_change():
+            if self.config.parallel.tensor_parallel_size == 1:
+                return self.executor.call_ranks("update_weights", pairs)[0]
             loaded = 0
-            for bucket in weight_buckets(weights):
+            for bucket in weight_buckets(pairs):
                 loaded = loaded + self.executor.call_ranks("update_weights", bucket)[0]
-        self._finish_weight_change()
-        return loaded
+            return loaded
 
     @exclusive
-    def load_weights(self, path: str | Path) -> int:
+    def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
         """Load every tensor of a safetensors checkpoint directory (each rank reads it),
-        as :meth:`update_weights` does; returns how many were loaded."""
+        as :meth:`update_weights` does; returns how many were loaded. The directory
+        must hold the whole model: a wrong shape, a missing or unexpected tensor, or
+        (``check_finite``) NaN or inf raises
+        :class:`~kvrunner.errors.CheckpointError` naming the file and the tensor."""
         self.executor.check()
         self.sleep_state.require_weights_resident("load_weights")
         self._require_idle("load_weights")
         if not Path(path).is_dir():
             raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
-        self.sleep_state.weights_torn = True
-        loaded = self.executor.call_ranks("load_weights", str(path))[0]
-        self._finish_weight_change()
-        return loaded
+        with self._weight_change():
+            return self.executor.call_ranks("load_weights", str(path), check_finite)[0]
 
-    def _finish_weight_change(self) -> None:
+    @contextlib.contextmanager
+    def _weight_change(self) -> Iterator[None]:
+        """Around one push: the ranks count what it loads; a failure leaves the state
+        saying which tensors are still to push; success resets and recaptures."""
+        self.executor.call_ranks("begin_weight_update")
+        try:
+            yield
+        except BaseException:
+            self._note_failed_push()
+            raise
         finished = self.executor.call_ranks("finish_weight_update")
-        self.sleep_state.weights_torn = False
-        self.sleep_state.weights_pending = finished[0]["pending"]
+        self._note_pending(finished[0])
         self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
         recapture = max(f["recapture_s"] for f in finished)
         if recapture:
             self._timings["recapture_s"] = recapture
+
+    def _note_failed_push(self) -> None:
+        state = self.sleep_state
+        try:
+            report = self.executor.call_ranks("fail_weight_update")[0]
+        except Exception:  # the ranks cannot say (one died): assume the worst
+            state.weights_partial = True
+            return
+        # a refusal before anything loaded leaves the weights (and the state) as they were
+        state.weights_partial = state.weights_partial or report["partial"]
+        self._note_pending(report)
+        if report["partial"]:
+            self.engine.block_manager.reset_prefix_cache()
+
+    def _note_pending(self, report: dict[str, Any]) -> None:
+        state = self.sleep_state
+        state.weights_pending, state.weights_missing = report["pending"], report["missing"]
+        if not state.weights_pending:
+            state.weights_partial = False
 
     @exclusive
     def reset_prefix_cache(self) -> int:
@@ -178,7 +217,7 @@ class SleepWakeAPI:
             block_size=self.config.cache.block_size,
             num_state_slots=manager.num_state_slots,
             prefix_cached_blocks=manager.pool.num_cached,
-            weights=self.sleep_state.weights,
+            weights=self.sleep_state.weights_status,
             kv_cache=self.sleep_state.kv_cache,
             ranks=ranks,
             last_sleep_level=t["sleep_level"],

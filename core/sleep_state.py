@@ -45,10 +45,12 @@ def _rebuild_wake_error(message: str, short: dict[int, int]) -> WakeError:
 
 
 class WeightUpdateError(KvrunnerError, ValueError):
-    """A pushed tensor was refused (unknown name, wrong shape); the message names it.
+    """A pushed tensor was refused (unknown name, wrong shape, not a floating-point
+    tensor, not finite); the message names it.
 
-    The tensors before it were loaded, so the engine refuses to generate until a
-    later ``update_weights`` call completes.
+    Nothing of the refused tensor was loaded. If tensors before it in the same call
+    were, the weights are ``"partial"`` and the engine refuses to generate until every
+    tensor not loaded since has been pushed.
     """
 
 
@@ -73,16 +75,30 @@ class SleepState:
     weights: str = "resident"
     #: "resident" or "released"
     kv_cache: str = "resident"
-    #: weight tensors not pushed since the weights were discarded
+    #: weight tensors not pushed since the weights were discarded or a push failed
     weights_pending: int = 0
-    #: an update_weights call failed part way: the weights are half old, half new
-    weights_torn: bool = False
+    #: a few of those names, for the error that refuses to generate
+    weights_missing: tuple[str, ...] = ()
+    #: a push failed part way: the weights are partly old and partly new until every
+    #: tensor not loaded since (``weights_pending``) is pushed
+    weights_partial: bool = False
     #: the level of the sleep in progress (0: awake)
     level: int = 0
 
     @property
     def awake(self) -> bool:
         return self.weights == "resident" and self.kv_cache == "resident"
+
+    @property
+    def weights_status(self) -> str:
+        """What the weights are, as ``cache_info()`` reports them: ``"resident"``,
+        ``"offloaded"``, ``"discarded"`` (by a sleep, and not all pushed since) or
+        ``"partial"`` (a push failed part way, and not all pushed since)."""
+        if self.weights != "resident":
+            return self.weights
+        if self.weights_partial:
+            return "partial"
+        return "discarded" if self.weights_pending else "resident"
 
     def asleep_tags(self) -> list[str]:
         return [t for t in TAGS if getattr(self, t) != "resident"]
@@ -95,17 +111,21 @@ class SleepState:
                 f"cannot {what}: the engine is asleep ({', '.join(asleep)} released by "
                 f"sleep(level={self.level})); call wake_up() first"
             )
+        missing = ", ".join(self.weights_missing)
+        more = " ..." if self.weights_pending > len(self.weights_missing) else ""
+        if self.weights_partial:
+            raise SleepStateError(
+                f"cannot {what}: an update_weights/load_weights call failed part way, so "
+                f"the weights are partly old and partly new; {self.weights_pending} "
+                f"tensor(s) have not been pushed since ({missing}{more}): push every one of "
+                f"them (or the whole model) before generating"
+            )
         if self.weights_pending:
             raise SleepStateError(
                 f"cannot {what}: the weights were discarded by sleep(level=2, "
                 f"discard_weights=True) and {self.weights_pending} tensor(s) have not been "
-                f"pushed since; finish update_weights(...) or load_weights(path) first"
-            )
-        if self.weights_torn:
-            raise SleepStateError(
-                f"cannot {what}: the last update_weights call failed part way, so the "
-                f"weights are partly old and partly new; push them again (a call that "
-                f"completes) before generating"
+                f"pushed since ({missing}{more}); finish update_weights(...) or "
+                f"load_weights(path) first"
             )
 
     def require_can_sleep(self, level: int, discard_weights: bool) -> None:

@@ -11,12 +11,11 @@ whole checkpoint. A file that is missing, truncated or malformed raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from torch import nn
 from tqdm import tqdm
@@ -25,7 +24,8 @@ from kvrunner.config import ConfigError
 from kvrunner.contract import ModelSpec
 from kvrunner.errors import CheckpointError
 from kvrunner.layers.weight_copy import copy_weight_
-from kvrunner.models.checkpoint_files import check_weight_files, load_tokenizer, read_json_object
+from kvrunner.models.checkpoint_files import load_tokenizer, read_json_object
+from kvrunner.models.checkpoint_tensors import CheckpointTensors
 from kvrunner.models.weight_names import (  # noqa: F401 - re-exported: callers import them from here
     WeightNameError,
     expected_weight_names,
@@ -70,26 +70,10 @@ def resolve_dtype(dtype: torch.dtype | str, config: Any) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
 
 
-def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint's weight files (the index's shards, or every
-    ``*.safetensors``), floats cast to ``dtype``.
-
-    Every file's header is checked when this is called, before any tensor is read:
-    a truncated or corrupt file raises CheckpointError naming it, up front.
-    """
-    files = check_weight_files(Path(path))
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for file in files:
-            try:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                        tensor = f.get_tensor(name)
-                        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(file, f"cannot be read as safetensors: {e}") from None
-
-    return tensors()
+def iter_safetensors(path: Path, dtype: torch.dtype) -> CheckpointTensors:
+    """Every tensor of the checkpoint's weight files, floats cast to ``dtype`` (see
+    :class:`~kvrunner.models.checkpoint_tensors.CheckpointTensors`)."""
+    return CheckpointTensors(Path(path), dtype)
 
 
 def _id_list(value: Any) -> list[int]:
@@ -171,14 +155,16 @@ def load_model(
     model_cls, config = read_config(path)
     dtype = resolve_dtype(dtype, config)
     # Every weight file is checked before the model is built (a dummy start reads none).
-    weights = iter_safetensors(path, dtype) if load_format != "dummy" else iter(())
+    tensors = iter_safetensors(path, dtype) if load_format != "dummy" else None
     model = model_cls(config, make_layer, dtype, torch.device(device), **model_kwargs)
-    if load_format == "dummy":
+    if tensors is None:
         fill_dummy_weights(model, seed=seed)
     else:
-        if progress:
-            weights = tqdm(weights, desc="loading weights", unit="tensor")
-        model.load_weights(weights)
+        weights = tqdm(tensors, desc="loading weights", unit="tensor") if progress else tensors
+        try:
+            model.load_weights(weights)
+        except ValueError as e:  # a tensor the model refuses: name its file
+            raise tensors.error(e) from None
     model.eval().requires_grad_(False)
     return model, load_tokenizer(path, skip=skip_tokenizer), config
 

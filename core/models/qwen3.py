@@ -281,7 +281,11 @@ class Qwen3ForCausalLM(nn.Module):
         return set(expected_weight_names(self, self.STACKED))
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, require_all: bool = True
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        require_all: bool = True,
+        loaded: set[str] | None = None,
     ) -> set[str]:
         """Load Hugging Face-named tensors; returns the names loaded.
 
@@ -290,5 +294,5 @@ class Qwen3ForCausalLM(nn.Module):
         """
         return load_weights_into(
             self, weights, stacked=self.STACKED, ignore=self._ignored_weights(),
-            require_all=require_all,
+            require_all=require_all, loaded=loaded,
         )

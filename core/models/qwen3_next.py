@@ -193,7 +193,11 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         return set(expected_weight_names(self, self.NEXT_STACKED))
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, require_all: bool = True
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        require_all: bool = True,
+        loaded: set[str] | None = None,
     ) -> set[str]:
         """HF names; ``conv1d.weight`` ``[C, 1, K]`` is stored as ``conv_weight`` ``[C, K]``.
 
@@ -209,5 +213,6 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
 
         ignore = [*self._ignored_weights(), "mtp."]
         return load_weights_into(
-            self, renamed(), stacked=self.NEXT_STACKED, ignore=ignore, require_all=require_all
+            self, renamed(), stacked=self.NEXT_STACKED, ignore=ignore, require_all=require_all,
+            loaded=loaded,
         )

@@ -24,7 +24,38 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: 
 
 
 class WeightNameError(ValueError):
-    """A pushed tensor's name is not a parameter of this model (the message names it)."""
+    """A pushed tensor's name is not a parameter of this model (the message names it).
+
+    :ivar tensor: the checkpoint name at fault.
+    """
+
+    def __init__(self, message: str, *, tensor: str) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class WeightShapeError(ValueError):
+    """A tensor does not fit its parameter (the message names both shapes).
+
+    :ivar tensor: the checkpoint name at fault.
+    """
+
+    def __init__(self, message: str, *, tensor: str) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class WeightSetError(ValueError):
+    """A whole checkpoint lacks tensors the model needs or holds ones it has no place for.
+
+    :ivar missing: expected names no tensor was given for (sorted).
+    :ivar unexpected: given names the model has no parameter for (sorted).
+    """
+
+    def __init__(self, message: str, *, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
 
 
 def expected_weight_names(
@@ -79,6 +110,7 @@ def load_weights_into(
     stacked: Sequence[tuple[str, str, str | int]] = (),
     ignore: Sequence[str] = (),
     require_all: bool = True,
+    loaded: set[str] | None = None,
 ) -> set[str]:
     """Copy checkpoint tensors into ``module``'s parameters by name; returns the names
     loaded (ignored names excluded).
@@ -93,12 +125,15 @@ def load_weights_into(
         expected tensor it lacks and every tensor the model has no place for, after
         loading all the others. ``False`` (a partial update, as a trainer streams
         them): a name the model does not have raises :class:`WeightNameError` at once.
-    :raises ValueError: naming the tensor whose shape does not fit.
+    :param loaded: filled with each name as it loads (the returned set), so a caller
+        still knows what was loaded when a later tensor raises.
+    :raises WeightShapeError: naming the tensor whose shape does not fit.
+    :raises WeightSetError: ``require_all`` and the names do not match.
     """
     params = dict(module.named_parameters())
     expected = expected_weight_names(module, stacked)
     aliases = alias_weight_names(module)
-    seen: set[str] = set()
+    seen: set[str] = set() if loaded is None else loaded
     unexpected: list[str] = []
     for name, tensor in weights:
         target, covers = expected.get(name), [name]
@@ -111,7 +146,8 @@ def load_weights_into(
             if not require_all:
                 raise WeightNameError(
                     f"{type(module).__name__} has no parameter {name!r} (Hugging Face names "
-                    f"expected, e.g. {_listing(sorted(expected), 3)})"
+                    f"expected, e.g. {_listing(sorted(expected), 3)})",
+                    tensor=name,
                 )
             unexpected.append(name)
             continue
@@ -121,7 +157,7 @@ def load_weights_into(
         try:
             loader(param, tensor, shard)
         except ValueError as e:
-            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+            raise WeightShapeError(f"checkpoint tensor {name!r}: {e}", tensor=name) from e
         seen.update(covers)
     missing = sorted(set(expected) - seen) if require_all else []
     if missing or unexpected:
@@ -130,7 +166,10 @@ def load_weights_into(
             problems.append(f"missing {len(missing)}: {_listing(missing)}")
         if unexpected:
             problems.append(f"unexpected {len(unexpected)}: {_listing(sorted(unexpected))}")
-        raise ValueError(f"{type(module).__name__} weights do not match: " + "; ".join(problems))
+        raise WeightSetError(
+            f"{type(module).__name__} weights do not match: " + "; ".join(problems),
+            missing=missing, unexpected=sorted(unexpected),
+        )
     return seen
 
 

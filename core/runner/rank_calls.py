@@ -106,8 +106,14 @@ class RankCalls:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         return self.runner.update_weights(weights)
 
-    def load_weights(self, path: str) -> int:
-        return self.runner.load_weights(path)
+    def load_weights(self, path: str, check_finite: bool = True) -> int:
+        return self.runner.load_weights(path, check_finite)
+
+    def begin_weight_update(self) -> None:
+        self.runner.begin_weight_update()
+
+    def fail_weight_update(self) -> dict[str, Any]:
+        return self.runner.fail_weight_update()
 
     def finish_weight_update(self) -> dict[str, Any]:
         return self.runner.finish_weight_update()

@@ -22,9 +22,13 @@ from typing import Any
 
 import torch
 
-from kvrunner.models.loader import WeightNameError, iter_safetensors
+from kvrunner.models.checkpoint_tensors import CheckpointTensors
 from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WeightUpdateError
+from kvrunner.weight_push import tensor_problem
+
+#: how many of the tensors still to push an error names
+MISSING_SHOWN = 8
 
 
 class SleepWake:
@@ -40,6 +44,8 @@ class SleepWake:
         self.kv_resident = True
         #: checkpoint names not pushed since the weights were discarded
         self.weights_pending: set[str] = set()
+        #: names the driver's current update call has loaded (see begin_weight_update)
+        self._update_loaded: set[str] = set()
         #: test hook: bytes to treat as taken by someone else when a wake checks memory
         self.wake_pressure: Callable[[], int] = lambda: 0
         self.device_bytes_before_sleep = 0
@@ -152,27 +158,75 @@ class SleepWake:
 
     # -- weights ---------------------------------------------------------------------
 
+    def begin_weight_update(self) -> None:
+        """Start counting what one driver call loads (it may arrive in several buckets)."""
+        self._update_loaded = set()
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load Hugging Face-named full tensors (this rank takes its shard, in its dtype);
-        returns how many were loaded. Raises ``WeightUpdateError`` naming a bad one."""
+        returns how many were loaded. Raises ``WeightUpdateError`` naming a bad one,
+        after :meth:`_fail_weight_update`."""
         if self.weights.state != "resident":
             raise SleepStateError(f"weights are {self.weights.state}: wake them first")
+        loaded: set[str] = set()
         try:
-            loaded = self.model.load_weights(weights, require_all=False)
-        except (WeightNameError, ValueError) as e:
-            raise WeightUpdateError(str(e)) from e
-        self.weights_pending -= loaded
+            self.model.load_weights(weights, require_all=False, loaded=loaded)
+        except BaseException as e:
+            self._fail_after(loaded)
+            if isinstance(e, ValueError) and not isinstance(e, WeightUpdateError):
+                raise WeightUpdateError(str(e)) from e
+            raise
+        self._note_loaded(loaded)
         return len(loaded)
 
-    def load_weights(self, path: str) -> int:
-        """Every tensor of a safetensors checkpoint directory, through :meth:`update_weights`."""
-        return self.update_weights(iter_safetensors(Path(path), self.dtype))
+    def load_weights(self, path: str, check_finite: bool = True) -> int:
+        """Every tensor of a safetensors checkpoint directory (a whole model: a missing
+        or unexpected tensor is refused too); a fault raises ``CheckpointError``
+        naming the file and the tensor, after :meth:`_fail_weight_update`."""
+        if self.weights.state != "resident":
+            raise SleepStateError(f"weights are {self.weights.state}: wake them first")
+        check = (lambda _, t: tensor_problem(t, check_finite=True)) if check_finite else None
+        tensors = CheckpointTensors(Path(path), self.dtype, check=check)
+        loaded: set[str] = set()
+        try:
+            self.model.load_weights(tensors, loaded=loaded)
+        except BaseException as e:
+            self._fail_after(loaded)
+            if isinstance(e, ValueError):
+                raise tensors.error(e) from None
+            raise
+        self._note_loaded(loaded)
+        return len(loaded)
+
+    def _note_loaded(self, loaded: set[str]) -> None:
+        self.weights_pending -= loaded
+        self._update_loaded |= loaded
+
+    def _fail_after(self, loaded: set[str]) -> None:
+        self._note_loaded(loaded)
+        self.fail_weight_update()
+
+    def fail_weight_update(self) -> dict[str, Any]:
+        """A push failed part way (here or on the driver): unless the call loaded
+        nothing (the weights are unchanged), every tensor it did not load is pending
+        until pushed, whatever was pushed before it. Returns what
+        :meth:`finish_weight_update` does, without recapturing, and ``"partial"``:
+        whether the call loaded anything."""
+        if self._update_loaded:  # idempotent: the rank and then the driver may call it
+            self.weights_pending = set(self.model.expected_weight_names()) - self._update_loaded
+        return {**self._pending_report(), "partial": bool(self._update_loaded)}
 
     def finish_weight_update(self) -> dict[str, Any]:
         """After the last tensor of an update: recapture if the engine is whole.
 
-        Returns ``{"pending", "recapture_s"}`` (tensors still missing since a discard)."""
-        return {"pending": len(self.weights_pending), "recapture_s": self._recapture_if_whole()}
+        Returns ``{"pending", "missing", "recapture_s"}``: how many tensors are still
+        missing since a discard or a failed push, and a few of their names."""
+        self._update_loaded = set()
+        return {**self._pending_report(), "recapture_s": self._recapture_if_whole()}
+
+    def _pending_report(self) -> dict[str, Any]:
+        return {"pending": len(self.weights_pending),
+                "missing": tuple(sorted(self.weights_pending)[:MISSING_SHOWN]), "recapture_s": 0.0}
 
     # -- reporting -------------------------------------------------------------------
 

@@ -1,0 +1,59 @@
+"""What ``update_weights`` accepts from a trainer, checked before a rank sees it.
+
+A push is an iterable of ``(name, tensor)`` pairs (``model.named_parameters()``, a
+generator) or a Mapping (a ``state_dict``), from CPU or GPU, in any floating dtype
+(each rank casts to the model's). A value that is not a tensor, is not floating
+point (an int, bool or complex tensor would be cast silently and wrongly), or holds
+NaN or inf is refused with a :class:`~kvrunner.sleep_state.WeightUpdateError`
+naming it, before it reaches a parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from kvrunner.sleep_state import WeightUpdateError
+
+
+def tensor_problem(value: Any, *, check_finite: bool) -> str | None:
+    """Why ``value`` cannot be loaded into a floating-point parameter (None: it can).
+
+    ``check_finite`` costs one reduction over the tensor (on its own device)."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a torch.Tensor"
+    if not value.is_floating_point():
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"has dtype {dtype}; weights must be floating point"
+    if check_finite and not bool(torch.isfinite(value).all()):
+        return "holds NaN or inf values"
+    return None
+
+
+def checked_pairs(
+    weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    *,
+    check_finite: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` as ``(name, tensor)`` pairs, each checked as it is drawn (a generator
+    stays lazy); raises WeightUpdateError naming the first value refused."""
+    if isinstance(weights, Mapping):
+        weights = weights.items()
+    if isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
+        raise WeightUpdateError(
+            f"update_weights takes (name, tensor) pairs or a Mapping of them; got a "
+            f"{type(weights).__name__}"
+        )
+    for index, pair in enumerate(weights):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise WeightUpdateError(
+                f"update_weights item {index} is not a (name, tensor) pair: "
+                f"{type(pair).__name__}"
+            )
+        name, value = pair
+        problem = tensor_problem(value, check_finite=check_finite)
+        if problem is not None:
+            raise WeightUpdateError(f"tensor {name!r} {problem}; nothing of it was loaded")
+        yield name, value
