@@ -199,3 +199,17 @@ def test_cache_info_says_discarded_until_every_tensor_is_pushed(checkpoints, exp
     llm.update_weights(good[-1:])
     assert llm.cache_info().weights == "resident"
     assert tokens(llm) == expected[pushed]
+
+
+def test_the_cli_prints_a_mismatched_checkpoint_as_one_line(checkpoints, tmp_path, capsys) -> None:
+    from kvrunner.cli import main
+
+    bad = altered(checkpoints[0], tmp_path / "bad", wrong_shape)
+    code = main(["generate", "hello", "--model", str(bad), "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code != 0
+    message = err.rpartition("kvrunner: error: ")[1:]  # after the loading progress bar
+    message = "".join(message)
+    assert message.count("\n") == 1 and "Traceback" not in err
+    assert message.startswith("kvrunner: error: ")
+    assert str(bad / "model.safetensors") in message and VICTIM in message
