@@ -24,6 +24,8 @@ FIELD_HELP: dict[str, str] = {
     "alone with small random weights (a trainer pushes the real ones)",
     "skip_tokenizer_init": "load no tokenizer even if the checkpoint has one "
     "(prompts must be token ids)",
+    "generation_config": "auto: a call without sampling settings uses the checkpoint's"
+    " generation_config.json (temperature, top_p, top_k, max_new_tokens); ignore: not",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

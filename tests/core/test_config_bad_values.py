@@ -83,6 +83,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "max_model_len": (ints_outside(2, 1 << 24), "load", {}),
     "enable_chunked_prefill": (not_a_bool, "load", {}),
     "async_scheduling": (not_a_bool, "load", {}),
+    "nonfinite": (strs_except("error", "raise"), "load", {}),
     # [parallel]
     "tensor_parallel_size": (ints_outside(1, 1024), "load", {}),
     "distributed_backend": (strs_except("auto", "gloo", "nccl"), "load", {}),
