@@ -34,7 +34,9 @@ from kvrunner.plugins import (
     blocked_backends,
     discover_backends,
     refuse_unmarked_hooks,
+    require_release_cache,
 )
+from kvrunner.runner.held_tensors import held_tensors
 from kvrunner.write_targets import require_fixed_names, validate_write_targets
 
 #: hooks that read the persistent buffers, so may only run once they exist
@@ -90,6 +92,7 @@ class BackendManager:
                 instance = factory(self.contexts[name])
                 # A factory function's product is checked here, a class's at load.
                 refuse_unmarked_hooks(name, type(instance))
+                require_release_cache(name, type(instance))
                 self.pm.register(instance, name=name)
             except BackendError:
                 raise
@@ -241,6 +244,17 @@ class BackendManager:
             require_fixed_names(name, targets, self._target_names)
             union += targets
         return union
+
+    def held_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the layer backends hold within two attribute levels
+        (``"<backend>.builder.slot_mapping"``): their builders' buffers, whether in
+        forward_vars or not, and their pools. The capture audit seeds the integer
+        ones that are neither a declared write target nor a pool."""
+        return {
+            f"{name}.{path}": tensor
+            for name, plugin in self.pm.list_name_plugin()
+            for path, tensor in held_tensors(plugin, depth=2).items()
+        }
 
     # -- layers ----------------------------------------------------------------------
 

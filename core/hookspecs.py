@@ -74,7 +74,10 @@ def release_cache() -> None:
 
     Called once per allocation (sleep, or the end of the sizing profile); the next
     :func:`allocate_cache` comes with the same counts. Persistent buffers and layer
-    objects stay: a layer must look its pool up again on its next forward.
+    objects stay: a layer must look its pool up again on its next forward. Required
+    of every backend that implements :func:`allocate_cache`; after a sleep the core
+    checks that every pool's storage is gone and fails the sleep naming the backend
+    if one is still alive.
     """
 
 
@@ -137,7 +140,8 @@ def cache_write_targets() -> list[CacheWriteTarget]:
     the same at every call. Include buffers that live on the backend's builder and
     not in forward_vars. The core blanks the union over all active backends to each
     target's PAD value before every capture; a write through an undeclared buffer is
-    caught by the capture audit.
+    caught by the capture audit, which seeds the integer tensors it finds on the
+    backend object and its attributes (its builder) as it seeds forward_vars.
     """
 
 

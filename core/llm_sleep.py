@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrunner.call_guard import exclusive
+from kvrunner.plugins import BackendError
 from kvrunner.runner.rank_calls import weight_buckets
 from kvrunner.sleep_state import CacheInfo, SleepState, SleepStateError, parse_tags
 from kvrunner.weight_push import checked_pairs
@@ -61,6 +62,8 @@ class SleepWakeAPI:
         Level 1 drops the decode graphs and every backend's cache pools. Level 2 also
         frees the weights: kept in pinned host memory, or discarded
         (``discard_weights=True``) when new ones will be pushed before generating.
+        Raises :class:`~kvrunner.plugins.BackendError` naming the backend whose
+        ``release_cache`` kept its pools' memory (the engine is asleep all the same).
         """
         self.executor.check()
         self.sleep_state.require_can_sleep(level, discard_weights)
@@ -76,6 +79,9 @@ class SleepWakeAPI:
         self._timings.update(sleep_level=level, sleep_s=seconds,
                              freed_bytes=reports[0]["freed_bytes"],
                              sleeps=self._timings["sleeps"] + 1)
+        kept = [f"rank {rank}: {r['kept']}" for rank, r in enumerate(reports) if r["kept"]]
+        if kept:  # the engine is asleep all the same: wake_up() allocates new pools
+            raise BackendError("; ".join(kept) if len(reports) > 1 else reports[0]["kept"])
         return seconds
 
     @exclusive

@@ -127,6 +127,23 @@ def _validate_factory(name: str, factory: Any) -> None:
         raise BackendError(f"backend {name!r}: entry point is not callable")
     if isinstance(factory, type):
         refuse_unmarked_hooks(name, factory)
+        require_release_cache(name, factory)
+
+
+def _implements(cls: type, hook: str) -> bool:
+    method = inspect.getattr_static(cls, hook, None)
+    function = getattr(method, "__func__", method)
+    return callable(function) and hasattr(function, "kvrunner_impl")
+
+
+def require_release_cache(name: str, cls: type) -> None:
+    """A backend that allocates pools must release them: without ``release_cache`` a
+    sleep would report its pools freed while it still holds them. Refuse it at load."""
+    if _implements(cls, "allocate_cache") and not _implements(cls, "release_cache"):
+        raise BackendError(
+            f"backend {name!r} implements allocate_cache but not release_cache: every "
+            f"backend that allocates must release its pools, or a sleep frees nothing"
+        )
 
 
 def refuse_unmarked_hooks(name: str, cls: type) -> None:
@@ -158,6 +175,7 @@ __all__ = [
     "discover_backends",
     "hook_names",
     "refuse_unmarked_hooks",
+    "require_release_cache",
     "register_backend",
     "unregister_backend",
 ]

@@ -167,7 +167,8 @@ class RankCacheInfo:
     kv_resident: bool
     #: "resident", "offloaded" or "discarded"
     weights: str
-    #: what the last sleep returned to the device (measured on CUDA, logical on CPU)
+    #: what the last sleep returned to the device on CUDA, the pool storage it freed
+    #: (plus the weights released) on the CPU; measured, never a backend's word
     last_freed_bytes: int = 0
     #: device memory this rank's process held (reserved by torch) around its last
     #: sleep and after its last wake; 0 on the CPU
@@ -199,7 +200,8 @@ class CacheInfo:
     last_sleep_s: float
     last_wake_s: float
     last_recapture_s: float
-    #: device bytes the last sleep returned to the device (rank 0; logical bytes on CPU)
+    #: device bytes the last sleep returned to the device (rank 0; on the CPU the
+    #: bytes of the pool storages it freed, plus the weights released), measured
     last_freed_bytes: int
     num_sleeps: int
     num_wakes: int

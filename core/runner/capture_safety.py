@@ -12,7 +12,11 @@ An undeclared write target that still holds its start-up value (zeros, or PAD)
 writes nothing harmful at the first capture and would pass; only after serving does
 it hold live rows. So before an audited capture every integer buffer the core can
 reach that is *not* a declared write target is seeded with in-range row indices —
-what a served batch leaves — and the very first capture catches it.
+what a served batch leaves — and the very first capture catches it. That covers
+the buffers a backend keeps on its own builder, outside forward_vars, too
+(:meth:`~kvrunner.plugins.BackendManager.held_tensors`). What the audit concludes
+from a changed pool, and its check of the capture's read side, are
+:mod:`~kvrunner.runner.capture_audit`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from kvrunner.contract import CacheWriteTarget
 from kvrunner.layers.fused.dispatch import use_triton
+from kvrunner.plugins import BackendError
 
 #: 4-byte words per checksum chunk (4 MiB)
 CHUNK_WORDS = 1 << 20
@@ -30,8 +35,10 @@ CHUNK_WORDS = 1 << 20
 GROUP_WORDS = 1 << 23
 
 
-class CaptureAuditError(RuntimeError):
-    """A capture changed a cache/state pool: some write target was not blanked."""
+class CaptureAuditError(BackendError):
+    """A capture broke the capture contract: it changed a cache/state pool, or its
+    read side depends on what earlier steps left. The message names the backend and
+    says which rule the evidence shows broken."""
 
 
 def blank_write_targets(targets: Sequence[CacheWriteTarget]) -> None:
@@ -41,19 +48,22 @@ def blank_write_targets(targets: Sequence[CacheWriteTarget]) -> None:
 
 
 def seed_undeclared_index_buffers(
-    buffers: Iterable[torch.Tensor], declared: Sequence[CacheWriteTarget], *, bound: int
+    buffers: Iterable[torch.Tensor], declared: Sequence[CacheWriteTarget], *, bound: int,
+    offset: int = 0, exclude: Iterable[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
     """Fill every integer buffer in ``buffers`` that is not a declared write target
-    with row indices ``0, 1, ..., bound - 1, 0, ...`` (in range for any block, slot or
+    (nor shares storage with one in ``exclude``: the pools) with row indices
+    ``offset, offset + 1, ...`` modulo ``bound`` (in range for any block, slot or
     state-slot index); returns the buffers seeded."""
-    declared_ptrs = {t.buffer.untyped_storage().data_ptr() for t in declared}
+    skip = {t.buffer.untyped_storage().data_ptr() for t in declared}
+    skip |= {t.untyped_storage().data_ptr() for t in exclude}
     seeded = []
     for buffer in buffers:
         if buffer.is_floating_point() or buffer.is_complex() or buffer.dtype == torch.bool:
             continue
-        if buffer.untyped_storage().data_ptr() in declared_ptrs:
+        if buffer.untyped_storage().data_ptr() in skip:
             continue
-        rows = torch.arange(buffer.numel(), device=buffer.device) % max(bound, 1)
+        rows = (torch.arange(buffer.numel(), device=buffer.device) + offset) % max(bound, 1)
         buffer.copy_(rows.view(buffer.shape).to(buffer.dtype))
         seeded.append(buffer)
     return seeded
@@ -105,12 +115,21 @@ class PoolSnapshot:
             if not torch.equal(chunk_checksums(pool), self._sums[name])
         ]
 
-    def require_unchanged(self, *, batch_size: int, blanked: Sequence[CacheWriteTarget]) -> None:
+    def require_unchanged(
+        self, *, batch_size: int, blanked: Sequence[CacheWriteTarget], evidence: str = ""
+    ) -> None:
+        """Raise :class:`CaptureAuditError` naming the backends whose pools changed;
+        ``evidence`` says which rule the audit found broken (default: either)."""
         changed = self.changed_pools()
         if changed:
+            owners = sorted({name.split(".", 1)[0] for name in changed})
             names = ", ".join(t.qualified_name for t in blanked) or "none"
+            evidence = evidence or (
+                "a kernel writes through a buffer its backend does not declare in "
+                "cache_write_targets, or does not skip PAD rows (or blanking is off)"
+            )
             raise CaptureAuditError(
-                f"capture of batch size {batch_size} wrote into cache pool(s) {changed}; "
-                f"write targets blanked before it: {names}. A kernel writes through a buffer "
-                f"its backend does not declare in cache_write_targets (or blanking is off)."
+                f"backend {', '.join(map(repr, owners))}: capture of batch size {batch_size} "
+                f"wrote into cache pool(s) {changed}; write targets blanked before it: "
+                f"{names}. {evidence}"
             )

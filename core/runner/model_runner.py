@@ -318,6 +318,7 @@ class ModelRunner(SleepWake, StepLaunch):
                 device=self.device,
                 # valid as a KV block, a KV slot and a state slot alike
                 index_bound=min(self.num_blocks, self.num_slots),
+                vocab_size=self.model_config.vocab_size,
                 warmup=not self._captured_before,
                 progress=self.progress,
             )

@@ -1,7 +1,8 @@
 """One rank's sleep, wake and weight updates (a part of :class:`ModelRunner`).
 
 ``sleep(level)`` drops the decode graphs and their memory pool, releases every
-backend's pools through ``release_cache`` and, at level 2, the weights (kept in
+backend's pools through ``release_cache`` (and checks that their storage is gone:
+:mod:`~kvrunner.runner.pool_release`) and, at level 2, the weights (kept in
 host memory or discarded); then it returns the memory to the device. ``wake_up``
 allocates exactly the saved block and slot counts through ``allocate_cache``
 after a cross-rank preflight (:mod:`~kvrunner.runner.wake_preflight`); sizing never
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from kvrunner.models.checkpoint_tensors import CheckpointTensors
+from kvrunner.plugins import BackendError
+from kvrunner.runner.pool_release import PoolRelease
 from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WeightUpdateError
 from kvrunner.weight_push import tensor_problem
@@ -77,29 +80,41 @@ class SleepWake:
     def sleep(self, level: int, discard_weights: bool = False) -> dict[str, Any]:
         """Release the graphs and pools (level 1) and the weights (level 2).
 
-        Returns ``{"seconds", "freed_bytes", "pending"}``: device bytes returned to the
-        device on CUDA (measured), the bytes of what was released on the CPU; weight
-        tensors that must be pushed before serving (all of them after a discard).
+        Returns ``{"seconds", "freed_bytes", "pending", "kept"}``: device bytes returned
+        to the device on CUDA, the bytes of the pool storages actually freed (plus the
+        weights released) on the CPU, both measured; weight tensors that must be pushed
+        before serving (all of them after a discard); and, when a backend's
+        ``release_cache`` kept a pool alive, the message naming it (else ``""``). The
+        sleep completes either way: the driver raises once its state says asleep.
         """
         if not (self.kv_resident and self.weights.state == "resident"):
             raise SleepStateError("this rank is already asleep")
         start = time.perf_counter()
         before = self.device_bytes_before_sleep = self._device_bytes()
-        logical = sum(self.pool_bytes_by_backend().values())
+        release = PoolRelease(self.pools)
+        weight_bytes = 0
         self.graphs = {}  # their memory pool goes with them
         self.backends.release_cache()
         self.pools = {}
         self.kv_resident = False
         if level == 2:
-            logical += self.weights.release(discard=discard_weights)
+            weight_bytes = self.weights.release(discard=discard_weights)
             if discard_weights:
                 self.weights_pending = set(self.model.expected_weight_names())
         self._return_memory()
         self.device_bytes_after_sleep = self._device_bytes()
-        freed = before - self.device_bytes_after_sleep if self.device.type == "cuda" else logical
+        if self.device.type == "cuda":
+            freed = before - self.device_bytes_after_sleep
+        else:
+            freed = release.freed_bytes() + weight_bytes
         self.last_freed_bytes = freed
+        try:
+            release.require_released()
+            kept = ""
+        except BackendError as e:
+            kept = str(e)
         return {"seconds": time.perf_counter() - start, "freed_bytes": freed,
-                "pending": len(self.weights_pending)}
+                "pending": len(self.weights_pending), "kept": kept}
 
     # -- wake ------------------------------------------------------------------------
 

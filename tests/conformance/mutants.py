@@ -123,6 +123,63 @@ class CountsSlotsOnHost(PagedBackend):
         return layer
 
 
+class BuilderHeldTarget(PagedBackend):
+    """Keeps its write target, ``slot_mapping``, on its builder: neither in forward_vars
+    nor declared in ``cache_write_targets``."""
+
+    @hookimpl
+    def persistent_buffers(self, max_batch: int, max_tokens: int) -> dict[str, torch.Tensor]:
+        super().persistent_buffers(max_batch=max_batch, max_tokens=max_tokens)
+        return {}
+
+    @hookimpl
+    def cache_write_targets(self) -> list[CacheWriteTarget]:
+        return []
+
+
+class CaptureReadsLiveBlocks(PagedBackend):
+    """Its capture read side is a copy of the block tables the last real step left on
+    its builder, not the core's capture step: a replay reads those blocks forever."""
+
+    @hookimpl
+    def persistent_buffers(self, max_batch: int, max_tokens: int) -> dict[str, torch.Tensor]:
+        buffers = super().persistent_buffers(max_batch=max_batch, max_tokens=max_tokens)
+        width = -(-self.context.max_model_len // self.context.block_size)
+        self.builder.last_block_tables = torch.zeros(
+            (max_batch, width), dtype=torch.int32, device=self.context.device
+        )
+        return buffers
+
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        rows, cols = step.block_tables.shape
+        self.builder.last_block_tables[:rows, :cols].copy_(step.block_tables)
+        return super().build_metadata(step)
+
+    @hookimpl
+    def build_capture_metadata(self, step: StepMetadata) -> PagedMetadata:
+        md = super().build_capture_metadata(step)
+        rows, cols = step.block_tables.shape
+        return attrs.evolve(md, block_tables=self.builder.last_block_tables[:rows, :cols].clone())
+
+
+class NoReleaseCache(PagedBackend):
+    """Allocates pools and has no ``release_cache``."""
+
+    release_cache = None
+
+
+class ReleaseKeepsMemory(PagedBackend):
+    """Its ``release_cache`` keeps the pools "for reuse": a sleep frees nothing."""
+
+    spare: list[dict[int, torch.Tensor]]
+
+    @hookimpl
+    def release_cache(self) -> None:
+        self.spare = [*getattr(self, "spare", []), self.pools._pools]
+        super().release_cache()
+
+
 #: check -> (mutant name, factory)
 MUTANTS = {
     "step_matches_reference": ("mutant-wrong-scale", WrongScale),
@@ -134,4 +191,12 @@ MUTANTS = {
     "replay_sees_later_fill": ("mutant-capture-snapshot", CaptureSnapshot),
     "serve_sleep_wake_recapture_under_audit": ("mutant-keeps-first-pools", KeepsFirstPools),
     "forward_reads_nothing_on_the_host": ("mutant-counts-slots-on-host", CountsSlotsOnHost),
+    "release_cache_frees_the_pools": ("mutant-release-keeps-memory", ReleaseKeepsMemory),
+}
+#: defects the runtime audit (``LLM(..., audit=True)``) catches as the kit does:
+#: mutant name -> (factory, the kit check that catches it)
+AUDIT_MUTANTS = {
+    "mutant-builder-held-target": (BuilderHeldTarget, "blanked_capture_writes_nothing"),
+    "mutant-capture-reads-live-blocks": (CaptureReadsLiveBlocks, "replay_sees_later_fill"),
+    "mutant-stores-pad-rows": (StoresPadRows, "pad_rows_write_nothing"),
 }

@@ -7,9 +7,14 @@ each failure here is the mutation's, and the check is not vacuous.
 from __future__ import annotations
 
 import pytest
-from mutants import MUTANTS
+from mutants import AUDIT_MUTANTS, MUTANTS, NoReleaseCache
 
-from kvrunner.plugins import register_backend, unregister_backend
+from kvrunner.plugins import (
+    BackendError,
+    discover_backends,
+    register_backend,
+    unregister_backend,
+)
 from kvrunner.testing.conformance import (
     CHECKS,
     GPU_PATH_ONLY,
@@ -40,3 +45,25 @@ def test_the_audit_check_fails_on_a_backend_that_declares_nothing(flatkv_install
     (target,) = Target.of("leaky")
     with pytest.raises(ConformanceError, match="audit"):
         run_check(target, "serve_sleep_wake_recapture_under_audit", max_examples=3)
+
+
+@pytest.mark.parametrize("name", sorted(AUDIT_MUTANTS))
+def test_the_kit_catches_each_defect_the_runtime_audit_must_catch(name: str) -> None:
+    factory, check = AUDIT_MUTANTS[name]
+    register_backend(name, factory)
+    try:
+        (target,) = Target.of(name)
+        with pytest.raises((ConformanceError, ExceptionGroup)) as raised:
+            run_check(target, check, max_examples=8)
+    finally:
+        unregister_backend(name)
+    # hypothesis reports distinct failing examples together: each must be the check's
+    group = raised.value
+    failures = group.exceptions if isinstance(group, ExceptionGroup) else (group,)
+    assert all(isinstance(e, ConformanceError) for e in failures), failures
+
+
+def test_a_backend_that_allocates_without_release_cache_is_refused_at_load() -> None:
+    with pytest.raises(BackendError, match="'mutant-no-release'.*release_cache"):
+        register_backend("mutant-no-release", NoReleaseCache)
+    assert "mutant-no-release" not in discover_backends()

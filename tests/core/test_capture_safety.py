@@ -11,7 +11,7 @@ import pytest
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner import capture
+from kvrunner.runner import capture_audit
 from kvrunner.runner.capture_safety import CaptureAuditError, PoolSnapshot
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
@@ -73,7 +73,7 @@ def test_audit_catches_an_undeclared_write_target_at_the_very_first_capture(
 def test_without_seeding_the_start_up_audit_is_blind_to_it(
     tiny_qwen3, flatkv_installed, monkeypatch
 ) -> None:
-    monkeypatch.setattr(capture, "seed_undeclared_index_buffers", lambda *a, **k: [])
+    monkeypatch.setattr(capture_audit, "seed_undeclared_index_buffers", lambda *a, **k: [])
     llm = make_llm(tiny_qwen3, full_attention="leaky", audit=True)  # passes: the blind spot
     llm.generate(PROMPTS, GREEDY)
     with pytest.raises(CaptureAuditError, match="leaky.kv"):

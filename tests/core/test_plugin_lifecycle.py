@@ -34,6 +34,10 @@ class Minimal:
         return {"kv": torch.zeros(num_blocks)}
 
     @kvrunner.hookimpl
+    def release_cache(self) -> None:  # required of a backend that allocates
+        pass  # it keeps no reference to the pool
+
+    @kvrunner.hookimpl
     def build_metadata(self, step) -> str:
         return "metadata only"
 

@@ -11,8 +11,10 @@ import torch
 
 from kvrunner.config import CaptureConfig
 from kvrunner.contract import ForwardContext
+from kvrunner.plugins import BackendError
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.capture_safety import CaptureAuditError
+from kvrunner.runner.pool_release import PoolRelease
 from kvrunner.testing.conformance import reference
 from kvrunner.testing.conformance.cases import StepCase
 from kvrunner.testing.conformance.rig import FULL, Rig, Rows, live_rows, run_layer
@@ -229,6 +231,20 @@ def serve_sleep_wake_recapture_under_audit(rig: Rig, case: StepCase) -> None:
                                    f"the pools of the first allocation")
 
 
+def release_cache_frees_the_pools(rig: Rig, case: StepCase) -> None:
+    """After serving, ``release_cache`` lets the storage of every pool ``allocate_cache``
+    returned go (a sleep checks the same), and the pools can be allocated again."""
+    rig.serve_history(case)
+    release = PoolRelease(rig.pools)
+    rig.pools = {}
+    rig.manager.release_cache()
+    try:
+        release.require_released()
+    except BackendError as e:
+        raise ConformanceError(str(e)) from None
+    rig.allocate()
+
+
 def forward_reads_nothing_on_the_host(rig: Rig, case: StepCase) -> None:
     """On the path a CUDA step takes (the backend's Triton kernels), no layer's forward
     reads a tensor's value on the host: no ``item()``, ``int()`` / ``bool()`` of a tensor,
@@ -260,6 +276,7 @@ CHECKS = {
         blanked_capture_writes_nothing,
         replay_sees_later_fill,
         serve_sleep_wake_recapture_under_audit,
+        release_cache_frees_the_pools,
         forward_reads_nothing_on_the_host,
     )
 }

@@ -1,0 +1,92 @@
+"""The runtime audit (``LLM(..., audit=True)``, ``generate --audit``) catches what the
+kit catches, at the first capture, and its message says what the evidence shows.
+
+Each defect is one of the kit's mutant backends, driven through the real engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from mutants import AUDIT_MUTANTS
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.cli import main
+from kvrunner.plugins import BackendError, register_backend, unregister_backend
+from kvrunner.runner.capture_safety import CaptureAuditError
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+@contextmanager
+def mutant(name: str) -> Iterator[str]:
+    register_backend(name, AUDIT_MUTANTS[name][0])
+    try:
+        yield name
+    finally:
+        unregister_backend(name)
+
+
+def audited_start_failure(start: Callable[..., LLM], name: str) -> str:
+    """The message of the audit failure that starting over mutant ``name`` raises."""
+    with mutant(name), pytest.raises(CaptureAuditError) as raised:
+        start(name, audit=True)
+    return str(raised.value)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_write_target_kept_on_the_builder_is_caught_at_the_first_capture(start) -> None:
+    name = "mutant-builder-held-target"
+    message = audited_start_failure(start, name)
+    assert message.startswith(f"backend {name!r}:")
+    assert f"Undeclared target: the writes follow ['{name}.builder.slot_mapping']" in message
+    assert "Writes at PAD" not in message
+
+
+def test_a_capture_read_side_at_live_blocks_gives_wrong_tokens_unaudited(start) -> None:
+    """What the audit exists to stop: the mutant's greedy tokens are not paged's."""
+    with mutant("mutant-capture-reads-live-blocks") as name:
+        llm = start(name)
+        llm.generate(PROMPTS, GREEDY)  # live blocks on its builder, then a recapture
+        llm.recapture()
+        wrong = greedy_tokens(llm)
+    assert wrong != greedy_tokens(start("paged"))
+
+
+def test_a_capture_read_side_at_live_blocks_is_caught_at_the_first_capture(start) -> None:
+    name = "mutant-capture-reads-live-blocks"
+    message = audited_start_failure(start, name)
+    assert message.startswith(f"backend {name!r}:")
+    assert f"metadata.{name}.block_tables" in message and "reads live blocks" in message
+
+
+def test_a_kernel_that_ignores_pad_is_reported_as_writing_at_pad(start) -> None:
+    name = "mutant-stores-pad-rows"
+    message = audited_start_failure(start, name)
+    assert message.startswith(f"backend {name!r}:") and "Writes at PAD" in message
+    assert "Undeclared target" not in message
+
+
+def test_the_audited_engine_still_matches_the_unaudited_one(start) -> None:
+    """The seeding and the read-side rebuild leave a correct backend's tokens as they are."""
+    audited = start("paged", audit=True)
+    first = greedy_tokens(audited)
+    audited.recapture()
+    assert greedy_tokens(audited) == first == greedy_tokens(start("paged"))
+
+
+def test_an_audit_failure_is_a_backend_error_printed_as_one_line(tiny_qwen3, capsys) -> None:
+    with mutant("mutant-builder-held-target") as name:
+        status = main(["generate", "hi", "--model", tiny_qwen3, "--max-tokens", "2",
+                       "--max-num-seqs", "2", "--max-model-len", "64", "--audit",
+                       "--full-attention", name])
+    err = capsys.readouterr().err
+    assert status == 2 and issubclass(CaptureAuditError, BackendError)
+    assert "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("kvrunner: error:")]
+    assert line.startswith(f"kvrunner: error: backend {name!r}:")
