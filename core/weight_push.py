@@ -21,13 +21,16 @@ from kvrunner.sleep_state import WeightUpdateError
 def tensor_problem(value: Any, *, check_finite: bool) -> str | None:
     """Why ``value`` cannot be loaded into a floating-point parameter (None: it can).
 
-    ``check_finite`` costs one reduction over the tensor (on its own device)."""
+    ``check_finite`` costs one reduction over the tensor (on its own device): its
+    minimum and maximum, where NaN propagates to both and an infinity is one of them,
+    with no tensor-sized temporary (a weight push may sit beside a trainer's memory)."""
     if not isinstance(value, torch.Tensor):
         return f"is a {type(value).__name__}, not a torch.Tensor"
     if not value.is_floating_point():
         dtype = str(value.dtype).removeprefix("torch.")
         return f"has dtype {dtype}; weights must be floating point"
-    if check_finite and not bool(torch.isfinite(value).all()):
+    if check_finite and value.numel() and not bool(torch.isfinite(torch.stack(
+        torch.aminmax(value))).all()):
         return "holds NaN or inf values"
     return None
 

@@ -154,8 +154,7 @@ class LLMEngine:
     def _drain(self) -> None:
         """Abort every unfinished request and apply the step in flight (its tokens are
         dropped), leaving the engine empty for the next call."""
-        for seq_id in list(self.scheduler._unfinished):
-            self.scheduler.abort(seq_id)
+        self.scheduler.abort_all()
         while self.has_unfinished():
             self.step()
 

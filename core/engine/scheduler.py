@@ -142,6 +142,10 @@ class Scheduler(SchedulerUpdate):
         seq.finish_reason = "abort"
         return seq
 
+    def abort_all(self) -> list[Sequence]:
+        """Withdraw every unfinished request (as :meth:`abort` does each); returns them."""
+        return [seq for seq_id in list(self._unfinished) if (seq := self.abort(seq_id))]
+
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
