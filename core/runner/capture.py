@@ -79,7 +79,7 @@ def capture_decode_graphs(
         graph.capture(forward, pool=shared_pool, device=device, warmup=warmup)
         if audit is not None:
 
-            def probe(token: int, batch_size: int = batch_size, build=build) -> None:  # noqa: ANN001
+            def probe(token: int, batch_size: int = batch_size, build=build) -> None:
                 probe_ctx = build()
                 forward_vars["input_ids"][:batch_size].fill_(token)
                 forward(batch_size, probe_ctx)
