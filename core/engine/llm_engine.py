@@ -124,6 +124,14 @@ class LLMEngine:
     def add_request(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
+    def abort_request(self, seq_id: int) -> Sequence | None:
+        """Withdraw request ``seq_id`` (finish reason ``"abort"``), freeing its blocks
+        and state slot at once; None if it is unknown or already finished.
+
+        Safe with a step in flight: that step's token for it is dropped when the step
+        is applied (``Scheduler.abort``)."""
+        return self.scheduler.abort(seq_id)
+
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it.
 

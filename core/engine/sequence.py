@@ -115,17 +115,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(
-        self,
-        token_id: int,
-        logprob: float | None = None,
-        top_logprobs: dict[int, float] | None = None,
-    ) -> None:
-        """Record one generated token (its KV is computed in a later step)."""
-        self.token_ids.append(token_id)
-        self.logprobs.append(logprob)
-        self.top_logprobs.append(top_logprobs)
-
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens} "

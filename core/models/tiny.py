@@ -6,8 +6,8 @@ tests, examples and CI run a real model end to end without downloading one. The
 bytes depend only on ``(kind, seed)``.
 
 ``ensure_default_model(name)`` materializes a named default under
-``$KVRUNNER_HOME/models/<name>`` on first use. Other modules add kinds and
-defaults through :data:`TINY_KINDS` and :func:`register_default_model`.
+``$KVRUNNER_HOME/models/<name>`` on first use (the names are
+:data:`DEFAULT_MODELS`). Other modules add kinds through :data:`TINY_KINDS`.
 """
 
 from __future__ import annotations
@@ -145,11 +145,6 @@ DEFAULT_MODELS: dict[str, Callable[[Path], Any]] = {
     "tiny-qwen3-next-moe": lambda path: write_tiny_checkpoint(path, kind="qwen3-next-moe",
                                                               seed=0),
 }
-
-
-def register_default_model(name: str, writer: Callable[[Path], Any]) -> None:
-    """Make ``ensure_default_model(name)`` build its checkpoint with ``writer(dir)``."""
-    DEFAULT_MODELS[name] = writer
 
 
 def kvrunner_home() -> Path:

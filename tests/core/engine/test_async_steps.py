@@ -223,3 +223,39 @@ def test_a_request_aborted_with_two_steps_in_flight_frees_everything_once() -> N
     drive(sched, runner)
     assert kept.output_token_ids == reference_outputs((6, 6, 7), 6, 64)
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_state_slots == bm.num_state_slots
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_engine_aborts_a_running_request_by_id_and_the_others_run_on(
+    async_scheduling: bool,
+) -> None:
+    """``LLMEngine.abort_request`` (the engine's abort path, through
+    ``Scheduler.abort``): the request ends with "abort" holding only tokens it really
+    sampled, frees everything at once, and a second abort or an unknown id is None."""
+    w = Workload(
+        config=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64),
+        block_size=2, num_blocks=60, prefix_caching=True, num_state_slots=3,
+        requests=tuple((0, (5 + i, 6, 7), 8) for i in range(3)),
+    )  # fmt: skip
+    case = Case(workload=w, stops=(((), True),) * 3)
+    engine, _, _, seqs = engine_for(case, async_scheduling=async_scheduling)
+    for seq in seqs:
+        engine.add_request(seq)
+    for _ in range(3):
+        engine.step()
+    bm = engine.block_manager
+    held = len(seqs[1].block_table)
+    free_before = bm.num_free_blocks
+    assert engine.abort_request(1) is seqs[1] and seqs[1].finish_reason == "abort"
+    assert seqs[1].block_table == [] and seqs[1].state_slot == -1
+    assert bm.num_free_blocks == free_before + held
+    assert engine.abort_request(1) is None and engine.abort_request(99) is None
+    kept = seqs[1].output_token_ids
+    while engine.has_unfinished():
+        engine.step()
+        check_block_accounting(engine.scheduler)
+    assert seqs[1].output_token_ids == kept  # nothing applied after the abort
+    assert kept == reference_outputs((6, 6, 7), 8, 64)[: len(kept)] and kept
+    for i in (0, 2):
+        assert seqs[i].output_token_ids == reference_outputs((5 + i, 6, 7), 8, 64)
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_free_state_slots == 3
