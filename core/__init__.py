@@ -10,6 +10,7 @@ from kvrunner.errors import (
     RequestError,
 )
 from kvrunner.hookspecs import hookimpl
+from kvrunner.outputs import RequestOutput
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.sleep_state import CacheInfo, SleepStateError, WakeError, WeightUpdateError
 
@@ -26,6 +27,7 @@ __all__ = [
     "KvrunnerError",
     "NonFiniteLogitsError",
     "RequestError",
+    "RequestOutput",
     "SamplingParams",
     "SleepStateError",
     "WakeError",

@@ -14,6 +14,7 @@ from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.llm_sleep import SleepWakeAPI
+from kvrunner.outputs import RequestOutput
 from kvrunner.prompts import normalize_requests, prompt_token_ids
 from kvrunner.sampling_params import SamplingParams
 
@@ -21,26 +22,6 @@ if TYPE_CHECKING:
     from kvrunner.runner.executor import DriverExecutor
 
 Prompt = str | Seq[int]
-
-
-@attrs.frozen(kw_only=True)
-class RequestOutput:
-    """One request's result."""
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    #: the decoded output; "" when the model has no tokenizer (token ids only)
-    text: str
-    #: logprob of each generated token, when SamplingParams.logprobs was set
-    logprobs: list[float] | None
-    #: the top-N logprobs at each step, when SamplingParams.logprobs = N > 0
-    top_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    #: why it ended with finish reason "error": the engine step, the output position and
-    #: the cause (``"step 12 (output token 3): logits hold NaN"``); else None
-    error: str | None = None
 
 
 class LLM(SleepWakeAPI):
@@ -133,6 +114,11 @@ class LLM(SleepWakeAPI):
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
+        A prompt whose params have ``n > 1`` gives ``n`` outputs in a row (sample 0
+        to ``n - 1``, each with its ``sample_index``), sample ``k`` drawn with
+        ``params.for_sample(k)``; the samples share the prompt's KV through the
+        prefix cache.
+
         Without ``sampling_params`` every request samples with
         :attr:`default_sampling_params` (the checkpoint's ``generation_config.json``
         where it sets any; see the ``generation_config`` setting).
@@ -147,13 +133,16 @@ class LLM(SleepWakeAPI):
             sampling_params = self.default_sampling_params
         prompts, params = normalize_requests(prompts, sampling_params)
         token_lists = [prompt_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
-        seqs = [
-            self.engine.make_request(ids, sp, i)
+        groups = [
+            self.engine.make_group(ids, sp, i)
             for i, (ids, sp) in enumerate(zip(token_lists, params, strict=True))
         ]
-        for seq in seqs:  # only once every request passed
+        # Only once every request passed. Every group's first sample is queued before
+        # the others, which wait for its prefill to share the prompt's KV.
+        for seq in [g[0] for g in groups] + [s for g in groups for s in g[1:]]:
             self.engine.add_request(seq)
-        total = sum(sp.max_tokens for sp in params)
+        seqs = [seq for group in groups for seq in group]  # prompt-major
+        total = sum(sp.max_tokens * sp.n for sp in params)
         with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
             done = 0
             while self.engine.has_unfinished():
@@ -162,7 +151,7 @@ class LLM(SleepWakeAPI):
                     now = sum(s.num_output_tokens for s in seqs)
                     bar.update(now - done)
                     done = now
-        return [self._output(p, s) for p, s in zip(prompts, seqs, strict=True)]
+        return [self._output(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
 
     def _output(self, prompt: Prompt, seq: Any) -> RequestOutput:
         out = list(seq.output_token_ids)
@@ -177,4 +166,5 @@ class LLM(SleepWakeAPI):
             top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
             finish_reason=seq.finish_reason,
             error=seq.error,
+            sample_index=seq.sample_index,
         )

@@ -234,4 +234,5 @@ class SleepWakeAPI:
             num_sleeps=t["sleeps"],
             num_wakes=t["wakes"],
             nonfinite_rows=self.engine.scheduler.nonfinite_rows,
+            prefix_hit_tokens=manager.prefix_hit_tokens,
         )

@@ -8,6 +8,7 @@ left to fail later, and a NaN temperature never reaches the sampler.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from numbers import Integral, Real
 from typing import Any
@@ -77,7 +78,8 @@ class SamplingParams:
     and the request's id: still independent of the batch, and two engines with the
     same seed given the same requests in the same order draw the same tokens.
     ``logprobs=None`` returns none; ``logprobs=N`` returns the sampled token's logprob
-    and the N most likely tokens' logprobs at every step.
+    and the N most likely tokens' logprobs at every step. ``n`` samples are drawn for
+    the prompt (a GRPO group); :meth:`for_sample` gives each sample's own params.
 
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
@@ -92,6 +94,7 @@ class SamplingParams:
     logprobs: int | None = attrs.field(
         default=None, validator=_int_field(minimum=0, optional=True)
     )
+    n: int = attrs.field(default=1, validator=_int_field(minimum=1))
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -104,3 +107,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, k: int) -> SamplingParams:
+        """The params of sample ``k`` (``0 <= k < n``) of this request's group: these
+        params with ``n=1`` and, when a seed is set, that sample's own seed.
+
+        The seed rule: sample 0 keeps ``seed`` (so ``n=1`` and sample 0 of a group
+        draw the same tokens); sample ``k > 0`` gets the 63-bit BLAKE2b digest of
+        ``("kvrunner-sample", seed, k)``. The ``n`` samples so differ from each other,
+        and a group drawn again with the same seed repeats them exactly, on any
+        process or Python version. Without a seed the engine keys each sample by its
+        own request id, which already differs per sample.
+
+        :raises RequestError: for a ``k`` that is not an integer in ``[0, n)``.
+        """
+        if not is_int(k) or not 0 <= k < self.n:
+            raise RequestError(
+                f"SamplingParams.for_sample: sample index must be an integer in "
+                f"[0, {self.n}) (n={self.n}), got {_describe(k)}"
+            )
+        seed = self.seed
+        if seed is not None and k > 0:
+            digest = hashlib.blake2b(
+                f"kvrunner-sample:{seed}:{int(k)}".encode(), digest_size=8
+            ).digest()
+            seed = int.from_bytes(digest, "little") >> 1
+        return attrs.evolve(self, n=1, seed=seed)

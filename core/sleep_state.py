@@ -208,6 +208,9 @@ class CacheInfo:
     #: sampled rows whose logits were non-finite (NaN, +inf, or all -inf), since start;
     #: each ended its request with finish reason "error"
     nonfinite_rows: int = 0
+    #: prompt tokens whose KV admission found in the prefix cache (not computed), since
+    #: start: the samples of an ``n > 1`` request share their prompt this way
+    prefix_hit_tokens: int = 0
 
     @property
     def pool_bytes(self) -> int:

@@ -48,6 +48,8 @@ class BlockManager:
         #: every held table again, one array row each (``Sequence.table_row``): a
         #: step's tables are then one gather, not one tuple per sequence
         self.table_rows = TableRows()
+        #: tokens admission took from the prefix cache rather than computing, ever
+        self.prefix_hit_tokens = 0
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -122,6 +124,7 @@ class BlockManager:
         seq.table_row = self.table_rows.acquire(seq.block_table)
         seq.num_computed_tokens = hit_tokens
         self._num_published[seq.seq_id] = len(hits)
+        self.prefix_hit_tokens += hit_tokens
         if self.num_state_slots > 0:
             seq.state_slot = self.state_slots.allocate()
 

@@ -117,9 +117,36 @@ class LLMEngine:
                 f"request {index}: stop_token_ids {stops[:5]} outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
+        if params.n != 1:
+            raise RequestError(
+                f"request {index}: SamplingParams.n={params.n} asks for a group of "
+                f"samples; make them with make_group (one request is one sample)"
+            )
         seq = Sequence(next(self._ids), list(token_ids), params)
         self.scheduler.validate(seq, name=f"request {index}")
         return seq
+
+    def make_group(self, token_ids: Seq[int], params: SamplingParams, index: int) -> list[Sequence]:
+        """The ``params.n`` validated, not yet queued samples of one prompt, sample
+        ``k`` with ``params.for_sample(k)``; raises ``RequestError`` naming ``index``.
+
+        Samples after the first wait for the first one's prefill (see
+        ``Sequence.waits_for_prefix``) when the prefix cache can share a block of the
+        prompt: queue every group's first sample before the others, or a waiting
+        sample holds up the queue behind it for that step.
+        """
+        first = self.make_request(token_ids, params.for_sample(0), index)
+        group = [first]
+        shares = (
+            self.block_manager.enable_prefix_caching
+            and len(token_ids) - 1 >= self.block_manager.block_size
+        )
+        for k in range(1, params.n):
+            seq = self.make_request(token_ids, params.for_sample(k), index)
+            seq.sample_index = k
+            seq.prefix_leader = first if shares else None
+            group.append(seq)
+        return group
 
     def add_request(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

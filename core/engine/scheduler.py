@@ -193,7 +193,9 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             n = self._first_chunk(seq, budget)
-            if n == 0 or not self.block_manager.can_allocate(seq, n):
+            # A sample whose group's first sample is still computing the shared prompt
+            # waits one step for it, then finds that prompt in the prefix cache.
+            if n == 0 or seq.waits_for_prefix() or not self.block_manager.can_allocate(seq, n):
                 break  # FIFO: nobody overtakes the head of the queue
             self.block_manager.allocate(seq, n)
             self.waiting.popleft()

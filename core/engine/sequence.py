@@ -78,6 +78,12 @@ class Sequence:
     stop_on: frozenset[int] = attrs.field(init=False)
     #: the length (prompt and output) at which it ends ("length")
     length_limit: int = attrs.field(init=False)
+    #: which of its request's ``n`` samples this is
+    sample_index: int = attrs.field(default=0, kw_only=True)
+    #: the sample of its group whose prefill this one waits for, so that its prompt's
+    #: KV comes from the prefix cache rather than being computed once per sample
+    #: (None: it waits for nobody; see :meth:`waits_for_prefix`)
+    prefix_leader: Sequence | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -93,6 +99,17 @@ class Sequence:
         self.stop_on = stops if params.ignore_eos else stops | eos_token_ids
         limit = self.num_prompt_tokens + params.max_tokens
         self.length_limit = limit if max_model_len is None else min(limit, max_model_len)
+
+    def waits_for_prefix(self) -> bool:
+        """Whether admitting it now would compute its prompt again: its leader is
+        neither finished nor done computing the prompt (its full blocks are published
+        to the prefix cache when that step is applied)."""
+        leader = self.prefix_leader
+        return (
+            leader is not None
+            and leader.status is not SequenceStatus.FINISHED
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+        )
 
     @property
     def num_tokens(self) -> int:

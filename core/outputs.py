@@ -1,0 +1,34 @@
+"""What ``LLM.generate`` returns: one :class:`RequestOutput` per sample of a request."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """One sample's result.
+
+    A request with ``SamplingParams(n=k)`` gives ``k`` outputs, one per sample, each
+    with its ``sample_index`` (0 for a request of one sample).
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    #: the decoded output; "" when the model has no tokenizer (token ids only)
+    text: str
+    #: logprob of each generated token, when SamplingParams.logprobs was set
+    logprobs: list[float] | None
+    #: the top-N logprobs at each step, when SamplingParams.logprobs = N > 0
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    #: why it ended with finish reason "error": the engine step, the output position and
+    #: the cause (``"step 12 (output token 3): logits hold NaN"``); else None
+    error: str | None = None
+    #: which of its request's ``n`` samples this is (``0 <= sample_index < n``)
+    sample_index: int = 0
+    #: what ended it with finish reason "stop": the matched stop string, or the stop
+    #: token id (EOS included); None for any other finish
+    stop_reason: int | str | None = None
