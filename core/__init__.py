@@ -1,7 +1,10 @@
-"""kvrunner: an LLM inference runtime for RL rollouts with pluggable cache backends."""
+"""kvrunner: an LLM inference runtime for RL rollouts with pluggable cache backends.
+
+This module is the user's API. A backend plugin imports from
+:mod:`kvrunner.plugin_api` instead.
+"""
 
 from kvrunner.config import ConfigError
-from kvrunner.contract import PAD_SLOT_ID, PLUGIN_API_VERSION
 from kvrunner.errors import (
     CheckpointError,
     ConcurrentUseError,
@@ -9,16 +12,14 @@ from kvrunner.errors import (
     NonFiniteLogitsError,
     RequestError,
 )
-from kvrunner.hookspecs import hookimpl
 from kvrunner.outputs import RequestOutput
+from kvrunner.plugin_api.errors import BackendError
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.sleep_state import CacheInfo, SleepStateError, WakeError, WeightUpdateError
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
-    "PAD_SLOT_ID",
-    "PLUGIN_API_VERSION",
     "BackendError",
     "CacheInfo",
     "CheckpointError",
@@ -33,7 +34,6 @@ __all__ = [
     "WakeError",
     "WeightUpdateError",
     "WorkerError",
-    "hookimpl",
     "__version__",
 ]
 
@@ -44,10 +44,6 @@ def __getattr__(name: str):
         from kvrunner.llm import LLM
 
         return LLM
-    if name == "BackendError":
-        from kvrunner.plugins import BackendError
-
-        return BackendError
     if name == "WorkerError":
         from kvrunner.distributed.errors import WorkerError
 

@@ -2,7 +2,7 @@
 
 Each backend is called on its own (a pluggy subset caller), so answers are keyed by
 the backend that gave them: a hook never has to say who it is. Any exception
-inside a hook is re-raised as :class:`~kvrunner.plugins.BackendError` naming the
+inside a hook is re-raised as :class:`~kvrunner.plugin_api.BackendError` naming the
 backend and the hook. The order hooks may be called in (docs/plugins.md,
 "Lifecycle") is enforced here, so a core change that breaks it fails loudly
 instead of handing a backend a state it never promised to handle.
@@ -16,21 +16,20 @@ from typing import Any
 import pluggy
 import torch
 
-from kvrunner import hookspecs
-from kvrunner.contract import (
+from kvrunner.layers.backend_layer import BackendLayer
+from kvrunner.overlap_manager import OverlapPlugin
+from kvrunner.plugin_api import hookspecs
+from kvrunner.plugin_api.errors import BackendError, BackendHookError
+from kvrunner.plugin_api.overlap import OverlapContext
+from kvrunner.plugin_api.step_data import (
     BackendContext,
     CacheSpec,
     CacheWriteTarget,
     ForwardContext,
     StepMetadata,
 )
-from kvrunner.layers.backend_layer import BackendLayer
-from kvrunner.overlap_contract import OverlapContext
-from kvrunner.overlap_manager import OverlapPlugin
 from kvrunner.plugins import (
     BLOCK_ENV,
-    BackendError,
-    BackendHookError,
     blocked_backends,
     discover_backends,
     refuse_unmarked_hooks,
@@ -104,7 +103,7 @@ class BackendManager:
             name = self.pm.get_name(e.plugin) or repr(e.plugin)
             problem = str(e).split(" in plugin ")[0]
             raise BackendError(
-                f"backend {name!r}: {problem} (no such hook in kvrunner.hookspecs)"
+                f"backend {name!r}: {problem} (no such hook in kvrunner.plugin_api.hookspecs)"
             ) from e
         #: the overlap plugin on top of the layer backends, if the config selects one
         self.overlap = OverlapPlugin(overlap) if overlap is not None else None

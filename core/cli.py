@@ -15,7 +15,7 @@ from kvrunner import __version__
 from kvrunner.cli_help import choices_of, field_help
 from kvrunner.config import _SECTIONS, ConfigError, EngineConfig
 from kvrunner.errors import KvrunnerError, RequestError
-from kvrunner.plugins import BackendError, BackendHookError
+from kvrunner.plugin_api.errors import BackendError, BackendHookError
 
 DESCRIPTION = (
     "kvrunner: an LLM inference runtime for RL rollouts with pluggable attention and "

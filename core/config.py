@@ -23,11 +23,7 @@ from kvrunner.config_checks import (
     misplaced_top_key,
     read_toml,
 )
-from kvrunner.errors import KvrunnerError
-
-
-class ConfigError(KvrunnerError, ValueError):
-    """A configuration value or key is invalid; the message names it."""
+from kvrunner.errors import ConfigError
 
 
 def _in_range(lo: float, hi: float):

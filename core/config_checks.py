@@ -2,7 +2,7 @@
 
 A TOML file or a keyword argument can hold anything; these checks turn a value of
 the wrong type, a key in the wrong place or a misspelt section into a
-:class:`~kvrunner.config.ConfigError` that says which field it is and what to do,
+:class:`~kvrunner.errors.ConfigError` that says which field it is and what to do,
 instead of a comparison error deep inside a validator.
 """
 
@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
+
+from kvrunner.errors import ConfigError
 
 #: device names the runner can resolve (``resolve_device``)
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -50,7 +52,6 @@ def check_type(where: str, name: str, type_text: str, value: Any) -> None:
     :param where: ``"[cache]"`` for a section, ``""`` at the top level.
     :param type_text: the attrs field's annotation, as written in ``config.py``.
     """
-    from kvrunner.config import ConfigError
 
     kind = _KINDS.get(type_text)
     if kind is None or kind[1](value):
@@ -61,7 +62,6 @@ def check_type(where: str, name: str, type_text: str, value: Any) -> None:
 
 def check_number(label: str, value: Any, lo: float, hi: float) -> None:
     """Raise ConfigError unless ``value`` is a finite number in ``[lo, hi]``."""
-    from kvrunner.config import ConfigError
 
     if not _is_real(value) or (isinstance(value, float) and not math.isfinite(value)):
         raise ConfigError(f"{label} must be a number in [{lo}, {hi}], got {value!r}")
@@ -71,7 +71,6 @@ def check_number(label: str, value: Any, lo: float, hi: float) -> None:
 
 def check_device(name: Any) -> None:
     """Raise ConfigError unless ``name`` is a device the runner can use."""
-    from kvrunner.config import ConfigError
 
     if not isinstance(name, str) or not _DEVICE.fullmatch(name):
         raise ConfigError(
@@ -82,7 +81,6 @@ def check_device(name: Any) -> None:
 def capture_sizes_tuple(sizes: Any) -> tuple[int, ...] | None:
     """``capture_sizes`` as the config keeps it: sorted, without repeats; each a
     positive integer (ConfigError naming the field and the bad sizes otherwise)."""
-    from kvrunner.config import ConfigError
 
     if sizes is None:
         return None
@@ -107,7 +105,6 @@ def check_capture_sizes(sizes: tuple[int, ...] | None, *, max_num_seqs: int) -> 
     """Refuse a capture size above ``max_num_seqs``: no decode step is ever that large,
     so its graph would never replay (a size the user listed would silently do nothing,
     and a list of only such sizes would leave every decode step eager)."""
-    from kvrunner.config import ConfigError
 
     above = [s for s in sizes or () if s > max_num_seqs]
     if above:
@@ -161,7 +158,6 @@ def misplaced_section_key(
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     """A TOML file's contents; ConfigError naming the file if it is missing or invalid."""
-    from kvrunner.config import ConfigError
 
     try:
         with open(path, "rb") as f:

@@ -1,20 +1,12 @@
-"""The error types kvrunner raises for faults a user can fix, one per kind of fault.
+"""The base of every error kvrunner raises for a fault a user can fix, and the error
+types that belong to no one subsystem.
 
-Every one derives from :class:`KvrunnerError`, so a caller (the command line among
-them) can tell "you asked for something that cannot work" from a bug:
-
-============================  ====================================================
-kind of fault                  error type
-============================  ====================================================
-configuration                  :class:`kvrunner.config.ConfigError`
-checkpoint files               :class:`CheckpointError`
-a request (prompt, sampling)   :class:`RequestError`
-a backend plugin               :class:`kvrunner.plugins.BackendError`
-a tensor-parallel rank         :class:`kvrunner.distributed.errors.WorkerError`
-an order sleep state forbids   :class:`kvrunner.sleep_state.SleepStateError`
-a wake that cannot fit         :class:`kvrunner.sleep_state.WakeError`
-a pushed weight                :class:`kvrunner.sleep_state.WeightUpdateError`
-============================  ====================================================
+Every error kvrunner raises for such a fault derives from :class:`KvrunnerError`, so
+a caller (the command line among them) can tell "you asked for something that cannot
+work" from a bug. A subsystem's own errors live with it (a backend's in
+:mod:`kvrunner.plugin_api.errors`, a rank's in :mod:`kvrunner.distributed.errors`,
+sleep and wake's in :mod:`kvrunner.sleep_state`); the ones here are raised from
+several places.
 
 Each keeps the built-in base its callers already catch (``ValueError`` for bad
 values, ``RuntimeError`` for failures at run time). This module imports nothing
@@ -29,6 +21,10 @@ from pathlib import Path
 class KvrunnerError(Exception):
     """Base of every error kvrunner raises for a fault the user can fix; the message
     names the field, file, request or rank, and what to do."""
+
+
+class ConfigError(KvrunnerError, ValueError):
+    """A configuration value or key is invalid; the message names it."""
 
 
 class CheckpointError(KvrunnerError, ValueError):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrunner.call_guard import exclusive
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api.errors import BackendError
 from kvrunner.runner.rank_calls import weight_buckets
 from kvrunner.sleep_state import CacheInfo, SleepState, SleepStateError, parse_tags
 from kvrunner.weight_push import checked_pairs
@@ -62,7 +62,7 @@ class SleepWakeAPI:
         Level 1 drops the decode graphs and every backend's cache pools. Level 2 also
         frees the weights: kept in pinned host memory, or discarded
         (``discard_weights=True``) when new ones will be pushed before generating.
-        Raises :class:`~kvrunner.plugins.BackendError` naming the backend whose
+        Raises :class:`~kvrunner.plugin_api.BackendError` naming the backend whose
         ``release_cache`` kept its pools' memory (the engine is asleep all the same).
         """
         self.executor.check()

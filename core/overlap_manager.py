@@ -3,7 +3,7 @@
 It is found in the same ``kvrunner.backends`` entry-point group as the layer
 backends, but declares ``plugin_role = "overlap"`` and serves no layer type; the
 config selects it with ``overlap = "<name>"`` on top of the layer backends. Every
-failure raises :class:`~kvrunner.plugins.BackendError` naming the plugin and hook.
+failure raises :class:`~kvrunner.plugin_api.BackendError` naming the plugin and hook.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from typing import Any
 import pluggy
 import torch
 
-from kvrunner import hookspecs
-from kvrunner.contract import CacheWriteTarget, StepMetadata
-from kvrunner.overlap_contract import LayerBackends, LayerStack, MicroBatch, OverlapContext
-from kvrunner.plugins import BackendError, BackendHookError, discover_backends
+from kvrunner.plugin_api import hookspecs
+from kvrunner.plugin_api.errors import BackendError, BackendHookError
+from kvrunner.plugin_api.overlap import LayerBackends, LayerStack, MicroBatch, OverlapContext
+from kvrunner.plugin_api.step_data import CacheWriteTarget, StepMetadata
+from kvrunner.plugins import discover_backends
 from kvrunner.write_targets import require_fixed_names, validate_write_targets
 
 #: the value of ``plugin_role`` an overlap plugin's factory declares

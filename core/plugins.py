@@ -1,10 +1,11 @@
-"""Backend discovery, selection and validation, and the typed facade over the hooks.
+"""Backend discovery and the checks a backend's factory passes at load.
 
 Backends are discovered from the ``kvrunner.backends`` entry-point group (and from
 :func:`register_backend`, for in-process registration). Only the backends the
 config selects are constructed and registered on a runner's plugin manager
-(:mod:`kvrunner.backend_manager`). Every failure raises :class:`BackendError`
-naming the backend and the problem.
+(:class:`kvrunner.backend_manager.BackendManager`, the typed facade over the hooks).
+Every failure raises :class:`~kvrunner.plugin_api.BackendError` naming the backend
+and the problem.
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ from typing import Any
 
 import attrs
 
-from kvrunner import hookspecs
-from kvrunner.contract import (
-    PLUGIN_API_VERSION,
-    BackendContext,
-)
-from kvrunner.errors import KvrunnerError
+from kvrunner.plugin_api import hookspecs
+from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.step_data import PLUGIN_API_VERSION, BackendContext
 
 ENTRY_POINT_GROUP = "kvrunner.backends"
 #: comma-separated backend names that are never loaded (like PYTEST_DISABLE_PLUGIN_AUTOLOAD)
@@ -30,14 +28,6 @@ BLOCK_ENV = "KVRUNNER_BLOCKED_BACKENDS"
 
 BackendFactory = Callable[[BackendContext], Any]
 _registered: dict[str, BackendFactory] = {}
-
-
-class BackendError(KvrunnerError, RuntimeError):
-    """A backend could not be found, loaded, validated or called correctly."""
-
-
-class BackendHookError(BackendError):
-    """A backend's hook raised: a bug in the backend, reported with its traceback."""
 
 
 @attrs.frozen
@@ -103,7 +93,7 @@ def discover_backends() -> dict[str, DiscoveredBackend]:
 
 
 def hook_names() -> frozenset[str]:
-    """Every hook name in :mod:`kvrunner.hookspecs`."""
+    """Every hook name in :mod:`kvrunner.plugin_api.hookspecs`."""
     return frozenset(
         name
         for name, fn in vars(hookspecs).items()
@@ -158,19 +148,13 @@ def refuse_unmarked_hooks(name: str, cls: type) -> None:
         if callable(function) and not hasattr(function, "kvrunner_impl"):
             raise BackendError(
                 f"backend {name!r}: method {hook} is named like a hook but has no "
-                f"@kvrunner.hookimpl, so it would never be called"
+                f"@kvrunner.plugin_api.hookimpl, so it would never be called"
             )
 
-
-# The manager lives in its own module; imported last because it needs BackendError.
-from kvrunner.backend_manager import BackendManager  # noqa: E402
 
 __all__ = [
     "BLOCK_ENV",
     "ENTRY_POINT_GROUP",
-    "BackendError",
-    "BackendHookError",
-    "BackendManager",
     "DiscoveredBackend",
     "discover_backends",
     "hook_names",

@@ -7,8 +7,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvrunner.contract import CacheWriteTarget
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.step_data import CacheWriteTarget
 
 
 def validate_write_targets(name: str, targets: Any) -> list[CacheWriteTarget]:

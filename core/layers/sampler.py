@@ -37,9 +37,9 @@ import attrs
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput
-from kvrunner.buffers import on_device
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
+from kvrunner.plugin_api.buffers import on_device
 from kvrunner.sampling_params import SamplingParams
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner.buffers import on_device
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
 from kvrunner.layers.sampling_seeds import int64_seed, step_seed
+from kvrunner.plugin_api.buffers import on_device
 from kvrunner.sampling_params import SamplingParams
 
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrunner.contract import ForwardContext
 from kvrunner.layers.linear import ColumnParallelLinear, RowParallelLinear, TPGroup, divide
 from kvrunner.layers.weight_copy import copy_weight_
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
+from kvrunner.plugin_api.step_data import ForwardContext
 
 
 class GatedRMSNorm(nn.Module):

@@ -21,7 +21,6 @@ from torch import nn
 from tqdm import tqdm
 
 from kvrunner.config import ConfigError
-from kvrunner.contract import ModelSpec
 from kvrunner.errors import CheckpointError
 from kvrunner.layers.weight_copy import copy_weight_
 from kvrunner.models.checkpoint_files import load_tokenizer, read_json_object
@@ -31,6 +30,7 @@ from kvrunner.models.weight_names import (  # noqa: F401 - re-exported: callers 
     expected_weight_names,
     load_weights_into,
 )
+from kvrunner.plugin_api.step_data import ModelSpec
 
 _DTYPES = {
     "float32": torch.float32,

@@ -15,8 +15,6 @@ import attrs
 import torch
 from torch import nn
 
-from kvrunner.contract import ForwardContext, ModelSpec
-from kvrunner.layers.attention import FullAttentionImpl
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
 from kvrunner.layers.fused import qk_norm_rope
 from kvrunner.layers.linear import (
@@ -34,6 +32,8 @@ from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.loader import rope_theta_of
 from kvrunner.models.moe_config import MoeConfig
 from kvrunner.models.weight_names import expected_weight_names, load_weights_into
+from kvrunner.plugin_api.layers import FullAttentionImpl
+from kvrunner.plugin_api.step_data import ForwardContext, ModelSpec
 
 MakeLayer = Callable[[int, str], FullAttentionImpl]
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvrunner.contract import ForwardContext
 from kvrunner.layers.embedding import LMHead, VocabEmbedding
 from kvrunner.layers.fused import qk_norm_rope
 from kvrunner.layers.linear import (
@@ -31,6 +30,7 @@ from kvrunner.models.gated_deltanet import GatedDeltaNet
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 from kvrunner.models.weight_names import expected_weight_names, load_weights_into
+from kvrunner.plugin_api.step_data import ForwardContext
 
 
 class GatedAttention(nn.Module):

@@ -7,10 +7,10 @@ from typing import Any
 
 import attrs
 
-from kvrunner.contract import ModelSpec
 from kvrunner.layers.linear import divide
 from kvrunner.models.moe_config import MoeConfig
 from kvrunner.models.qwen3 import Qwen3Config
+from kvrunner.plugin_api.step_data import ModelSpec
 
 DEFAULT_PARTIAL_ROTARY = 0.25
 

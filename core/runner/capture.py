@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from kvrunner.backend_manager import BackendManager
 from kvrunner.config import CaptureConfig
-from kvrunner.contract import ForwardContext
-from kvrunner.plugins import BackendManager
+from kvrunner.plugin_api.step_data import ForwardContext
 from kvrunner.runner.capture_audit import CaptureAudit
 from kvrunner.runner.capture_safety import blank_write_targets
 from kvrunner.runner.forward_vars import ForwardVars

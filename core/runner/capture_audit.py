@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvrunner.contract import PAD_SLOT_ID, CacheWriteTarget, ForwardContext
-from kvrunner.plugins import BackendManager
+from kvrunner.backend_manager import BackendManager
+from kvrunner.plugin_api.step_data import PAD_SLOT_ID, CacheWriteTarget, ForwardContext
 from kvrunner.runner.capture_safety import (
     CaptureAuditError,
     PoolSnapshot,

@@ -14,7 +14,7 @@ it hold live rows. So before an audited capture every integer buffer the core ca
 reach that is *not* a declared write target is seeded with in-range row indices —
 what a served batch leaves — and the very first capture catches it. That covers
 the buffers a backend keeps on its own builder, outside forward_vars, too
-(:meth:`~kvrunner.plugins.BackendManager.held_tensors`). What the audit concludes
+(:meth:`~kvrunner.backend_manager.BackendManager.held_tensors`). What the audit concludes
 from a changed pool, and its check of the capture's read side, are
 :mod:`~kvrunner.runner.capture_audit`'s.
 """
@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from kvrunner.contract import CacheWriteTarget
 from kvrunner.layers.fused.dispatch import use_triton
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.step_data import CacheWriteTarget
 
 #: 4-byte words per checksum chunk (4 MiB)
 CHUNK_WORDS = 1 << 20

@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvrunner.buffers import upload_into
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
 from kvrunner.layers.sampling_draw import fused_draw_serves
+from kvrunner.plugin_api.buffers import upload_into
 from kvrunner.sampling_params import SamplingParams
 
 #: where a decode graph ends: ``tokens`` (default), ``logits`` or ``hidden``

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvrunner.contract import ForwardContext
+from kvrunner.plugin_api.step_data import ForwardContext
 
 #: ``(rows, ctx) -> outputs``: a tensor, or any structure of tensors (the runner's
 #: ``DecodeOutputs``); a CUDA graph's replay refills the same tensors

@@ -24,8 +24,8 @@ from kvrunner.batch import (
     no_samples,
     unpack_sampled,
 )
-from kvrunner.buffers import on_device
 from kvrunner.layers.sampler import StepSamples
+from kvrunner.plugin_api.buffers import on_device
 
 
 @attrs.frozen

@@ -12,14 +12,14 @@ import os
 import attrs
 import torch
 
+from kvrunner.backend_manager import BackendManager
 from kvrunner.config import ConfigError, EngineConfig
-from kvrunner.contract import BackendContext, ForwardContext, ModelSpec
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
-from kvrunner.overlap_contract import LayerStack, OverlapContext
-from kvrunner.plugins import BackendManager
+from kvrunner.plugin_api.overlap import LayerStack, OverlapContext
+from kvrunner.plugin_api.step_data import BackendContext, ForwardContext, ModelSpec
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.graph_sampling import GraphSampling, graph_ends_at

@@ -18,7 +18,7 @@ import attrs
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api.errors import BackendError
 
 
 @attrs.frozen
@@ -60,7 +60,7 @@ class PoolRelease:
         return sum(w.nbytes for w in self._watched if w.ref.expired())
 
     def require_released(self) -> None:
-        """Raise :class:`~kvrunner.plugins.BackendError` naming each backend whose
+        """Raise :class:`~kvrunner.plugin_api.BackendError` naming each backend whose
         release kept a pool's storage alive."""
         kept = self.kept()
         if not kept:

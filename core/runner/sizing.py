@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrunner.config import CacheConfig, ConfigError
-from kvrunner.contract import CacheSpec
+from kvrunner.plugin_api.step_data import CacheSpec
 
 
 class CacheSizingError(ConfigError, RuntimeError):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvrunner.models.checkpoint_tensors import CheckpointTensors
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api.errors import BackendError
 from kvrunner.runner.pool_release import PoolRelease
 from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WeightUpdateError

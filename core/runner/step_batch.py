@@ -10,7 +10,7 @@ import torch
 
 from kvrunner.batch import StepInput
 from kvrunner.config import EngineConfig
-from kvrunner.contract import StepBatch
+from kvrunner.plugin_api.step_data import StepBatch
 from kvrunner.sampling_params import SamplingParams
 
 

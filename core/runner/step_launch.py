@@ -15,10 +15,10 @@ import attrs
 import torch
 
 from kvrunner.batch import PackedSampled, StepInput
-from kvrunner.buffers import on_device
-from kvrunner.contract import ForwardContext
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
 from kvrunner.layers.sampling_seeds import row_keys
+from kvrunner.plugin_api.buffers import on_device
+from kvrunner.plugin_api.step_data import ForwardContext
 from kvrunner.runner.graph_sampling import DecodeOutputs
 from kvrunner.runner.graphs import DecodeGraph
 from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders

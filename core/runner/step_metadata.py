@@ -3,7 +3,7 @@
 Every backend needs the same few tensors on the device: where each sequence's
 tokens start, how many keys it attends to, its block table, each token's position.
 The core stages them here once per step (one host-to-device copy per buffer) and
-hands the :class:`~kvrunner.contract.StepMetadata` to every backend, so a hybrid
+hands the :class:`~kvrunner.plugin_api.step_data.StepMetadata` to every backend, so a hybrid
 step copies them once, not once per backend. A backend keeps only what its kernels
 need beyond this, and its own write targets.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner.contract import PAD_SLOT_ID, StepBatch, StepMetadata
+from kvrunner.plugin_api.step_data import PAD_SLOT_ID, StepBatch, StepMetadata
 
 #: forward_vars names of the buffers (``positions`` is the model's input buffer)
 BUFFER_NAMES = ("step.query_start_loc", "step.context_lens", "step.block_tables", "positions")

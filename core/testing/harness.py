@@ -6,9 +6,9 @@ from collections.abc import Mapping
 
 import torch
 
-from kvrunner.contract import BackendContext, ModelSpec
-from kvrunner.overlap_contract import OverlapContext
-from kvrunner.plugins import BackendManager
+from kvrunner.backend_manager import BackendManager
+from kvrunner.plugin_api.overlap import OverlapContext
+from kvrunner.plugin_api.step_data import BackendContext, ModelSpec
 
 
 def small_model_spec(

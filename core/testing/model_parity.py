@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrunner.contract import ForwardContext
+from kvrunner.plugin_api.step_data import ForwardContext
 
 
 class SdpaAttention:

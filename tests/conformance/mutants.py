@@ -9,8 +9,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvrunner import PAD_SLOT_ID, hookimpl
-from kvrunner.contract import CacheWriteTarget, StepMetadata
+from kvrunner.plugin_api import PAD_SLOT_ID, CacheWriteTarget, StepMetadata, hookimpl
 from kvrunner_paged import PagedAttention, PagedBackend, PagedMetadata
 
 

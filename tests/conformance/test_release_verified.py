@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from mutants import NoReleaseCache, ReleaseKeepsMemory
 
-from kvrunner import LLM, PLUGIN_API_VERSION, SamplingParams
-from kvrunner.contract import BackendContext
-from kvrunner.plugins import BackendError, register_backend, unregister_backend
+from kvrunner import LLM, SamplingParams
+from kvrunner.plugin_api import PLUGIN_API_VERSION, BackendContext, BackendError
+from kvrunner.plugins import register_backend, unregister_backend
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,8 @@ from mutants import AUDIT_MUTANTS
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.cli import main
-from kvrunner.plugins import BackendError, register_backend, unregister_backend
+from kvrunner.plugin_api import BackendError
+from kvrunner.plugins import register_backend, unregister_backend
 from kvrunner.runner.capture_safety import CaptureAuditError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]

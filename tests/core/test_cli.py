@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-import kvrunner
+from kvrunner import plugin_api
 from kvrunner.cli import main
 
 
@@ -14,7 +14,7 @@ def test_backends_lists_paged_from_its_distribution_with_its_plugin_api(capsys) 
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     assert rows["paged"][1] == "kvrunner-paged"
     assert rows["paged"][3] == "full_attention"
-    assert rows["paged"][-1] == str(kvrunner.PLUGIN_API_VERSION)
+    assert rows["paged"][-1] == str(plugin_api.PLUGIN_API_VERSION)
     assert "gdn" in rows and rows["gdn"][1] == "kvrunner-gdn"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import kvrunner
+from kvrunner import plugin_api
 from kvrunner.cli import main
 from kvrunner.plugins import register_backend, unregister_backend
 from kvrunner_paged import PagedBackend
@@ -14,7 +14,7 @@ ARGS = ["generate", "hi", "--model", "tiny-qwen3", "--max-tokens", "2", "--enfor
 
 
 class SizingBug(PagedBackend):
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def cache_spec(self):
         raise ZeroDivisionError("bytes per block")
 

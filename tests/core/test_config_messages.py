@@ -10,9 +10,10 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kvrunner import LLM, ConfigError, KvrunnerError
+from kvrunner import LLM, ConfigError
 from kvrunner.config import EngineConfig
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import KvrunnerError
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_num_seqs=2, max_model_len=64, num_blocks=16, enforce_eager=True)

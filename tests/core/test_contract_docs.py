@@ -13,8 +13,8 @@ import attrs
 import pytest
 import torch
 
-from kvrunner import contract, overlap_contract
 from kvrunner.batch import StepInput
+from kvrunner.plugin_api import overlap, step_data
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
@@ -34,26 +34,26 @@ def documented(type_name: str) -> list[tuple[str, str, str, str]]:
 
 
 def test_every_public_contract_type_is_documented() -> None:
-    public = {name for name, obj in vars(contract).items()
-              if attrs.has(obj) and obj.__module__ == contract.__name__}
+    public = {name for name, obj in vars(step_data).items()
+              if attrs.has(obj) and obj.__module__ == step_data.__name__}
     assert public == set(TYPES)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_the_table_lists_every_field_in_order(type_name: str) -> None:
-    fields = [f.name for f in attrs.fields(getattr(contract, type_name))]
+    fields = [f.name for f in attrs.fields(getattr(step_data, type_name))]
     assert [row[0] for row in documented(type_name)] == fields
 
 
 def test_every_overlap_contract_type_is_documented_field_by_field() -> None:
-    public = {name: obj for name, obj in vars(overlap_contract).items()
-              if attrs.has(obj) and obj.__module__ == overlap_contract.__name__}
+    public = {name: obj for name, obj in vars(overlap).items()
+              if attrs.has(obj) and obj.__module__ == overlap.__name__}
     assert set(public) == {"OverlapContext", "MicroBatch", "LayerStack"}
     for name, cls in public.items():
         assert [row[0] for row in documented(name)] == [f.name for f in attrs.fields(cls)]
 
 
-def _steps() -> list[contract.StepMetadata]:
+def _steps() -> list[step_data.StepMetadata]:
     builder = StepMetadataBuilder(max_batch=8, max_tokens=32, max_blocks_per_seq=MAX_BLOCKS,
                                   device=torch.device("cpu"))
     out = []

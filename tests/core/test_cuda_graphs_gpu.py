@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.contract import ForwardContext
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import ForwardContext
 from kvrunner.runner.graphs import DecodeGraph
 
 pytestmark = pytest.mark.gpu

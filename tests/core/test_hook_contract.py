@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrunner import hookspecs
+from kvrunner.plugin_api import hookspecs
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = sorted(

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvrunner import LLM, SamplingParams, cli
-from kvrunner.contract import PAD_SLOT_ID
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import PAD_SLOT_ID
 from kvrunner.runner.capture_safety import CaptureAuditError, PoolSnapshot, blank_write_targets
 
 transformers = pytest.importorskip("transformers")

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import kvrunner
-from kvrunner.contract import CacheWriteTarget, ForwardContext
+from kvrunner import plugin_api
 from kvrunner.layers.backend_layer import BackendLayer, BackendLayerError
-from kvrunner.plugins import BackendError, register_backend, unregister_backend
+from kvrunner.plugin_api import BackendError, CacheWriteTarget, ForwardContext
+from kvrunner.plugins import register_backend, unregister_backend
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager, small_model_spec
 
@@ -18,34 +19,34 @@ FULL = "full_attention"
 class Minimal:
     """A backend with one buffer, one pool and a layer that fails on request."""
 
-    plugin_api_version = kvrunner.PLUGIN_API_VERSION
+    plugin_api_version = plugin_api.PLUGIN_API_VERSION
     layer_types = (FULL,)
     asked: list[int] = []
 
     def __init__(self, context) -> None:
         self.buffer = torch.full((8,), -1, dtype=torch.int64)
 
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         return {"slot_mapping": self.buffer}
 
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def allocate_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
         return {"kv": torch.zeros(num_blocks)}
 
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def release_cache(self) -> None:  # required of a backend that allocates
         pass  # it keeps no reference to the pool
 
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def build_metadata(self, step) -> str:
         return "metadata only"
 
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def cache_write_targets(self) -> list[CacheWriteTarget]:
         return [CacheWriteTarget(name="slot_mapping", buffer=self.buffer)]
 
-    @kvrunner.hookimpl
+    @plugin_api.hookimpl
     def make_layer(self, layer_index: int) -> _Failing:
         Minimal.asked.append(layer_index)
         return _Failing()
@@ -141,7 +142,7 @@ def test_an_exception_in_a_layer_names_the_backend_and_the_layer(minimal) -> Non
 
 def test_a_hook_named_method_without_hookimpl_is_refused_at_load() -> None:
     class Forgot(Minimal):
-        def build_capture_metadata(self, step):  # no @kvrunner.hookimpl
+        def build_capture_metadata(self, step):  # no @plugin_api.hookimpl
             return "never called"
 
     with pytest.raises(BackendError, match=r"'forgot'.*build_capture_metadata.*no @kvrunner"):
@@ -150,13 +151,13 @@ def test_a_hook_named_method_without_hookimpl_is_refused_at_load() -> None:
 
 def test_a_factory_functions_backend_is_checked_for_unmarked_hooks_when_built() -> None:
     class Forgot(Minimal):
-        def cache_write_targets(self):  # no @kvrunner.hookimpl
+        def cache_write_targets(self):  # no @plugin_api.hookimpl
             return []
 
     def factory(context):
         return Forgot(context)
 
-    factory.plugin_api_version, factory.layer_types = kvrunner.PLUGIN_API_VERSION, (FULL,)
+    factory.plugin_api_version, factory.layer_types = plugin_api.PLUGIN_API_VERSION, (FULL,)
     register_backend("forgot-later", factory)  # a function: nothing to inspect yet
     try:
         with pytest.raises(BackendError, match=r"'forgot-later'.*cache_write_targets.*no @"):

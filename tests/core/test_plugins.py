@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvrunner
-from kvrunner.contract import CacheWriteTarget
-from kvrunner.plugins import (
-    BLOCK_ENV,
-    BackendError,
-    discover_backends,
-    register_backend,
-    unregister_backend,
-)
+from kvrunner import plugin_api
+from kvrunner.plugin_api import BackendError, CacheWriteTarget
+from kvrunner.plugins import BLOCK_ENV, discover_backends, register_backend, unregister_backend
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager, small_model_spec
 
@@ -52,7 +46,7 @@ def test_backend_that_cannot_serve_the_layer_type_is_refused(flatkv_installed) -
 
 
 class _Base:
-    plugin_api_version = kvrunner.PLUGIN_API_VERSION
+    plugin_api_version = plugin_api.PLUGIN_API_VERSION
     layer_types = ("full_attention",)
 
     def __init__(self, context) -> None:
@@ -86,7 +80,7 @@ def registered():
 
 def test_wrong_plugin_api_version_is_refused_at_load() -> None:
     class Old(_Base):
-        plugin_api_version = kvrunner.PLUGIN_API_VERSION + 1
+        plugin_api_version = plugin_api.PLUGIN_API_VERSION + 1
 
     with pytest.raises(BackendError, match=r"'old' targets plugin API"):
         register_backend("old", Old)
@@ -94,7 +88,7 @@ def test_wrong_plugin_api_version_is_refused_at_load() -> None:
 
 def test_misspelled_hook_is_caught_by_check_pending(registered) -> None:
     class Typo(_Base):
-        @kvrunner.hookimpl
+        @plugin_api.hookimpl
         def cache_write_target(self):  # missing "s"
             return []
 
@@ -115,7 +109,7 @@ def test_write_targets_must_be_integer_tensors_with_an_integer_pad(
     registered, buffer, pad, problem
 ) -> None:
     class Bad(_Base):
-        @kvrunner.hookimpl
+        @plugin_api.hookimpl
         def cache_write_targets(self):
             return [
                 CacheWriteTarget(name="slot_mapping", buffer=buffer, pad_value=pad)
@@ -131,7 +125,7 @@ def test_the_set_of_write_targets_is_fixed_by_the_first_answer(registered) -> No
     class Changing(_Base):
         calls = 0
 
-        @kvrunner.hookimpl
+        @plugin_api.hookimpl
         def cache_write_targets(self):
             Changing.calls += 1
             name = "slot_mapping" if Changing.calls == 1 else "other"
@@ -147,7 +141,7 @@ def test_the_set_of_write_targets_is_fixed_by_the_first_answer(registered) -> No
 
 def test_a_write_target_claiming_another_backend_is_refused(registered) -> None:
     class Impostor(_Base):
-        @kvrunner.hookimpl
+        @plugin_api.hookimpl
         def cache_write_targets(self):
             return [CacheWriteTarget(name="slot_mapping", buffer=self.buffer, backend="paged")]
 
@@ -159,7 +153,7 @@ def test_a_write_target_claiming_another_backend_is_refused(registered) -> None:
 
 def test_repeated_write_target_names_are_refused(registered) -> None:
     class Twice(_Base):
-        @kvrunner.hookimpl
+        @plugin_api.hookimpl
         def cache_write_targets(self):
             return [CacheWriteTarget(name="a", buffer=self.buffer)] * 2
 
@@ -171,7 +165,7 @@ def test_repeated_write_target_names_are_refused(registered) -> None:
 
 def test_a_failing_hook_is_reported_with_backend_and_hook_names(registered) -> None:
     class Broken(_Base):
-        @kvrunner.hookimpl
+        @plugin_api.hookimpl
         def build_capture_metadata(self, step):
             raise IndexError("boom")
 

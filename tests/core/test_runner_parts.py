@@ -9,8 +9,8 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvrunner.contract import CacheSpec, CacheWriteTarget
 from kvrunner.layers.fused.dispatch import USE_TRITON_ENV
+from kvrunner.plugin_api import CacheSpec, CacheWriteTarget
 from kvrunner.runner import capture_safety
 from kvrunner.runner.capture_safety import (
     CaptureAuditError,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.contract import StepMetadata
+from kvrunner.plugin_api import StepMetadata
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams

@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvrunner import LLM, CheckpointError, KvrunnerError, SamplingParams
+from kvrunner import LLM, CheckpointError, SamplingParams
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import KvrunnerError
 from kvrunner.sleep_state import SleepStateError, WeightUpdateError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]

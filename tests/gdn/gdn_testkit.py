@@ -15,8 +15,9 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from kvrunner.contract import BackendContext, ModelSpec, StepBatch, StepMetadata, pad_block_tables
-from kvrunner.plugins import BackendManager
+from kvrunner.backend_manager import BackendManager
+from kvrunner.plugin_api import BackendContext, ModelSpec, StepBatch, StepMetadata
+from kvrunner.plugin_api.step_data import pad_block_tables
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.host_reads import allow_host_reads
 from kvrunner_gdn.kernels.reference import ref_gated_delta_rule

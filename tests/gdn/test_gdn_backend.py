@@ -1,4 +1,5 @@
-"""The ``gdn`` backend's own hooks, called through a real :class:`kvrunner.plugins.BackendManager`.
+"""The ``gdn`` backend's own hooks, called through a real
+:class:`kvrunner.backend_manager.BackendManager`.
 
 What every backend must do (steps equal the reference, PAD rows and captures write
 nothing, replays see later fills) is proved by the conformance kit
@@ -21,8 +22,7 @@ from gdn_testkit import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner import PAD_SLOT_ID
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api import PAD_SLOT_ID, BackendError
 from kvrunner_gdn.layer import GDNLayer
 
 PATHS = [pytest.param(True, id="triton"), pytest.param(False, id="torch")]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gdn_testkit import DEVICE, MAX_SEQS, TOL, make_manager, rel_rms, step_metadata
 
-from kvrunner.contract import ModelSpec
+from kvrunner.plugin_api import ModelSpec
 from kvrunner_gdn.kernels.reference import ref_causal_conv1d, ref_gated_delta_rule
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")

@@ -12,7 +12,8 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from kvrunner.contract import PAD_SLOT_ID, StepBatch, pad_block_tables
+from kvrunner.plugin_api import PAD_SLOT_ID, StepBatch
+from kvrunner.plugin_api.step_data import pad_block_tables
 
 HEAD_SHAPES = [(2, 1), (2, 2), (4, 1), (4, 2)]  # (query heads, kv heads)
 #: where Triton kernels run: compiled on a GPU, interpreted (TRITON_INTERPRET=1) on the CPU

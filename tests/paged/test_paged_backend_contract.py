@@ -7,8 +7,8 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from kvrunner.contract import PAD_SLOT_ID, CacheSpec, ForwardContext, ModelSpec
-from kvrunner.plugins import BackendError, BackendManager
+from kvrunner.backend_manager import BackendManager
+from kvrunner.plugin_api import PAD_SLOT_ID, BackendError, CacheSpec, ForwardContext, ModelSpec
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged import PagedAttention, PagedBackend

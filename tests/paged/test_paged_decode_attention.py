@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, paged_cases
 
-from kvrunner.contract import PAD_SLOT_ID
+from kvrunner.plugin_api import PAD_SLOT_ID
 from kvrunner_paged.kernels.decode import (
     MAX_SPLITS,
     SPLIT_MIN_KEYS,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from paged_cases import PagedCase
 
-from kvrunner.contract import ModelSpec
+from kvrunner.plugin_api import ModelSpec
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged.kernels.decode import paged_decode_attention

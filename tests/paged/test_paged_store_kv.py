@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, paged_cases
 
-from kvrunner.contract import PAD_SLOT_ID
+from kvrunner.plugin_api import PAD_SLOT_ID
 from kvrunner_paged.kernels.reference import reference_store_kv
 from kvrunner_paged.kernels.store_kv import store_kv
 from kvrunner_paged.kernels.torch_ops import store_kv_torch

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvrunner_tbo import TwoBatchOverlap
 
-from kvrunner import hookimpl
-from kvrunner.contract import StepMetadata
-from kvrunner.plugins import BackendError, BackendManager, register_backend, unregister_backend
+from kvrunner.backend_manager import BackendManager
+from kvrunner.plugin_api import BackendError, StepMetadata, hookimpl
+from kvrunner.plugins import register_backend, unregister_backend
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams

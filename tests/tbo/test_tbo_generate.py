@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvrunner_tbo import TwoBatchOverlap
 
-from kvrunner import LLM, SamplingParams, hookimpl
-from kvrunner.contract import CacheWriteTarget
+from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import CacheWriteTarget, hookimpl
 from kvrunner.plugins import register_backend, unregister_backend
 from kvrunner.runner.capture_safety import CaptureAuditError
 

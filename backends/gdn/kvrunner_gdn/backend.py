@@ -14,8 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner import PAD_SLOT_ID, PLUGIN_API_VERSION, hookimpl
-from kvrunner.contract import BackendContext, CacheSpec, CacheWriteTarget, StepMetadata
+from kvrunner.plugin_api import (
+    PAD_SLOT_ID,
+    PLUGIN_API_VERSION,
+    BackendContext,
+    CacheSpec,
+    CacheWriteTarget,
+    StepMetadata,
+    hookimpl,
+)
 from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
 from kvrunner_gdn.layer import GDNLayer
 from kvrunner_gdn.metadata import GDNMetadata, GDNMetadataBuilder

@@ -25,7 +25,7 @@ Call::
 - ``beta``: ``[T, Hv]`` in (0, 1), any float dtype.
 - ``conv_weight``: ``[conv_dim, kernel]`` (or HF's ``conv1d.weight`` ``[conv_dim, 1,
   kernel]``); ``conv_bias``: ``[conv_dim]`` or ``None`` (Qwen3-Next has none).
-- ``ctx``: the step's :class:`~kvrunner.contract.ForwardContext`.
+- ``ctx``: the step's :class:`~kvrunner.plugin_api.step_data.ForwardContext`.
 - returns ``[T, Hv, head_v_dim]`` in ``mixed_qkv``'s dtype: the input of the gated
   norm. Rows of padded (PAD) tokens are zeros.
 
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kvrunner.contract import ForwardContext
+from kvrunner.plugin_api import ForwardContext
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
 from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
 from kvrunner_gdn.kernels.conv_torch import conv1d_prefill_torch, conv1d_update_torch
@@ -55,7 +55,7 @@ from kvrunner_gdn.state import GDNShapes, GDNStatePool
 class GDNLayer:
     """Conv + gated delta rule of one model layer, with its state in the backend's pool.
 
-    Implements :class:`kvrunner.layers.attention.LinearAttentionImpl`. Kernels are
+    Implements :class:`kvrunner.plugin_api.layers.LinearAttentionImpl`. Kernels are
     chosen once, at construction: the Triton launchers when ``use_triton`` (compiled
     on CUDA, interpreted under ``TRITON_INTERPRET=1``), else the plain-torch path.
     ``prefill_kernel`` (``"torch"``, ``"triton"`` or ``"fla"``, see

@@ -27,8 +27,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvrunner.buffers import fill_head
-from kvrunner.contract import PAD_SLOT_ID, StepBatch, StepMetadata
+from kvrunner.plugin_api import PAD_SLOT_ID, StepBatch, StepMetadata, fill_head
 
 INDEX_DTYPE = torch.int32
 

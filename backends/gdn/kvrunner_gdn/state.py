@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvrunner.contract import ModelSpec
+from kvrunner.plugin_api import ModelSpec
 
 STATE_DTYPE = torch.float32
 

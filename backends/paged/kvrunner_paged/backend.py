@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner import PAD_SLOT_ID, PLUGIN_API_VERSION, hookimpl
-from kvrunner.contract import BackendContext, CacheSpec, CacheWriteTarget, StepMetadata
+from kvrunner.plugin_api import (
+    PAD_SLOT_ID,
+    PLUGIN_API_VERSION,
+    BackendContext,
+    CacheSpec,
+    CacheWriteTarget,
+    StepMetadata,
+    hookimpl,
+)
 from kvrunner_paged.builder import PagedMetadataBuilder
 from kvrunner_paged.cache import PagedKVPools, cache_rows
 from kvrunner_paged.layer import PagedAttention

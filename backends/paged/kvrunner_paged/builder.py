@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner.buffers import fill_head
-from kvrunner.contract import PAD_SLOT_ID, StepMetadata
+from kvrunner.plugin_api import PAD_SLOT_ID, StepMetadata, fill_head
 from kvrunner_paged.metadata import PagedMetadata
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvrunner.contract import ForwardContext
+from kvrunner.plugin_api import ForwardContext
 from kvrunner_paged.cache import PagedKVPools
 from kvrunner_paged.kernels import torch_ops
 from kvrunner_paged.metadata import PagedMetadata
@@ -19,7 +19,7 @@ from kvrunner_paged.metadata import PagedMetadata
 class PagedAttention:
     """Full (softmax) attention for one layer over its paged KV pool.
 
-    Implements :class:`kvrunner.layers.attention.FullAttentionImpl`. Kernels are chosen
+    Implements :class:`kvrunner.plugin_api.layers.FullAttentionImpl`. Kernels are chosen
     once, at construction: the Triton launchers when ``use_triton`` (compiled on CUDA,
     interpreted under ``TRITON_INTERPRET=1``), else the plain-torch path.
     """

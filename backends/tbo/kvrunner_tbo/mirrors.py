@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import attrs
 import torch
 
-from kvrunner.contract import CacheWriteTarget, ForwardContext
+from kvrunner.plugin_api import CacheWriteTarget, ForwardContext
 
 PARTS = 2
 

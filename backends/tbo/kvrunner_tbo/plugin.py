@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner import PLUGIN_API_VERSION, hookimpl
-from kvrunner.contract import CacheWriteTarget, StepMetadata
-from kvrunner.overlap_contract import LayerBackends, LayerStack, MicroBatch, OverlapContext
+from kvrunner.plugin_api import (
+    PLUGIN_API_VERSION,
+    CacheWriteTarget,
+    LayerBackends,
+    LayerStack,
+    MicroBatch,
+    OverlapContext,
+    StepMetadata,
+    hookimpl,
+)
 from kvrunner_tbo.mirrors import Mirrors
 from kvrunner_tbo.schedule import StreamSchedule, run_in_turns
 from kvrunner_tbo.split import PartBuffers, choose_cut

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrunner.overlap_contract import LayerStack, MicroBatch
+from kvrunner.plugin_api import LayerStack, MicroBatch
 
 
 def run_in_turns(

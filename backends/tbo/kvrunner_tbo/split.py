@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvrunner.contract import StepBatch, StepMetadata
+from kvrunner.plugin_api import StepBatch, StepMetadata
 
 
 @attrs.frozen

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from kvrunner.config import CaptureConfig
-from kvrunner.contract import ForwardContext
-from kvrunner.plugins import BackendError
+from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.step_data import ForwardContext
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.capture_safety import CaptureAuditError
 from kvrunner.runner.pool_release import PoolRelease

@@ -1,6 +1,6 @@
 """A backend set up the way a runner sets it up, driven one step at a time.
 
-The rig builds a real :class:`~kvrunner.plugins.BackendManager` for one backend
+The rig builds a real :class:`~kvrunner.backend_manager.BackendManager` for one backend
 over a small model whose other layers it does not serve, the core's step builder
 and forward_vars, allocates the pools (NaN-poisoned, so a read of anything never
 written shows), and runs the served layers for a step with deterministic inputs:
@@ -18,8 +18,9 @@ import attrs
 import torch
 
 from kvrunner.batch import StepInput
-from kvrunner.contract import ForwardContext, ModelSpec, StepMetadata
-from kvrunner.plugins import BackendError, discover_backends
+from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.step_data import ForwardContext, ModelSpec, StepMetadata
+from kvrunner.plugins import discover_backends
 from kvrunner.runner.forward_vars import ForwardVars
 from kvrunner.runner.step_batch import prepare_step
 from kvrunner.runner.step_metadata import StepMetadataBuilder

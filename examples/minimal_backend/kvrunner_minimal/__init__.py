@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner import PAD_SLOT_ID, PLUGIN_API_VERSION, hookimpl
-from kvrunner.buffers import fill_head
-from kvrunner.contract import (
+from kvrunner.plugin_api import (
+    PAD_SLOT_ID,
+    PLUGIN_API_VERSION,
     BackendContext,
     CacheSpec,
     CacheWriteTarget,
     ForwardContext,
     StepMetadata,
+    fill_head,
+    hookimpl,
 )
 
 

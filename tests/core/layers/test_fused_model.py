@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from fused_testing import TORCH_MATH_OPS, ULP, triton_path
 from torch.profiler import profile
 
-from kvrunner.contract import ForwardContext
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM
 from kvrunner.models.qwen3_next import Qwen3NextDecoderLayer
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 from kvrunner.models.tiny_weights import tiny_qwen3, tiny_qwen3_next
+from kvrunner.plugin_api import ForwardContext
 
 KEY = "fused-test"  # ForwardContext key the fixture reads sequence bounds from
 PROMPTS = [[5, 17, 3, 90, 41, 2, 8], [60, 1, 77]]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrunner import LLM, CheckpointError, KvrunnerError
+from kvrunner import LLM, CheckpointError
 from kvrunner.models.loader import load_hf_config, load_model
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import KvrunnerError
 
 ENGINE = dict(max_num_seqs=2, max_model_len=32, num_blocks=8, enforce_eager=True)
 

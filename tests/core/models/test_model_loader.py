@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvrunner.contract import ModelSpec
 from kvrunner.models.loader import load_model, model_spec, read_config, resolve_dtype
 from kvrunner.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api import ModelSpec
 
 BASE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

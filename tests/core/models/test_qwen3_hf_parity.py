@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
-from kvrunner.contract import ForwardContext
 from kvrunner.models.loader import load_model
 from kvrunner.models.tiny import build_tokenizer
+from kvrunner.plugin_api import ForwardContext
 from kvrunner.testing.model_parity import SdpaAttention, flat_logits
 
 BACKEND = "test-sdpa"

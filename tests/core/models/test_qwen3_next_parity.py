@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrunner.contract import ForwardContext
 from kvrunner.models.loader import load_model, parse_config
 from kvrunner.models.tiny import build_tokenizer
+from kvrunner.plugin_api import ForwardContext
 from kvrunner.testing.model_parity import SdpaAttention, flat_logits
 
 transformers = pytest.importorskip("transformers")

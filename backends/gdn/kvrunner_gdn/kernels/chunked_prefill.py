@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner.buffers import on_device
+from kvrunner.plugin_api import on_device
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
 from kvrunner_gdn.kernels.common import (
     DEFAULT_CHUNK,

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvrunner.buffers import on_device
+from kvrunner.plugin_api import on_device
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
 from kvrunner_gdn.kernels.common import (
     DEFAULT_CHUNK,

@@ -2,12 +2,12 @@
 
 A backend is an object registered on a runner's :class:`pluggy.PluginManager` (one
 instance per selected backend, built from its entry point in the
-``kvrunner.backends`` group with a :class:`~kvrunner.contract.BackendContext`). It
-implements the hooks below with ``@kvrunner.hookimpl``; unimplemented hooks are
+``kvrunner.backends`` group with a :class:`~kvrunner.plugin_api.step_data.BackendContext`). It
+implements the hooks below with ``@kvrunner.plugin_api.hookimpl``; unimplemented hooks are
 simply not called on it.
 
 Hooks are always called with keyword arguments (pluggy refuses positional ones) and
-the core never calls ``pm.hook.*`` directly: :class:`kvrunner.plugins.BackendManager`
+the core never calls ``pm.hook.*`` directly: :class:`kvrunner.backend_manager.BackendManager`
 is the typed facade. It calls each backend on its own and keys the answers by
 backend name, so no answer carries the name.
 
@@ -29,8 +29,8 @@ from typing import Any
 import pluggy
 import torch
 
-from kvrunner.contract import CacheSpec, CacheWriteTarget, StepMetadata
-from kvrunner.overlap_contract import LayerBackends, LayerStack, MicroBatch
+from kvrunner.plugin_api.overlap import LayerBackends, LayerStack, MicroBatch
+from kvrunner.plugin_api.step_data import CacheSpec, CacheWriteTarget, StepMetadata
 
 hookspec = pluggy.HookspecMarker("kvrunner")
 hookimpl = pluggy.HookimplMarker("kvrunner")
@@ -157,9 +157,9 @@ def make_layer(layer_index: int, layer_type: str) -> Any:
     Called once per layer while the model loads, before ``persistent_buffers``, and
     only on the backend the config selected for ``layer_type``, for a layer in its
     ``context.layers``: a backend never filters. The returned object
-    implements the protocol of its layer type (:mod:`kvrunner.layers.attention`:
+    implements the protocol of its layer type (:mod:`kvrunner.plugin_api.layers`:
     ``FullAttentionImpl``, ``LinearAttentionImpl``) and reads its per-step metadata
-    from the :class:`~kvrunner.contract.ForwardContext` passed to it. The core wraps
+    from the :class:`~kvrunner.plugin_api.step_data.ForwardContext` passed to it. The core wraps
     it so an exception in its ``forward`` names the backend and the layer.
     """
 

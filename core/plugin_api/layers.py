@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from kvrunner.contract import ForwardContext
+from kvrunner.plugin_api.step_data import ForwardContext
 
 
 class FullAttentionImpl(Protocol):

@@ -19,7 +19,9 @@ import torch
 #: 2: ``StepBatch`` carries block tables only as ``block_table_array``.
 #: 3: one declaration of write targets (the hook); hooks answer without their name;
 #: the core builds the shared read side of a step once (:class:`StepMetadata`).
-PLUGIN_API_VERSION = 3
+#: 4: the contract is one package, :mod:`kvrunner.plugin_api`; a layer backend
+#: declares ``supports_overlap``.
+PLUGIN_API_VERSION = 4
 
 #: Value written into every cache-write index buffer for rows that must not write.
 #: Every kernel that writes cache through an index skips an index < 0.
@@ -262,7 +264,7 @@ class ForwardContext:
     """Per-step metadata handed down the model: backend name -> that backend's metadata.
 
     When an overlap plugin cut the step, ``micro_batches`` holds the parts (each a
-    :class:`~kvrunner.overlap_contract.MicroBatch` with a context of its own) and
+    :class:`~kvrunner.plugin_api.overlap.MicroBatch` with a context of its own) and
     ``metadata`` is empty: the model is then run part by part, by that plugin.
     """
 

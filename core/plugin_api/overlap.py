@@ -4,7 +4,7 @@ An overlap plugin (``kvrunner-tbo`` is one) serves no layer type. It sits on top
 the layer backends: it may cut a step into micro-batches, give each one the layer
 backends' metadata in buffers of its own, and run the model's layers over them in
 an order that lets one micro-batch's communication overlap the other's compute.
-Its hooks are the "overlap" section of :mod:`kvrunner.hookspecs`.
+Its hooks are the "overlap" section of :mod:`kvrunner.plugin_api.hookspecs`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kvrunner.contract import CacheWriteTarget, ForwardContext, StepMetadata
+from kvrunner.plugin_api.step_data import CacheWriteTarget, ForwardContext, StepMetadata
 
 #: ``layer(positions, hidden, residual, ctx) -> (hidden, residual)``; residual is
 #: ``None`` before the first layer
