@@ -83,6 +83,7 @@ class LLM(SleepWakeAPI):
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
             uses_state_slots=info.uses_state_slots,
+            tokenizer=info.tokenizer,
         )
         #: what a request made without SamplingParams samples with: the checkpoint's
         #: generation_config.json defaults unless generation_config="ignore"
@@ -161,10 +162,17 @@ class LLM(SleepWakeAPI):
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=list(seq.token_ids[: seq.num_prompt_tokens]),
             token_ids=out,
-            text=self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else "",
+            text=self._text(seq, out),
             logprobs=list(seq.logprobs) if wants else None,
             top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
             finish_reason=seq.finish_reason,
             error=seq.error,
             sample_index=seq.sample_index,
+            stop_reason=seq.stop_reason,
         )
+
+    def _text(self, seq: Any, out: list[int]) -> str:
+        """The output text: up to the stop string that ended it, if one did."""
+        if seq.stop_string is not None:
+            return seq.stop_watch.output_text
+        return self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else ""

@@ -68,6 +68,23 @@ def _token_ids(value: Any) -> tuple[Any, ...]:
     return ids
 
 
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, bytes) or not hasattr(value, "__iter__"):
+        raise RequestError(
+            f"SamplingParams.stop must be a string or a list of strings, got {_describe(value)}"
+        )
+    stops = tuple(value)
+    bad = [s for s in stops if not isinstance(s, str) or not s]
+    if bad:
+        # An empty string would match at once, ending every request before a token.
+        raise RequestError(
+            f"SamplingParams.stop must hold non-empty strings, got {bad[:5]!r}"
+        )
+    return stops
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -80,6 +97,10 @@ class SamplingParams:
     ``logprobs=None`` returns none; ``logprobs=N`` returns the sampled token's logprob
     and the N most likely tokens' logprobs at every step. ``n`` samples are drawn for
     the prompt (a GRPO group); :meth:`for_sample` gives each sample's own params.
+    ``stop`` (a string or a list of them) ends a request as soon as its output text
+    holds one of them (finish reason ``"stop"``): the output text ends before the
+    stop string, and no token after the one that completed it is kept. It needs the
+    model's tokenizer; a model without one refuses such a request.
 
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
@@ -95,6 +116,7 @@ class SamplingParams:
         default=None, validator=_int_field(minimum=0, optional=True)
     )
     n: int = attrs.field(default=1, validator=_int_field(minimum=1))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

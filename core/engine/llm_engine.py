@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -25,6 +25,7 @@ from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.stop_strings import StopStringWatch
 from kvrunner.errors import NonFiniteLogitsError, RequestError
 from kvrunner.sampling_params import SamplingParams
 
@@ -70,8 +71,14 @@ class LLMEngine:
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
         uses_state_slots: bool,
+        tokenizer: Any | None = None,
     ) -> None:
+        """:param tokenizer: the model's ``tokenizers.Tokenizer``, for stop strings
+        (None: a request with stop strings is refused)."""
         self.config = config
+        self.tokenizer = tokenizer
+        # the unfinished requests with stop strings, by id: only these are decoded
+        self._watched: dict[int, Sequence] = {}
         self.executor = executor
         self.vocab_size = vocab_size
         # The block manager is built on the count the runner derived and agreed on:
@@ -122,7 +129,17 @@ class LLMEngine:
                 f"request {index}: SamplingParams.n={params.n} asks for a group of "
                 f"samples; make them with make_group (one request is one sample)"
             )
-        seq = Sequence(next(self._ids), list(token_ids), params)
+        watch = None
+        if params.stop:
+            if self.tokenizer is None:
+                raise RequestError(
+                    f"request {index}: SamplingParams.stop {list(params.stop)[:3]!r} needs "
+                    f"a tokenizer to find stop strings in the text, but this model has none "
+                    f"(no tokenizer.json, or skip_tokenizer_init is set); use "
+                    f"stop_token_ids instead"
+                )
+            watch = StopStringWatch(self.tokenizer, params.stop)
+        seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch)
         self.scheduler.validate(seq, name=f"request {index}")
         return seq
 
@@ -150,6 +167,8 @@ class LLMEngine:
 
     def add_request(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
+        if seq.stop_watch is not None:
+            self._watched[seq.seq_id] = seq
 
     def abort_request(self, seq_id: int) -> Sequence | None:
         """Withdraw request ``seq_id`` (finish reason ``"abort"``), freeing its blocks
@@ -178,6 +197,8 @@ class LLMEngine:
             seqs, pending = self._pending
             self._pending = None  # a failed step is not applied twice
             finished = self.scheduler.update(seqs, pending.result())
+            if self._watched:
+                self._find_stop_strings(finished)
         self._pending = launched
         if self.config.scheduler.nonfinite == "raise":
             failed = {s.seq_id: s.error for s in finished if s.finish_reason == "error"}
@@ -185,6 +206,38 @@ class LLMEngine:
                 self._drain()
                 raise NonFiniteLogitsError(failed)
         return finished
+
+    def _find_stop_strings(self, finished: list[Sequence]) -> None:
+        """Decode the watched requests' new tokens; end each whose text now holds a
+        stop string (finish reason ``"stop"``, added to ``finished``), dropping any
+        token after the one that completed it.
+
+        A request that just ended on a stop token or EOS is not searched in that
+        token's text (as vLLM does); one that just reached its length limit is, and a
+        stop string there makes its finish reason ``"stop"``.
+        """
+        for seq_id, seq in list(self._watched.items()):
+            watch = seq.stop_watch
+            assert watch is not None
+            reason = seq.finish_reason
+            if reason == "abort" or reason == "error":
+                del self._watched[seq_id]
+                continue
+            upto = seq.num_output_tokens - (reason == "stop")
+            if watch.feed(seq.token_ids, seq.num_prompt_tokens, upto, final=reason is not None):
+                if reason is None:
+                    # Safe with a step in flight: its token for seq is dropped (see
+                    # Scheduler.abort).
+                    self.scheduler.abort(seq_id, reason="stop")
+                    finished.append(seq)
+                seq.finish_reason = "stop"
+                seq.stop_string = watch.matched
+                keep = seq.num_prompt_tokens + watch.num_seen
+                del seq.token_ids[keep:]
+                del seq.logprobs[watch.num_seen:], seq.top_logprobs[watch.num_seen:]
+                del self._watched[seq_id]
+            elif reason is not None:
+                del self._watched[seq_id]
 
     def _drain(self) -> None:
         """Abort every unfinished request and apply the step in flight (its tokens are

@@ -121,8 +121,11 @@ class Scheduler:
             raise ValueError(f"{name}: a request with this id is already queued or running")
         check_request(seq, self.config, self.block_manager, name)
 
-    def abort(self, seq_id: int) -> Sequence | None:
+    def abort(self, seq_id: int, *, reason: FinishReason = "abort") -> Sequence | None:
         """Withdraw an unfinished request, freeing what it holds; None if unknown.
+
+        ``reason`` is its finish reason: ``"stop"`` for one the engine ended on a stop
+        string found after its token was applied.
 
         Safe between ``schedule()`` and ``update()``: ``update`` skips the sequence, and
         the step in flight only writes blocks it held alone (never a published prefix
@@ -138,7 +141,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        seq.finish_reason = reason
         return seq
 
     def abort_all(self) -> list[Sequence]:

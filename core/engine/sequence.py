@@ -8,11 +8,14 @@ states, the block manager fills in ``block_table`` / ``state_slot`` /
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from kvrunner.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrunner.engine.stop_strings import StopStringWatch
 
 #: Why a sequence stopped: ``stop`` (EOS or a stop token), ``length`` (``max_tokens``
 #: or ``max_model_len``), ``abort`` (the caller withdrew it), ``error`` (its logits
@@ -84,6 +87,10 @@ class Sequence:
     #: KV comes from the prefix cache rather than being computed once per sample
     #: (None: it waits for nobody; see :meth:`waits_for_prefix`)
     prefix_leader: Sequence | None = attrs.field(default=None, kw_only=True)
+    #: decodes its output and finds its stop strings (None: it has none)
+    stop_watch: StopStringWatch | None = attrs.field(default=None, kw_only=True)
+    #: the stop string that ended it, if one did
+    stop_string: str | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -110,6 +117,18 @@ class Sequence:
             and leader.status is not SequenceStatus.FINISHED
             and leader.num_computed_tokens < leader.num_prompt_tokens
         )
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """What ended it with ``"stop"``: the stop string, or the last token when it is
+        one of ``stop_token_ids``; None otherwise (for an EOS token that is not one, as
+        vLLM reports it)."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stop_string is not None:
+            return self.stop_string
+        last = self.token_ids[-1] if self.num_output_tokens else None
+        return last if last in self.sampling_params.stop_token_ids else None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,101 @@
+"""Stop strings: one request's output decoded as it grows, searched for its stops.
+
+A stop string may span tokens (``"\\n\\n"`` from two ``"\\n"`` tokens) or end inside
+one (a token ``" end."`` for the stop ``"end"``), so it is searched in the decoded
+text, not in the token ids. Each new token's text is decoded against the few
+tokens before it, as a tokenizer's decoder needs for word boundaries, and text
+that ends in an incomplete UTF-8 character (``"\\ufffd"``) is held until the
+tokens completing it arrive. Only the tail that the new text can complete is
+searched, so a long completion is not scanned again every step.
+
+On a match the request's output ends: its text stops before the stop string and
+its tokens after the one completing it are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+#: what a decoder gives for bytes that do not yet form a whole character
+_INCOMPLETE = "\ufffd"
+
+
+class StopStringWatch:
+    """Decodes one request's output tokens, one at a time, and finds its stop strings.
+
+    :param tokenizer: a ``tokenizers.Tokenizer`` (its ``decode``, special tokens
+        skipped as in the output text).
+    :param stops: the non-empty stop strings, in the request's order.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self.stops = tuple(stops)
+        #: the output's text decoded so far (a held incomplete character aside)
+        self.text = ""
+        #: output tokens fed so far
+        self.num_seen = 0
+        # Output tokens [_context, _decoded) are the ones whose text ends ``text``: the
+        # next token's text is its decode after them, less theirs.
+        self._context = 0
+        self._decoded = 0
+        #: the matched stop string, once one is found
+        self.matched: str | None = None
+        #: where ``text`` is cut when a stop matched: the stop string's start
+        self.cut: int | None = None
+
+    def feed(self, token_ids: Sequence[int], start: int, upto: int, *, final: bool = False) -> bool:
+        """Feed output tokens ``num_seen .. upto - 1`` (``token_ids[start:]`` is the
+        output); True at the first one whose text completes a stop string, leaving
+        ``num_seen`` on it (the output keeps ``num_seen`` tokens), ``matched`` and
+        ``cut`` set.
+
+        :param final: no token follows ``upto``: text held as an incomplete character
+            is taken as it is (the output text has it so).
+        """
+        while self.num_seen < upto:
+            self.num_seen += 1
+            last = final and self.num_seen == upto
+            new = self._decode_next(token_ids, start, self.num_seen, last)
+            if new and self._find(new):
+                return True
+        return False
+
+    def _decode_next(self, token_ids: Sequence[int], start: int, end: int, last: bool) -> str:
+        """The text output tokens up to ``end`` add to ``text`` ("" while it is an
+        incomplete character, unless ``last``, or nothing at all)."""
+        decode = self._tokenizer.decode
+        before = decode(list(token_ids[start + self._context : start + self._decoded]),
+                        skip_special_tokens=True)  # fmt: skip
+        after = decode(list(token_ids[start + self._context : start + end]),
+                       skip_special_tokens=True)  # fmt: skip
+        if len(after) <= len(before) or (after.endswith(_INCOMPLETE) and not last):
+            return ""
+        new = after[len(before) :]
+        self.text += new
+        self._context, self._decoded = self._decoded, end
+        return new
+
+    def _find(self, new: str) -> bool:
+        """Whether the text, grown by ``new``, now holds a stop string. The earliest
+        match to end wins (ties go to the first in the request's order): it is the
+        one a reader of the text would meet first."""
+        text = self.text
+        best: tuple[int, int, str] | None = None
+        for stop in self.stops:
+            # A stop completed now ends inside ``new``, so it starts at most
+            # len(stop) - 1 characters before it; earlier text was searched already.
+            at = text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))
+            if at != -1 and (best is None or at + len(stop) < best[0]):
+                best = (at + len(stop), at, stop)
+        if best is None:
+            return False
+        _, self.cut, self.matched = best
+        return True
+
+    @property
+    def output_text(self) -> str:
+        """The text before the matched stop string (call only once one matched)."""
+        assert self.cut is not None, "no stop string matched"
+        return self.text[: self.cut]
