@@ -45,6 +45,7 @@ FIELD_HELP: dict[str, str] = {
     "feed the next step on the device (same tokens as off)",
     "nonfinite": "a request whose logits row is NaN/inf ends with finish reason "
     "error; raise also makes that call raise NonFiniteLogitsError",
+    "max_logprobs": "the most top logprobs a request may ask for (SamplingParams.logprobs)",
     # [parallel]
     "tensor_parallel_size": "ranks to split the model over (one process each)",
     "distributed_backend": "torch.distributed backend; auto is NCCL on CUDA, gloo on the CPU",

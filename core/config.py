@@ -81,6 +81,9 @@ class SchedulerConfig:
     #: "raise" also makes that step raise NonFiniteLogitsError (the call's other
     #: requests are aborted, the engine stays usable)
     nonfinite: str = attrs.field(default="error", validator=_one_of("error", "raise"))
+    #: the most top logprobs a request may ask for (SamplingParams.logprobs), as vLLM's
+    #: max_logprobs: each costs a top-k over the vocabulary and a host copy per token
+    max_logprobs: int = attrs.field(default=20, validator=_in_range(0, 1 << 20))
 
 
 @attrs.frozen(kw_only=True)

@@ -129,6 +129,12 @@ class LLMEngine:
                 f"request {index}: SamplingParams.n={params.n} asks for a group of "
                 f"samples; make them with make_group (one request is one sample)"
             )
+        cap = self.config.scheduler.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:
+            raise RequestError(
+                f"request {index}: SamplingParams.logprobs={params.logprobs} exceeds "
+                f"max_logprobs={cap} (raise the max_logprobs setting to allow it)"
+            )
         watch = None
         if params.stop:
             if self.tokenizer is None:

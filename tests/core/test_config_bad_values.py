@@ -84,6 +84,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "enable_chunked_prefill": (not_a_bool, "load", {}),
     "async_scheduling": (not_a_bool, "load", {}),
     "nonfinite": (strs_except("error", "raise"), "load", {}),
+    "max_logprobs": (ints_outside(0, 1 << 20), "load", {}),
     # [parallel]
     "tensor_parallel_size": (ints_outside(1, 1024), "load", {}),
     "distributed_backend": (strs_except("auto", "gloo", "nccl"), "load", {}),

@@ -160,3 +160,22 @@ def test_a_stop_token_id_beyond_the_vocabulary_is_refused_naming_the_request(llm
     # nothing was queued: the engine still serves the same call without the bad id
     assert not llm.engine.has_unfinished()
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_logprobs_above_max_logprobs_is_refused_naming_both(llm) -> None:
+    assert llm.config.scheduler.max_logprobs == 20  # vLLM's default
+    with pytest.raises(RequestError, match=r"request 1: SamplingParams.logprobs=21 exceeds "
+                       r"max_logprobs=20"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=1),
+                                         SamplingParams(max_tokens=1, logprobs=21)])
+    assert not llm.engine.has_unfinished()  # nothing of the call was queued
+    out = llm.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=20))[0]
+    assert [len(top) for top in out.top_logprobs] == [20, 20]
+
+
+def test_max_logprobs_raises_the_cap() -> None:
+    with LLM("tiny-qwen3", max_logprobs=40, **ENGINE) as wide:
+        out = wide.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=40))[0]
+        assert len(out.top_logprobs[0]) == 40
+        with pytest.raises(RequestError, match="logprobs=41 exceeds max_logprobs=40"):
+            wide.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=41))
