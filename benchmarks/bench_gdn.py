@@ -5,7 +5,7 @@ writes the state in place through state indices; fla's
 ``fused_recurrent_gated_delta_rule`` needs the state gathered out of the pool and
 scattered back, which is timed with it (and its kernel alone is shown too).
 Prefill: one sequence of T = 4096: our Triton kernel, fla's ``chunk_gated_delta_rule``
-alone, and the path the gdn layer dispatches to (``KVRUNNER_GDN_PREFILL``, default
+alone, and the path the gdn layer dispatches to (``[kernels] gdn_prefill``, default
 ``auto``: fla through our pool wrapper where fla imports, calling fla's forward
 functions directly where that binds; also shown through fla's public call), each with
 its ratio to fla.

@@ -1,6 +1,6 @@
 """Where the decode graph ends: the forward alone, + the logits, + the draw.
 
-``KVRUNNER_DECODE_GRAPH_ENDS_AT`` (``runner/graph_sampling.py``) at ``hidden``,
+``[capture] decode_graph_ends_at`` (``runner/graph_sampling.py``) at ``hidden``,
 ``logits`` and ``tokens`` (the default), one engine each, on the Qwen3-0.6B shape of
 ``bench_e2e_decode.py``: decode ms per step at batch 1, 64 and 256, greedy and with
 every request at temperature 1, seeded or unseeded (both drawn in the graph at
@@ -18,22 +18,26 @@ one generator (patched in for this row only), the cost keying them removes.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import attrs
 from bench_e2e_decode import decode_engine, release_memory, step_floor_ms, write_checkpoint
 from common import copy_bandwidth_tbps
 from decode_timing import ours_step_ms
 
+from kvrunner.cli_help import choices_of
+from kvrunner.config import CaptureConfig
 from kvrunner.layers.sampler import Sampler, sample_step_rows
-from kvrunner.runner.graph_sampling import GRAPH_ENDS, GRAPH_ENDS_AT_ENV
 from kvrunner.runner.step_launch import StepLaunch
 
 BATCHES = (1, 64, 256)
 SAMPLINGS = ("greedy", "seeded", "unseeded", "shared")
+
+#: where a decode graph may end (the config field's choices): tokens, logits, hidden
+GRAPH_ENDS = choices_of(attrs.fields(CaptureConfig).decode_graph_ends_at)
 
 
 @contextmanager
@@ -67,8 +71,7 @@ def main() -> None:
     bw = copy_bandwidth_tbps() * 1e12
     ms: dict[tuple[str, str, int], float] = {}
     for end in reversed(GRAPH_ENDS):  # hidden first: the reference
-        os.environ[GRAPH_ENDS_AT_ENV] = end
-        llm = decode_engine(path, BATCHES)
+        llm = decode_engine(path, BATCHES, decode_graph_ends_at=end)
         assert llm.runner.graph_end == end
         for b in BATCHES:
             for sampling in SAMPLINGS:

@@ -2,7 +2,7 @@
 
 Seeded rows at temperature 1.0 without filters (an RL rollout's sampling), logits of
 a 152k vocabulary in bf16 as a decode step hands them over (unwidened). Both paths
-run through ``sample`` (``KVRUNNER_FUSED_SAMPLER`` 0 / 1); the floor is one read of
+run through ``sample`` (``[kernels] fused_sampler`` off / on); the floor is one read of
 the logits at the measured copy bandwidth. Also prints how many rows draw the same
 token on both paths (all of them but close calls, which are rounding).
 
@@ -20,12 +20,11 @@ their tokens compared bit for bit.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from common import copy_bandwidth_tbps, graph_ms, median_ms
 
-from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV
+from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, vocab_splits
 from kvrunner.layers.sampler import sample
 from kvrunner.layers.sampling_seeds import request_keys
@@ -55,16 +54,15 @@ def main() -> None:
         counts = list(range(batch))
         times, tokens = {}, {}
         for mode in ("0", "1"):
-            os.environ[FUSED_SAMPLER_ENV] = mode
-            tokens[mode] = sample(logits, params, counts).token_ids
-            times[mode] = median_ms(
-                lambda x=logits, p=params, c=counts: sample(x, p, c)) * 1e3
+            with kernels_chosen(fused_sampler=mode == "1"):
+                tokens[mode] = sample(logits, params, counts).token_ids
+                times[mode] = median_ms(
+                    lambda x=logits, p=params, c=counts: sample(x, p, c)) * 1e3
         floor = logits.numel() * logits.element_size() / (bw * 1e12) * 1e6
         same = int((tokens["0"] == tokens["1"]).sum())
         print(f"{batch:>5} {times['0']:>9.1f} {times['1']:>9.1f} "
               f"{times['1'] / times['0']:>11.2f} {floor:>9.1f} {times['1'] / floor:>11.2f} "
               f"{same:>6}/{batch:<5}")
-    os.environ.pop(FUSED_SAMPLER_ENV, None)
     print(f"\nunseeded rows, T=1.0\n{'batch':>5} {'generator us':>12} {'keyed us':>9} "
           f"{'keyed/generator':>15}")
     for batch in (int(b) for b in args.batches.split(",")):

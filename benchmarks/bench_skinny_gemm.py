@@ -6,7 +6,7 @@ in a CUDA graph of 20 calls on distinct weights (so no call finds its weight in 
 as the decode graph runs them, and timed per call. Prints µs, the weight bytes read
 per µs against the measured copy bandwidth (the floor), ours / cuBLAS, and the
 relative error of each against a float32 product, and marks (``auto``) the cases the
-projections' dispatch sends to the kernel (``KVRUNNER_SKINNY_GEMM``, default
+projections' dispatch sends to the kernel (``[kernels] skinny_gemm``, default
 ``auto``). ``--sweep`` also times every candidate launch (tile shape, split of K,
 the one-row GEMV kernel) per case and prints the fastest beside ``default_launch``'s.
 

@@ -61,12 +61,22 @@ FIELD_HELP: dict[str, str] = {
     "max_num_seqs (default 1,2,4,8, then every 16 up to max_num_seqs)",
     "audit": "check that no capture changed a byte of any cache pool",
     "blank_write_targets": "blank backends' cache-write buffers before capture",
+    "decode_graph_ends_at": "where a decode graph ends: tokens (sampling captured too), "
+    "logits, or hidden (the forward alone)",
     # [backends]
     "full_attention": "backend serving full-attention layers (see `kvrunner backends`)",
     "linear_attention": "backend serving linear-attention layers (see `kvrunner backends`)",
     "overlap": "overlap plugin on top of the layer backends: none or tbo (two-batch overlap)",
     "overlap_min_tokens": "prefill/mixed steps with fewer tokens are not split by the overlap",
     "overlap_min_decode_seqs": "decode steps/graphs with fewer sequences are not split",
+    # [kernels]
+    "triton_on_cpu": "run the Triton kernels on CPU tensors too (under TRITON_INTERPRET=1; "
+    "for tests)",
+    "fused_sampler": "draw seeded, unfiltered rows in one pass over their logits (Triton path)",
+    "skinny_gemm": "decode projections through the skinny-GEMM kernel: auto (one row), "
+    "on (up to 64 rows), off",
+    "gdn_prefill": "gdn's chunked prefill: auto (fla where it serves, else ours), ours, "
+    "or fla (an error where fla cannot run)",
 }
 
 

@@ -124,6 +124,40 @@ class CaptureConfig:
     audit: bool = False
     #: blank every declared write target before capture (off only to prove tests fail)
     blank_write_targets: bool = True
+    #: where a decode graph ends: "tokens" (the logits and the sampler's common rows
+    #: captured too), "logits", or "hidden" (the forward alone; logits and sampling
+    #: eager), to measure what each part saves (``runner/graph_sampling.py``)
+    decode_graph_ends_at: str = attrs.field(
+        default="tokens", validator=_one_of("tokens", "logits", "hidden")
+    )
+
+
+@attrs.frozen(kw_only=True)
+class KernelsConfig:
+    """Which kernel runs an op where more than one serves it. Every choice computes the
+    same thing (the torch path is the reference each kernel is tested against); the
+    defaults are the ones measured fastest (docs/benchmarks.md)."""
+
+    #: run the Triton kernels on CPU tensors too (under TRITON_INTERPRET=1): the
+    #: kernels' path without a GPU, for tests; CUDA tensors take them regardless
+    triton_on_cpu: bool = False
+    #: seeded, unfiltered sampling rows on the Triton path are drawn in one pass over
+    #: their logits (``layers/fused/gumbel_argmax_triton.py``); off: the torch path
+    fused_sampler: bool = True
+    #: decode-sized projections through the skinny-GEMM kernel: "auto" one-row products
+    #: (where it beat cuBLAS), "on" every product of at most 64 rows, "off" never
+    skinny_gemm: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"))
+    #: the gdn backend's chunked prefill: "auto" fla's kernel where it imports and
+    #: serves the layer at our accuracy, else ours; "ours" never fla; "fla" fla wherever
+    #: it can run at all (an error where it cannot)
+    gdn_prefill: str = attrs.field(default="auto", validator=_one_of("auto", "ours", "fla"))
+
+    def options_for(self, backend: str) -> dict[str, str]:
+        """The choices addressed to one backend: each field ``<backend>_<option>`` as
+        ``{option: value}`` (``gdn_prefill`` reaches the gdn backend as ``prefill``)."""
+        prefix = f"{backend}_"
+        return {f.name.removeprefix(prefix): getattr(self, f.name)
+                for f in attrs.fields(KernelsConfig) if f.name.startswith(prefix)}
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +190,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "capture": CaptureConfig,
     "backends": BackendsConfig,
+    "kernels": KernelsConfig,
 }
 
 
@@ -181,6 +216,7 @@ class EngineConfig:
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
     capture: CaptureConfig = attrs.field(factory=CaptureConfig)
     backends: BackendsConfig = attrs.field(factory=BackendsConfig)
+    kernels: KernelsConfig = attrs.field(factory=KernelsConfig)
 
     def __attrs_post_init__(self) -> None:
         check_capture_sizes(self.capture.capture_sizes, max_num_seqs=self.scheduler.max_num_seqs)

@@ -80,3 +80,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choices_restored():
+    """Every runner installs its config's ``[kernels]`` in its process (the layers ask the
+    process); each test starts from the choices before it, whatever engine it built."""
+    from kvrunner.layers.fused import dispatch
+
+    before = dispatch.chosen_kernels()
+    yield
+    dispatch.choose_kernels(before)

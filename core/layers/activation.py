@@ -15,7 +15,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     and this splits the result; under tensor parallelism each rank holds its own
     ``[gate_slice | up_slice]``, so the split stays rank-local.
 
-    On CUDA (or with ``KVRUNNER_USE_TRITON=1``) this is one Triton launch with the
+    On CUDA (or with ``[kernels] triton_on_cpu``) this is one Triton launch with the
     same two roundings; the torch code below is the reference. A one-row SwiGLU fuses
     it into the down projection instead (``layers/linear.py``, ``project_silu_mul``).
     """

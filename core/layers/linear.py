@@ -31,7 +31,7 @@ Collective = Callable[[torch.Tensor], torch.Tensor]
 
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)``; a decode row takes the skinny-GEMM kernel where it was
-    measured faster than cuBLAS (``KVRUNNER_SKINNY_GEMM``, see ``layers/fused/dispatch.py``)."""
+    measured faster than cuBLAS (``[kernels] skinny_gemm``, see ``layers/fused/dispatch.py``)."""
     if use_skinny_gemm(x, weight):
         from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
 

@@ -3,7 +3,7 @@
 The arithmetic follows transformers' Qwen3-MoE / Qwen3-Next routers: logits in the
 activation dtype (the gate is an ordinary linear layer), softmax and the
 renormalisation in float32, the chosen weights rounded back to the activation
-dtype. On CUDA (or with ``KVRUNNER_USE_TRITON=1``) one Triton program per token does
+dtype. On CUDA (or with ``[kernels] triton_on_cpu``) one Triton program per token does
 the softmax, selection and renormalisation; the torch code below is the reference.
 """
 

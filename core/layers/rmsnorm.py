@@ -1,6 +1,6 @@
 """Root-mean-square layer norm: Qwen3's (as Llama, T5) and Qwen3-Next's zero-centred one.
 
-On CUDA (or with ``KVRUNNER_USE_TRITON=1``) the residual add and the norm run as
+On CUDA (or with ``[kernels] triton_on_cpu``) the residual add and the norm run as
 one Triton kernel with the same rounding steps; each class's :meth:`_norm` is the
 torch path and the reference the kernel is tested against.
 """

@@ -5,7 +5,7 @@ rotated by ``position * theta ** (-2i / d)``. The cos/sin table is built once fo
 every position up to ``max_position`` and indexed by the step's positions, so a
 forward is a gather and a few multiply-adds (and stays capturable in a graph).
 
-On CUDA (or with ``KVRUNNER_USE_TRITON=1``) the forward is one Triton launch for q
+On CUDA (or with ``[kernels] triton_on_cpu``) the forward is one Triton launch for q
 and k together; attention layers that normalise q and k first use
 :func:`kvrunner.layers.fused.qk_norm_rope`, which folds the norms into that launch.
 """

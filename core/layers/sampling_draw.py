@@ -136,7 +136,7 @@ def use_fused_draw(
     logits: torch.Tensor, params: list[SamplingParams], *, keyed: bool = False
 ) -> bool:
     """Whether the one-pass kernel draws these rows: not switched off
-    (``KVRUNNER_FUSED_SAMPLER=0``), on the Triton path, and it serves every row
+    (``[kernels] fused_sampler = false``), on the Triton path, and it serves every row
     (``keyed``: every row has a key)."""
     vocab = logits.shape[1]
     serves = (fused_draw_serves(p, vocab, keyed=keyed) for p in params)

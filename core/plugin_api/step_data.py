@@ -8,7 +8,7 @@ field; a test checks the two agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -62,6 +62,9 @@ class BackendContext:
     max_num_batched_tokens: int
     max_model_len: int
     use_triton: bool
+    #: the engine's kernel choices addressed to this backend (``[kernels]`` fields named
+    #: ``<backend>_<option>``, as ``{option: value}``); a backend reads the ones it knows
+    options: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def max_blocks_per_seq(self) -> int:

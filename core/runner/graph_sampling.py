@@ -18,14 +18,13 @@ one-pass kernel serves eagerly too, with the same keys, so the tokens are the sa
 A step with a top-k / top-p row (a sort) is sampled eagerly from the graph's logits.
 Logprobs are computed after the replay either way, from the graph's logits and tokens.
 
-``KVRUNNER_DECODE_GRAPH_ENDS_AT`` says where the graph ends: ``tokens`` (default),
+``[capture] decode_graph_ends_at`` says where the graph ends: ``tokens`` (default),
 ``logits``, or ``hidden`` (the forward alone, the sampler and logits eager), for
 measuring what each part saves.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -35,18 +34,6 @@ from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
 from kvrunner.layers.sampling_draw import fused_draw_serves
 from kvrunner.plugin_api.buffers import upload_into
 from kvrunner.sampling_params import SamplingParams
-
-#: where a decode graph ends: ``tokens`` (default), ``logits`` or ``hidden``
-GRAPH_ENDS_AT_ENV = "KVRUNNER_DECODE_GRAPH_ENDS_AT"
-GRAPH_ENDS = ("tokens", "logits", "hidden")
-
-
-def graph_ends_at() -> str:
-    """:data:`GRAPH_ENDS_AT_ENV`'s value (unset: ``tokens``); read when graphs capture."""
-    end = os.environ.get(GRAPH_ENDS_AT_ENV, "tokens").strip().lower() or "tokens"
-    if end not in GRAPH_ENDS:
-        raise ValueError(f"{GRAPH_ENDS_AT_ENV}={end!r}; expected one of {', '.join(GRAPH_ENDS)}")
-    return end
 
 
 class DecodeOutputs(NamedTuple):

@@ -7,7 +7,6 @@ tensor-parallel rank.
 from __future__ import annotations
 
 import math
-import os
 
 import attrs
 import torch
@@ -16,13 +15,14 @@ from kvrunner.backend_manager import BackendManager
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
+from kvrunner.layers.fused.dispatch import choose_kernels
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
 from kvrunner.plugin_api.overlap import LayerStack, OverlapContext
 from kvrunner.plugin_api.step_data import BackendContext, ForwardContext, ModelSpec
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.forward_vars import ForwardVars
-from kvrunner.runner.graph_sampling import GraphSampling, graph_ends_at
+from kvrunner.runner.graph_sampling import GraphSampling
 from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
 from kvrunner.runner.launched_step import DeviceTokens
 from kvrunner.runner.model_len import fit_model_len, min_pool_blocks, model_len_bound
@@ -43,9 +43,6 @@ from kvrunner.runner.step_launch import StepLaunch
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.runner.weight_residency import WeightResidency
 from kvrunner.sleep_state import SleepStateError
-
-#: set to 1 to run Triton kernels on the CPU too (under TRITON_INTERPRET=1)
-USE_TRITON_ENV = "KVRUNNER_USE_TRITON"
 
 
 def _create_library_workspaces(device: torch.device, dtype: torch.dtype) -> None:
@@ -125,7 +122,10 @@ class ModelRunner(SleepWake, StepLaunch):
         )
         self.max_tokens = max(self.max_num_batched_tokens, sched.max_num_seqs)
         self.num_slots = sched.max_num_seqs + 1  # the last slot is a scratch slot
-        use_triton = self.device.type == "cuda" or os.environ.get(USE_TRITON_ENV) == "1"
+        # The layers' kernel choices are the process's: this rank's config sets them
+        # before anything is built that asks (the backends, the graphs' sampling).
+        choose_kernels(config.kernels)
+        use_triton = self.device.type == "cuda" or config.kernels.triton_on_cpu
         selection = {
             t: config.backends.for_layer_type(t) for t in sorted(set(self.spec.layer_types))
         }
@@ -143,6 +143,7 @@ class ModelRunner(SleepWake, StepLaunch):
                 max_num_batched_tokens=self.max_tokens,
                 max_model_len=sched.max_model_len,
                 use_triton=use_triton,
+                options=config.kernels.options_for(name),
             )
 
         overlap = config.backends.overlap
@@ -184,8 +185,8 @@ class ModelRunner(SleepWake, StepLaunch):
         # Counted on the device: a host read here would stall every step.
         self._nan_rows = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sampler = Sampler(config.seed)
-        #: where the decode graphs end (graph_sampling.py); read at each capture
-        self.graph_end = graph_ends_at()
+        #: where the decode graphs end (graph_sampling.py)
+        self.graph_end = config.capture.decode_graph_ends_at
         # Only the first rank draws tokens: the engine sends the tokens each step
         # feeds, so the other ranks never need what was sampled - except with
         # asynchronous steps, whose next step feeds them before the engine knows them:
@@ -305,7 +306,6 @@ class ModelRunner(SleepWake, StepLaunch):
         if not self.kv_resident or self.weights.state != "resident":
             raise SleepStateError("cannot capture while asleep: wake_up() first")
         self.graphs = {}
-        self.graph_end = graph_ends_at()
         with torch.inference_mode():
             self.graphs, self.capture_seconds = capture_decode_graphs(
                 sizes=self.capture_sizes(),

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from kvrunner.errors import CheckpointError
+from kvrunner.layers.fused.dispatch import chosen_kernels
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WakeError, WeightUpdateError
 
 #: errors after which a rank is still consistent and serving
@@ -47,7 +48,8 @@ def raise_refused(answers: Sequence[Any]) -> list[Any]:
 
 
 def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
-    """What a rank holds: its pool sizes (own and agreed), graphs, device, process."""
+    """What a rank holds: its pool sizes (own and agreed), graphs, device, process, and
+    the kernel choices its layers follow."""
     return {
         "rank": rank,
         "pid": os.getpid(),
@@ -64,6 +66,8 @@ def runner_summary(runner: Any, rank: int) -> dict[str, Any]:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "all_reduce": runner.group.all_reduce_impl if runner.group is not None else "none",
         "all_reduce_reason": runner.group.all_reduce_reason if runner.group is not None else "",
+        "kernels": attrs.asdict(chosen_kernels()),
+        "graph_end": runner.graph_end,
     }
 
 

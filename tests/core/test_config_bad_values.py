@@ -102,12 +102,18 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     ),
     "audit": (not_a_bool, "load", {}),
     "blank_write_targets": (not_a_bool, "load", {}),
+    "decode_graph_ends_at": (strs_except("tokens", "logits", "hidden"), "load", {}),
     # [backends]
     "full_attention": (not_a_str, "load", {}),
     "linear_attention": (not_a_str, "load", {}),
     "overlap": (not_a_str, "load", {}),
     "overlap_min_tokens": (ints_outside(2, 1 << 24), "load", {}),
     "overlap_min_decode_seqs": (ints_outside(2, 1 << 16), "load", {}),
+    # [kernels]
+    "triton_on_cpu": (not_a_bool, "load", {}),
+    "fused_sampler": (not_a_bool, "load", {}),
+    "skinny_gemm": (strs_except("auto", "on", "off"), "load", {}),
+    "gdn_prefill": (strs_except("auto", "ours", "fla"), "load", {}),
 }
 
 #: names only the installed plugins or the checkpoint can refuse: checked at start

@@ -57,7 +57,7 @@ def test_the_example_toml_loads_and_serves(tmp_path) -> None:
         ("block_size = 32\n", "block_size belongs in the [cache] section, not at the top level"),
         ("[cahce]\nblock_size = 32\n",
          "unknown section [cahce] (did you mean 'cache'?); valid sections: [cache], "
-         "[scheduler], [parallel], [capture], [backends]"),
+         "[scheduler], [parallel], [capture], [backends], [kernels]"),
         ('[cache]\nblock_size = "big"\n', "[cache] block_size must be an integer, got 'big'"),
         ("[cache]\nblock_size = true\n", "[cache] block_size must be an integer, got True"),
         ("[scheduler]\nblock_size = 8\n", "block_size belongs in the [cache] section, not "

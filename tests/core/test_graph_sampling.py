@@ -16,10 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
+from kvrunner.config import ConfigError, EngineConfig
+from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.sampler import Sampler, sample
 from kvrunner.layers.sampling_seeds import row_keys
-from kvrunner.runner.graph_sampling import GRAPH_ENDS_AT_ENV, GraphSampling
+from kvrunner.runner.graph_sampling import GraphSampling
 
 pytest.importorskip("triton")
 VOCAB = 300
@@ -56,9 +57,7 @@ def test_a_staged_step_draws_the_eager_samplers_tokens(
     same keys; where it does not, it says so. Without Triton only greedy steps are
     served."""
     gen = torch.Generator().manual_seed(seed)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(USE_TRITON_ENV, "1" if triton else "0")
-        mp.setenv(FUSED_SAMPLER_ENV, "1")
+    with kernels_chosen(triton_on_cpu=triton, fused_sampler=True):
         buffers = GraphSampling(max_batch=8, vocab=VOCAB, device=torch.device("cpu"))
         assert buffers.draws == triton
         for params in steps:
@@ -79,8 +78,7 @@ def test_a_staged_step_draws_the_eager_samplers_tokens(
 def test_a_greedy_step_after_a_drawing_one_draws_nothing() -> None:
     """The temperatures a step staged are cleared when the next step is all greedy:
     every row takes its argmax again."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(USE_TRITON_ENV, "1")
+    with kernels_chosen(triton_on_cpu=True):
         buffers = GraphSampling(max_batch=4, vocab=50, device=torch.device("cpu"))
         logits = torch.randn(4, 50)
         assert buffers.stage([SamplingParams(temperature=5.0, seed=s) for s in range(4)],
@@ -91,7 +89,8 @@ def test_a_greedy_step_after_a_drawing_one_draws_nothing() -> None:
     assert greedy.tolist() == logits.argmax(dim=-1).tolist() != drawn.tolist()
 
 
-def generate(*, eager: bool, params: list[SamplingParams]) -> tuple[list, list[bool]]:
+def generate(*, eager: bool, params: list[SamplingParams],
+             graph_end: str = "tokens") -> tuple[list, list[bool]]:
     """The engine's outputs, and for each step it sampled whether the graph drew it."""
     drawn_in_graph: list[bool] = []
     original = Sampler.sample_step_rows
@@ -103,7 +102,8 @@ def generate(*, eager: bool, params: list[SamplingParams]) -> tuple[list, list[b
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Sampler, "sample_step_rows", spy)
         with LLM("tiny-qwen3", device="cpu", dtype="float32", max_num_seqs=4,
-                 max_model_len=64, enforce_eager=eager) as llm:
+                 max_model_len=64, enforce_eager=eager, triton_on_cpu=True,
+                 decode_graph_ends_at=graph_end) as llm:
             outputs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], params)
     return outputs, drawn_in_graph
 
@@ -116,14 +116,12 @@ MIXED = [
 
 
 @pytest.mark.parametrize("end", ["tokens", "logits", "hidden"])
-def test_an_engine_with_graphs_draws_what_an_eager_one_draws(monkeypatch, end) -> None:
+def test_an_engine_with_graphs_draws_what_an_eager_one_draws(end) -> None:
     """Three requests padded to a graph of 4 (one ends early): the same tokens, and the
     same logprobs to float32 rounding, wherever the graph ends; ending at the tokens,
     every decode step is drawn in the graph, and nothing else is."""
-    monkeypatch.setenv(USE_TRITON_ENV, "1")
-    monkeypatch.setenv(GRAPH_ENDS_AT_ENV, end)
-    want, eager_drawn = generate(eager=True, params=MIXED)
-    got, graph_drawn = generate(eager=False, params=MIXED)
+    want, eager_drawn = generate(eager=True, params=MIXED, graph_end=end)
+    got, graph_drawn = generate(eager=False, params=MIXED, graph_end=end)
     assert not any(eager_drawn)
     assert any(graph_drawn) == (end == "tokens")
     if end == "tokens":  # the prefill step samples eagerly, every decode step in the graph
@@ -135,13 +133,10 @@ def test_an_engine_with_graphs_draws_what_an_eager_one_draws(monkeypatch, end) -
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
 
 
-def test_unseeded_draws_are_drawn_in_the_graph_as_the_eager_engine_draws_them(
-    monkeypatch,
-) -> None:
+def test_unseeded_draws_are_drawn_in_the_graph_as_the_eager_engine_draws_them() -> None:
     """Unseeded rows are keyed by the engine (its seed, the request id), so the graph
     draws them too: every decode step in the graph, the eager engine's tokens. A top-p
     row sends its steps to the eager sampler, with the same tokens again."""
-    monkeypatch.setenv(USE_TRITON_ENV, "1")
     unseeded = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, logprobs=1)
     params = [MIXED[0], unseeded, SamplingParams(max_tokens=6, temperature=0.7,
                                                  ignore_eos=True)]  # fmt: skip
@@ -158,10 +153,7 @@ def test_unseeded_draws_are_drawn_in_the_graph_as_the_eager_engine_draws_them(
 
 
 def test_where_the_graph_ends_is_checked() -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(GRAPH_ENDS_AT_ENV, "sampler")
-        from kvrunner.runner.graph_sampling import graph_ends_at
-
-        with pytest.raises(ValueError, match="KVRUNNER_DECODE_GRAPH_ENDS_AT='sampler'"):
-            graph_ends_at()
+    with pytest.raises(ConfigError, match="decode_graph_ends_at must be one of tokens, logits, "
+                                          "hidden; got 'sampler'"):
+        EngineConfig.load(decode_graph_ends_at="sampler")
 

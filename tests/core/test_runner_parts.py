@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvrunner.layers.fused.dispatch import USE_TRITON_ENV
+from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.plugin_api import CacheSpec, CacheWriteTarget
 from kvrunner.runner import capture_safety
 from kvrunner.runner.capture_safety import (
@@ -128,10 +128,10 @@ def test_checksum_kernel_equals_the_torch_reference(numel: int, dtype: torch.dty
     pool = torch.randint(-1000, 1000, (numel,)).to(dtype)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(capture_safety, "CHUNK_WORDS", 16)
-        mp.setenv(USE_TRITON_ENV, "0")
-        reference = capture_safety.chunk_checksums(pool)
-        mp.setenv(USE_TRITON_ENV, "1")
-        assert torch.equal(capture_safety.chunk_checksums(pool), reference)
+        with kernels_chosen(triton_on_cpu=False):
+            reference = capture_safety.chunk_checksums(pool)
+        with kernels_chosen(triton_on_cpu=True):
+            assert torch.equal(capture_safety.chunk_checksums(pool), reference)
 
 
 def test_garbage_collection_pauses_inside_and_comes_back_as_it_was() -> None:

@@ -16,6 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvrunner.backend_manager import BackendManager
+from kvrunner.config import KernelsConfig
 from kvrunner.plugin_api import BackendContext, ModelSpec, StepBatch, StepMetadata
 from kvrunner.plugin_api.step_data import pad_block_tables
 from kvrunner.runner.step_metadata import StepMetadataBuilder
@@ -189,8 +190,10 @@ TINY_MODEL = ModelSpec(
 MAX_SEQS = 4
 
 
-def make_manager(use_triton: bool, model: ModelSpec = TINY_MODEL) -> BackendManager:
-    """A real BackendManager with only ``gdn`` selected (found through its entry point)."""
+def make_manager(use_triton: bool, model: ModelSpec = TINY_MODEL, *,
+                 kernels: KernelsConfig | None = None) -> BackendManager:
+    """A real BackendManager with only ``gdn`` selected (found through its entry point),
+    handed the ``[kernels]`` choices addressed to it as a runner hands them."""
 
     def context_for(name: str, layer_types: tuple[str, ...]) -> BackendContext:
         layers = tuple(i for t in layer_types for i in model.layers_of_type(t))
@@ -198,6 +201,7 @@ def make_manager(use_triton: bool, model: ModelSpec = TINY_MODEL) -> BackendMana
             name=name, layers=layers, model=model, dtype=torch.float32, device=DEVICE,
             block_size=16, max_num_seqs=MAX_SEQS, max_num_batched_tokens=128,
             max_model_len=256, use_triton=use_triton,
+            options=(kernels or KernelsConfig()).options_for(name),
         )
 
     return BackendManager({"linear_attention": "gdn"}, context_for)

@@ -33,6 +33,7 @@ from gdn_testkit import (
 from hypothesis import given, settings
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.config import KernelsConfig
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.testing.host_reads import forbid_host_reads
 from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
@@ -42,7 +43,7 @@ from kvrunner_gdn.kernels.fla_prefill import (
     gdn_prefill_fla,
 )
 from kvrunner_gdn.kernels.reference import l2norm, ref_gated_delta_rule
-from kvrunner_gdn.prefill_choice import PREFILL_ENV, choose_prefill_kernel
+from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 
 #: a layer fla serves under ``auto``: Triton on CUDA, bf16, Qwen3-Next's head size
 CUDA_BF16 = dict(use_triton=True, device=torch.device("cuda"), dtype=torch.bfloat16,
@@ -74,29 +75,25 @@ def test_without_fla_auto_serves_ours_and_a_forced_fla_says_why(monkeypatch):
     block_fla(monkeypatch)
     assert fla_chunk_kernel() is None
     assert choose_prefill_kernel(mode="auto", **CUDA_BF16) == "triton"
-    with pytest.raises(ValueError, match=f"{PREFILL_ENV}=fla.*does not import"):
+    with pytest.raises(ValueError, match="gdn_prefill = 'fla'.*does not import"):
         choose_prefill_kernel(mode="fla", **CUDA_BF16)
 
 
-def test_the_environment_forces_ours_or_fla(monkeypatch):
+def test_the_mode_forces_ours_or_fla():
     pytest.importorskip("fla.ops.gated_delta_rule")
-    for mode, expected in (("ours", "triton"), ("fla", "fla"), ("auto", "fla"), ("", "fla")):
-        monkeypatch.setenv(PREFILL_ENV, mode)
-        assert choose_prefill_kernel(**CUDA_BF16) == expected, mode
-    monkeypatch.setenv(PREFILL_ENV, "theirs")
+    for mode, expected in (("ours", "triton"), ("fla", "fla"), ("auto", "fla")):
+        assert choose_prefill_kernel(mode=mode, **CUDA_BF16) == expected, mode
     with pytest.raises(ValueError, match="auto, ours, fla"):
-        choose_prefill_kernel(**CUDA_BF16)
+        choose_prefill_kernel(mode="theirs", **CUDA_BF16)
 
 
 def test_unset_means_auto_fla_where_it_serves_and_ours_elsewhere(monkeypatch):
     import kvrunner_gdn.prefill_choice as choice
 
     monkeypatch.setattr(choice, "fla_chunk_kernel", lambda: chunk_gated_delta_rule_stand_in)
-    monkeypatch.delenv(PREFILL_ENV, raising=False)
     assert choose_prefill_kernel(**CUDA_BF16) == "fla"
     assert choose_prefill_kernel(**(CUDA_BF16 | {"dtype": torch.float32})) == "triton"
-    monkeypatch.setenv(PREFILL_ENV, "ours")
-    assert choose_prefill_kernel(**CUDA_BF16) == "triton"
+    assert choose_prefill_kernel(mode="ours", **CUDA_BF16) == "triton"
 
 
 def chunk_gated_delta_rule_stand_in(*args, **kwargs):  # only its availability is asked
@@ -119,11 +116,10 @@ def test_auto_keeps_ours_for_float32_the_cpu_and_wide_heads():
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU's choice")
-def test_the_backend_reports_its_choice_and_hands_it_to_every_layer(monkeypatch):
+def test_the_backend_reports_its_choice_and_hands_it_to_every_layer():
     for mode, use_triton, expected in (("ours", True, "triton"), ("auto", True, "triton"),
                                        ("auto", False, "torch")):
-        monkeypatch.setenv(PREFILL_ENV, mode)
-        manager = make_manager(use_triton)
+        manager = make_manager(use_triton, kernels=KernelsConfig(gdn_prefill=mode))
         (backend,) = manager.pm.get_plugins()
         assert backend.prefill_kernel == expected
         manager.persistent_buffers(max_batch=4, max_tokens=128)
@@ -131,9 +127,20 @@ def test_the_backend_reports_its_choice_and_hands_it_to_every_layer(monkeypatch)
         for index in backend.context.layers:
             layer = manager.make_layer(layer_index=index, layer_type="linear_attention")
             assert layer.prefill_kernel == expected
-    monkeypatch.setenv(PREFILL_ENV, "fla")  # fla cannot serve a CPU layer: said at once
+    # fla cannot serve a CPU layer: said at once
     with pytest.raises(Exception, match="cannot serve this layer"):
-        make_manager(True)
+        make_manager(True, kernels=KernelsConfig(gdn_prefill="fla"))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU's choice")
+def test_the_engines_config_reaches_the_backend_it_builds():
+    """``[kernels] gdn_prefill`` reaches the gdn backend an engine builds: forced fla on
+    the CPU is refused at start, and ``ours`` is what the backend reports."""
+    with pytest.raises(Exception, match="cannot serve this layer"):
+        LLM("tiny-qwen3-next", device="cpu", enforce_eager=True, gdn_prefill="fla")
+    with LLM("tiny-qwen3-next", device="cpu", enforce_eager=True, max_num_seqs=2,
+             max_model_len=64, gdn_prefill="ours") as llm:
+        assert llm.runner.backends.pm.get_plugin("gdn").context.options == {"prefill": "ours"}
 
 
 # -- the wrapper around a stand-in ---------------------------------------------------------
@@ -317,13 +324,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 400, (n,), generator=g).tolist() for n in lengths]
 
 
-def serve(path: str, monkeypatch: pytest.MonkeyPatch, mode: str, dtype: str,
-          **settings) -> tuple[str, list[list[int]]]:
-    """Greedy tokens of the tiny model with ``KVRUNNER_GDN_PREFILL=mode``, and the kernel
-    its gdn backend chose."""
-    monkeypatch.setenv(PREFILL_ENV, mode)
+def serve(path: str, mode: str, dtype: str, **settings) -> tuple[str, list[list[int]]]:
+    """Greedy tokens of the tiny model with ``[kernels] gdn_prefill = mode``, and the
+    kernel its gdn backend chose."""
     with LLM(model=path, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, max_num_seqs=8,
-             max_model_len=192, **settings) as llm:
+             max_model_len=192, gdn_prefill=mode, **settings) as llm:
         kernel = llm.runner.backends.pm.get_plugin("gdn").prefill_kernel
         tokens = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
         assert llm.runner.nan_rows == 0
@@ -333,7 +338,7 @@ def serve(path: str, monkeypatch: pytest.MonkeyPatch, mode: str, dtype: str,
 @pytest.mark.gpu
 @pytest.mark.parametrize("batched_tokens", [None, 24], ids=["whole", "chunked"])
 def test_tiny_qwen3_next_generates_the_same_greedy_tokens_with_fla_and_ours(
-    tmp_path, monkeypatch, batched_tokens
+    tmp_path, batched_tokens
 ):
     """float32, forced fla (TF32 products) vs ours: token for token. "chunked" prefills
     in 24-token steps, so fla continues states it wrote itself, beside decode rows. (bf16
@@ -342,16 +347,16 @@ def test_tiny_qwen3_next_generates_the_same_greedy_tokens_with_fla_and_ours(
     pytest.importorskip("fla.ops.gated_delta_rule")
     path = str(write_tiny_checkpoint(tmp_path / "n", kind="qwen3-next"))
     settings = {"max_num_batched_tokens": batched_tokens} if batched_tokens else {}
-    ours = serve(path, monkeypatch, "ours", "float32", **settings)
-    fla = serve(path, monkeypatch, "fla", "float32", **settings)
+    ours = serve(path, "ours", "float32", **settings)
+    fla = serve(path, "fla", "float32", **settings)
     assert (ours[0], fla[0]) == ("triton", "fla")
     assert fla[1] == ours[1]
 
 
 @pytest.mark.gpu
-def test_auto_serves_a_bf16_model_through_fla(tmp_path, monkeypatch):
+def test_auto_serves_a_bf16_model_through_fla(tmp_path):
     pytest.importorskip("fla.ops.gated_delta_rule")
     path = str(write_tiny_checkpoint(tmp_path / "n", kind="qwen3-next"))
-    kernel, tokens = serve(path, monkeypatch, "auto", "bfloat16")
+    kernel, tokens = serve(path, "auto", "bfloat16")
     assert kernel == "fla"
     assert [len(t) for t in tokens] == [GREEDY.max_tokens] * len(prompts())

@@ -52,10 +52,10 @@ class GDNBackend:
         self.shapes = GDNShapes.from_model(context.model)
         self.pool = GDNStatePool(self.shapes, context.layers, context.device)
         #: "fla", "triton" or "torch": every layer's chunked prefill, chosen here once
-        #: (``KVRUNNER_GDN_PREFILL``, see :mod:`kvrunner_gdn.prefill_choice`)
+        #: (``[kernels] gdn_prefill``, see :mod:`kvrunner_gdn.prefill_choice`)
         self.prefill_kernel = choose_prefill_kernel(
             use_triton=context.use_triton, device=context.device, dtype=context.dtype,
-            head_k_dim=self.shapes.head_k_dim,
+            head_k_dim=self.shapes.head_k_dim, mode=context.options.get("prefill", "auto"),
         )
         #: built by persistent_buffers, which the core calls before any metadata hook
         self.builder: GDNMetadataBuilder | None = None

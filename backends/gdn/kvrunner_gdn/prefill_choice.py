@@ -1,7 +1,7 @@
 """Which kernel runs the chunked prefill: ours (Triton or torch) or fla's.
 
-Chosen once per backend, when it is built, from the environment variable
-``KVRUNNER_GDN_PREFILL``:
+Chosen once per backend, when it is built, from the engine's ``[kernels] gdn_prefill``
+(it reaches the backend as ``BackendContext.options["prefill"]``):
 
 - ``auto`` (default): fla's ``chunk_gated_delta_rule`` where it imports and the
   layer is one it serves at our accuracy: Triton kernels on a CUDA device, a half
@@ -26,27 +26,16 @@ against the torch path and transformers token for token, and TF32 is not that.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvrunner_gdn.kernels.fla_prefill import FLA_MAX_HEAD_K, fla_chunk_kernel
 
-#: "auto" | "ours" | "fla"; read when a backend is built
-PREFILL_ENV = "KVRUNNER_GDN_PREFILL"
+#: what ``[kernels] gdn_prefill`` may say
 MODES = ("auto", "ours", "fla")
 #: what a layer's ``prefill_kernel`` may be
 KERNELS = ("torch", "triton", "fla")
 #: model dtypes ``auto`` gives to fla
 AUTO_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def prefill_mode() -> str:
-    """The mode the environment asks for (``auto`` when unset)."""
-    mode = os.environ.get(PREFILL_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{PREFILL_ENV}={mode!r}; expected one of {', '.join(MODES)}")
-    return mode
 
 
 def _why_not_fla(*, use_triton: bool, device: torch.device, dtype: torch.dtype,
@@ -64,13 +53,12 @@ def _why_not_fla(*, use_triton: bool, device: torch.device, dtype: torch.dtype,
 
 
 def choose_prefill_kernel(*, use_triton: bool, device: torch.device, dtype: torch.dtype,
-                          head_k_dim: int, mode: str | None = None) -> str:
+                          head_k_dim: int, mode: str = "auto") -> str:
     """``"fla"``, ``"triton"`` or ``"torch"`` for a backend's layers (see the module doc).
 
-    ``mode`` defaults to :func:`prefill_mode`; ``fla`` raises ``ValueError`` naming the
-    reason where fla cannot serve the layer.
+    ``mode`` ``fla`` raises ``ValueError`` naming the reason where fla cannot serve the
+    layer.
     """
-    mode = prefill_mode() if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"prefill mode {mode!r}; expected one of {', '.join(MODES)}")
     ours = "triton" if use_triton else "torch"
@@ -81,5 +69,6 @@ def choose_prefill_kernel(*, use_triton: bool, device: torch.device, dtype: torc
     if reason is None:
         return "fla"
     if mode == "fla":
-        raise ValueError(f"{PREFILL_ENV}=fla, but fla cannot serve this layer: {reason}")
+        raise ValueError(f"[kernels] gdn_prefill = 'fla', but fla cannot serve this layer: "
+                         f"{reason}")
     return ours

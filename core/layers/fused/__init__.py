@@ -7,7 +7,7 @@ path and the reference; :func:`use_triton` decides per call. The ``*_triton``
 modules import triton, so they are imported only when a kernel is about to run.
 """
 
-from kvrunner.layers.fused.dispatch import USE_TRITON_ENV, same_kernel_dtype, use_triton
+from kvrunner.layers.fused.dispatch import kernels_chosen, same_kernel_dtype, use_triton
 from kvrunner.layers.fused.qk_norm_rope import qk_norm_rope
 
-__all__ = ["USE_TRITON_ENV", "qk_norm_rope", "same_kernel_dtype", "use_triton"]
+__all__ = ["kernels_chosen", "qk_norm_rope", "same_kernel_dtype", "use_triton"]

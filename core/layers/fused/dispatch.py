@@ -1,20 +1,54 @@
-"""When the model layers take their Triton path instead of the plain-torch one.
+"""When the model layers take their Triton path instead of the plain-torch one, and
+which of several kernels serves an op.
 
-The rule is the runner's: Triton on CUDA tensors, and on CPU tensors too when
-``KVRUNNER_USE_TRITON=1`` (tests set it and run the kernels under
-``TRITON_INTERPRET=1``). The torch path is the reference every kernel is checked
-against, so it stays the default wherever Triton cannot run.
+The rule: Triton on CUDA tensors, and on CPU tensors too under ``[kernels]
+triton_on_cpu`` (tests set it and run the kernels under ``TRITON_INTERPRET=1``). The
+torch path is the reference every kernel is checked against, so it stays the default
+wherever Triton cannot run.
+
+The layers ask per op, with no engine at hand, so the choice is the process's: each
+runner installs its config's ``[kernels]`` when it is built (:func:`choose_kernels`),
+on every rank, and tests switch it for a block with :func:`kernels_chosen`. Inside a
+captured graph the question costs nothing: it was answered at capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+from collections.abc import Iterator
+from typing import Any
 
+import attrs
 import torch
 
-#: set to 1 to run the fused Triton kernels on CPU tensors (under TRITON_INTERPRET=1)
-USE_TRITON_ENV = "KVRUNNER_USE_TRITON"
+from kvrunner.config import KernelsConfig
+
+_chosen = KernelsConfig()
+
+
+def chosen_kernels() -> KernelsConfig:
+    """The kernel choices this process's layers follow now."""
+    return _chosen
+
+
+def choose_kernels(kernels: KernelsConfig) -> None:
+    """Make ``kernels`` the choices this process's layers follow (a runner's config)."""
+    global _chosen
+    _chosen = kernels
+
+
+@contextlib.contextmanager
+def kernels_chosen(**changes: Any) -> Iterator[KernelsConfig]:
+    """The current choices with ``changes`` (``KernelsConfig`` field names) for the block;
+    the choices before it come back afterwards, also when the block raises."""
+    before = _chosen
+    choose_kernels(attrs.evolve(before, **changes))
+    try:
+        yield _chosen
+    finally:
+        choose_kernels(before)
+
 
 #: float dtypes the kernels are written for; anything else takes the torch path
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -34,12 +68,8 @@ def triton_available() -> bool:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether an op on ``x`` should launch its Triton kernel.
-
-    The environment is read on every call (a dict lookup) so tests can switch paths
-    with ``monkeypatch.setenv``; inside a captured graph this costs nothing.
-    """
-    if not (x.is_cuda or os.environ.get(USE_TRITON_ENV) == "1"):
+    """Whether an op on ``x`` should launch its Triton kernel (see the module doc)."""
+    if not (x.is_cuda or _chosen.triton_on_cpu):
         return False
     return triton_available()
 
@@ -51,22 +81,14 @@ def same_kernel_dtype(*tensors: torch.Tensor) -> bool:
     return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)
 
 
-#: seeded, unfiltered sampling rows on the Triton path take the one-pass kernel
-#: (``gumbel_argmax_triton.py``) unless this is 0. From ``benchmarks/bench_sampler.py``
-#: on an H200 (bf16 logits, 152k vocabulary): 0.31-0.62x the torch path's
-#: time at batch 1-1,024, every token the same; the RL rollout 4% faster.
-FUSED_SAMPLER_ENV = "KVRUNNER_FUSED_SAMPLER"
-
-
 def fused_sampler_enabled() -> bool:
-    """Whether the one-pass sampling kernel may draw (``KVRUNNER_FUSED_SAMPLER`` unset or
-    1; 0 keeps the torch path). Read per call, like the other switches."""
-    return os.environ.get(FUSED_SAMPLER_ENV, "1") != "0"
+    """Whether the one-pass sampling kernel may draw (``[kernels] fused_sampler``).
+
+    From ``benchmarks/bench_sampler.py`` on an H200 (bf16 logits, 152k vocabulary):
+    0.31-0.62x the torch path's time at batch 1-1,024, every token the same."""
+    return _chosen.fused_sampler
 
 
-#: which decode projections take the skinny-GEMM kernel: ``auto`` (default) where it
-#: was measured faster than cuBLAS, ``1`` every decode-sized one, ``0`` none
-SKINNY_GEMM_ENV = "KVRUNNER_SKINNY_GEMM"
 #: the most rows the skinny-GEMM kernel takes (a decode step's batch, not a prefill)
 SKINNY_GEMM_MAX_ROWS = 64
 #: ``auto``'s rule is one row (a batch-1 decode step, a one-sequence prefill's
@@ -75,27 +97,20 @@ SKINNY_GEMM_MAX_ROWS = 64
 #: 0.40-0.98x cuBLAS's time in all 9 cases, the GEMV in 8 of them (0.6B o_proj 5.3
 #: vs 13.1 us; 8B gate_up's GEMV 1.00x, the tensor-core tile 0.98x); at M = 8
 #: and 64 the best launch ran 0.87-1.14x, a loss in 12 of 18 cases, so more rows stay
-#: with cuBLAS unless ``KVRUNNER_SKINNY_GEMM=1``. The same holds for a SwiGLU MLP's
+#: with cuBLAS unless ``[kernels] skinny_gemm = "on"``. The same holds for a SwiGLU MLP's
 #: down projection with its activation fused in (one launch where cuBLAS takes two):
 #: ``bench_skinny_gemm.py --swiglu`` (H200, graphs of 20 launches), fused /
 #: (activation + cuBLAS) 0.64 (0.6B) and 0.88 (8B) at M = 1, but 1.35-1.50 (0.6B)
 #: and 2.16-3.59 (8B) at M = 8-64.
 
 
-def skinny_gemm_mode() -> str:
-    """``auto``, ``1`` or ``0`` from :data:`SKINNY_GEMM_ENV` (unset: ``auto``)."""
-    mode = os.environ.get(SKINNY_GEMM_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "1", "0"):
-        raise ValueError(f"{SKINNY_GEMM_ENV}={mode!r}; expected auto, 1 or 0")
-    return mode
-
-
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` should take the skinny-GEMM kernel: the mode allows
-    these rows (``auto``: one; ``1``: at most :data:`SKINNY_GEMM_MAX_ROWS`), one kernel
-    dtype, a weight contiguous along K, and the Triton path taken for ``x``."""
-    mode = skinny_gemm_mode()
-    if mode == "0" or x.dim() == 0:
+    these rows (``[kernels] skinny_gemm``: ``auto`` one; ``on`` at most
+    :data:`SKINNY_GEMM_MAX_ROWS`), one kernel dtype, a weight contiguous along K, and
+    the Triton path taken for ``x``."""
+    mode = _chosen.skinny_gemm
+    if mode == "off" or x.dim() == 0:
         return False
     rows = x.numel() // max(1, x.shape[-1])
     return (

@@ -21,7 +21,7 @@ with their own ``log``. A row holding a NaN (which the sampler reports through i
 row maxima) draws some column in range, not necessarily torch's. Rows with top-k /
 top-p filters keep the torch path (a sort); an unseeded row is drawn here with the
 engine's key for its request (``layers/sampling_seeds.py``). The default on the
-Triton path (``KVRUNNER_FUSED_SAMPLER=0`` keeps the torch path): 0.31-0.62x the
+Triton path (``[kernels] fused_sampler = false`` keeps the torch path): 0.31-0.62x the
 torch path's time on an H200 at batch 1-1,024, every token the same
 (``benchmarks/bench_sampler.py``).
 """

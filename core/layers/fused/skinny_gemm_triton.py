@@ -13,7 +13,7 @@ does not depend on scheduling (no atomics).
 
 Which tiles a shape gets is :func:`default_launch`; ``benchmarks/bench_skinny_gemm.py
 --sweep`` times the alternatives on a GPU. Which projections take these kernels at
-all (``KVRUNNER_SKINNY_GEMM``) is decided in ``layers/fused/dispatch.py`` from the
+all (``[kernels] skinny_gemm``) is decided in ``layers/fused/dispatch.py`` from the
 same benchmark.
 """
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,6 +29,7 @@ from kvrunner import LLM, SamplingParams
 from kvrunner.config import ConfigError
 from kvrunner.distributed.errors import WorkerError
 from kvrunner.distributed.fault_injection import TEST_HOOKS_ENV
+from kvrunner.layers.fused.dispatch import chosen_kernels
 from kvrunner.models.loader import load_hf_config, model_spec
 from kvrunner.models.tiny import write_tiny_checkpoint
 
@@ -110,6 +112,22 @@ def test_tp2_greedy_equals_tp1_token_for_token_through_captured_graphs(
     assert len({r["pid"] for r in ranks}) == 2 and os.getpid() not in {r["pid"] for r in ranks}
     assert token_ids(tp2) == tp1_greedy
     assert all(len(t) == GREEDY.max_tokens for t in tp1_greedy)
+
+
+def test_every_rank_follows_the_kernel_choices_of_its_config(checkpoint: str) -> None:
+    """``[kernels]`` and the graphs' end reach each spawned rank in its config: the
+    choices its layers ask for are the config's, not its process's defaults, and the
+    driver's own process keeps what it had."""
+    kernels = {"fused_sampler": False, "skinny_gemm": "on", "gdn_prefill": "ours"}
+    driver = attrs.asdict(chosen_kernels())
+    assert all(driver[k] != v for k, v in kernels.items())  # the defaults differ
+    with LLM(checkpoint, tensor_parallel_size=2, decode_graph_ends_at="logits",
+             **SMALL, **kernels) as llm:
+        ranks = llm.executor.describe_ranks()
+    assert len({r["pid"] for r in ranks}) == 2 and os.getpid() not in {r["pid"] for r in ranks}
+    assert [r["kernels"] for r in ranks] == [driver | kernels] * 2
+    assert [r["graph_end"] for r in ranks] == ["logits"] * 2
+    assert attrs.asdict(chosen_kernels()) == driver
 
 
 def test_ranks_with_different_budgets_agree_on_the_smallest_pool(tp2: LLM) -> None:

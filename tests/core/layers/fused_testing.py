@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from kvrunner.layers.fused import USE_TRITON_ENV
+from kvrunner.layers.fused import kernels_chosen
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -23,15 +22,8 @@ TORCH_MATH_OPS = frozenset(
 @contextmanager
 def triton_path(on: bool) -> Iterator[None]:
     """Run the layers' Triton kernels (``on``) or their torch code, then restore."""
-    old = os.environ.get(USE_TRITON_ENV)
-    os.environ[USE_TRITON_ENV] = "1" if on else "0"
-    try:
+    with kernels_chosen(triton_on_cpu=on):
         yield
-    finally:
-        if old is None:
-            del os.environ[USE_TRITON_ENV]
-        else:
-            os.environ[USE_TRITON_ENV] = old
 
 
 #: spacing of representable values relative to their magnitude (upper bound)

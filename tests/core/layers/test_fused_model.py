@@ -2,7 +2,7 @@
 
 A tiny Qwen3 (the built-in ``tiny_qwen3`` weights) end to end, and a Qwen3-Next
 full-attention decoder layer (zero-centred norms, q interleaved with its output
-gate, partial rotary), run with ``KVRUNNER_USE_TRITON=1`` under the interpreter
+gate, partial rotary), run with ``[kernels] triton_on_cpu`` under the interpreter
 against the same modules' torch code. Attention itself is a causal-SDPA fixture:
 the cache backends are not under test here.
 """

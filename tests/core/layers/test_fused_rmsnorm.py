@@ -3,7 +3,7 @@
 Both norm variants (Qwen3's: round, then multiply by ``w``; Qwen3-Next's
 zero-centred: multiply by ``1 + w`` in float32, then round), with and without the
 residual, on contiguous and row-strided inputs. The kernel runs under the Triton
-interpreter (``KVRUNNER_USE_TRITON=1``); the torch path is the oracle, and float32
+interpreter (``[kernels] triton_on_cpu``); the torch path is the oracle, and float32
 results are also held to a float64 naive norm.
 """
 

@@ -4,12 +4,15 @@ sampler hands it exactly the rows it can serve."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.layers.fused.dispatch import FUSED_SAMPLER_ENV, USE_TRITON_ENV
+from kvrunner.config import KernelsConfig
+from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, gumbel_argmax_into_
 from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
 from kvrunner.layers.sampler import sample
@@ -234,22 +237,20 @@ def test_no_rows_draw_nothing() -> None:
 
 
 @pytest.fixture
-def switches(monkeypatch):
-    def set_(fused: bool, triton: bool = True) -> None:
-        monkeypatch.setenv(FUSED_SAMPLER_ENV, "1" if fused else "0")
-        monkeypatch.setenv(USE_TRITON_ENV, "1" if triton else "0")
+def switches():
+    with contextlib.ExitStack() as stack:
+        def set_(fused: bool, triton: bool = True) -> None:
+            stack.enter_context(kernels_chosen(fused_sampler=fused, triton_on_cpu=triton))
 
-    return set_
+        yield set_
 
 
-def test_the_kernel_serves_seeded_unfiltered_rows_unless_switched_off(
-    switches, monkeypatch
-) -> None:
+def test_the_kernel_serves_seeded_unfiltered_rows_unless_switched_off(switches) -> None:
     logits = torch.zeros(2, 50)
     seeded = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2)]
     switches(fused=True)
     assert use_fused_draw(logits, seeded)
-    monkeypatch.delenv(FUSED_SAMPLER_ENV)
+    switches(fused=KernelsConfig().fused_sampler)
     assert use_fused_draw(logits, seeded)  # the default, on the Triton path
     assert use_fused_draw(logits, [SamplingParams(temperature=1.0, seed=1, top_k=50)])
     for other in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=1, top_k=5),
@@ -270,11 +271,9 @@ def test_the_sampler_with_the_kernel_draws_the_torch_paths_tokens(rows, vocab, s
     params = [SamplingParams(temperature=0.0 if i % 3 == 2 else 0.7, seed=seed + i, logprobs=1)
               for i in range(rows)]
     counts = [seed % 97 + i for i in range(rows)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(USE_TRITON_ENV, "1")
-        mp.setenv(FUSED_SAMPLER_ENV, "1")
+    with kernels_chosen(triton_on_cpu=True, fused_sampler=True):
         fused = sample(logits, params, counts)
-        mp.setenv(FUSED_SAMPLER_ENV, "0")
+    with kernels_chosen(triton_on_cpu=True, fused_sampler=False):
         plain = sample(logits, params, counts)
     drawing = [i for i, p in enumerate(params) if p.temperature]
     scores = torch_scores(logits, torch.tensor(drawing), torch.full((len(drawing),), 0.7),

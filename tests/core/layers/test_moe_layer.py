@@ -1,7 +1,7 @@
 """The mixture-of-experts layer computes what a naive per-token loop computes.
 
 Properties over random shapes and routings, in float32 on the CPU, for the torch
-path and for the Triton kernels (under the interpreter, ``KVRUNNER_USE_TRITON=1``):
+path and for the Triton kernels (under the interpreter, ``[kernels] triton_on_cpu``):
 experts that receive no token, every token on one expert, ``top_k`` equal to the
 number of experts, an empty batch, and PAD rows (a graph's padding) that must not
 change the real rows. The alignment the kernels rely on, the router, and the

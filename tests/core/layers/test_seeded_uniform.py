@@ -5,14 +5,12 @@ depend on its batch, and draws follow the filtered distribution."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.layers.fused.dispatch import USE_TRITON_ENV
+from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
 from kvrunner.layers.sampler import sample
 from kvrunner.sampling_params import SamplingParams
@@ -25,13 +23,8 @@ counts = st.integers(0, 100_000)
 @pytest.fixture(scope="module", autouse=True)
 def triton_sampling_path():
     """The sampler takes the kernel path on the CPU too, for this module."""
-    before = os.environ.get(USE_TRITON_ENV)
-    os.environ[USE_TRITON_ENV] = "1"
-    yield
-    if before is None:
-        del os.environ[USE_TRITON_ENV]
-    else:
-        os.environ[USE_TRITON_ENV] = before
+    with kernels_chosen(triton_on_cpu=True):
+        yield
 
 
 def draws(rows: int, vocab: int, at: list[int], keys: list[tuple[int, int]]) -> torch.Tensor:

@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.layers import linear
-from kvrunner.layers.fused.dispatch import SKINNY_GEMM_ENV, SKINNY_GEMM_MAX_ROWS
+from kvrunner.layers.fused.dispatch import SKINNY_GEMM_MAX_ROWS, kernels_chosen
 from kvrunner.models.tiny import write_tiny_checkpoint
 
 pytest.importorskip("triton")
@@ -95,22 +96,19 @@ def calls_of(layer: torch.nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize(
     ("mode", "one_row", "batch"),
-    [(None, 1, 0), ("auto", 1, 0), ("1", 1, 1), ("0", 0, 0)],
+    [(None, 1, 0), ("auto", 1, 0), ("on", 1, 1), ("off", 0, 0)],
     ids=["unset", "auto", "on", "off"],
 )
 def test_projections_take_it_where_the_mode_says_and_never_for_a_prefill(
-    monkeypatch, mode: str | None, one_row: int, batch: int
+    mode: str | None, one_row: int, batch: int
 ) -> None:
     """``auto`` (the default) sends only one-row products (where the kernel beat cuBLAS
-    on the H200), ``1`` every decode-sized one, ``0`` none; a prefill-sized batch
+    on the H200), ``on`` every decode-sized one, ``off`` none; a prefill-sized batch
     never goes."""
-    if mode is None:
-        monkeypatch.delenv(SKINNY_GEMM_ENV, raising=False)
-    else:
-        monkeypatch.setenv(SKINNY_GEMM_ENV, mode)
+    chosen = {} if mode is None else {"skinny_gemm": mode}
     layer = linear.ReplicatedLinear(48, 40, dtype=torch.float32, device="cpu")
     torch.nn.init.normal_(layer.weight)
-    with triton_path(True):
+    with triton_path(True), kernels_chosen(**chosen):
         assert calls_of(layer, torch.randn(1, 48)) == one_row
         assert calls_of(layer, torch.randn(2, 48)) == batch
         assert calls_of(layer, torch.randn(SKINNY_GEMM_MAX_ROWS, 48)) == batch
@@ -129,21 +127,19 @@ def test_one_row_takes_the_gemv_kernel_split_only_past_32_kb_a_program() -> None
     assert not kernel.default_launch(2, 1024, 2048).gemv
 
 
-def test_a_mode_it_does_not_know_is_refused_by_name(monkeypatch) -> None:
-    monkeypatch.setenv(SKINNY_GEMM_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{SKINNY_GEMM_ENV}='yes'"):
-        linear.ReplicatedLinear(4, 4, dtype=torch.float32, device="cpu")(torch.randn(1, 4))
+def test_a_mode_it_does_not_know_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="skinny_gemm must be one of auto, on, off; got 'yes'"):
+        EngineConfig.load(skinny_gemm="yes")
 
 
-def test_a_model_decodes_the_same_greedy_tokens_through_it(tmp_path, monkeypatch) -> None:
+def test_a_model_decodes_the_same_greedy_tokens_through_it(tmp_path) -> None:
     path = str(write_tiny_checkpoint(tmp_path / "q", kind="qwen3"))
     prompts = [[3, 17, 29, 101], [7, 8, 9, 10, 11], [200, 5]]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for on in (False, True):
-        monkeypatch.setenv(SKINNY_GEMM_ENV, "1" if on else "0")
-        with triton_path(True), LLM(model=path, device="cpu", dtype="float32", max_num_seqs=4,
-                                    max_model_len=64, enforce_eager=True) as llm:
+        with LLM(model=path, device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64,
+                 enforce_eager=True, triton_on_cpu=True, skinny_gemm="on" if on else "off") as llm:
             spy = mock.patch.object(kernel, "skinny_gemm", wraps=kernel.skinny_gemm)
             with spy as called:
                 tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy)]

@@ -2,7 +2,7 @@
 reads ``[gate | up]`` and forms ``silu(gate) * up`` as it streams the weight): the
 product is bit for bit the activation's kernel followed by the same launch, the GEMV
 for one row and the tensor-core tile for more, one row (and a decode batch under
-``KVRUNNER_SKINNY_GEMM=1``) takes one launch instead of two, and more rows keep the
+``skinny_gemm = "on"``) takes one launch instead of two, and more rows keep the
 two steps. Triton under the interpreter on
 the CPU (fp32 and fp16: the interpreter's bf16 is not the GPU's)."""
 
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner.layers import linear
-from kvrunner.layers.fused.dispatch import SKINNY_GEMM_ENV, SKINNY_GEMM_MAX_ROWS
+from kvrunner.layers.fused.dispatch import SKINNY_GEMM_MAX_ROWS, kernels_chosen
 
 pytest.importorskip("triton")
 from fused_testing import triton_path  # noqa: E402
@@ -74,42 +74,39 @@ def launches(layer: linear.RowParallelLinear, gate_up: torch.Tensor) -> tuple[in
     return gemm.call_count, act.call_count
 
 
-@pytest.mark.parametrize("mode", ["auto", "1", "0"])
-def test_one_row_is_one_launch_and_more_rows_as_the_mode_says(monkeypatch, mode: str) -> None:
-    monkeypatch.setenv(SKINNY_GEMM_ENV, mode)
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_one_row_is_one_launch_and_more_rows_as_the_mode_says(mode: str) -> None:
     layer = linear.RowParallelLinear(24, 40, dtype=torch.float32, device="cpu")
     torch.nn.init.normal_(layer.weight)
-    with triton_path(True):
+    with triton_path(True), kernels_chosen(skinny_gemm=mode):
         one = launches(layer, torch.randn(1, 48))
         five = launches(layer, torch.randn(5, 48))
         past = launches(layer, torch.randn(SKINNY_GEMM_MAX_ROWS + 1, 48))
     fused, apart = (1, 0), (0, 1)  # apart: the activation, then cuBLAS
-    assert one == (apart if mode == "0" else fused)
-    # auto fuses one row only (measured slower from 8 rows on); 1 fuses a decode batch
-    assert five == (fused if mode == "1" else apart)
+    assert one == (apart if mode == "off" else fused)
+    # auto fuses one row only (measured slower from 8 rows on); on fuses a decode batch
+    assert five == (fused if mode == "on" else apart)
     assert past == apart  # past a decode batch every mode keeps the two steps
 
 
 def test_a_single_sequence_decodes_the_same_greedy_tokens_with_it_on_and_off(
-    tmp_path, monkeypatch
+    tmp_path,
 ) -> None:
     """One sequence: every decode step's projections and MLPs are one row, so ``auto``
-    sends them through the GEMV and the fused SwiGLU; ``0`` keeps torch's."""
+    sends them through the GEMV and the fused SwiGLU; ``off`` keeps torch's."""
     from kvrunner import LLM, SamplingParams
     from kvrunner.models.tiny import write_tiny_checkpoint
 
     path = str(write_tiny_checkpoint(tmp_path / "q", kind="qwen3"))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens, fused = {}, {}
-    for mode in ("auto", "0"):
-        monkeypatch.setenv(SKINNY_GEMM_ENV, mode)
+    for mode in ("auto", "off"):
         with (
-            triton_path(True),
             LLM(model=path, device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
-                enforce_eager=True) as llm,
+                enforce_eager=True, triton_on_cpu=True, skinny_gemm=mode) as llm,
             mock.patch.object(kernel, "skinny_gemm", wraps=kernel.skinny_gemm) as gemm,
         ):
             tokens[mode] = llm.generate([[3, 17, 29, 101]], greedy)[0].token_ids
         fused[mode] = sum(c.kwargs.get("silu_mul", False) for c in gemm.call_args_list)
-    assert fused["0"] == 0 and fused["auto"] > 0
-    assert tokens["auto"] == tokens["0"]
+    assert fused["off"] == 0 and fused["auto"] > 0
+    assert tokens["auto"] == tokens["off"]

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.layers.fused.dispatch import USE_TRITON_ENV
+from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.sampler import sample
 from kvrunner.layers.sampling_seeds import int64_seed, request_keys, row_keys
 
@@ -56,8 +56,7 @@ def test_an_unseeded_rows_token_does_not_depend_on_its_batch(triton, data, engin
     seq_ids = data.draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n, unique=True))
     counts = data.draw(st.lists(st.integers(0, 500), min_size=n, max_size=n))
     order = data.draw(st.permutations(range(n)))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(USE_TRITON_ENV, "1" if triton else "0")
+    with kernels_chosen(triton_on_cpu=triton):
 
         def draw(rows: list[int]) -> list[int]:
             keys = row_keys([params[i] for i in rows], [seq_ids[i] for i in rows], engine_seed)
