@@ -29,10 +29,14 @@ from common import copy_bandwidth_tbps, host_us, median_ms, rel_err
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
-from kvrunner_gdn.kernels.fla_forward import FlaDirectForward
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, fla_chunk_kernel, gdn_prefill_fla
-from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
+from kvrunner_gdn.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as ours_chunk
+from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import (
+    chunk_gated_delta_rule_fla,
+    fla_chunk_indices,
+    fla_chunk_kernel,
+)
+from kvrunner_gdn.ops.gated_delta_rule.fla_forward import FlaDirectForward
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
 from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 
 B, H, K, V, SLOTS, T = 64, 32, 128, 128, 512, 4096
@@ -87,8 +91,12 @@ def main() -> None:
     floor_us = 2 * B * H * K * V * 4 / (bw * 1e12) * 1e6
     pristine = pool.clone()  # both sides start from this state for the comparison
     ours_pool = pristine.clone()
-    out_ours = gdn_decode_triton(q, k, v, decay, beta, ours_pool, idx, idx, scale)
-    t_ours = median_ms(lambda: gdn_decode_triton(q, k, v, decay, beta, pool, idx, idx, scale))
+    step = dict(q=q, k=k, v=v, g=decay, beta=beta, read_indices=idx, write_indices=idx,
+                scale=scale)
+    out_ours = fused_recurrent_gated_delta_rule(
+        inputs=GatedDeltaRuleInputs(state=ours_pool, **step))
+    timed = GatedDeltaRuleInputs(state=pool, **step)
+    t_ours = median_ms(lambda: fused_recurrent_gated_delta_rule(inputs=timed))
     moved = 2 * B * H * K * V * 4
     print(f"copy bandwidth {bw:.2f} TB/s; decode byte floor {floor_us:.0f} us")
     print(
@@ -156,7 +164,10 @@ def varlen_prefill(chunk_gated_delta_rule: Callable, scale: float, seqs: int = 4
     cu = torch.tensor(cu_host, dtype=torch.int32, device="cuda")
     read = torch.full((seqs,), -1, dtype=torch.int32, device="cuda")
     write = torch.arange(seqs, dtype=torch.int32, device="cuda")
-    host = {"cu_seqlens_host": cu_host, "host_indices": ([-1] * seqs, list(range(seqs)))}
+    step = GatedDeltaRuleInputs(
+        q=q, k=k, v=v, g=decay, beta=beta, state=state, read_indices=read, write_indices=write,
+        scale=scale, cu_seqlens=cu, cu_seqlens_host=cu_host,
+        host_indices=([-1] * seqs, list(range(seqs))))
     chunks, cu_long = fla_chunk_indices(cu_host, 64, q.device), cu.long()
 
     def fla_varlen() -> torch.Tensor:
@@ -166,8 +177,7 @@ def varlen_prefill(chunk_gated_delta_rule: Callable, scale: float, seqs: int = 4
             chunk_indices=chunks)[0][0]  # fmt: skip
 
     def layer_path(kernel: Callable) -> Callable[[], torch.Tensor]:
-        return lambda: gdn_prefill_fla(q, k, v, decay, beta, state, cu, read, write, scale,
-                                       kernel=kernel, **host)
+        return lambda: chunk_gated_delta_rule_fla(inputs=step, kernel=kernel)
 
     want, t_fla = fla_varlen(), median_ms(fla_varlen)
     print(f"prefill {seqs} x {T // seqs}: fla varlen call (chunk map given) {t_fla * 1e3:.0f} us")
@@ -193,24 +203,24 @@ def prefill(chunk_gated_delta_rule: Callable | None, scale: float, profiled: boo
     kernel = choose_prefill_kernel(use_triton=True, device=q.device, dtype=q.dtype, head_k_dim=K)
     # bound once, as the layer binds it: fla's forward called directly where it binds
     bound = {"kernel": fla_chunk_kernel()} if kernel == "fla" else {}
-    chosen = functools.partial(gdn_prefill_fla, **bound) if kernel == "fla" else gdn_prefill_triton
+    chosen = (functools.partial(chunk_gated_delta_rule_fla, **bound) if kernel == "fla"
+              else ours_chunk)
+    step = dict(q=q, k=k, v=v, g=decay, beta=beta, state=state, read_indices=read,
+                write_indices=write, scale=scale, cu_seqlens=cu, cu_seqlens_host=[0, T])
+    ours_step = GatedDeltaRuleInputs(**step)
+    # the layer's call: host copies of the offsets, and for fla of the indices too
+    layer_step = GatedDeltaRuleInputs(**step, host_indices=([-1], [0]) if kernel == "fla"
+                                      else None)
 
     def ours_prefill() -> torch.Tensor:
-        return gdn_prefill_triton(
-            q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T]
-        )
-
-    # the layer's call: host copies of the offsets, and for fla of the indices too
-    host = {"host_indices": ([-1], [0])} if kernel == "fla" else {}
+        return ours_chunk(inputs=ours_step)
 
     def dispatched() -> torch.Tensor:
-        return chosen(q, k, v, decay, beta, state, cu, read, write, scale, cu_seqlens_host=[0, T],
-                      **host)
+        return chosen(inputs=layer_step)
 
     def dispatched_public() -> torch.Tensor:
         # the layer's path through fla's public call: what the direct forward saves
-        return gdn_prefill_fla(q, k, v, decay, beta, state, cu, read, write, scale,
-                               cu_seqlens_host=[0, T], kernel=chunk_gated_delta_rule, **host)
+        return chunk_gated_delta_rule_fla(inputs=layer_step, kernel=chunk_gated_delta_rule)
 
     paths = []
     if triton_prefill:

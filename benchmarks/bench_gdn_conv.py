@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import attrs
 import torch
 from common import copy_bandwidth_tbps, graph_ms, rel_err
 
-from kvrunner_gdn.kernels.conv_prefill import (
-    conv1d_prefill_split_triton,
-    conv1d_prefill_triton,
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.short_conv.prefill import (
     default_conv_tiles,
+    short_conv_prefill,
+    short_conv_prefill_split,
 )
 from kvrunner_gdn.state import STATE_DTYPE
 
@@ -54,7 +56,9 @@ def one_step(name: str, lens: list[int], history: bool, sweep: bool, bw: float) 
     read = torch.arange(seqs, dtype=torch.int32, device="cuda") if history else -torch.ones(
         seqs, dtype=torch.int32, device="cuda")
     write = torch.arange(seqs, 2 * seqs, dtype=torch.int32, device="cuda")
-    conv = (x, pool, weight, None, cu, read, write, max(lens))
+    conv = ShortConvInputs(x=x, conv_state=pool, weight=weight, read_indices=read,
+                           write_indices=write, cu_seqlens=cu, max_seqlen=max(lens))
+    known = attrs.evolve(conv, total_tokens=tokens)  # the host knows every row is written
     floor_us = 2 * x.numel() * x.element_size() / (bw * 1e12) * 1e6
     print(f"== {name}: {seqs} x {lens[0]} tokens, {DIM} channels; floor {floor_us:.1f} us")
 
@@ -64,19 +68,19 @@ def one_step(name: str, lens: list[int], history: bool, sweep: bool, bw: float) 
         print(f"  {label:<44} {us:8.1f} us  {us / floor_us:5.2f}x floor")
         return us
 
-    want = conv1d_prefill_triton(*conv).float()
+    want = short_conv_prefill(inputs=conv).float()
     ours = row(f"ours, default tile {default_conv_tiles(DIM, max(lens))}",
-               lambda: conv1d_prefill_triton(*conv, total_tokens=tokens))
-    cut = torch.cat(conv1d_prefill_split_triton(*conv, SECTIONS, total_tokens=tokens), 1)
+               lambda: short_conv_prefill(inputs=known))
+    cut = torch.cat(short_conv_prefill_split(inputs=known, sections=SECTIONS), 1)
     row("ours, q/k/v as three sections",
-        lambda: conv1d_prefill_split_triton(*conv, SECTIONS, total_tokens=tokens))
+        lambda: short_conv_prefill_split(inputs=known, sections=SECTIONS))
     print(f"  sections equal the whole output: {torch.equal(cut.float(), want)}")
     if sweep:
         differ = []
         for tiles in itertools.product(SWEEP_T, SWEEP_D, SWEEP_WARPS, (False, True)):
             if tiles[0] * tiles[1] > 2048 * tiles[2]:
                 continue  # over 64 fp32 accumulators a thread: spills (measured 12-16x slower)
-            fn = lambda t=tiles: conv1d_prefill_triton(*conv, tiles=t, total_tokens=tokens)
+            fn = lambda t=tiles: short_conv_prefill(inputs=known, tiles=t)
             if not torch.equal(fn().float(), want):
                 differ.append(tiles)
             row(f"  tile {tiles}", fn)

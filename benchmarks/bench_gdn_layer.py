@@ -5,7 +5,7 @@ one run:
 - column slices: the conv's ``[T, conv_dim]`` output cut into q/k/v views, which fla's
   call copies to dense tensors;
 - sections: the conv writes q, k and v as three dense tensors
-  (``conv1d_prefill_split_triton``, the layer's fla path), in the same one output
+  (``short_conv_prefill_split``, the layer's fla path), in the same one output
   launch.
 
 Both tell the conv that the sequence covers every row (``total_tokens``), as the
@@ -30,8 +30,10 @@ import torch
 from bench_gdn import where_the_time_goes
 from common import copy_bandwidth_tbps, host_us, median_ms, rel_err
 
-from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_split_triton, conv1d_prefill_triton
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_kernel, gdn_prefill_fla
+from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import chunk_gated_delta_rule_fla, fla_chunk_kernel
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.short_conv.prefill import short_conv_prefill, short_conv_prefill_split
 from kvrunner_gdn.state import STATE_DTYPE
 
 HK, HV, DK, DV, WIDTH, T = 16, 32, 128, 128, 4, 4096
@@ -57,19 +59,21 @@ def main() -> None:
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     read = torch.tensor([-1], dtype=torch.int32, device="cuda")  # fresh: no history read
     write = torch.tensor([0], dtype=torch.int32, device="cuda")
-    host = dict(cu_seqlens_host=[0, T], host_indices=([-1], [0]))
-    conv = (mixed, conv_state, weight, None, cu, read, write, T)
+    conv = ShortConvInputs(x=mixed, conv_state=conv_state, weight=weight, read_indices=read,
+                           write_indices=write, cu_seqlens=cu, max_seqlen=T, total_tokens=T)
 
     def recurrence(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
         q, k = (t.unflatten(1, (HK, DK)) for t in (q2, k2))
-        return gdn_prefill_fla(q, k, v2.unflatten(1, (HV, DV)), g, beta, ssm_state, cu, read,
-                               write, DK**-0.5, kernel=kernel, **host)
+        return chunk_gated_delta_rule_fla(inputs=GatedDeltaRuleInputs(
+            q=q, k=k, v=v2.unflatten(1, (HV, DV)), g=g, beta=beta, state=ssm_state,
+            read_indices=read, write_indices=write, scale=DK**-0.5, cu_seqlens=cu,
+            cu_seqlens_host=[0, T], host_indices=([-1], [0])), kernel=kernel)
 
     def slices_conv() -> tuple[torch.Tensor, ...]:
-        return conv1d_prefill_triton(*conv, total_tokens=T).split(sections, 1)
+        return short_conv_prefill(inputs=conv).split(sections, 1)
 
     def sections_conv() -> tuple[torch.Tensor, ...]:
-        return conv1d_prefill_split_triton(*conv, sections, total_tokens=T)
+        return short_conv_prefill_split(inputs=conv, sections=sections)
 
     def column_slices() -> torch.Tensor:
         return recurrence(*slices_conv())

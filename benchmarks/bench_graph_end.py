@@ -93,8 +93,8 @@ def main() -> None:
                              for e in reversed(GRAPH_ENDS))
             ratio = ms["tokens", sampling, b] / ms["hidden", sampling, b]
             print(f"{sampling:>8} {b:>5} {floor:>8.3f} {cells} {ratio:>13.3f}")
-    print(f"\nunseeded, keyed now against the shared generator before\n{'batch':>5} "
-          + " ".join(f"{e + ' now/before':>20}" for e in reversed(GRAPH_ENDS)))
+    print(f"\nunseeded, keyed by the engine against drawn from the shared generator\n"
+          f"{'batch':>5} " + " ".join(f"{e + ' keyed/shared':>20}" for e in reversed(GRAPH_ENDS)))
     for b in BATCHES:
         print(f"{b:>5} " + " ".join(f"{ms[e, 'unseeded', b] / ms[e, 'shared', b]:>20.3f}"
                                      for e in reversed(GRAPH_ENDS)))

@@ -9,7 +9,8 @@
 # Node ids run in the order given; naming a whole file beside them reorders by file.
 # Triton's cache (compiled kernels, and the autotune results fla keeps there) can be
 # kept between runs: SAVE_TRITON_CACHE=1 writes it to $OUT as triton_cache.tgz.part-NN
-# (parts of 15 MiB); with those parts in .triton_cache/, a run starts from that cache.
+# (parts of TRITON_CACHE_PART bytes, default 15M); with those parts in .triton_cache/, a run
+# starts from that cache.
 # It unpacks to the same path: Triton's cache records absolute paths.
 set -u
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ fi
 save_triton_cache() {
   [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -n "${OUT:-}" ] || return 0
   tar czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . \
-    && split -b 15M -d /tmp/triton_cache.tgz "$OUT/triton_cache.tgz.part-" \
+    && split -b "${TRITON_CACHE_PART:-15M}" -d /tmp/triton_cache.tgz "$OUT/triton_cache.tgz.part-" \
     && echo "Triton cache: $(du -h /tmp/triton_cache.tgz | cut -f1) in $(ls "$OUT"/triton_cache.tgz.part-* | wc -l) part(s)"
 }
 trap save_triton_cache EXIT

@@ -21,7 +21,8 @@ from kvrunner.plugin_api import BackendContext, ModelSpec, StepBatch, StepMetada
 from kvrunner.plugin_api.step_data import pad_block_tables
 from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.testing.host_reads import allow_host_reads
-from kvrunner_gdn.kernels.reference import ref_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
 PAD = -1
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,6 +31,14 @@ ROLES = ("fresh", "cont", "fork", "pad")
 #: relative RMS of 1e-4 is loose enough for any order of summation and far below
 #: what any wrong term would give.
 TOL = 1e-4
+
+
+def delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, state: torch.Tensor, read: torch.Tensor,
+                 write: torch.Tensor, scale: float, **rest) -> GatedDeltaRuleInputs:
+    """One step's gated-delta-rule record from the tensors in their usual order."""
+    return GatedDeltaRuleInputs(q=q, k=k, v=v, g=g, beta=beta, state=state, read_indices=read,
+                                write_indices=write, scale=scale, **rest)
 
 
 @attrs.frozen
@@ -232,9 +241,9 @@ def oracle_in_fla_layout(q, k, v, g, beta, *, scale, initial_state, output_final
     out = torch.full(v.shape, float("nan"))
     finals = []
     for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-        o, final = ref_gated_delta_rule(q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi],
-                                        beta[0, lo:hi], initial_state[s], scale,
-                                        use_qk_l2norm_in_kernel)
+        o, final = naive_recurrent_gated_delta_rule(
+            q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi], initial_state[s],
+            scale, use_qk_l2norm_in_kernel)
         out[0, lo:hi] = o
         finals.append(final)
     return out.to(q.dtype), torch.stack(finals)

@@ -24,15 +24,26 @@ from gdn_testkit import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner_gdn.kernels.conv_prefill import (
-    conv1d_prefill,
-    conv1d_prefill_split_triton,
-    conv1d_prefill_triton,
-)
-from kvrunner_gdn.kernels.conv_update import conv1d_update
-from kvrunner_gdn.kernels.reference import ref_causal_conv1d
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.short_conv.naive import naive_short_conv
+from kvrunner_gdn.ops.short_conv.prefill import short_conv_prefill, short_conv_prefill_split
+from kvrunner_gdn.ops.short_conv.prefill_torch import short_conv_prefill_torch
+from kvrunner_gdn.ops.short_conv.update import short_conv_update
+from kvrunner_gdn.ops.short_conv.update_torch import short_conv_update_torch
 
-PATHS = [pytest.param(True, id="triton"), pytest.param(False, id="torch")]
+UPDATES = [pytest.param(short_conv_update, id="triton"),
+           pytest.param(short_conv_update_torch, id="torch")]
+PREFILLS = [pytest.param(short_conv_prefill, id="triton"),
+            pytest.param(short_conv_prefill_torch, id="torch")]
+
+
+def conv_inputs(x, pool, weight, bias, read, write, cu_seqlens=None, max_seqlen=None,
+                **hints) -> ShortConvInputs:
+    """One step's record, every tensor on the test device."""
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    return ShortConvInputs(x=dev(x), conv_state=pool, weight=dev(weight), bias=dev(bias),
+                           read_indices=read, write_indices=write, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen, **hints)
 
 
 def _setup(case: Case, dim: int, width: int, with_bias: bool):
@@ -52,50 +63,50 @@ def _check_against_oracle(case, pool_before, pool_after, x, out, weight, bias):
             assert torch.count_nonzero(out[rows]) == 0, f"PAD row {i} produced output"
             continue
         history = pool_before[case.read[i]] if case.read[i] >= 0 else None
-        ref_out, ref_state = ref_causal_conv1d(x[rows], weight, bias, history)
+        ref_out, ref_state = naive_short_conv(x[rows], weight, bias, history)
         assert rel_rms(out[rows], ref_out) < TOL, f"sequence {i} output"
         assert rel_rms(pool_after[case.write[i]], ref_state) < TOL, f"sequence {i} conv state"
     assert_untouched(pool_before, pool_after, case)
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("update", UPDATES)
 @given(
     case=cases(max_len=1),
     dim=st.sampled_from((12, 40)),
     width=st.sampled_from((3, 4)),
     with_bias=st.booleans(),
 )
-def test_conv_update_matches_oracle_and_writes_only_its_slots(use_triton, case, dim, width,
+def test_conv_update_matches_oracle_and_writes_only_its_slots(update, case, dim, width,
                                                               with_bias):
     pool, x, weight, bias = _setup(case, dim, width, with_bias)
     pool_dev = pool.to(DEVICE, copy=True)
     read, write = case.indices()
-    dev = lambda t: None if t is None else t.to(DEVICE)
-    out = conv1d_update(x.to(DEVICE), pool_dev, weight.to(DEVICE), dev(bias), read, write,
-                        use_triton=use_triton)
+    out = update(inputs=conv_inputs(x, pool_dev, weight, bias, read, write))
     _check_against_oracle(case, pool, pool_dev.cpu(), x, out.cpu(), weight, bias)
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("prefill", PREFILLS)
 @given(
     case=cases(max_len=9),
     dim=st.sampled_from((12, 40)),
     width=st.sampled_from((3, 4)),
     with_bias=st.booleans(),
 )
-def test_conv_prefill_matches_oracle_and_writes_only_its_slots(use_triton, case, dim, width,
+def test_conv_prefill_matches_oracle_and_writes_only_its_slots(prefill, case, dim, width,
                                                                with_bias):
     pool, x, weight, bias = _setup(case, dim, width, with_bias)
     pool_dev = pool.to(DEVICE, copy=True)
     read, write = case.indices()
-    dev = lambda t: None if t is None else t.to(DEVICE)
-    out = conv1d_prefill(x.to(DEVICE), pool_dev, weight.to(DEVICE), dev(bias), case.cu_seqlens,
-                         read, write, max(case.lens), use_triton=use_triton)
+    out = prefill(inputs=conv_inputs(x, pool_dev, weight, bias, read, write, case.cu_seqlens,
+                                     max(case.lens)))
     _check_against_oracle(case, pool, pool_dev.cpu(), x, out.cpu(), weight, bias)
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
-def test_conv_prefill_then_updates_equal_one_long_conv(use_triton):
+@pytest.mark.parametrize(("prefill", "update"), [
+    pytest.param(short_conv_prefill, short_conv_update, id="triton"),
+    pytest.param(short_conv_prefill_torch, short_conv_update_torch, id="torch"),
+])
+def test_conv_prefill_then_updates_equal_one_long_conv(prefill, update):
     """A 2-token prefill (shorter than the window) then 5 decode updates through the same
     slot give exactly the conv of the 7-token sequence: the history carries across steps."""
     gen = torch.Generator().manual_seed(0)
@@ -104,13 +115,12 @@ def test_conv_prefill_then_updates_equal_one_long_conv(use_triton):
     weight, bias = torch.randn(dim, width, generator=gen), torch.randn(dim, generator=gen)
     pool = torch.full((5, dim, width - 1), float("nan"), device=DEVICE)
     idx = lambda v: torch.tensor([v], dtype=torch.int32, device=DEVICE)
-    d = lambda t: t.to(DEVICE)
-    outs = [conv1d_prefill(d(x[:2]), pool, d(weight), d(bias), idx(0).new_tensor([0, 2]),
-                           idx(-1), idx(slot), 2, use_triton=use_triton)]
+    outs = [prefill(inputs=conv_inputs(x[:2], pool, weight, bias, idx(-1), idx(slot),
+                                       idx(0).new_tensor([0, 2]), 2))]
     for t in range(2, 7):
-        outs.append(conv1d_update(d(x[t : t + 1]), pool, d(weight), d(bias), idx(slot), idx(slot),
-                                  use_triton=use_triton))
-    ref_out, ref_state = ref_causal_conv1d(x, weight, bias, None)
+        outs.append(update(inputs=conv_inputs(x[t : t + 1], pool, weight, bias, idx(slot),
+                                              idx(slot))))
+    ref_out, ref_state = naive_short_conv(x, weight, bias, None)
     assert rel_rms(torch.cat(outs).cpu(), ref_out) < TOL
     assert rel_rms(pool[slot].cpu(), ref_state) < TOL
 
@@ -130,10 +140,9 @@ def test_the_sectioned_conv_prefill_is_the_whole_outputs_column_slices_bit_for_b
     pool, x, weight, bias = _setup(case, dim, width, with_bias)
     read, write = case.indices()
     whole_pool, cut_pool = pool.to(DEVICE, copy=True), pool.to(DEVICE, copy=True)
-    dev = lambda t: None if t is None else t.to(DEVICE)
-    args = (weight.to(DEVICE), dev(bias), case.cu_seqlens, read, write, max(case.lens))
-    whole = conv1d_prefill_triton(x.to(DEVICE), whole_pool, *args)
-    cut = conv1d_prefill_split_triton(x.to(DEVICE), cut_pool, *args, widths)
+    args = (weight, bias, read, write, case.cu_seqlens, max(case.lens))
+    whole = short_conv_prefill(inputs=conv_inputs(x, whole_pool, *args))
+    cut = short_conv_prefill_split(inputs=conv_inputs(x, cut_pool, *args), sections=widths)
     assert [tuple(part.shape) for part in cut] == [(x.shape[0], w) for w in widths]
     for i, (part, columns) in enumerate(zip(cut, whole.split(widths, 1), strict=True)):
         assert part.is_contiguous() and same_bytes(part, columns), f"section {i}"
@@ -158,10 +167,9 @@ def test_every_tile_of_the_triton_conv_prefill_matches_the_oracle(
     pool, x, weight, bias = _setup(case, 40, width, with_bias)
     pool_dev = pool.to(DEVICE, copy=True)
     read, write = case.indices()
-    dev = lambda t: None if t is None else t.to(DEVICE)
-    out = conv1d_prefill_triton(x.to(DEVICE), pool_dev, weight.to(DEVICE), dev(bias),
-                                case.cu_seqlens, read, write, max(case.lens),
-                                tiles=(block_t, block_d, warps, channels_fastest))
+    out = short_conv_prefill(inputs=conv_inputs(x, pool_dev, weight, bias, read, write,
+                                                case.cu_seqlens, max(case.lens)),
+                             tiles=(block_t, block_d, warps, channels_fastest))
     _check_against_oracle(case, pool, pool_dev.cpu(), x, out.cpu(), weight, bias)
 
 
@@ -174,13 +182,15 @@ def test_told_that_the_sequences_cover_every_row_the_conv_skips_zeroing_and_writ
     dim = sum(widths)
     pool, x, weight, _ = _setup(case, dim, 4, False)
     read, write = case.indices()
-    args = (weight.to(DEVICE), None, case.cu_seqlens, read, write, max(case.lens), widths)
-    want = conv1d_prefill_split_triton(x.to(DEVICE), pool.to(DEVICE, copy=True), *args)
+    args = (weight, None, read, write, case.cu_seqlens, max(case.lens))
+    want = short_conv_prefill_split(inputs=conv_inputs(x, pool.to(DEVICE, copy=True), *args),
+                                    sections=widths)
     pools = pool.to(DEVICE, copy=True)
     # Freed NaN blocks of every section's size, for the allocator to hand back.
     garbage = [torch.full((x.shape[0], w), float("nan"), device=DEVICE) for w in widths]
     del garbage
-    got = conv1d_prefill_split_triton(x.to(DEVICE), pools, *args, total_tokens=x.shape[0])
+    got = short_conv_prefill_split(inputs=conv_inputs(x, pools, *args, total_tokens=x.shape[0]),
+                                   sections=widths)
     for i, (part, expected) in enumerate(zip(got, want, strict=True)):
         assert same_bytes(part, expected), f"section {i}"
 
@@ -191,4 +201,5 @@ def test_sections_that_do_not_cover_the_channels_are_refused():
     read, write = case.indices()
     for bad in ((3, 4), (4, 5), (8, 0)):
         with pytest.raises(ValueError, match="sum to 8"):
-            conv1d_prefill_split_triton(x, pool, weight, None, case.cu_seqlens, read, write, 3, bad)
+            short_conv_prefill_split(inputs=conv_inputs(x, pool.to(DEVICE), weight, None, read,
+                                                        write, case.cu_seqlens, 3), sections=bad)

@@ -20,6 +20,7 @@ from gdn_testkit import (
     Heads,
     assert_untouched,
     cases,
+    delta_inputs,
     heads,
     make_manager,
     oracle_in_fla_layout,
@@ -36,13 +37,13 @@ from kvrunner import LLM, SamplingParams
 from kvrunner.config import KernelsConfig
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.testing.host_reads import forbid_host_reads
-from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.fla_prefill import (
+from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import (
+    chunk_gated_delta_rule_fla,
     fla_chunk_indices,
     fla_chunk_kernel,
-    gdn_prefill_fla,
 )
-from kvrunner_gdn.kernels.reference import l2norm, ref_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.chunk_torch import chunk_gated_delta_rule_torch
+from kvrunner_gdn.ops.gated_delta_rule.naive import l2norm, naive_recurrent_gated_delta_rule
 from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 
 #: a layer fla serves under ``auto``: Triton on CUDA, bf16, Qwen3-Next's head size
@@ -157,7 +158,7 @@ def oracle_per_sequence(q, k, v, g, beta, pool, case, scale):
         if w < 0:
             continue
         start = pool[r] if r >= 0 else torch.zeros_like(pool[0])
-        out[rows], finals[w] = ref_gated_delta_rule(q[rows], k[rows], v[rows], g[rows],
+        out[rows], finals[w] = naive_recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows],
                                                     beta[rows], start, scale, True)
     for w, final in finals.items():  # after every read: a slot read and written swaps
         pool[w] = final
@@ -182,10 +183,12 @@ def test_the_wrapper_reads_and_writes_only_through_the_indices(case, h):
     host_indices = (case.read, case.write) if case.seed % 2 else None
     # Around the stand-in (which reads its offsets on the host, as fla need not), the
     # wrapper may read no tensor value on the host: on CUDA that is a wait for the device.
-    with forbid_host_reads("gdn_prefill_fla"):
-        out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write,
-                              h.dk**-0.5, chunk_size=16, cu_seqlens_host=host,
-                              host_indices=host_indices, kernel=unguarded(oracle_in_fla_layout))
+    with forbid_host_reads("chunk_gated_delta_rule_fla"):
+        out = chunk_gated_delta_rule_fla(
+            inputs=delta_inputs(q, k, v, g, beta, after, read, write, h.dk**-0.5,
+                                cu_seqlens=case.cu_seqlens, chunk_size=16,
+                                cu_seqlens_host=host, host_indices=host_indices),
+            kernel=unguarded(oracle_in_fla_layout))
     for i in range(case.num_seqs):
         rows = seq_rows(case, i)
         if case.write[i] < 0:
@@ -221,10 +224,12 @@ def test_one_running_sequence_takes_fla_plain_call_and_one_state_write(history):
         return oracle_in_fla_layout(*args, **kwargs)
 
     after = pool.clone()
-    with forbid_host_reads("gdn_prefill_fla"):
-        out = gdn_prefill_fla(q, k, v, g, beta, after, cu, read, write, h.dk**-0.5,
-                              cu_seqlens_host=[0, 21], host_indices=([read_slot], [write_slot]),
-                              kernel=unguarded(recorded))
+    with forbid_host_reads("chunk_gated_delta_rule_fla"):
+        out = chunk_gated_delta_rule_fla(
+            inputs=delta_inputs(q, k, v, g, beta, after, read, write, h.dk**-0.5, cu_seqlens=cu,
+                                cu_seqlens_host=[0, 21],
+                                host_indices=([read_slot], [write_slot])),
+            kernel=unguarded(recorded))
     (call,) = calls
     assert call.get("cu_seqlens") is None and call.get("chunk_indices") is None
     assert (call["initial_state"] is None) == (not history)
@@ -254,9 +259,11 @@ def test_the_wrapper_with_only_pad_rows_writes_no_slot_and_outputs_zeros():
     after = pool.clone()
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     pad = torch.tensor([-1, -1], dtype=torch.int32)
-    with forbid_host_reads("gdn_prefill_fla"):
-        out = gdn_prefill_fla(q, k, v, g, beta, after, cu, torch.tensor([1, -1], dtype=torch.int32),
-                              pad, h.dk**-0.5, kernel=unguarded(oracle_in_fla_layout))
+    with forbid_host_reads("chunk_gated_delta_rule_fla"):
+        out = chunk_gated_delta_rule_fla(
+            inputs=delta_inputs(q, k, v, g, beta, after, torch.tensor([1, -1], dtype=torch.int32),
+                                pad, h.dk**-0.5, cu_seqlens=cu),
+            kernel=unguarded(oracle_in_fla_layout))
     assert torch.count_nonzero(out) == 0
     assert same_bytes(pool, after)
 
@@ -294,15 +301,19 @@ def test_fla_equals_the_torch_path_on_varlen_batches_with_history(fla_kernel, ca
     # (a no-op in fp32): a one-token q.k near zero otherwise magnifies that rounding
     # alone past the bound (seen at 16-wide heads, 1.5e-2), which says nothing of fla.
     qn, kn = (l2norm(t.float()).to(dtype) for t in (q, k))
-    expected = gdn_prefill_torch(qn, kn, v, g, beta, expected_pool, case.cu_seqlens, read,
-                                 write, h.dk**-0.5, use_qk_l2norm=False)
+    expected = chunk_gated_delta_rule_torch(inputs=delta_inputs(
+        qn, kn, v, g, beta, expected_pool, read, write, h.dk**-0.5, cu_seqlens=case.cu_seqlens,
+        use_qk_l2norm=False))
     after = pool.clone()
     # Half the batches without the host offsets: then fla builds its chunk map itself.
     host = case.cu_seqlens.tolist() if case.seed % 2 else None
     # ... and a third with the host indices too (fla's call planned on them)
     host_indices = (case.read, case.write) if host is not None and case.seed % 3 else None
-    out = gdn_prefill_fla(q, k, v, g, beta, after, case.cu_seqlens, read, write, h.dk**-0.5,
-                          cu_seqlens_host=host, host_indices=host_indices, kernel=fla_kernel)
+    out = chunk_gated_delta_rule_fla(
+        inputs=delta_inputs(q, k, v, g, beta, after, read, write, h.dk**-0.5,
+                            cu_seqlens=case.cu_seqlens, cu_seqlens_host=host,
+                            host_indices=host_indices),
+        kernel=fla_kernel)
     assert out.dtype == dtype
     for i in range(case.num_seqs):
         rows = seq_rows(case, i)

@@ -14,8 +14,16 @@ from gdn_testkit import DEVICE, Heads, cases, qkvgb, same_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrunner_gdn.kernels.fla_forward import CHECKED_VERSIONS, FlaDirectForward, fla_direct_forward
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_indices, fla_chunk_kernel, fla_chunk_maps
+from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import (
+    fla_chunk_indices,
+    fla_chunk_kernel,
+    fla_chunk_maps,
+)
+from kvrunner_gdn.ops.gated_delta_rule.fla_forward import (
+    CHECKED_VERSIONS,
+    FlaDirectForward,
+    fla_direct_forward,
+)
 
 
 @given(lens=st.lists(st.integers(0, 200), min_size=1, max_size=6),

@@ -1,6 +1,6 @@
 """Our oracle and our layer agree with Hugging Face's Qwen3-Next implementation.
 
-The kernels are tested against :mod:`kvrunner_gdn.kernels.reference`; this file pins
+The kernels are tested against the naive definitions (``kvrunner_gdn.ops.*.naive``); this file pins
 that reference (and the layer's channel layout) to transformers' own
 ``Qwen3NextGatedDeltaNet`` math, so "matches the oracle" means "matches the model".
 """
@@ -12,7 +12,8 @@ import torch
 from gdn_testkit import DEVICE, MAX_SEQS, TOL, make_manager, rel_rms, step_metadata
 
 from kvrunner.plugin_api import ModelSpec
-from kvrunner_gdn.kernels.reference import ref_causal_conv1d, ref_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from kvrunner_gdn.ops.short_conv.naive import naive_short_conv
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 Qwen3NextConfig = pytest.importorskip("transformers").Qwen3NextConfig
@@ -32,7 +33,7 @@ def test_reference_recurrence_matches_hf_with_initial_state():
         rep(q), rep(k), v[None], g=g[None], beta=beta[None], initial_state=s0[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
-    out, state = ref_gated_delta_rule(q, k, v, g, beta, s0)
+    out, state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     assert rel_rms(out, hf_out[0]) < TOL
     assert rel_rms(state, hf_state[0]) < TOL
 
@@ -46,7 +47,7 @@ def test_reference_conv_matches_hf_conv_update_state_convention():
     state = torch.randn(dim, width - 1, generator=gen)
     hf_state = state[None].clone()
     hf_out = hf.causal_conv1d_update(x.T[None], hf_state, weight, None, "silu")
-    out, final = ref_causal_conv1d(x, weight, None, state)
+    out, final = naive_short_conv(x, weight, None, state)
     assert rel_rms(out, hf_out[0].T) < TOL
     assert rel_rms(final, hf_state[0]) < TOL
 

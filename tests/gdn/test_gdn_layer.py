@@ -14,8 +14,9 @@ from gdn_testkit import DEVICE, MAX_SEQS, TINY_MODEL, TOL, make_manager, rel_rms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrunner_gdn.kernels.reference import ref_causal_conv1d, ref_gated_delta_rule
 from kvrunner_gdn.layer import GDNLayer
+from kvrunner_gdn.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from kvrunner_gdn.ops.short_conv.naive import naive_short_conv
 
 PATHS = [pytest.param(True, id="triton"), pytest.param(False, id="torch")]
 LAYER = TINY_MODEL.layers_of_type("linear_attention")[1]
@@ -24,11 +25,11 @@ LAYER = TINY_MODEL.layers_of_type("linear_attention")[1]
 def reference_layer(layer: GDNLayer, mixed_qkv, g, beta, weight) -> torch.Tensor:
     """Conv + split + gated delta rule over one whole sequence, from zero state."""
     sh = layer.shapes
-    x, _ = ref_causal_conv1d(mixed_qkv.cpu(), weight.cpu(), None, None)
+    x, _ = naive_short_conv(mixed_qkv.cpu(), weight.cpu(), None, None)
     q = x[:, : sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
     k = x[:, sh.key_dim : 2 * sh.key_dim].unflatten(1, (sh.num_key_heads, sh.head_k_dim))
     v = x[:, 2 * sh.key_dim :].unflatten(1, (sh.num_value_heads, sh.head_v_dim))
-    out, _ = ref_gated_delta_rule(q, k, v, g.cpu(), beta.cpu(), None)
+    out, _ = naive_recurrent_gated_delta_rule(q, k, v, g.cpu(), beta.cpu(), None)
     return out
 
 

@@ -16,6 +16,7 @@ from gdn_testkit import (
     Heads,
     assert_untouched,
     cases,
+    delta_inputs,
     heads,
     poison_fresh_slots,
     qkvgb,
@@ -24,11 +25,16 @@ from gdn_testkit import (
 )
 from hypothesis import given
 
-from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill
-from kvrunner_gdn.kernels.recurrent_decode import gdn_decode
-from kvrunner_gdn.kernels.reference import ref_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.chunk_torch import chunk_gated_delta_rule_torch
+from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent_torch import (
+    fused_recurrent_gated_delta_rule_torch,
+)
+from kvrunner_gdn.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
-PATHS = [pytest.param(True, id="triton"), pytest.param(False, id="torch")]
+PREFILLS = [pytest.param(chunk_gated_delta_rule, id="triton"),
+            pytest.param(chunk_gated_delta_rule_torch, id="torch")]
 CHUNK = 16  # small, so short test sequences still span several chunks
 
 
@@ -41,17 +47,17 @@ def _idx(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("prefill", PREFILLS)
 @given(case=cases(max_len=2 * CHUNK + 3), h=heads)
-def test_prefill_matches_token_loop_and_writes_only_its_slots(use_triton, case, h):
+def test_prefill_matches_token_loop_and_writes_only_its_slots(prefill, case, h):
     gen = torch.Generator().manual_seed(case.seed)
     pool = torch.randn(case.num_slots, h.hv, h.dk, h.dv, generator=gen)
     poison_fresh_slots(pool, case)
     q, k, v, g, beta = qkvgb(h, sum(case.lens), gen)
     pool_dev = pool.to(DEVICE, copy=True)
     read, write = case.indices()
-    out = gdn_prefill(q, k, v, g, beta, pool_dev, case.cu_seqlens, read, write, h.dk**-0.5,
-                      chunk_size=CHUNK, use_triton=use_triton)
+    out = prefill(inputs=delta_inputs(q, k, v, g, beta, pool_dev, read, write, h.dk**-0.5,
+                                      cu_seqlens=case.cu_seqlens, chunk_size=CHUNK))
     out, after = out.cpu(), pool_dev.cpu()
 
     for i in range(case.num_seqs):
@@ -60,7 +66,7 @@ def test_prefill_matches_token_loop_and_writes_only_its_slots(use_triton, case, 
             assert torch.count_nonzero(out[rows]) == 0, f"PAD sequence {i} produced output"
             continue
         initial = pool[case.read[i]] if case.read[i] >= 0 else None
-        ref_out, ref_state = ref_gated_delta_rule(
+        ref_out, ref_state = naive_recurrent_gated_delta_rule(
             *(t[rows].cpu() for t in (q, k, v, g, beta)), initial
         )
         assert rel_rms(out[rows], ref_out) < TOL, f"sequence {i} (len {case.lens[i]}) output"
@@ -69,8 +75,8 @@ def test_prefill_matches_token_loop_and_writes_only_its_slots(use_triton, case, 
 
 
 @pytest.mark.parametrize("chunk", [CHUNK, 64])
-@pytest.mark.parametrize("use_triton", PATHS)
-def test_prefill_lengths_off_the_chunk_grid_and_strong_decay(use_triton, chunk):
+@pytest.mark.parametrize("prefill", PREFILLS)
+def test_prefill_lengths_off_the_chunk_grid_and_strong_decay(prefill, chunk):
     """Lengths 1, chunk-1, chunk+1, 2*chunk+3, one value head per decay regime, from
     exp(-30) per token (the chunk math must stay finite: all exponents <= 0) to almost
     none (so tokens a whole chunk apart still interact: a 64-token chunk is four
@@ -83,13 +89,14 @@ def test_prefill_lengths_off_the_chunk_grid_and_strong_decay(use_triton, chunk):
     g = (-per_head * torch.rand(sum(lens), h.hv, generator=gen) ** 3).to(DEVICE)
     pool = torch.randn(4, h.hv, h.dk, h.dv, generator=gen).to(DEVICE)
     before = pool.clone()
-    out = gdn_prefill(q, k, v, g, beta, pool, _cu(lens), _idx(0, 1, -1, 3), _idx(0, 1, 2, 3),
-                      h.dk**-0.5, chunk_size=chunk, use_triton=use_triton)
+    out = prefill(inputs=delta_inputs(q, k, v, g, beta, pool, _idx(0, 1, -1, 3),
+                                      _idx(0, 1, 2, 3), h.dk**-0.5, cu_seqlens=_cu(lens),
+                                      chunk_size=chunk))
     start = 0
     for i, n in enumerate(lens):
         rows = slice(start, start + n)
         initial = before[i].cpu() if i != 2 else None
-        ref_out, ref_state = ref_gated_delta_rule(
+        ref_out, ref_state = naive_recurrent_gated_delta_rule(
             *(t[rows].cpu() for t in (q, k, v, g, beta)), initial
         )
         assert torch.isfinite(out[rows]).all()
@@ -98,8 +105,12 @@ def test_prefill_lengths_off_the_chunk_grid_and_strong_decay(use_triton, chunk):
         start += n
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
-def test_prefill_in_two_steps_then_decode_equals_one_long_recurrence(use_triton):
+@pytest.mark.parametrize(("prefill", "decode"), [
+    pytest.param(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, id="triton"),
+    pytest.param(chunk_gated_delta_rule_torch, fused_recurrent_gated_delta_rule_torch,
+                 id="torch"),
+])
+def test_prefill_in_two_steps_then_decode_equals_one_long_recurrence(prefill, decode):
     """20 prompt tokens, then 9 more as a second (chunked-prefill) step, then 6 decode
     steps, all through slot 2 (NaN before the first step): the outputs and the final
     state are those of one 35-token recurrence from zero."""
@@ -111,12 +122,13 @@ def test_prefill_in_two_steps_then_decode_equals_one_long_recurrence(use_triton)
     outs = []
     for lo, hi, read in ((0, 20, -1), (20, 29, 2)):
         part = [t[lo:hi] for t in (q, k, v, g, beta)]
-        outs.append(gdn_prefill(*part, pool, _cu([hi - lo]), _idx(read), _idx(2), scale,
-                                chunk_size=CHUNK, use_triton=use_triton))
+        outs.append(prefill(inputs=delta_inputs(*part, pool, _idx(read), _idx(2), scale,
+                                                cu_seqlens=_cu([hi - lo]), chunk_size=CHUNK)))
     for t in range(29, 35):
         part = [x[t : t + 1] for x in (q, k, v, g, beta)]
-        outs.append(gdn_decode(*part, pool, _idx(2), _idx(2), scale, use_triton=use_triton))
-    ref_out, ref_state = ref_gated_delta_rule(*(t.cpu() for t in (q, k, v, g, beta)), None)
+        outs.append(decode(inputs=delta_inputs(*part, pool, _idx(2), _idx(2), scale)))
+    ref_out, ref_state = naive_recurrent_gated_delta_rule(
+        *(t.cpu() for t in (q, k, v, g, beta)), None)
     assert rel_rms(torch.cat(outs).cpu(), ref_out) < TOL
     assert rel_rms(pool[2].cpu(), ref_state) < TOL
     assert torch.isnan(pool[:2]).all(), "slots 0 and 1 were never indexed"

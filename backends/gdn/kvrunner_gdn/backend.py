@@ -23,9 +23,9 @@ from kvrunner.plugin_api import (
     StepMetadata,
     hookimpl,
 )
-from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
 from kvrunner_gdn.layer import GDNLayer
 from kvrunner_gdn.metadata import GDNMetadata, GDNMetadataBuilder
+from kvrunner_gdn.ops.utils import DEFAULT_CHUNK
 from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 from kvrunner_gdn.state import GDNShapes, GDNStatePool, cache_rows
 

@@ -37,17 +37,22 @@ decode step ``T`` may be the padded batch size of a captured graph.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from kvrunner.plugin_api import ForwardContext
-from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.common import DEFAULT_CHUNK
-from kvrunner_gdn.kernels.conv_torch import conv1d_prefill_torch, conv1d_update_torch
-from kvrunner_gdn.kernels.fla_prefill import fla_chunk_kernel, gdn_prefill_fla
-from kvrunner_gdn.kernels.recurrent_decode_torch import gdn_decode_torch
 from kvrunner_gdn.metadata import GDNMetadata
+from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import chunk_gated_delta_rule_fla, fla_chunk_kernel
+from kvrunner_gdn.ops.gated_delta_rule.chunk_torch import chunk_gated_delta_rule_torch
+from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent_torch import (
+    fused_recurrent_gated_delta_rule_torch,
+)
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.short_conv.prefill_torch import short_conv_prefill_torch
+from kvrunner_gdn.ops.short_conv.update_torch import short_conv_update_torch
+from kvrunner_gdn.ops.utils import DEFAULT_CHUNK
 from kvrunner_gdn.prefill_choice import KERNELS
 from kvrunner_gdn.state import GDNShapes, GDNStatePool
 
@@ -83,42 +88,46 @@ class GDNLayer:
         self.scale = shapes.head_k_dim**-0.5
         #: the conv's channels: q, k, v
         self._sections = (shapes.key_dim, shapes.key_dim, shapes.value_dim)
-        self._conv_update = conv1d_update_torch
-        self._conv_prefill = conv1d_prefill_torch
+        # Every op entry takes one inputs record, keyword-only.
+        self._conv_update: Callable[..., torch.Tensor] = short_conv_update_torch
+        self._conv_prefill: Callable[..., torch.Tensor] = short_conv_prefill_torch
         #: the prefill conv as (q, k, v): column slices of its output, which ours take
-        self._conv_prefill_qkv = self._conv_prefill_columns
-        self._decode = gdn_decode_torch
-        self._prefill = gdn_prefill_torch
+        self._conv_prefill_qkv: Callable[..., tuple[torch.Tensor, ...]] = (
+            self._conv_prefill_columns)
+        self._decode: Callable[..., torch.Tensor] = fused_recurrent_gated_delta_rule_torch
+        self._prefill: Callable[..., torch.Tensor] = chunk_gated_delta_rule_torch
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
-            from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_triton
-            from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_triton
-            from kvrunner_gdn.kernels.conv_update import conv1d_update_triton
-            from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_triton
+            from kvrunner_gdn.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
+            from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent import (
+                fused_recurrent_gated_delta_rule,
+            )
+            from kvrunner_gdn.ops.short_conv.prefill import short_conv_prefill
+            from kvrunner_gdn.ops.short_conv.update import short_conv_update
 
-            self._conv_update = conv1d_update_triton
-            self._conv_prefill = conv1d_prefill_triton
-            self._decode = gdn_decode_triton
-            self._prefill = gdn_prefill_triton
+            self._conv_update = short_conv_update
+            self._conv_prefill = short_conv_prefill
+            self._decode = fused_recurrent_gated_delta_rule
+            self._prefill = chunk_gated_delta_rule
         self.prefill_kernel = prefill_kernel or ("triton" if use_triton else "torch")
         if self.prefill_kernel not in KERNELS or (self.prefill_kernel != "torch") != use_triton:
             raise ValueError(f"prefill_kernel {self.prefill_kernel!r} with use_triton={use_triton}")
         if self.prefill_kernel == "fla":
-            from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_split_triton
+            from kvrunner_gdn.ops.short_conv.prefill import short_conv_prefill_split
 
             # Bound once: the import is looked up here, never on the hot path.
             kernel = fla_chunk_kernel()
             if kernel is None:
                 raise RuntimeError("prefill_kernel 'fla', but fla (fla-core) does not import")
-            self._prefill = functools.partial(gdn_prefill_fla, kernel=kernel)
+            self._prefill = functools.partial(chunk_gated_delta_rule_fla, kernel=kernel)
             # fla's kernels index dense tensors: the conv writes q, k and v apart, so none
             # of them is copied on the way in
-            self._conv_prefill_qkv = functools.partial(conv1d_prefill_split_triton,
+            self._conv_prefill_qkv = functools.partial(short_conv_prefill_split,
                                                        sections=self._sections)
 
-    def _conv_prefill_columns(self, *conv: Any, **hints: Any) -> tuple[torch.Tensor, ...]:
+    def _conv_prefill_columns(self, *, inputs: ShortConvInputs) -> tuple[torch.Tensor, ...]:
         """The prefill conv's ``[T, conv_dim]`` output as q, k, v column slices."""
-        return self._conv_prefill(*conv, **hints).split(self._sections, 1)
+        return self._conv_prefill(inputs=inputs).split(self._sections, 1)
 
     # Shapes the model needs to lay out its projections.
     @property
@@ -170,26 +179,34 @@ class GDNLayer:
                 raise ValueError(f"{tokens} decode tokens but metadata for {md.num_rows} rows")
             # Rows past the real batch are PAD in both index views: they do nothing.
             read, write = md.read_indices[:tokens], md.write_indices[:tokens]
-            x = self._conv_update(mixed_qkv, conv_state, weight, conv_bias, read, write)
+            x = self._conv_update(inputs=ShortConvInputs(
+                x=mixed_qkv, conv_state=conv_state, weight=weight, bias=conv_bias,
+                read_indices=read, write_indices=write))
             qx, kx, vx = x.split(self._sections, 1)
         else:
-            conv = (mixed_qkv, conv_state, weight, conv_bias, md.cu_seqlens, md.read_indices,
-                    md.write_indices, md.max_seqlen)
+            read, write = md.read_indices, md.write_indices
             # Where the host knows the step covers every row, the conv's output needs no
             # zeroing first.
-            total = md.cu_seqlens_host[-1] if md.cu_seqlens_host else None
-            qx, kx, vx = self._conv_prefill_qkv(*conv, total_tokens=total)
-        q = qx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
-        k = kx.unflatten(1, (sh.num_key_heads, sh.head_k_dim))
-        v = vx.unflatten(1, (sh.num_value_heads, sh.head_v_dim))
+            qx, kx, vx = self._conv_prefill_qkv(inputs=ShortConvInputs(
+                x=mixed_qkv, conv_state=conv_state, weight=weight, bias=conv_bias,
+                read_indices=read, write_indices=write, cu_seqlens=md.cu_seqlens,
+                max_seqlen=md.max_seqlen,
+                total_tokens=md.cu_seqlens_host[-1] if md.cu_seqlens_host else None))
+        heads = dict(
+            q=qx.unflatten(1, (sh.num_key_heads, sh.head_k_dim)),
+            k=kx.unflatten(1, (sh.num_key_heads, sh.head_k_dim)),
+            v=vx.unflatten(1, (sh.num_value_heads, sh.head_v_dim)),
+            g=g, beta=beta, state=ssm_state, read_indices=read, write_indices=write,
+            scale=self.scale,
+        )
         if md.is_decode:
-            return self._decode(q, k, v, g, beta, ssm_state, read, write, self.scale, True)
-        host: dict[str, Any] = {}  # what each launcher reads on the host instead of the device
-        if self.prefill_kernel != "torch":  # Triton and fla: the host offsets
-            host["cu_seqlens_host"] = md.cu_seqlens_host or None
-        if self.prefill_kernel == "fla" and md.read_host:  # fla plans its call on the indices
-            host["host_indices"] = (md.read_host, md.write_host)
-        return self._prefill(q, k, v, g, beta, ssm_state, md.cu_seqlens, md.read_indices,
-                             md.write_indices, self.scale, True, self.chunk_size, **host)
+            return self._decode(inputs=GatedDeltaRuleInputs(**heads))
+        return self._prefill(inputs=GatedDeltaRuleInputs(
+            **heads, cu_seqlens=md.cu_seqlens, chunk_size=self.chunk_size,
+            # what the Triton and fla paths read on the host instead of the device
+            cu_seqlens_host=md.cu_seqlens_host or None,
+            # fla plans its call on the host indices
+            host_indices=(md.read_host, md.write_host) if md.read_host else None,
+        ))
 
     __call__ = forward

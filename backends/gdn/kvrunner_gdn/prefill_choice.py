@@ -18,7 +18,7 @@ check on the H200 (fla-core 0.6.0, triton 3.6): equality with the torch path on
 varlen batches with history and PAD rows, greedy tokens equal to ours, and no host
 wait in a step (which asynchronous steps rely on). Where it binds, the layer calls
 fla's forward functions without the public function's training-op layers
-(:mod:`kvrunner_gdn.kernels.fla_forward`), the same result at less host time.
+(:mod:`kvrunner_gdn.ops.gated_delta_rule.fla_forward`), the same result at less host time.
 
 float32 stays ours under ``auto`` because it is the dtype the engine is checked in
 against the torch path and transformers token for token, and TF32 is not that.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner_gdn.kernels.fla_prefill import FLA_MAX_HEAD_K, fla_chunk_kernel
+from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import FLA_MAX_HEAD_K, fla_chunk_kernel
 
 #: what ``[kernels] gdn_prefill`` may say
 MODES = ("auto", "ours", "fla")

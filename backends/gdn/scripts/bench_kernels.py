@@ -7,19 +7,41 @@ to the plain-torch path at the same shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton.testing
 
-from kvrunner_gdn.kernels.chunked_prefill import gdn_prefill_torch, gdn_prefill_triton
-from kvrunner_gdn.kernels.conv_prefill import conv1d_prefill_torch, conv1d_prefill_triton
-from kvrunner_gdn.kernels.conv_update import conv1d_update_torch, conv1d_update_triton
-from kvrunner_gdn.kernels.recurrent_decode import gdn_decode_torch, gdn_decode_triton
+from kvrunner_gdn.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.chunk_torch import chunk_gated_delta_rule_torch
+from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule
+from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent_torch import (
+    fused_recurrent_gated_delta_rule_torch,
+)
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.short_conv.prefill import short_conv_prefill
+from kvrunner_gdn.ops.short_conv.prefill_torch import short_conv_prefill_torch
+from kvrunner_gdn.ops.short_conv.update import short_conv_update
+from kvrunner_gdn.ops.short_conv.update_torch import short_conv_update_torch
 
 HK, HV, DK, DV, WIDTH = 16, 32, 128, 128, 4
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt()).item()
+
+
+def against_torch(kernel: Callable[..., torch.Tensor], torch_path: Callable[..., torch.Tensor],
+                  inputs: Callable[[torch.Tensor], Any], pool: torch.Tensor) -> tuple[float, float]:
+    """(median ms of ``kernel``, relative RMS of its output and pool to the torch path's),
+    each run from its own copy of ``pool``; ``inputs(pool)`` builds the op's record."""
+    p1, p2 = pool.clone(), pool.clone()
+    err = max(rel(kernel(inputs=inputs(p1)).float(), torch_path(inputs=inputs(p2)).float()),
+              rel(p1, p2))
+    timed = inputs(pool)
+    return triton.testing.do_bench(lambda: kernel(inputs=timed)), err
 
 
 def bench_decode(batch: int, slots: int) -> None:
@@ -30,12 +52,10 @@ def bench_decode(batch: int, slots: int) -> None:
     beta = torch.rand(batch, HV, device=dev)
     pool = torch.randn(slots, HV, DK, DV, device=dev) * 0.1
     idx = torch.randperm(slots, device=dev)[:batch].to(torch.int32)
-    ref_pool = pool.clone()
-    out = gdn_decode_triton(q, k, v, g, beta, pool, idx, idx, DK**-0.5)
-    ref = gdn_decode_torch(q, k, v, g, beta, ref_pool, idx, idx, DK**-0.5)
-    err = max(rel(out.float(), ref.float()), rel(pool, ref_pool))
-    ms = triton.testing.do_bench(lambda: gdn_decode_triton(q, k, v, g, beta, pool, idx, idx,
-                                                           DK**-0.5))
+    ms, err = against_torch(
+        fused_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule_torch,
+        lambda p: GatedDeltaRuleInputs(q=q, k=k, v=v, g=g, beta=beta, state=p, read_indices=idx,
+                                       write_indices=idx, scale=DK**-0.5), pool)
     moved = 2 * batch * HV * DK * DV * 4
     print(f"gdn_decode B{batch} Hv{HV} K{DK} V{DV}: {ms * 1e3:.1f} us "
           f"({moved / ms / 1e9:.2f} TB/s state r+w), rel vs torch {err:.2e}")
@@ -48,21 +68,18 @@ def bench_conv(batch: int, lens: list[int], slots: int) -> None:
     pool = torch.randn(slots, dim, WIDTH - 1, device=dev)
     x = torch.randn(batch, dim, device=dev, dtype=torch.bfloat16)
     idx = torch.randperm(slots, device=dev)[:batch].to(torch.int32)
-    p1, p2 = pool.clone(), pool.clone()
-    err = rel(conv1d_update_triton(x, p1, w, None, idx, idx).float(),
-              conv1d_update_torch(x, p2, w, None, idx, idx).float())
-    ms = triton.testing.do_bench(lambda: conv1d_update_triton(x, pool, w, None, idx, idx))
+    ms, err = against_torch(
+        short_conv_update, short_conv_update_torch,
+        lambda p: ShortConvInputs(x=x, conv_state=p, weight=w, read_indices=idx,
+                                  write_indices=idx), pool)
     print(f"conv_update B{batch} D{dim}: {ms * 1e3:.1f} us, rel vs torch {err:.2e}")
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
     xs = torch.randn(sum(lens), dim, device=dev, dtype=torch.bfloat16)
     sidx = idx[: len(lens)]
-    read = sidx.clone()
-    p1, p2 = pool.clone(), pool.clone()
-    err = rel(conv1d_prefill_triton(xs, p1, w, None, cu, read, sidx, max(lens)).float(),
-              conv1d_prefill_torch(xs, p2, w, None, cu, read, sidx, max(lens)).float())
-    err = max(err, rel(p1, p2))
-    ms = triton.testing.do_bench(
-        lambda: conv1d_prefill_triton(xs, pool, w, None, cu, read, sidx, max(lens)))
+    ms, err = against_torch(
+        short_conv_prefill, short_conv_prefill_torch,
+        lambda p: ShortConvInputs(x=xs, conv_state=p, weight=w, read_indices=sidx.clone(),
+                                  write_indices=sidx, cu_seqlens=cu, max_seqlen=max(lens)), pool)
     print(f"conv_prefill lens{lens} D{dim}: {ms * 1e3:.1f} us, rel vs torch {err:.2e}")
 
 
@@ -76,13 +93,11 @@ def bench_prefill(lens: list[int], slots: int, chunk: int) -> None:
     pool = torch.randn(slots, HV, DK, DV, device=dev) * 0.1
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
     idx = torch.randperm(slots, device=dev)[: len(lens)].to(torch.int32)
-    p1, p2 = pool.clone(), pool.clone()
-    o1 = gdn_prefill_triton(q, k, v, g, beta, p1, cu, idx, idx, DK**-0.5, chunk_size=chunk)
-    o2 = gdn_prefill_torch(q, k, v, g, beta, p2, cu, idx, idx, DK**-0.5, chunk_size=chunk)
-    err = max(rel(o1.float(), o2.float()), rel(p1, p2))
-    ms = triton.testing.do_bench(
-        lambda: gdn_prefill_triton(q, k, v, g, beta, pool, cu, idx, idx, DK**-0.5,
-                                   chunk_size=chunk))
+    ms, err = against_torch(
+        chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
+        lambda p: GatedDeltaRuleInputs(q=q, k=k, v=v, g=g, beta=beta, state=p, read_indices=idx,
+                                       write_indices=idx, scale=DK**-0.5, cu_seqlens=cu,
+                                       chunk_size=chunk), pool)
     print(f"gdn_prefill lens{lens} chunk{chunk}: {ms * 1e3:.1f} us "
           f"({t / ms / 1e3:.1f} Mtok/s), rel vs torch {err:.2e}")
 

@@ -1,6 +1,6 @@
 """Per-head q/k RMSNorm followed by rotary: one fused launch, or the torch sequence.
 
-Attention layers call :func:`qk_norm_rope` where they used to call ``q_norm``,
+Attention layers call :func:`qk_norm_rope` instead of ``q_norm``,
 ``k_norm`` and the rotary module in turn. The modules keep their weights (and so
 their checkpoint names); this function only decides how to run them.
 """

@@ -1,4 +1,5 @@
-"""Causal depthwise conv1d for decode: one new token per sequence, state updated in place.
+"""The causal depthwise conv for decode, in Triton: one new token per sequence, state
+updated in place.
 
 For row ``b`` the window is ``[state[read[b]] (K-1 columns, oldest first), x[b]]``;
 the output is ``silu(sum(window * weight, -1) + bias)`` and the last ``K - 1``
@@ -12,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_gdn.kernels.common import check_indices, next_pow2
-from kvrunner_gdn.kernels.conv_torch import check_update, conv1d_update_torch
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.utils import next_pow2
 
 
 @triton.jit
@@ -66,48 +67,26 @@ def _conv_update_kernel(
     tl.store(w_base + cols[None, :] * stride_s_w, new_state, mask=store_mask)
 
 
-def conv1d_update_triton(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    activation: bool = True,
-) -> torch.Tensor:
-    """Triton launcher; see the module docstring. Graph-capturable (no host syncs)."""
-    check_update(x, conv_state, weight)
-    rows, dim = x.shape
-    check_indices("read_indices", read_indices, rows)
-    check_indices("write_indices", write_indices, rows)
+def short_conv_update(*, inputs: ShortConvInputs) -> torch.Tensor:
+    """One new token per sequence: ``[B, D]`` in x's dtype; the pool updated in place.
+    Graph-capturable (no host syncs)."""
+    c = inputs
+    rows = c.sequences(varlen=False)
+    x, state, weight = c.x, c.conv_state, c.weight
+    dim = x.shape[1]
     out = torch.empty_like(x)
     if rows == 0:
         return out
     block_d = min(128, next_pow2(dim))
     grid = (rows, triton.cdiv(dim, block_d))
     _conv_update_kernel[grid](
-        x, out, conv_state, weight, bias if bias is not None else weight,
-        read_indices, write_indices,
+        x, out, state, weight, c.bias if c.bias is not None else weight,
+        c.read_indices, c.write_indices,
         dim,
         x.stride(0), out.stride(0),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        state.stride(0), state.stride(1), state.stride(2),
         weight.stride(0), weight.stride(1),
-        WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation,
+        WIDTH=weight.shape[1], HAS_BIAS=c.bias is not None, SILU=c.activation,
         BLOCK_D=block_d, BLOCK_W=next_pow2(weight.shape[1]),
     )  # fmt: skip
     return out
-
-
-def conv1d_update(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    activation: bool = True,
-    use_triton: bool = True,
-) -> torch.Tensor:
-    """Decode conv: ``x [B, D]`` -> ``[B, D]`` (dtype of ``x``); ``conv_state`` updated in place."""
-    impl = conv1d_update_triton if use_triton else conv1d_update_torch
-    return impl(x, conv_state, weight, bias, read_indices, write_indices, activation)

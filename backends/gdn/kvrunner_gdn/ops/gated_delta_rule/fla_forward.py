@@ -69,7 +69,7 @@ def _another_backend_active(wrapped: list[Callable[..., Any]]) -> bool:
 
 class FlaDirectForward:
     """``chunk_gated_delta_rule``'s forward with the keyword arguments the prefill
-    wrapper passes (:mod:`kvrunner_gdn.kernels.fla_prefill`); returns ``(o,
+    wrapper passes (:mod:`kvrunner_gdn.ops.gated_delta_rule.chunk_fla`); returns ``(o,
     final_state)`` as the public call does.
 
     One more than the public call takes: ``chunk_offsets`` (each sequence's first chunk,

@@ -1,4 +1,5 @@
-"""Gated delta rule for prefill: chunk-parallel (WY / UT transform), varlen, state in the pool.
+"""The gated delta rule for prefill, in Triton: chunk-parallel (WY / UT transform), varlen,
+state in the pool.
 
 Within a chunk of ``C`` tokens starting from state ``S0`` (``[K, V]``), let ``G_t`` be
 the cumulative log-decay from the chunk start through token ``t``. Unrolling the
@@ -35,15 +36,10 @@ import triton
 import triton.language as tl
 
 from kvrunner.plugin_api import on_device
-from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.common import (
-    DEFAULT_CHUNK,
-    check_chunked_prefill,
-    dot_block,
-    next_pow2,
-)
-from kvrunner_gdn.kernels.reference import L2NORM_EPS
-from kvrunner_gdn.kernels.tril_inverse import unit_lower_inverse
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.gated_delta_rule.naive import L2NORM_EPS
+from kvrunner_gdn.ops.gated_delta_rule.tril_inverse import unit_lower_inverse
+from kvrunner_gdn.ops.utils import dot_block, next_pow2
 
 
 @triton.jit
@@ -191,31 +187,21 @@ def _triton_chunk(chunk_size: int, head_k: int, head_v: int) -> int:
     return min(chunk, 32) if max(head_k, head_v) >= 128 else chunk
 
 
-def gdn_prefill_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = DEFAULT_CHUNK,
-    cu_seqlens_host: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Triton launcher (two launches, see the module docstring). ``cu_seqlens_host``, the
-    host copy of ``cu_seqlens``, saves a device sync when the caller has it."""
-    seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
+def chunk_gated_delta_rule(*, inputs: GatedDeltaRuleInputs) -> torch.Tensor:
+    """Concatenated sequences in two launches (see the module docstring): ``[T, Hv, V]`` in
+    v's dtype; the pool updated in place. ``inputs.cu_seqlens_host`` saves a device sync
+    where the caller has it."""
+    x = inputs
+    seqs = x.sequences(chunked=True)
+    assert x.cu_seqlens is not None  # checked by sequences
+    q, k, v, state = x.q, x.k, x.v, x.state
     tokens, num_k_heads, head_k = k.shape
     num_v_heads, head_v = v.shape[1:]
     group = num_v_heads // num_k_heads
-    g, beta = g.contiguous(), beta.contiguous()
+    g, beta = x.g.contiguous(), x.beta.contiguous()
     out = torch.zeros(tokens, num_v_heads, head_v, dtype=v.dtype, device=v.device)
-    cu = list(cu_seqlens_host) if cu_seqlens_host is not None else cu_seqlens.tolist()
-    chunk = _triton_chunk(chunk_size, head_k, head_v)
+    cu = list(x.cu_seqlens_host) if x.cu_seqlens_host is not None else x.cu_seqlens.tolist()
+    chunk = _triton_chunk(x.chunk_size, head_k, head_v)
     chunk_row, chunk_end = _chunk_map(cu, chunk, v.device)
     if seqs == 0:
         return out
@@ -231,43 +217,17 @@ def gdn_prefill_triton(
             k, v, g, beta, u, w, gcum, chunk_row, chunk_end, tiles[0], tiles[1],
             head_k, head_v, group,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+            L2NORM=x.use_qk_l2norm, EPS=L2NORM_EPS,
             CHUNK=chunk, SUB=16, BLOCK_K=block_k, BLOCK_V=max(16, next_pow2(head_v)),
             num_warps=warps,
         )  # fmt: skip
     block_v = min(32, dot_block(head_v))
     _scan_kernel[(seqs, num_v_heads, triton.cdiv(head_v, block_v))](
-        q, k, u, w, gcum, out, state, cu_seqlens, read_indices, write_indices,
-        float(scale), head_k, head_v, group,
+        q, k, u, w, gcum, out, state, x.cu_seqlens, x.read_indices, x.write_indices,
+        float(x.scale), head_k, head_v, group,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+        L2NORM=x.use_qk_l2norm, EPS=L2NORM_EPS,
         CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=warps,
     )  # fmt: skip
     return out
-
-
-def gdn_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = DEFAULT_CHUNK,
-    use_triton: bool = True,
-    cu_seqlens_host: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Prefill recurrence over concatenated sequences: q, k ``[T, Hk, K]``, v ``[T, Hv, V]``,
-    g/beta ``[T, Hv]`` -> ``[T, Hv, V]`` (dtype of v); ``state`` fp32 updated in place."""
-    if use_triton:
-        return gdn_prefill_triton(q, k, v, g, beta, state, cu_seqlens, read_indices,
-                                  write_indices, scale, use_qk_l2norm, chunk_size,
-                                  cu_seqlens_host)
-    return gdn_prefill_torch(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices,
-                             scale, use_qk_l2norm, chunk_size)

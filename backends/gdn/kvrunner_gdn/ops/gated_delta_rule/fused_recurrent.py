@@ -1,4 +1,5 @@
-"""Gated delta rule for decode: one token per sequence, state read and written in the pool.
+"""The gated delta rule for decode, in Triton: one token per sequence, state read and
+written in the pool.
 
 For row ``b`` and value head ``h`` (key head ``h // (Hv // Hk)``), with ``S`` the
 ``[K, V]`` state at ``state[read[b], h]`` (zeros when ``read[b] < 0``)::
@@ -17,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_gdn.kernels.common import check_heads, check_indices, next_pow2
-from kvrunner_gdn.kernels.recurrent_decode_torch import gdn_decode_torch
-from kvrunner_gdn.kernels.reference import L2NORM_EPS
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.gated_delta_rule.naive import L2NORM_EPS
+from kvrunner_gdn.ops.utils import next_pow2
 
 
 @triton.jit
@@ -69,55 +70,26 @@ def _gdn_decode_kernel(
     tl.store(w_base + offs, s, mask=k_run[:, None] & vmask[None, :])
 
 
-def gdn_decode_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
-    """Triton launcher; see the module docstring. Graph-capturable (no host syncs)."""
-    check_heads(q, k, v, g, beta, state)
-    rows, num_k_heads, head_k = k.shape
-    num_v_heads, head_v = v.shape[1:]
-    check_indices("read_indices", read_indices, rows)
-    check_indices("write_indices", write_indices, rows)
-    g, beta = g.contiguous(), beta.contiguous()
+def fused_recurrent_gated_delta_rule(*, inputs: GatedDeltaRuleInputs) -> torch.Tensor:
+    """One token per sequence: ``[B, Hv, V]`` in v's dtype; the pool updated in place.
+    Graph-capturable (no host syncs)."""
+    x = inputs
+    rows = x.sequences(chunked=False)
+    num_k_heads, head_k = x.k.shape[1:]
+    num_v_heads, head_v = x.v.shape[1:]
+    q, k, v, state = x.q, x.k, x.v, x.state
+    g, beta = x.g.contiguous(), x.beta.contiguous()
     out = torch.empty(rows, num_v_heads, head_v, dtype=v.dtype, device=v.device)
     if rows == 0:
         return out
     block_v = min(32, next_pow2(head_v))
     grid = (rows, num_v_heads, triton.cdiv(head_v, block_v))
     _gdn_decode_kernel[grid](
-        q, k, v, g, beta, out, state, read_indices, write_indices,
-        float(scale), head_k, head_v, num_v_heads // num_k_heads,
+        q, k, v, g, beta, out, state, x.read_indices, x.write_indices,
+        float(x.scale), head_k, head_v, num_v_heads // num_k_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, BLOCK_K=next_pow2(head_k), BLOCK_V=block_v,
+        L2NORM=x.use_qk_l2norm, EPS=L2NORM_EPS, BLOCK_K=next_pow2(head_k), BLOCK_V=block_v,
     )  # fmt: skip
     return out
-
-
-def gdn_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    use_triton: bool = True,
-) -> torch.Tensor:
-    """Decode recurrence: q, k ``[B, Hk, K]``, v ``[B, Hv, V]``, g/beta ``[B, Hv]`` ->
-    ``[B, Hv, V]`` (dtype of v); ``state [N, Hv, K, V]`` fp32 updated in place."""
-    impl = gdn_decode_triton if use_triton else gdn_decode_torch
-    return impl(q, k, v, g, beta, state, read_indices, write_indices, scale, use_qk_l2norm)

@@ -1,6 +1,5 @@
-"""Plain-torch path of the chunked prefill (CPU, and the fallback): same math, same contract.
-
-See :mod:`kvrunner_gdn.kernels.chunked_prefill` for the formulation. Sequences are
+"""The chunked prefill in plain torch (no Triton import: the CPU path): same math, same
+contract as :mod:`.chunk`, where the formulation is. Sequences are
 handled one at a time (host loop); inside a sequence all heads and chunks are batched
 matrix products, with one ``solve_triangular`` for the UT transform.
 """
@@ -9,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner_gdn.kernels.common import check_chunked_prefill, valid_rows
-from kvrunner_gdn.kernels.reference import l2norm
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.utils import valid_rows
 
 
 def _chunk_one_sequence(
@@ -51,34 +50,20 @@ def _chunk_one_sequence(
     return out.movedim(0, 2).reshape(-1, heads, head_v)[:length], s
 
 
-def gdn_prefill_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
-) -> torch.Tensor:
-    """Plain-torch path: the same chunked math per sequence (host loop over sequences)."""
-    seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
-    group = v.shape[1] // k.shape[1]
+def chunk_gated_delta_rule_torch(*, inputs: GatedDeltaRuleInputs) -> torch.Tensor:
+    """Concatenated sequences, one at a time (a host loop): ``[T, Hv, V]`` in v's dtype;
+    the pool updated in place."""
+    x = inputs
+    seqs = x.sequences(chunked=True)
+    assert x.cu_seqlens is not None  # checked by sequences
+    state, v = x.state, x.v
     out = torch.zeros(v.shape[0], *v.shape[1:], dtype=v.dtype, device=v.device)
-    runs, reads = valid_rows(read_indices.long().cpu(), write_indices.long().cpu())
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = (qf * scale).repeat_interleave(group, dim=1)
-    kf = kf.repeat_interleave(group, dim=1)
-    cu = cu_seqlens.tolist()
+    runs, reads = valid_rows(x.read_indices.long().cpu(), x.write_indices.long().cpu())
+    qf, kf = x.value_head_qk()
+    cu = x.cu_seqlens.tolist()
     # Read every initial state before writing any (same semantics as the kernels).
     initial = [
-        state[int(read_indices[i])].clone() if reads[i] else torch.zeros_like(state[0])
+        state[int(x.read_indices[i])].clone() if reads[i] else torch.zeros_like(state[0])
         for i in range(seqs)
     ]
     finals = {}
@@ -87,10 +72,10 @@ def gdn_prefill_torch(
             continue
         lo, hi = cu[i], cu[i + 1]
         o, finals[i] = _chunk_one_sequence(
-            qf[lo:hi], kf[lo:hi], v[lo:hi].float(), g[lo:hi].float(), beta[lo:hi].float(),
-            initial[i], chunk_size,
+            qf[lo:hi], kf[lo:hi], v[lo:hi].float(), x.g[lo:hi].float(), x.beta[lo:hi].float(),
+            initial[i], x.chunk_size,
         )
         out[lo:hi] = o.to(out.dtype)
     for i, s in finals.items():
-        state[int(write_indices[i])] = s
+        state[int(x.write_indices[i])] = s
     return out

@@ -1,8 +1,9 @@
 """The chunked prefill through flash-linear-attention's ``chunk_gated_delta_rule``.
 
-Same contract as :func:`~kvrunner_gdn.kernels.chunked_prefill.gdn_prefill_triton`
-(q, k ``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta ``[T, Hv]``, the fp32 pool ``[N, Hv, K,
-V]``, per-sequence read/write indices with PAD = -1), computed by fla (fla-core, an
+Same contract as :func:`~kvrunner_gdn.ops.gated_delta_rule.chunk.chunk_gated_delta_rule`
+(one :class:`~kvrunner_gdn.ops.gated_delta_rule.inputs.GatedDeltaRuleInputs`: q, k
+``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta ``[T, Hv]``, the fp32 pool ``[N, Hv, K, V]``,
+per-sequence read/write indices with PAD = -1), computed by fla (fla-core, an
 optional dependency: ``pip install kvrunner-gdn[fla]``). fla takes one varlen batch
 ``[1, T, H, ...]`` with ``cu_seqlens``, starts sequence ``s`` from ``initial_state[s]``
 and returns the final states ``[N, Hv, K, V]`` (fp32); it cannot index a pool. So:
@@ -17,10 +18,10 @@ and returns the final states ``[N, Hv, K, V]`` (fp32); it cannot index a pool. S
 No step reads a device value on the host or waits for the device: fla gets its chunk
 map built from the host copy of ``cu_seqlens`` (:func:`fla_chunk_indices`; with each
 sequence's first chunk as well, :func:`fla_chunk_maps`, when the kernel is the direct
-forward of :mod:`kvrunner_gdn.kernels.fla_forward`), and the scatter avoids a boolean
+forward of :mod:`kvrunner_gdn.ops.gated_delta_rule.fla_forward`), and the scatter avoids a boolean
 mask (see :func:`_scatter`).
 
-With the host copies of the indices as well (``host_indices``, which the layer's
+With the host copies of the indices as well (``inputs.host_indices``, which the layer's
 metadata carries), the common steps skip the general path's work, all of it small
 torch ops whose launches cost more host time than fla's own at T = 4096: when every
 row runs and the sequences cover every token row, there is nothing to zero and the
@@ -43,14 +44,10 @@ from typing import Any
 import torch
 
 from kvrunner.plugin_api import on_device
-from kvrunner_gdn.kernels.chunked_prefill_torch import gdn_prefill_torch
-from kvrunner_gdn.kernels.common import (
-    DEFAULT_CHUNK,
-    check_chunked_prefill,
-    dot_block,
-    valid_rows,
-)
-from kvrunner_gdn.kernels.fla_forward import FlaDirectForward, fla_direct_forward
+from kvrunner_gdn.ops.gated_delta_rule.chunk_torch import chunk_gated_delta_rule_torch
+from kvrunner_gdn.ops.gated_delta_rule.fla_forward import FlaDirectForward, fla_direct_forward
+from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
+from kvrunner_gdn.ops.utils import dot_block, valid_rows
 
 #: fla's chunk kernels keep the state in 64-row blocks of K, at most four (fla asserts it)
 FLA_MAX_HEAD_K = 256
@@ -60,8 +57,8 @@ FlaChunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def fla_chunk_kernel() -> FlaChunk | None:
     """fla's chunked forward: where it binds, fla's forward functions without its
-    training-op layers (:func:`~kvrunner_gdn.kernels.fla_forward.fla_direct_forward`, the
-    public call's result at less host time), else the public ``chunk_gated_delta_rule``;
+    training-op layers (:func:`.fla_forward.fla_direct_forward`, the public call's result
+    at less host time), else the public ``chunk_gated_delta_rule``;
     ``None`` where fla does not import."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -139,55 +136,38 @@ def _scatter(state: torch.Tensor, final: torch.Tensor, write: torch.Tensor,
     state.index_copy_(0, index, source)
 
 
-def gdn_prefill_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = DEFAULT_CHUNK,
-    cu_seqlens_host: Sequence[int] | None = None,
-    *,
-    host_indices: tuple[Sequence[int], Sequence[int]] | None = None,
-    kernel: FlaChunk | None = None,
-) -> torch.Tensor:
-    """Prefill recurrence over concatenated sequences by fla; ``state`` updated in place.
+def chunk_gated_delta_rule_fla(*, inputs: GatedDeltaRuleInputs,
+                               kernel: FlaChunk | None = None) -> torch.Tensor:
+    """Concatenated sequences by fla: ``[T, Hv, V]`` in v's dtype, rows of PAD sequences
+    zero; the pool updated in place.
 
     ``kernel`` is fla's ``chunk_gated_delta_rule`` (looked up when ``None``; the layer
-    binds it once). ``host_indices`` are host copies of ``(read_indices,
-    write_indices)``; with ``cu_seqlens_host`` they let a step of running rows skip the
-    general path's masks (the result is the same). Returns ``[T, Hv, V]`` in v's dtype;
-    rows of PAD sequences are zero.
+    binds it once). With ``inputs.host_indices`` and ``inputs.cu_seqlens_host``, a step
+    of running rows skips the general path's masks (the result is the same).
     """
-    seqs = check_chunked_prefill(q, k, v, g, beta, state, cu_seqlens, read_indices, write_indices)
+    x = inputs
+    seqs = x.sequences(chunked=True)
+    assert x.cu_seqlens is not None  # checked by sequences
+    q, v, state = x.q, x.v, x.state
     if q.shape[0] == 0 or seqs == 0:
         # Nothing for fla to compute; a zero-length sequence still carries its state over.
-        return gdn_prefill_torch(q, k, v, g, beta, state, cu_seqlens, read_indices,
-                                 write_indices, scale, use_qk_l2norm, chunk_size)
+        return chunk_gated_delta_rule_torch(inputs=x)
     kernel = kernel or fla_chunk_kernel()
     if kernel is None:
         raise RuntimeError("flash-linear-attention (fla-core) does not import here")
-    batched = tuple(t[None] for t in (q, k, v, g, beta))  # fla's [1, T, ...] varlen layout
-    call = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                chunk_size=fla_chunk_size(chunk_size))
-    if host_indices is not None and cu_seqlens_host is not None:
-        reads_host, writes_host = host_indices
-        if all(w >= 0 for w in writes_host) and cu_seqlens_host[-1] == q.shape[0]:
-            out = _prefill_running_rows(kernel, batched, call, state, cu_seqlens, read_indices,
-                                        write_indices, cu_seqlens_host, host_indices)
-            return out.to(v.dtype)
-    read, write = read_indices.long(), write_indices.long()
+    batched = tuple(t[None] for t in (q, x.k, v, x.g, x.beta))  # fla's [1, T, ...] varlen layout
+    call = dict(scale=x.scale, output_final_state=True, use_qk_l2norm_in_kernel=x.use_qk_l2norm,
+                chunk_size=fla_chunk_size(x.chunk_size))
+    cu_host = x.cu_seqlens_host
+    if (x.host_indices is not None and cu_host is not None
+            and all(w >= 0 for w in x.host_indices[1]) and cu_host[-1] == q.shape[0]):
+        return _prefill_running_rows(kernel, batched, call, x).to(v.dtype)
+    read, write = x.read_indices.long(), x.write_indices.long()
     runs, reads = valid_rows(read, write)
     initial = _initial_states(state, read, reads)
-    cu = cu_seqlens.long()
-    if cu_seqlens_host is not None:  # without the host offsets, fla reads them (a sync)
-        call |= _varlen_maps(kernel, cu_seqlens_host, call["chunk_size"], cu.device)
+    cu = x.cu_seqlens.long()
+    if cu_host is not None:  # without the host offsets, fla reads them (a sync)
+        call |= _varlen_maps(kernel, cu_host, call["chunk_size"], cu.device)
     out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu, **call)
     tokens = q.shape[0]
     # The sequence of every token row; rows past the last sequence get index `seqs`.
@@ -200,21 +180,14 @@ def gdn_prefill_fla(
     return out
 
 
-def _prefill_running_rows(
-    kernel: FlaChunk,
-    batched: tuple[torch.Tensor, ...],
-    call: dict[str, Any],
-    state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    cu_seqlens_host: Sequence[int],
-    host_indices: tuple[Sequence[int], Sequence[int]],
-) -> torch.Tensor:
+def _prefill_running_rows(kernel: FlaChunk, batched: tuple[torch.Tensor, ...],
+                          call: dict[str, Any], x: GatedDeltaRuleInputs) -> torch.Tensor:
     """fla's output ``[T, Hv, V]`` for a step whose rows all run and whose sequences
     cover every token row: no output row to zero and no PAD row to steer, so the work
     is fla's call plus one state write. The host indices pick the fewest launches."""
-    reads_host, writes_host = host_indices
+    assert x.host_indices is not None and x.cu_seqlens_host is not None and x.cu_seqlens is not None
+    reads_host, writes_host = x.host_indices
+    state = x.state
     if len(reads_host) == 1:
         # One sequence: fla's plain call (no offsets); its states are slices of the pool.
         r, w = reads_host[0], writes_host[0]
@@ -222,14 +195,14 @@ def _prefill_running_rows(
         state[w : w + 1].copy_(final)
         return out[0]
     if all(r >= 0 for r in reads_host):  # every row continues: a plain gather
-        initial = state.index_select(0, read_indices)
+        initial = state.index_select(0, x.read_indices)
     elif any(r >= 0 for r in reads_host):
-        read = read_indices.long()
+        read = x.read_indices.long()
         initial = _initial_states(state, read, read >= 0)
     else:  # every row fresh: no initial state, fla starts from zeros
         initial = None
-    maps = _varlen_maps(kernel, cu_seqlens_host, call["chunk_size"], cu_seqlens.device)
-    out, final = kernel(*batched, initial_state=initial, cu_seqlens=cu_seqlens.long(), **maps,
+    maps = _varlen_maps(kernel, x.cu_seqlens_host, call["chunk_size"], x.cu_seqlens.device)
+    out, final = kernel(*batched, initial_state=initial, cu_seqlens=x.cu_seqlens.long(), **maps,
                         **call)
-    state.index_copy_(0, write_indices.long(), final)
+    state.index_copy_(0, x.write_indices.long(), final)
     return out[0]

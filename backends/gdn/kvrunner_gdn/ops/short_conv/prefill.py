@@ -1,4 +1,4 @@
-"""Causal depthwise conv1d for prefill over concatenated (varlen) sequences.
+"""The causal depthwise conv for prefill over concatenated (varlen) sequences, in Triton.
 
 Sequence ``s`` owns rows ``cu_seqlens[s]:cu_seqlens[s+1]`` of ``x [T, D]``. Its left
 context is ``conv_state[read[s]]`` (the previous ``K - 1`` inputs) when
@@ -9,7 +9,7 @@ write index is < 0 reads nothing, writes nothing and outputs zeros.
 The Triton path is two launches: outputs first (they read the old state as left
 context), then the state write-back. One launch could not do both without a
 race between a program still reading the old window and another overwriting it.
-:func:`conv1d_prefill_split_triton` cuts the output into column sections, each its own
+:func:`short_conv_prefill_split` cuts the output into column sections, each its own
 dense tensor (q, k and v for fla's kernels), in the same single output launch.
 """
 
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_gdn.kernels.common import next_pow2
-from kvrunner_gdn.kernels.conv_torch import check_prefill, conv1d_prefill_torch
+from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.utils import next_pow2
 
 
 @triton.jit
@@ -154,59 +154,34 @@ def default_conv_tiles(dim: int, max_seqlen: int) -> ConvTiles:
     return ConvTiles(min(16, next_pow2(max_seqlen)), min(128, next_pow2(dim)), 4)
 
 
-def conv1d_prefill_triton(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    max_seqlen: int,
-    activation: bool = True,
-    *,
-    total_tokens: int | None = None,
-    tiles: ConvTiles | None = None,
-) -> torch.Tensor:
-    """Triton launcher; ``max_seqlen`` (a host int) sizes the grid. Rows of ``x`` past
-    ``cu_seqlens[-1]`` come back as zeros. ``total_tokens``, where the host knows
-    ``cu_seqlens[-1]``, spares zeroing an output every row of which the kernel writes;
+def short_conv_prefill(*, inputs: ShortConvInputs, tiles: ConvTiles | None = None) -> torch.Tensor:
+    """Concatenated sequences: ``[T, D]`` in x's dtype, rows past ``cu_seqlens[-1]`` zero;
+    the pool updated in place. ``inputs.max_seqlen`` (a host int) sizes the grid;
     ``tiles`` (a :class:`ConvTiles`, or the tuple of its fields) overrides
     :func:`default_conv_tiles`."""
-    (out,) = conv1d_prefill_split_triton(x, conv_state, weight, bias, cu_seqlens, read_indices,
-                                         write_indices, max_seqlen, (x.shape[1],), activation,
-                                         total_tokens=total_tokens, tiles=tiles)
+    (out,) = short_conv_prefill_split(inputs=inputs, sections=(inputs.x.shape[1],), tiles=tiles)
     return out
 
 
-def conv1d_prefill_split_triton(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    max_seqlen: int,
-    sections: Sequence[int],
-    activation: bool = True,
-    *,
-    total_tokens: int | None = None,
-    tiles: ConvTiles | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`conv1d_prefill_triton` with the output's channels cut into one to three
+def short_conv_prefill_split(*, inputs: ShortConvInputs, sections: Sequence[int],
+                             tiles: ConvTiles | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`short_conv_prefill` with the output's channels cut into one to three
     ``sections`` (widths summing to ``D``), each its own contiguous ``[T, width]``
     tensor: the same values as the ``[T, D]`` output's column slices, bit for bit. A
     kernel that indexes dense tensors (fla's) then takes q, k and v without a copy each.
     One output launch stores each column into its section's tensor, then the state
     write-back runs once, after every output has read the old window."""
-    seqs = check_prefill(x, conv_state, weight, cu_seqlens, read_indices, write_indices)
+    c = inputs
+    seqs = c.sequences(varlen=True)
+    if c.max_seqlen is None:
+        raise ValueError("the Triton prefill conv needs max_seqlen (it sizes the grid)")
+    x, state, weight, bias, max_seqlen = c.x, c.conv_state, c.weight, c.bias, c.max_seqlen
     dim = x.shape[1]
     if sum(sections) != dim or any(w <= 0 for w in sections) or not 1 <= len(sections) <= 3:
         raise ValueError(f"sections {tuple(sections)} must be one to three positive widths "
                          f"that sum to {dim}")
     # Every row of the output is written when the sequences cover every row of x.
-    alloc = x.new_empty if total_tokens == x.shape[0] else x.new_zeros
+    alloc = x.new_empty if c.total_tokens == x.shape[0] else x.new_zeros
     outs = tuple(alloc(x.shape[0], w) for w in sections)
     if seqs == 0 or max_seqlen == 0:
         return outs
@@ -220,38 +195,20 @@ def conv1d_prefill_split_triton(
     if channels_fastest:
         grid = grid[::-1]
     _conv_prefill_out_kernel[grid](
-        x, padded[0], padded[1], padded[2], conv_state, weight, b,
-        cu_seqlens, read_indices, write_indices,
+        x, padded[0], padded[1], padded[2], state, weight, b,
+        c.cu_seqlens, c.read_indices, c.write_indices,
         dim, splits[0], splits[1],
         x.stride(0), padded[0].stride(0), padded[1].stride(0), padded[2].stride(0),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        state.stride(0), state.stride(1), state.stride(2),
         weight.stride(0), weight.stride(1),
-        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation, SECTIONS=len(sections),
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=c.activation, SECTIONS=len(sections),
         BLOCK_T=block_t, BLOCK_D=block_d, CHANNELS_FASTEST=channels_fastest, num_warps=warps,
     )  # fmt: skip
     state_block = min(64, next_pow2(dim))
     _conv_prefill_state_kernel[(seqs, triton.cdiv(dim, state_block))](
-        x, conv_state, cu_seqlens, read_indices, write_indices,
+        x, state, c.cu_seqlens, c.read_indices, c.write_indices,
         dim, x.stride(0),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        state.stride(0), state.stride(1), state.stride(2),
         WIDTH=width, BLOCK_D=state_block, BLOCK_W=next_pow2(max(width - 1, 1)),
     )  # fmt: skip
     return outs
-
-
-def conv1d_prefill(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    read_indices: torch.Tensor,
-    write_indices: torch.Tensor,
-    max_seqlen: int,
-    activation: bool = True,
-    use_triton: bool = True,
-) -> torch.Tensor:
-    """Prefill conv: ``x [T, D]`` -> ``[T, D]`` (dtype of ``x``); ``conv_state`` updated."""
-    impl = conv1d_prefill_triton if use_triton else conv1d_prefill_torch
-    return impl(x, conv_state, weight, bias, cu_seqlens, read_indices, write_indices,
-                max_seqlen, activation)

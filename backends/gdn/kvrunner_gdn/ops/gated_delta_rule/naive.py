@@ -1,12 +1,10 @@
-"""Naive fp32 oracles: one sequence, one token at a time, no pools, no tricks.
+"""The naive fp32 gated delta rule: one sequence, one token at a time, no pool, no tricks.
 
-These are the definitions the kernels are tested against. They take explicit
-initial states (``None`` = zeros) and return the final state, so a test decides
-what the pool around them should look like. They follow Hugging Face's
-``Qwen3NextGatedDeltaNet`` (transformers ``models/qwen3_next``):
+The definition every gated-delta-rule entry is tested against. It takes an explicit
+initial state (``None`` = zeros) and returns the final one, so a test decides what the
+pool around it should look like. It follows Hugging Face's ``Qwen3NextGatedDeltaNet``
+(transformers ``models/qwen3_next``):
 
-- causal depthwise conv over time, window = previous ``kernel - 1`` inputs plus the
-  current one, then SiLU;
 - q/k L2-normalised (``x * rsqrt(sum(x^2) + 1e-6)``), q scaled by ``1/sqrt(head_k_dim)``;
 - value head ``h`` uses key head ``h // (Hv // Hk)``;
 - per token: ``S *= exp(g)``; ``delta = beta * (v - S^T k)``; ``S += k delta^T``;
@@ -25,40 +23,7 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def ref_causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    activation: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv over one sequence, token by token.
-
-    :param x: ``[L, D]`` inputs.
-    :param weight: ``[D, K]``; tap ``K - 1`` multiplies the current token.
-    :param bias: ``[D]`` or ``None``.
-    :param initial_state: ``[D, K - 1]`` previous inputs (oldest first) or ``None``.
-    :returns: ``(out [L, D] float32, final_state [D, K - 1] float32)``.
-    """
-    length, dim = x.shape
-    width = weight.shape[1]
-    # The window holds the last `width` inputs; before the first token its newest
-    # `width - 1` columns are the history, and each step shifts one column out.
-    window = torch.zeros(dim, width, dtype=torch.float32)
-    if initial_state is not None:
-        window[:, 1:] = initial_state.float()
-    w = weight.float()
-    out = torch.zeros(length, dim, dtype=torch.float32)
-    for t in range(length):
-        window = torch.cat([window[:, 1:], x[t].float()[:, None]], dim=1)
-        acc = (window * w).sum(dim=1)
-        if bias is not None:
-            acc = acc + bias.float()
-        out[t] = acc * torch.sigmoid(acc) if activation else acc
-    return out, window[:, 1:].clone()
-
-
-def ref_gated_delta_rule(
+def naive_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
