@@ -153,8 +153,40 @@ def _prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
     return prompts
 
 
+def _token_id_list(text: str) -> list[int]:
+    """An argparse type: comma-separated token ids (``1,2``)."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of token ids (like 1,2)"
+        ) from None
+
+
+def _print_output(out: Any, prompt: Any, n: int, tokenizer: Any | None) -> None:
+    """One sample: a header line (prompt, sample, why it ended), its text (or its
+    token ids, for a model without a tokenizer), then with --logprobs one line per
+    token: position, id, text, logprob and the top-N."""
+    sample = f" [sample {out.sample_index + 1}/{n}]" if n > 1 else ""
+    why = f" ({out.stop_reason!r})" if out.stop_reason is not None else ""
+    print(f"--- {prompt!r}{sample} -> {out.finish_reason}{why}")
+    print(out.text if tokenizer is not None else out.token_ids)
+    if out.logprobs is None:
+        return
+    tops = out.top_logprobs or [None] * len(out.token_ids)
+    for position, (token, logprob, top) in enumerate(
+        zip(out.token_ids, out.logprobs, tops, strict=True)
+    ):
+        text = f" {tokenizer.decode([token])!r}" if tokenizer is not None else ""
+        line = f"  [{position}] {token}{text} {logprob:.4f}"
+        if top:
+            line += "  top: " + " | ".join(f"{t} {lp:.4f}" for t, lp in top.items())
+        print(line)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvrunner import SamplingParams
+    from kvrunner.prompts import require_tokenizer
 
     # Everything that can be checked without the model is checked first: a typo
     # should not cost a model load.
@@ -165,24 +197,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.sample_seed,
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        stop_token_ids=args.stop_token_ids,
+        stop=args.stop,
+        n=args.n,
     )
     prompts = _prompts(args)
+    config = EngineConfig.load(args.config_file, **_config_kwargs(args))
+    if not args.token_ids:
+        require_tokenizer(config, "a text prompt", "pass --token-ids with token-id prompts")
+    if params.stop:
+        require_tokenizer(config, "--stop", "use --stop-token-ids")
     from kvrunner.llm import LLM
 
     llm = LLM(config_file=args.config_file, progress=True, **_config_kwargs(args))
     try:
-        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=True),
-                               strict=True):
-            print(f"--- {prompt!r} -> {out.finish_reason}")
-            print(out.text if llm.tokenizer is not None else out.token_ids)
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        for index, out in enumerate(outs):  # prompt-major: n samples per prompt
+            _print_output(out, prompts[index // params.n], params.n, llm.tokenizer)
     finally:
         llm.shutdown()
     return 0
 
 
+#: rollout's token-id prompts' length when --token-ids is given without --prompt-len
+DEFAULT_PROMPT_LEN = 16
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
     from kvrunner.rollout import run_rollout
 
+    prompt_len = args.prompt_len
+    if prompt_len is None and args.token_ids:
+        prompt_len = DEFAULT_PROMPT_LEN
     return run_rollout(
         config_file=args.config_file,
         rounds=args.rounds,
@@ -191,6 +238,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         config=_config_kwargs(args),
         sleep_level=args.sleep_level,
         update=args.update,
+        prompt_len=prompt_len,
+        prompt_seed=args.prompt_seed,
     )
 
 
@@ -253,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of each request's sampling (default: unseeded)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's logprob and the N likeliest tokens' "
+                   "(at most max_logprobs; default: none)")
+    p.add_argument("--stop-token-ids", type=_token_id_list, default=(), metavar="ID,ID,...",
+                   help="token ids that end a request (besides the model's EOS)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="a string that ends a request, left out of its text (repeatable; "
+                   "needs the model's tokenizer)")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="samples per prompt (default: %(default)s)")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -261,10 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rounds", type=_positive_int, default=3,
                    help="rounds to run, at least 1 (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8,
-                   help="prompts per round (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=32,
-                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--batch", type=_positive_int, default=8,
+                   help="prompts per round, at least 1 (default: %(default)s)")
+    p.add_argument("--max-tokens", type=_positive_int, default=32,
+                   help="tokens to generate per prompt, at least 1 (default: %(default)s)")
+    p.add_argument("--token-ids", action="store_true",
+                   help="prompts of random token ids, not text: for a checkpoint without "
+                   f"a tokenizer ({DEFAULT_PROMPT_LEN} tokens unless --prompt-len says)")
+    p.add_argument("--prompt-len", type=_positive_int, default=None, metavar="L",
+                   help="prompts of L random token ids (implies --token-ids)")
+    p.add_argument("--prompt-seed", type=int, default=0,
+                   help="seed the random token-id prompts are drawn with (default: %(default)s)")
     p.add_argument("--sleep-level", type=int, default=1, choices=[1, 2],
                    help="1: free graphs and cache pools; 2: the weights too "
                    "(default: %(default)s)")

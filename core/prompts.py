@@ -11,12 +11,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Real
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams, is_int
 
+if TYPE_CHECKING:
+    from kvrunner.config import EngineConfig
+
 Prompt = str | Sequence[int]
+
+
+def require_tokenizer(config: EngineConfig, needs: str, instead: str) -> None:
+    """Refuse, before any model is loaded, what ``needs`` a tokenizer when the
+    checkpoint ``config`` names has none: judged from its files (``tokenizer.json``)
+    and ``skip_tokenizer_init``, as the load would.
+
+    :param needs: what needs it (``"--stop"``); :param instead: what to do instead.
+    :raises RequestError: saying both, and why there is no tokenizer.
+    """
+    from kvrunner.models.checkpoint_files import has_tokenizer
+    from kvrunner.runner.setup import resolve_model_path
+
+    path = resolve_model_path(config.model)
+    if has_tokenizer(path, skip=config.skip_tokenizer_init):
+        return
+    why = ("skip_tokenizer_init is set" if config.skip_tokenizer_init
+           else f"{path} has no tokenizer.json")
+    raise RequestError(f"{needs} needs a tokenizer, but {why}; {instead}")
 
 
 def _as_list(value: Any) -> Any:

@@ -12,6 +12,9 @@ that differ from round 1.
 With ``update="perturbed"`` the rounds alternate: even rounds serve a perturbed
 copy, odd rounds the checkpoint's own weights again, which must answer exactly as
 round 1 did.
+
+The prompts are text, or (``prompt_len``) random token ids, which is what a
+trainer's checkpoint without a tokenizer can be served with.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from typing import Any
 
 import torch
 
+from kvrunner.config import EngineConfig
 from kvrunner.llm import LLM
 from kvrunner.models.loader import iter_safetensors
+from kvrunner.prompts import require_tokenizer
 from kvrunner.sampling_params import SamplingParams
 
 _TEXT = (
@@ -41,6 +46,15 @@ def rollout_prompts(batch: int) -> list[str]:
     return [
         " ".join(_WORDS[(i * 7) % len(_WORDS) :] + _WORDS[: 3 + (i * 5) % 11]) for i in range(batch)
     ]
+
+
+def rollout_token_prompts(
+    batch: int, prompt_len: int, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` token ids drawn uniformly from the
+    vocabulary, the same for the same ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).tolist()
 
 
 def trainer_weights(path: Path, *, perturb_seed: int | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,15 +76,28 @@ def run_rollout(
     config: dict[str, Any],
     sleep_level: int = 1,
     update: str = "none",
+    prompt_len: int | None = None,
+    prompt_seed: int = 0,
 ) -> int:
     """Run the loop and print one table row per round; returns a process exit code
-    (1 when any round lost anything)."""
+    (1 when any round lost anything).
+
+    :param prompt_len: roll out on random token-id prompts of this many tokens (drawn
+        with ``prompt_seed``) rather than on text, which needs a tokenizer.
+    """
     if sleep_level not in (1, 2):
         raise ValueError(f"--sleep-level must be 1 or 2; got {sleep_level}")
     if update not in UPDATES:
         raise ValueError(f"--update must be one of {', '.join(UPDATES)}; got {update!r}")
+    if prompt_len is None:  # refused before the model loads, not after
+        require_tokenizer(EngineConfig.load(config_file, **config), "rollout's text prompts",
+                          "pass --token-ids (or --prompt-len L) to roll out on random "
+                          "token-id prompts of L tokens")
     llm = LLM(config_file=config_file, progress=True, **config)
-    prompts = rollout_prompts(batch)
+    if prompt_len is None:
+        prompts: list[Any] = rollout_prompts(batch)
+    else:
+        prompts = rollout_token_prompts(batch, prompt_len, llm.engine.vocab_size, prompt_seed)
     params = [
         SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
         for i in range(batch)
@@ -78,12 +105,13 @@ def run_rollout(
     info = llm.executor.model_info
     start_state = llm.executor.describe_ranks()[0]
     start_blocks = llm.cache_info().num_blocks
+    kind = "text" if prompt_len is None else f"{prompt_len} random token ids"
     print(
         f"model {info.path.name}: {len(info.layer_types)} layers {sorted(set(info.layer_types))}, "
         f"{llm.config.parallel.tensor_parallel_size} rank(s) on {start_state['device']} "
         f"{start_state['dtype']}, {start_blocks} KV blocks, "
         f"{len(start_state['graph_sizes'])} decode graphs; sleep level {sleep_level}, "
-        f"weights pushed: {update}"
+        f"weights pushed: {update}; prompts: {kind}"
     )
     header = (
         f"{'round':>5} {'tok/s':>9} {'sleep s':>8} {'wake s':>7} {'recapture s':>12} "

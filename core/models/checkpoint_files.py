@@ -156,10 +156,17 @@ def check_weight_files(path: Path) -> list[Path]:
     return files
 
 
+def has_tokenizer(path: Path, *, skip: bool = False) -> bool:
+    """Whether :func:`load_tokenizer` gives a tokenizer for checkpoint ``path``, from
+    its files alone (nothing is loaded): a command can say what to pass instead
+    before it spends a model load."""
+    return not skip and (path / TOKENIZER_FILE).exists()
+
+
 def load_tokenizer(path: Path, *, skip: bool = False) -> Tokenizer | None:
     """The checkpoint's ``tokenizer.json``; None if it has none or ``skip`` is set."""
     file = path / TOKENIZER_FILE
-    if skip or not file.exists():
+    if not has_tokenizer(path, skip=skip):
         return None
     try:
         return Tokenizer.from_file(str(file))

@@ -49,3 +49,58 @@ def test_weights_lost_in_a_sleep_make_the_job_fail(kvrunner_home, capsys, monkey
     out = capsys.readouterr().out
     assert [r[8] for r in table_rows(out)][1:] == ["NO", "NO"]
     assert "rounds that lost anything: some" in out
+
+
+def tokenizer_less(tmp_path) -> str:
+    model = tmp_path / "m"
+    assert cli.main(["make-tiny", str(model)]) == 0
+    (model / "tokenizer.json").unlink()
+    return str(model)
+
+
+SHORT = ["rollout", "--rounds", "2", "--batch", "2", "--max-tokens", "4", "--max-num-seqs", "4",
+         "--capture-sizes", "1,2,4", "--update", "same"]  # fmt: skip
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_before_it_loads(
+    kvrunner_home, tmp_path, capsys
+) -> None:
+    model = tokenizer_less(tmp_path)
+    capsys.readouterr()
+    assert cli.main([*SHORT, "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert "rollout's text prompts needs a tokenizer" in err and "no tokenizer.json" in err
+    assert "pass --token-ids (or --prompt-len L)" in err
+    assert "loading weights" not in err  # no model load was spent on it
+    assert cli.main([*SHORT, "--skip-tokenizer-init"]) == 2  # the embedded one, told to skip
+    assert "skip_tokenizer_init is set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "length"), [(["--prompt-len", "12"], 12),
+                                               (["--token-ids"], cli.DEFAULT_PROMPT_LEN)])
+def test_token_id_prompts_roll_out_on_a_checkpoint_without_a_tokenizer(
+    tmp_path, capsys, flags, length
+) -> None:
+    model = tokenizer_less(tmp_path)
+    capsys.readouterr()
+    assert cli.main([*SHORT, "--model", model, *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"prompts: {length} random token ids" in out
+    rows = table_rows(out)
+    assert [r[8] for r in rows] == ["yes", "yes"] and [r[7] for r in rows] == ["0", "0"]
+
+
+def test_token_id_prompts_are_the_seeds_and_fit_the_vocabulary() -> None:
+    from kvrunner.rollout import rollout_token_prompts
+
+    a = rollout_token_prompts(3, 7, 50, seed=1)
+    assert a == rollout_token_prompts(3, 7, 50, seed=1) != rollout_token_prompts(3, 7, 50, seed=2)
+    assert [len(p) for p in a] == [7] * 3 and len({tuple(p) for p in a}) == 3
+    assert all(0 <= t < 50 for p in a for t in p)
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--max-tokens", "--prompt-len"])
+def test_zero_counts_are_usage_errors(capsys, flag) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["rollout", flag, "0"])
+    assert info.value.code == 2 and "must be at least 1" in capsys.readouterr().err
