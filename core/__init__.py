@@ -4,6 +4,7 @@ This module is the user's API. A backend plugin imports from
 :mod:`kvrunner.plugin_api` instead.
 """
 
+from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
 from kvrunner.config import ConfigError
 from kvrunner.errors import (
     CheckpointError,
@@ -20,11 +21,16 @@ from kvrunner.sleep_state import CacheInfo, SleepStateError, WakeError, WeightUp
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "EngineStats",
+    "StreamDelta",
     "BackendError",
     "CacheInfo",
     "CheckpointError",
     "ConcurrentUseError",
     "ConfigError",
+    "EngineBusyError",
+    "EngineClosedError",
     "KvrunnerError",
     "NonFiniteLogitsError",
     "RequestError",
@@ -44,6 +50,18 @@ def __getattr__(name: str):
         from kvrunner.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from kvrunner.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "StreamDelta":
+        from kvrunner.async_engine.delta import StreamDelta
+
+        return StreamDelta
+    if name == "EngineStats":
+        from kvrunner.async_engine.stats import EngineStats
+
+        return EngineStats
     if name == "WorkerError":
         from kvrunner.distributed.errors import WorkerError
 

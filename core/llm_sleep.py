@@ -48,7 +48,11 @@ class SleepWakeAPI:
             "freed_bytes": 0, "sleeps": 0, "wakes": 0,
         }
 
-    def _require_idle(self, what: str) -> None:
+    def _require_idle(self, what: str, *, parked_ok: bool = False) -> None:
+        # Parked requests (``LLMEngine.park``: nothing in flight, their blocks and slots
+        # held) survive a weight change or a prefix-cache reset; a sleep frees their KV.
+        if parked_ok and self.engine.parked:
+            return
         if self.engine.has_unfinished():
             raise SleepStateError(
                 f"cannot {what} while requests are unfinished (a generate call was "
@@ -136,7 +140,7 @@ class SleepWakeAPI:
         """
         self.executor.check()
         self.sleep_state.require_weights_resident("update_weights")
-        self._require_idle("update_weights")
+        self._require_idle("update_weights", parked_ok=True)
         pairs = checked_pairs(weights, check_finite=check_finite)
         with self._weight_change():
             if self.config.parallel.tensor_parallel_size == 1:
@@ -155,7 +159,7 @@ class SleepWakeAPI:
         :class:`~kvrunner.errors.CheckpointError` naming the file and the tensor."""
         self.executor.check()
         self.sleep_state.require_weights_resident("load_weights")
-        self._require_idle("load_weights")
+        self._require_idle("load_weights", parked_ok=True)
         if not Path(path).is_dir():
             raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
         with self._weight_change():
@@ -200,7 +204,7 @@ class SleepWakeAPI:
     @exclusive
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were uncached."""
-        self._require_idle("reset_prefix_cache")
+        self._require_idle("reset_prefix_cache", parked_ok=True)
         return self.engine.block_manager.reset_prefix_cache()
 
     @exclusive

@@ -13,7 +13,9 @@ class RequestOutput:
     with its ``sample_index`` (0 for a request of one sample).
     """
 
-    request_id: int
+    #: the engine's request number (``LLM.generate``); through ``AsyncLLM``, the
+    #: caller's id or a generated one
+    request_id: int | str
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -32,3 +34,9 @@ class RequestOutput:
     #: what ended it with finish reason "stop": the matched stop string, or the stop
     #: token id (EOS included); None for any other finish
     stop_reason: int | str | None = None
+    #: the weight version the last token was made under (``AsyncLLM``; None from ``LLM``)
+    weight_version: str | int | None = None
+    #: ``(version, first output index)`` spans, in order: the tokens from each index up
+    #: to the next span's were made under that version (more than one span only when
+    #: the request was parked across a weight update); empty from ``LLM``
+    weight_versions: tuple[tuple[str | int, int], ...] = ()

@@ -95,6 +95,9 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling
         # the launched step whose tokens the host has not seen yet (async steps)
         self._pending: tuple[list[Sequence], PendingTokens] | None = None
+        #: requests are parked (``park``): they keep their KV blocks and state slots,
+        #: nothing is in flight, and ``step`` refuses until ``unpark``
+        self.parked = False
 
     def validate_prompt(self, token_ids: Seq[int], index: int) -> None:
         """Raise ``RequestError`` naming the request if it can never be served."""
@@ -190,6 +193,8 @@ class LLMEngine:
         With asynchronous steps: launch the next step, then apply the one launched
         before it (so the sequences returned finished one step back).
         """
+        if self.parked:
+            raise RuntimeError("step() while the engine is parked: unpark() first")
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled is not None:
@@ -198,20 +203,47 @@ class LLMEngine:
             self._note_blocks_used()
         if not self.async_scheduling:
             self._pending, launched = launched, None
-        finished: list[Sequence] = []
-        if self._pending is not None:
-            seqs, pending = self._pending
-            self._pending = None  # a failed step is not applied twice
-            finished = self.scheduler.update(seqs, pending.result())
-            if self._watched:
-                self._find_stop_strings(finished)
+        finished = self._apply_pending()
         self._pending = launched
+        self._raise_nonfinite(finished)
+        return finished
+
+    def settle(self) -> list[Sequence]:
+        """Apply the step in flight, if any, and launch none; returns the sequences
+        that finished in it. Afterwards every unfinished request's KV and state are
+        written up to its last applied token and nothing runs on the device."""
+        finished = self._apply_pending()
+        self._raise_nonfinite(finished)
+        return finished
+
+    def park(self) -> list[Sequence]:
+        """Settle, then hold every unfinished request where it is (``step`` refuses)
+        until :meth:`unpark`: the requests keep their blocks and state slots, so
+        the weights may change under them; returns the sequences that finished."""
+        finished = self.settle()
+        self.parked = True
+        return finished
+
+    def unpark(self) -> None:
+        """Let parked requests run again (from their next token, no recompute)."""
+        self.parked = False
+
+    def _apply_pending(self) -> list[Sequence]:
+        if self._pending is None:
+            return []
+        seqs, pending = self._pending
+        self._pending = None  # a failed step is not applied twice
+        finished = self.scheduler.update(seqs, pending.result())
+        if self._watched:
+            self._find_stop_strings(finished)
+        return finished
+
+    def _raise_nonfinite(self, finished: list[Sequence]) -> None:
         if self.config.scheduler.nonfinite == "raise":
             failed = {s.seq_id: s.error for s in finished if s.finish_reason == "error"}
             if failed:
                 self._drain()
                 raise NonFiniteLogitsError(failed)
-        return finished
 
     def _find_stop_strings(self, finished: list[Sequence]) -> None:
         """Decode the watched requests' new tokens; end each whose text now holds a
@@ -249,6 +281,7 @@ class LLMEngine:
         """Abort every unfinished request and apply the step in flight (its tokens are
         dropped), leaving the engine empty for the next call."""
         self.scheduler.abort_all()
+        self.parked = False
         while self.has_unfinished():
             self.step()
 

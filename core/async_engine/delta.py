@@ -1,0 +1,30 @@
+"""What ``AsyncLLM.generate_stream`` yields: the tokens one request gained since the
+last delta."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvrunner.outputs import RequestOutput
+
+
+@attrs.frozen(kw_only=True)
+class StreamDelta:
+    """The new part of one request's output.
+
+    Joining every delta's ``token_ids`` (``logprobs``, ``top_logprobs``, ``text``)
+    gives the final output's. The last delta has a ``finish_reason`` and carries the
+    whole :class:`~kvrunner.llm.RequestOutput` as ``output``; every earlier one has
+    neither.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    #: the new tokens' logprobs, when ``SamplingParams.logprobs`` was set
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    #: the decoded text the new tokens added ("" without a tokenizer, and while the
+    #: last tokens end inside a multi-byte character)
+    text: str
+    finish_reason: str | None = None
+    output: RequestOutput | None = None

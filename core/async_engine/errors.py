@@ -1,0 +1,15 @@
+"""The errors ``AsyncLLM`` raises for calls its engine loop cannot take now."""
+
+from __future__ import annotations
+
+from kvrunner.errors import KvrunnerError
+
+
+class EngineBusyError(KvrunnerError, RuntimeError):
+    """An ``AsyncLLM`` control call (sleep, a weight update, a prefix-cache reset) was
+    refused because requests hold engine state; the message says what to do first
+    (``pause()``, or abort / drain the requests). Nothing was changed."""
+
+
+class EngineClosedError(KvrunnerError, RuntimeError):
+    """An ``AsyncLLM`` was called after ``shutdown()``, or its engine loop stopped."""

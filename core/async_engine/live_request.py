@@ -1,0 +1,94 @@
+"""One request between its submission and its end, as the engine thread tracks it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvrunner.async_engine.delta import StreamDelta
+from kvrunner.async_engine.handoff import Channel
+from kvrunner.engine.sequence import Sequence
+from kvrunner.outputs import RequestOutput
+
+Version = str | int
+
+
+@attrs.define(eq=False)
+class LiveRequest:
+    """A submitted request: its engine sequence, where its deltas go, and which
+    weight version made which of its tokens."""
+
+    request_id: str
+    prompt: Any
+    seq: Sequence
+    channel: Channel
+    #: send a delta after every step that gave it tokens (else only the final one)
+    stream: bool
+    #: ``(version, first output index)`` spans; the last is the version in force
+    versions: list[tuple[Version, int]]
+    #: output tokens already sent in deltas
+    sent: int = 0
+    #: decoded text already sent in deltas
+    text: str = ""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.seq.token_ids) - self.seq.num_prompt_tokens
+
+    def note_version(self, version: Version) -> None:
+        """The weights changed to ``version``: its next token is made under it."""
+        start = self.num_output_tokens
+        if self.versions and self.versions[-1][1] == start:
+            self.versions[-1] = (version, start)  # no token was made under the last one
+        else:
+            self.versions.append((version, start))
+
+    def spans(self) -> tuple[tuple[Version, int], ...]:
+        """The spans that made at least one token (just the first for no token)."""
+        n = self.num_output_tokens
+        kept = [span for span in self.versions if span[1] < n]
+        return tuple(kept or self.versions[:1])
+
+    def delta(self, tokenizer: Any | None) -> StreamDelta | None:
+        """The tokens gained since the last delta, or None if there are none."""
+        seq = self.seq
+        start = seq.num_prompt_tokens + self.sent
+        if len(seq.token_ids) <= start:
+            return None
+        new = seq.token_ids[start:]
+        first = self.sent
+        self.sent += len(new)
+        return self._delta(new, first, self._new_text(tokenizer))
+
+    def final(self, output: RequestOutput) -> StreamDelta:
+        """The last delta: the tokens not sent yet, and the whole output."""
+        new = output.token_ids[self.sent :]
+        first, self.sent = self.sent, len(output.token_ids)
+        # the final text is decoded whole: send what the deltas have not yet said
+        text = output.text[len(self.text) :] if output.text.startswith(self.text) else ""
+        self.text = output.text
+        delta = self._delta(new, first, text)
+        return attrs.evolve(delta, finish_reason=output.finish_reason, output=output)
+
+    def _delta(self, new: list[int], first: int, text: str) -> StreamDelta:
+        seq, wants = self.seq, self.seq.sampling_params.logprobs
+        end = first + len(new)
+        return StreamDelta(
+            request_id=self.request_id,
+            token_ids=list(new),
+            logprobs=list(seq.logprobs[first:end]) if wants is not None else None,
+            top_logprobs=list(seq.top_logprobs[first:end]) if wants else None,
+            text=text,
+        )
+
+    def _new_text(self, tokenizer: Any | None) -> str:
+        if tokenizer is None:
+            return ""
+        # Decoding the whole output each time keeps merges across token boundaries
+        # right; text that ends inside a multi-byte character waits for the next token.
+        full = tokenizer.decode(self.seq.output_token_ids, skip_special_tokens=True)
+        if full.endswith("\ufffd") or not full.startswith(self.text):
+            return ""
+        new, self.text = full[len(self.text) :], full
+        return new
