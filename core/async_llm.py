@@ -25,9 +25,9 @@ import attrs
 
 from kvrunner.async_engine.delta import StreamDelta
 from kvrunner.async_engine.engine_loop import Command, EngineLoop
+from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
 from kvrunner.async_engine.handoff import Channel, Reply
 from kvrunner.async_engine.stats import EngineStats
-from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 

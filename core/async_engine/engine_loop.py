@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
 from kvrunner.async_engine.handoff import Channel, Outbox, Reply
 from kvrunner.async_engine.live_request import LiveRequest
 from kvrunner.async_engine.stats import EngineStats
 from kvrunner.engine.sequence import Sequence, SequenceStatus
-from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
 from kvrunner.errors import RequestError
 from kvrunner.prompts import prompt_token_ids
 from kvrunner.sampling_params import SamplingParams

@@ -220,3 +220,24 @@ def test_shutdown_aborts_live_requests_and_refuses_later_calls(llm: LLM) -> None
     # the LLM it wrapped is idle and serves synchronously again
     assert not llm.engine.has_unfinished()
     assert llm.generate([PROMPTS[0]], GREEDY)[0].finish_reason == "length"
+
+
+def test_a_group_equals_llm_generate_with_n_and_generate_refuses_n(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.9, seed=7, n=3, logprobs=0)
+    want = llm.generate([PROMPTS[2]], params)
+
+    async def run():
+        async with AsyncLLM.from_llm(llm) as engine:
+            with pytest.raises(RequestError, match="generate_group"):
+                await engine.generate(PROMPTS[2], params)
+            got = await engine.generate_group(PROMPTS[2], params, request_id="g")
+            await settled(engine)
+            assert_idle(engine)
+            return got
+
+    got = asyncio.run(run())
+    assert [o.request_id for o in got] == ["g-0", "g-1", "g-2"]
+    assert [o.sample_index for o in got] == [0, 1, 2]
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    assert len({tuple(o.token_ids) for o in got}) > 1  # the samples differ
