@@ -36,6 +36,9 @@ from kvrunner_gdn.ops.gated_delta_rule.chunk_fla import (
     fla_chunk_kernel,
 )
 from kvrunner_gdn.ops.gated_delta_rule.fla_forward import FlaDirectForward
+from kvrunner_gdn.ops.gated_delta_rule.fused_recurrent import (
+    fused_recurrent_gated_delta_rule as ours_decode,
+)
 from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
 from kvrunner_gdn.prefill_choice import choose_prefill_kernel
 
@@ -93,10 +96,10 @@ def main() -> None:
     ours_pool = pristine.clone()
     step = dict(q=q, k=k, v=v, g=decay, beta=beta, read_indices=idx, write_indices=idx,
                 scale=scale)
-    out_ours = fused_recurrent_gated_delta_rule(
-        inputs=GatedDeltaRuleInputs(state=ours_pool, **step))
+    # ours under their own names: fla's functions of the same names are the peers here
+    out_ours = ours_decode(inputs=GatedDeltaRuleInputs(state=ours_pool, **step))
     timed = GatedDeltaRuleInputs(state=pool, **step)
-    t_ours = median_ms(lambda: fused_recurrent_gated_delta_rule(inputs=timed))
+    t_ours = median_ms(lambda: ours_decode(inputs=timed))
     moved = 2 * B * H * K * V * 4
     print(f"copy bandwidth {bw:.2f} TB/s; decode byte floor {floor_us:.0f} us")
     print(
