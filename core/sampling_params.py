@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from numbers import Integral, Real
 from typing import Any
 
@@ -54,8 +55,16 @@ def _bool(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
         )
 
 
+def _is_list_like(value: Any) -> bool:
+    """A sequence of values: iterable, but not text, bytes or a mapping (whose keys
+    alone would be taken)."""
+    return hasattr(value, "__iter__") and not isinstance(value, str | bytes | Mapping)
+
+
 def _token_ids(value: Any) -> tuple[Any, ...]:
-    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+    if value is None:  # as vLLM takes it: none
+        return ()
+    if not _is_list_like(value):
         raise RequestError(
             f"SamplingParams.stop_token_ids must be a list of token ids, got {_describe(value)}"
         )
@@ -69,9 +78,11 @@ def _token_ids(value: Any) -> tuple[Any, ...]:
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:  # as vLLM takes it: none
+        return ()
     if isinstance(value, str):
         value = (value,)
-    if isinstance(value, bytes) or not hasattr(value, "__iter__"):
+    if not _is_list_like(value):
         raise RequestError(
             f"SamplingParams.stop must be a string or a list of strings, got {_describe(value)}"
         )

@@ -124,8 +124,8 @@ class LLMEngine:
         stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if stops:
             raise RequestError(
-                f"request {index}: stop_token_ids {stops[:5]} outside the vocabulary "
-                f"[0, {self.vocab_size})"
+                f"request {index}: SamplingParams.stop_token_ids {stops[:5]} outside the "
+                f"vocabulary [0, {self.vocab_size})"
             )
         if params.n != 1:
             raise RequestError(

@@ -154,9 +154,8 @@ def test_a_stop_token_id_beyond_the_vocabulary_is_refused_naming_the_request(llm
     with pytest.raises(RequestError) as info:
         llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2),
                                         SamplingParams(max_tokens=2, stop_token_ids=[5, vocab])])
-    assert f"request 1: stop_token_ids [{vocab}] outside the vocabulary [0, {vocab})" in str(
-        info.value
-    )
+    assert (f"request 1: SamplingParams.stop_token_ids [{vocab}] outside the vocabulary "
+            f"[0, {vocab})") in str(info.value)
     # nothing was queued: the engine still serves the same call without the bad id
     assert not llm.engine.has_unfinished()
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
