@@ -83,12 +83,12 @@ def test_n_samples_are_flat_prompt_major_and_equal_single_requests(llm) -> None:
     assert all(o.sample_index == 0 for o in singles)
 
 
-def test_group_samples_share_the_prompt_through_the_prefix_cache(llm) -> None:
-    llm.reset_prefix_cache()
-    before = llm.cache_info().prefix_hit_tokens
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_group_samples_share_the_prompt_through_the_prefix_cache(async_scheduling) -> None:
     n = 4
-    llm.generate(PROMPTS, SamplingParams(n=n, seed=5, max_tokens=3, ignore_eos=True))
-    hits = llm.cache_info().prefix_hit_tokens - before
+    with LLM("tiny-qwen3", **dict(ENGINE, async_scheduling=async_scheduling)) as llm:
+        llm.generate(PROMPTS, SamplingParams(n=n, seed=5, max_tokens=3, ignore_eos=True))
+        hits = llm.cache_info().prefix_hit_tokens
     # every sample after the first finds every full block of the prompt but the one
     # holding its last token (that token is computed, to sample from)
     block = ENGINE["block_size"]
@@ -105,3 +105,34 @@ def test_greedy_group_is_n_copies(llm) -> None:
 def test_engine_refuses_a_group_as_one_request(llm) -> None:
     with pytest.raises(RequestError, match="n=2 asks for a group"):
         llm.engine.make_request(PROMPTS[0], SamplingParams(n=2), 0)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_groups_under_preemption_finish_with_the_single_requests_tokens(
+    async_scheduling: bool,
+) -> None:
+    """A pool too small for every sample at once preempts some; every group still ends,
+    each sample with the tokens it draws alone."""
+    params = SamplingParams(n=4, seed=9, max_tokens=12, ignore_eos=True)
+    small = dict(ENGINE, num_blocks=14, async_scheduling=async_scheduling)
+    with LLM("tiny-qwen3", **small) as llm:
+        outs = llm.generate(PROMPTS, params)
+        assert llm.engine.scheduler.num_preemptions > 0  # the case this test is about
+        llm.reset_prefix_cache()
+        singles = [llm.generate(p, params.for_sample(k))[0]
+                   for p in PROMPTS for k in range(4)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in singles]
+    assert all(len(o.token_ids) == 12 for o in outs)
+
+
+def test_a_model_without_prefix_caching_serves_groups_without_waiting() -> None:
+    """The hybrid model's recurrent state is not in any block: no sharing, and a sample
+    waits for nobody."""
+    params = SamplingParams(n=3, seed=2, max_tokens=4, ignore_eos=True)
+    with LLM("tiny-qwen3-next", **ENGINE) as llm:
+        assert not llm.engine.block_manager.enable_prefix_caching
+        outs = llm.generate(PROMPTS[0], params)
+        assert llm.cache_info().prefix_hit_tokens == 0
+        singles = [llm.generate(PROMPTS[0], params.for_sample(k))[0] for k in range(3)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in singles]
+    assert [o.sample_index for o in outs] == [0, 1, 2]
