@@ -180,8 +180,10 @@ class EngineLoop:
                 self._outbox.put(live.channel, delta)
 
     def _after_progress(self) -> None:
-        """After a step or a batch of commands: answer who waited on the engine being
-        idle, post the step's deltas, publish the stats."""
+        """After a step or a batch of commands: publish the stats, post the deltas,
+        then answer who waited for the engine (or every request) to be done."""
+        self._publish()  # first: a caller told its request ended sees the stats after it
+        self._outbox.flush()  # and the deltas before the replies to who waited on them
         if not self.engine.has_unfinished():
             waiters, self._pause_waiters = self._pause_waiters, []
             for reply in waiters:
@@ -190,8 +192,6 @@ class EngineLoop:
                 drained, self._drain_waiters = self._drain_waiters, []
                 for reply in drained:
                     reply.ok(None)
-        self._publish()  # first: a caller told its request ended sees the stats after it
-        self._outbox.flush()
 
     # -- requests --------------------------------------------------------------------------
 

@@ -6,15 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from async_reference import SETTINGS, Reference
 
 from kvrunner import LLM
 from kvrunner.models.tiny import write_tiny_checkpoint
-
-#: 4 seats and a pool of 24 blocks of 4 tokens: a few requests run at once, more queue
-SETTINGS = dict(
-    max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
-    num_blocks=24, capture_sizes=(1, 2, 4),
-)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +22,22 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints) -> Iterator[LLM]:
-    """An engine on the first checkpoint; each test wraps it in an AsyncLLM."""
+def served(checkpoints) -> Iterator[LLM]:
     engine = LLM(checkpoints[0], **SETTINGS)
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture
+def llm(served: LLM, checkpoints) -> Iterator[LLM]:
+    """An engine on the first checkpoint (each test wraps it in an AsyncLLM); put back
+    on that checkpoint after a test that pushed other weights."""
+    yield served
+    served.load_weights(checkpoints[0])
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> Iterator[Reference]:
+    ref = Reference(checkpoints)
+    yield ref
+    ref.shutdown()

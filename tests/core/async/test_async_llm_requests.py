@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
+from async_reference import SETTINGS
 
 from kvrunner import LLM, AsyncLLM, EngineClosedError, RequestError, SamplingParams
 
@@ -72,8 +73,6 @@ def test_concurrent_calls_equal_llm_generate(llm: LLM, kind: str) -> None:
 def test_unseeded_draws_follow_the_engine_request_number(checkpoints) -> None:
     """Unseeded requests are keyed by the engine's request number: a fresh AsyncLLM
     given the requests in the same order draws what a fresh LLM does."""
-    from conftest import SETTINGS
-
     params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
     reference = LLM(checkpoints[0], **SETTINGS)
     want = reference.generate(PROMPTS, params)
