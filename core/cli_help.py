@@ -51,6 +51,7 @@ FIELD_HELP: dict[str, str] = {
     "distributed_backend": "torch.distributed backend; auto is NCCL on CUDA, gloo on the CPU",
     "distributed_timeout_s": "seconds a collective or a step may take before it fails",
     "startup_timeout_s": "seconds the ranks may take to load, size and capture",
+    "heartbeat_timeout_s": "seconds a rank may go without a heartbeat before it is named",
     "distributed_executor": "mp spawns the ranks; torchrun means they were launched "
     "by torchrun (kvrunner.distributed.launch)",
     "all_reduce": "decode all-reduces through symmetric memory where possible (auto), "

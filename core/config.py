@@ -96,6 +96,10 @@ class ParallelConfig:
     #: seconds any collective, or the driver's wait for a rank's answer to a step,
     #: may take before it fails (also bounds a rank waiting for a slower one to load)
     distributed_timeout_s: float = attrs.field(default=600.0, validator=_in_range(1, 1 << 20))
+    #: seconds a spawned rank may go without a heartbeat (a thread on the rank beats
+    #: while it runs, whatever it computes) before the driver names it as stopped
+    #: or frozen; the collectives' own bound is distributed_timeout_s
+    heartbeat_timeout_s: float = attrs.field(default=10.0, validator=_in_range(0.5, 1 << 20))
     #: seconds the driver waits for every rank to load, size its pools and capture
     startup_timeout_s: float = attrs.field(default=3600.0, validator=_in_range(1, 1 << 20))
     #: how ranks > 0 are run: "mp" spawns one process per rank from the driver;

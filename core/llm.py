@@ -92,10 +92,14 @@ class LLM(SleepWakeAPI):
         )
         self._init_sleep_state()
 
+    @exclusive
     def shutdown(self) -> None:
         """Release the model and its cache: stop the tensor-parallel rank processes,
         or drop the in-process runner and return its GPU memory (idempotent). Later
-        calls raise an error saying the LLM was shut down."""
+        calls raise an error saying the LLM was shut down. Guarded like every other
+        call: while another thread's call runs, this raises
+        :class:`~kvrunner.errors.ConcurrentUseError` (and a call made while this
+        runs does too)."""
         self.runner = None
         self.executor.shutdown()
 
@@ -143,7 +147,17 @@ class LLM(SleepWakeAPI):
         for seq in [g[0] for g in groups] + [s for g in groups for s in g[1:]]:
             self.engine.add_request(seq)
         seqs = [seq for group in groups for seq in group]  # prompt-major
-        total = sum(sp.max_tokens * sp.n for sp in params)
+        try:
+            self._run_to_completion(seqs, sum(sp.max_tokens * sp.n for sp in params), use_tqdm)
+        except BaseException as e:
+            # Ctrl-C or a failure mid-call: this call's requests are aborted (their
+            # blocks and state slots freed) and the step in flight settled, so the
+            # next call works, unless the executor cannot settle (a rank died).
+            self._abort_after(e)
+            raise
+        return [self._output(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
+
+    def _run_to_completion(self, seqs: list[Any], total: int, use_tqdm: bool) -> None:
         with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
             done = 0
             while self.engine.has_unfinished():
@@ -152,7 +166,15 @@ class LLM(SleepWakeAPI):
                     now = sum(s.num_output_tokens for s in seqs)
                     bar.update(now - done)
                     done = now
-        return [self._output(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
+
+    def _abort_after(self, error: BaseException) -> None:
+        try:
+            self.engine.abort_and_settle()
+        except Exception:
+            if isinstance(error, KeyboardInterrupt):
+                raise  # settling found a rank dead: that is the news
+            # else the error that ended the call is the one to see; a group that
+            # failed says so again at the next call
 
     def _output(self, prompt: Prompt, seq: Any) -> RequestOutput:
         out = list(seq.output_token_ids)

@@ -239,4 +239,6 @@ class SleepWakeAPI:
             num_wakes=t["wakes"],
             nonfinite_rows=self.engine.scheduler.nonfinite_rows,
             prefix_hit_tokens=manager.prefix_hit_tokens,
+            num_free_blocks=manager.num_free_blocks,
+            num_free_state_slots=manager.num_free_state_slots,
         )

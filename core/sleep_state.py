@@ -211,6 +211,10 @@ class CacheInfo:
     #: prompt tokens whose KV admission found in the prefix cache (not computed), since
     #: start: the samples of an ``n > 1`` request share their prompt this way
     prefix_hit_tokens: int = 0
+    #: blocks no request holds (a cached prefix block nobody uses counts: it is
+    #: evicted on demand), and state slots no request holds; between calls, all
+    num_free_blocks: int = 0
+    num_free_state_slots: int = 0
 
     @property
     def pool_bytes(self) -> int:

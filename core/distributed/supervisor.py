@@ -6,20 +6,30 @@ RankFailure)``) come back. While the driver waits for replies it also waits on
 every process's sentinel, so a rank that dies without a word is noticed at once,
 and every wait has a deadline, so a rank that hangs is noticed in bounded time.
 
+Each rank also beats a heartbeat into the store the group met through
+(:mod:`~kvrunner.distributed.heartbeat`); while the driver waits it checks them, so a
+rank that is stopped or frozen is named within ``heartbeat_timeout_s``, however long
+the collectives may take.
+
 On the first failure the driver keeps listening for a short grace period, to hear
 the other ranks' reports too (and so tell the cause from its consequences), then
 terminates every rank and raises one :class:`WorkerError`. The processes are also
 stopped when the supervisor is garbage-collected or the interpreter exits.
 
+Replies are matched to what asked for them by :class:`Ticket`: each rank answers the
+commands that want an answer in the order they were sent, so the driver counts
+them, and a reply whose asker has gone (its wait was interrupted) is dropped when a
+later one is wanted, never taken for it.
+
 Ctrl-C: a command reaches every rank or none (the interrupt is held until the last
 send), so no rank is left alone in a collective. An interrupt while replies are
-awaited leaves them unread, out of step with the next command: the group is then
-stopped and every later call says why.
+awaited leaves the group serving: the unread replies are dropped as they arrive.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
 import threading
@@ -32,6 +42,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from kvrunner.distributed.errors import RankFailure, WorkerError, worker_error
+from kvrunner.distributed.heartbeat import HeartbeatMonitor
 
 #: seconds to keep collecting other ranks' reports after the first failure
 FAILURE_GRACE_S = 2.0
@@ -39,6 +50,9 @@ FAILURE_GRACE_S = 2.0
 STOP_GRACE_S = 10.0
 
 STOP = ("stop",)
+
+#: per rank, the position of the reply a command will get among that rank's replies
+Ticket = dict[int, int]
 
 
 @contextlib.contextmanager
@@ -72,6 +86,8 @@ def _stop_processes(procs: list, conns: list, grace_s: float) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            with contextlib.suppress(OSError):  # a stopped rank takes SIGTERM once continued
+                os.kill(proc.pid, signal.SIGCONT)
     for proc in procs:
         proc.join(2.0)
         if proc.is_alive():
@@ -82,7 +98,11 @@ def _stop_processes(procs: list, conns: list, grace_s: float) -> None:
 
 
 class WorkerProcesses:
-    """One spawned process per rank running ``target(rank, conn, *args)``."""
+    """One spawned process per rank running ``target(rank, conn, *args)``.
+
+    Each rank's first reply (position 0: :attr:`startup_ticket`) is the one it sends
+    once started, unasked; every later reply answers a command, in the order sent.
+    """
 
     def __init__(
         self,
@@ -91,13 +111,22 @@ class WorkerProcesses:
         world_size: int,
         args: tuple[Any, ...],
         name: str = "kvrunner-rank",
+        heartbeats: HeartbeatMonitor | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.failure: WorkerError | None = None
+        self.heartbeats = heartbeats
         self._procs: list = []
         self._conns: list = []
         self._eof: set[int] = set()  # ranks whose pipe reached end-of-file
+        #: per rank: replies asked for so far (the start-up report is the first)
+        self._asked = [1] * world_size
+        #: per rank: replies read so far, and those read but not yet taken
+        self._received = [0] * world_size
+        self._inbox: list[dict[int, Any]] = [{} for _ in range(world_size)]
+        #: per rank: replies before this position are stale (their asker is gone)
+        self._floor = [0] * world_size
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -115,6 +144,11 @@ class WorkerProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    @property
+    def startup_ticket(self) -> Ticket:
+        """The report every rank sends once started."""
+        return dict.fromkeys(range(self.world_size), 0)
+
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self._procs]
 
@@ -129,8 +163,15 @@ class WorkerProcesses:
         if not self._finalizer.alive:
             raise WorkerError("the tensor-parallel group is shut down", rank=None)
 
-    def send_all(self, message: Any, *, during: str) -> None:
-        """Send ``message`` to every rank (pickled once), all or none under Ctrl-C."""
+    def send_all(
+        self, message: Any, *, during: str, replies_from: Sequence[int] = ()
+    ) -> Ticket:
+        """Send ``message`` to every rank (pickled once), all or none under Ctrl-C.
+
+        :param replies_from: the ranks that will answer it (each answers the commands
+            that want an answer in the order they were sent).
+        :returns: what :meth:`collect` takes to get those answers.
+        """
         self.check_usable()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with _sigint_held():  # a rank given a step its peers never get hangs in it
@@ -139,34 +180,88 @@ class WorkerProcesses:
                     conn.send_bytes(payload)
                 except OSError:  # the rank is gone: find out what it said, if anything
                     failures: list[RankFailure] = []
-                    self._read(rank, {}, set(), failures)
+                    self._read(rank, failures)
                     if not failures:
                         failures.append(self._death_report(rank))
                     self._fail(failures, during=during)
+            ticket = {r: self._asked[r] for r in replies_from}
+            for r in replies_from:
+                self._asked[r] += 1
+        return ticket
 
-    def collect(self, ranks: Sequence[int], *, during: str, timeout_s: float) -> dict[int, Any]:
-        """One ``("ok", payload)`` from each rank in ``ranks``; raises WorkerError on
-        any rank's failure report, death or silence past ``timeout_s``."""
+    def collect(self, ticket: Ticket, *, during: str, timeout_s: float) -> dict[int, Any]:
+        """The replies ``ticket`` names, by rank; raises WorkerError on any rank's
+        failure report, death, silence past ``timeout_s`` or a heartbeat that stopped.
+
+        Replies still unread from before the ticket's (their wait was interrupted)
+        are dropped. An interrupt here leaves the group serving.
+        """
         self.check_usable()
-        waiting, replies = set(ranks), {}
-        failures: list[RankFailure] = []
-        deadline = time.monotonic() + timeout_s
-        try:
-            while waiting and not failures:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    what = f"no answer within {timeout_s:.0f} s"
-                    failures += [self._silence_report(r, what) for r in sorted(waiting)]
-                    break
-                self._wait_round(remaining, replies, waiting, failures)
-        except KeyboardInterrupt:
-            self._abandon(during=during)
-            raise
-        if failures:
-            self._fail(failures, during=during)
+        for rank, position in ticket.items():
+            self._floor[rank] = max(self._floor[rank], position)
+        replies: dict[int, Any] = {}
+        self._wait(lambda: self._take(ticket, replies), during=during, timeout_s=timeout_s)
         return replies
 
-    def _wait_round(self, timeout: float, replies: dict, waiting: set, failures: list) -> None:
+    def settle(self, *, during: str, timeout_s: float) -> None:
+        """Wait for every reply asked for so far and drop the ones not taken (after an
+        interrupted call), so each rank has finished every command sent to it."""
+        self.check_usable()
+        for rank in range(self.world_size):
+            self._floor[rank] = self._asked[rank]
+
+        def settled() -> set[int]:
+            for inbox in self._inbox:
+                inbox.clear()
+            return {r for r in range(self.world_size) if self._received[r] < self._asked[r]}
+
+        self._wait(settled, during=during, timeout_s=timeout_s)
+
+    def _take(self, ticket: Ticket, replies: dict[int, Any]) -> set[int]:
+        """Move the ticket's replies that have arrived into ``replies``; the ranks
+        still to answer."""
+        for rank, position in ticket.items():
+            inbox = self._inbox[rank]
+            if rank not in replies and position in inbox:
+                replies[rank] = inbox.pop(position)
+        return set(ticket) - set(replies)
+
+    def _wait(self, outstanding: Callable[[], set[int]], *, during: str,
+              timeout_s: float) -> None:
+        """Read until ``outstanding()`` is empty; a failure, a death, silence past
+        ``timeout_s`` or a stopped heartbeat raises (and stops the group)."""
+        failures: list[RankFailure] = []
+        deadline = time.monotonic() + timeout_s
+        while (waiting := outstanding()) and not failures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                what = f"no answer within {timeout_s:.0f} s"
+                failures += [self._silence_report(r, what) for r in sorted(waiting)]
+                break
+            if self.heartbeats is not None:
+                failures += self._stopped_heartbeats()
+                if failures:
+                    break
+                remaining = min(remaining, self.heartbeats.poll_s)
+            self._wait_round(remaining, failures)
+        if failures:
+            self._fail(failures, during=during)
+
+    def _stopped_heartbeats(self) -> list[RankFailure]:
+        assert self.heartbeats is not None
+        live = [r for r, p in enumerate(self._procs) if p.is_alive()]
+        return [
+            RankFailure(
+                rank=rank, exc_type="HeartbeatTimeout",
+                message=f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s="
+                f"{self.heartbeats.timeout_s:g}); the process is alive but not running "
+                f"(stopped, frozen or starved?)",
+                traceback="", at=time.time(),
+            )
+            for rank, silent_s in self.heartbeats.silent(live)
+        ]
+
+    def _wait_round(self, timeout: float, failures: list) -> None:
         """Wait once for any pipe or sentinel, then read what is ready."""
         conns = {id(c): r for r, c in enumerate(self._conns) if r not in self._eof}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
@@ -177,28 +272,30 @@ class WorkerProcesses:
             if isinstance(obj, int):
                 dead.append(sentinels[obj])
             else:
-                self._read(conns[id(obj)], replies, waiting, failures)
+                self._read(conns[id(obj)], failures)
         for rank in dead:
             # A report sent just before exiting is still in the pipe: read it first.
-            self._read(rank, replies, waiting, failures)
+            self._read(rank, failures)
             if not any(f.rank == rank for f in failures):
                 failures.append(self._death_report(rank))
 
-    def _read(self, rank: int, replies: dict, waiting: set, failures: list) -> None:
+    def _read(self, rank: int, failures: list) -> None:
+        """Read everything ``rank`` has sent: replies into its inbox (unless stale),
+        failure reports into ``failures``."""
         if rank in self._eof:
             return
         conn = self._conns[rank]
         try:
-            while conn.poll():
-                kind, payload = pickle.loads(conn.recv_bytes())
-                if kind == "error":
-                    failures.append(payload)
-                elif rank in waiting:
-                    replies[rank] = payload
-                    waiting.discard(rank)
-                    # Leave what follows in the pipe: with asynchronous steps rank 0 may
-                    # have answered the next step too, and the next collect wants it.
-                    break
+            with _sigint_held():  # a reply read off the pipe must reach the inbox
+                while conn.poll():
+                    kind, payload = pickle.loads(conn.recv_bytes())
+                    if kind == "error":
+                        failures.append(payload)
+                        continue
+                    position = self._received[rank]
+                    self._received[rank] += 1
+                    if position >= self._floor[rank]:
+                        self._inbox[rank][position] = payload
         except (EOFError, OSError):
             self._eof.add(rank)  # the process is exiting; its sentinel will say so
 
@@ -213,7 +310,7 @@ class WorkerProcesses:
             remaining = deadline - time.monotonic()
             if not pending or remaining <= 0:
                 return
-            self._wait_round(remaining, {}, set(), failures)
+            self._wait_round(remaining, failures)
 
     def _death_report(self, rank: int) -> RankFailure:
         proc = self._procs[rank]
@@ -254,16 +351,6 @@ class WorkerProcesses:
         self._finalizer.detach()
         _stop_processes(self._procs, self._conns, grace_s=0.0)
         raise error
-
-    def _abandon(self, *, during: str) -> None:
-        """Stop the group after an interrupt left replies unread (they would answer
-        the next command); later calls raise a WorkerError that says so."""
-        self.failure = WorkerError(
-            f"interrupted (Ctrl-C) while waiting for the ranks during {during}; their "
-            "replies were left unread, so the group was stopped. Create a new LLM.",
-            rank=None,
-        )
-        self._finalizer()  # ask every rank to stop once its current command is done
 
     def shutdown(self) -> None:
         """Stop every rank (idempotent): ask nicely, then terminate, then kill."""

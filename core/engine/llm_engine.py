@@ -15,6 +15,7 @@ discards any token computed past a request's end.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
@@ -93,8 +94,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.peak_blocks_used = 0  # most KV blocks in use after any step, since reset
         self.async_scheduling = config.scheduler.async_scheduling
-        # the launched step whose tokens the host has not seen yet (async steps)
-        self._pending: tuple[list[Sequence], PendingTokens] | None = None
+        # launched steps whose tokens the host has not applied yet, oldest first (at
+        # most one between two step() calls; two inside an asynchronous step())
+        self._launched: deque[tuple[list[Sequence], PendingTokens]] = deque()
         #: requests are parked (``park``): they keep their KV blocks and state slots,
         #: nothing is in flight, and ``step`` refuses until ``unpark``
         self.parked = False
@@ -192,19 +194,22 @@ class LLMEngine:
 
         With asynchronous steps: launch the next step, then apply the one launched
         before it (so the sequences returned finished one step back).
+
+        An exception out of here (a failed rank, Ctrl-C) leaves the steps in flight
+        unapplied: :meth:`abort_and_settle` then makes the engine usable again.
         """
         if self.parked:
             raise RuntimeError("step() while the engine is parked: unpark() first")
         scheduled = self.scheduler.schedule()
-        launched = None
         if scheduled is not None:
             step, seqs = scheduled
-            launched = (seqs, self._submit(step))
+            self._launched.append((seqs, self._submit(step)))
             self._note_blocks_used()
-        if not self.async_scheduling:
-            self._pending, launched = launched, None
-        finished = self._apply_pending()
-        self._pending = launched
+        finished: list[Sequence] = []
+        if self._launched and (
+            not self.async_scheduling or len(self._launched) > 1 or scheduled is None
+        ):
+            finished = self._apply_oldest()
         self._raise_nonfinite(finished)
         return finished
 
@@ -212,7 +217,9 @@ class LLMEngine:
         """Apply the step in flight, if any, and launch none; returns the sequences
         that finished in it. Afterwards every unfinished request's KV and state are
         written up to its last applied token and nothing runs on the device."""
-        finished = self._apply_pending()
+        finished: list[Sequence] = []
+        while self._launched:
+            finished += self._apply_oldest()
         self._raise_nonfinite(finished)
         return finished
 
@@ -228,12 +235,11 @@ class LLMEngine:
         """Let parked requests run again (from their next token, no recompute)."""
         self.parked = False
 
-    def _apply_pending(self) -> list[Sequence]:
-        if self._pending is None:
-            return []
-        seqs, pending = self._pending
-        self._pending = None  # a failed step is not applied twice
-        finished = self.scheduler.update(seqs, pending.result())
+    def _apply_oldest(self) -> list[Sequence]:
+        seqs, pending = self._launched[0]
+        tokens = pending.result()
+        self._launched.popleft()  # only once read: an interrupted read is settled later
+        finished = self.scheduler.update(seqs, tokens)
         if self._watched:
             self._find_stop_strings(finished)
         return finished
@@ -242,7 +248,7 @@ class LLMEngine:
         if self.config.scheduler.nonfinite == "raise":
             failed = {s.seq_id: s.error for s in finished if s.finish_reason == "error"}
             if failed:
-                self._drain()
+                self.abort_and_settle()
                 raise NonFiniteLogitsError(failed)
 
     def _find_stop_strings(self, finished: list[Sequence]) -> None:
@@ -277,17 +283,33 @@ class LLMEngine:
             elif reason is not None:
                 del self._watched[seq_id]
 
-    def _drain(self) -> None:
-        """Abort every unfinished request and apply the step in flight (its tokens are
-        dropped), leaving the engine empty for the next call."""
-        self.scheduler.abort_all()
+    def abort_and_settle(self) -> list[Sequence]:
+        """Abort every unfinished request (freeing its blocks and state slots) and settle
+        every launched step, leaving the engine empty and ready for the next call.
+
+        For after an exception escaped :meth:`step` (Ctrl-C included), wherever it
+        landed: the scheduler forgets the steps in flight, whose tokens now belong to
+        nobody, then the executor waits for every answer still owed (so a
+        tensor-parallel group is back in step and the device is done with the steps).
+        Returns the requests aborted. An executor failure while settling (a rank that
+        really died) is raised.
+        """
+        aborted = self.scheduler.abort_all()
+        self.scheduler.forget_in_flight()  # host state first: then a second Ctrl-C
+        launched, self._launched = list(self._launched), deque()  # finds it clean
+        self._watched.clear()
         self.parked = False
-        while self.has_unfinished():
-            self.step()
+        settle = getattr(self.executor, "settle", None)
+        if settle is not None:
+            settle()
+        else:  # an executor of the tests': its handles hold the tokens already
+            for _, pending in launched:
+                pending.result()
+        return aborted
 
     def has_unfinished(self) -> bool:
         """Requests not yet finished, or a launched step not yet applied."""
-        return self.scheduler.has_unfinished() or self._pending is not None
+        return self.scheduler.has_unfinished() or bool(self._launched)
 
     def _submit(self, step: StepInput) -> PendingTokens:
         submit = getattr(self.executor, "submit", None)

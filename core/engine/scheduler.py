@@ -151,6 +151,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
+    def forget_in_flight(self) -> int:
+        """Drop every step in flight unapplied, once every request is withdrawn
+        (:meth:`abort_all`): its tokens belong to nobody, and a step whose launch was
+        interrupted has none. Returns how many were dropped."""
+        if self._unfinished:
+            raise RuntimeError("forget_in_flight() with requests unfinished: abort them first")
+        dropped = len(self._in_flight)
+        while len(self._in_flight):
+            self._in_flight.pop_oldest()
+        self._batch = None  # the next step is planned afresh
+        return dropped
+
     # -- one step ---------------------------------------------------------------------
 
     def schedule(self) -> tuple[StepInput, list[Sequence]] | None:

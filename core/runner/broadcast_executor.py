@@ -9,6 +9,8 @@ import traceback
 import weakref
 from typing import Any
 
+import torch
+
 from kvrunner.batch import PackedSampled, SampledTokens, StepInput
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
@@ -85,6 +87,13 @@ class BroadcastExecutor:
 
     def call_ranks(self, name: str, *args: Any) -> list[Any]:
         return raise_refused(self._all(name, *args))
+
+    def settle(self) -> None:
+        """After an interrupted call: the peers ran every step broadcast to them in
+        lockstep (nothing is owed back); rank 0's device finishes its own."""
+        self.check()
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def capture(self) -> float:
         return max(self.call_ranks("capture"))

@@ -24,11 +24,13 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import attrs
+import torch
 
 from kvrunner.batch import PackedSampled, SampledTokens, StepInput, unpack_sampled
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
-from kvrunner.distributed.supervisor import FAILURE_GRACE_S, WorkerProcesses
+from kvrunner.distributed.heartbeat import HeartbeatMonitor
+from kvrunner.distributed.supervisor import FAILURE_GRACE_S, Ticket, WorkerProcesses
 from kvrunner.runner.launched_step import SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import ModelLen, agreed_model_len
@@ -62,6 +64,8 @@ class DriverExecutor(Protocol):
     def describe_ranks(self) -> list[dict[str, Any]]: ...
 
     def check(self) -> None: ...
+
+    def settle(self) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -103,6 +107,13 @@ class LocalExecutor:
         if self.runner is None:
             raise RuntimeError("this LLM was shut down; its model and cache are released")
 
+    def settle(self) -> None:
+        """Wait until the device has finished every step launched (after an
+        interrupted call: the blocks they write go back to the pool)."""
+        self.check()
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
     def shutdown(self) -> None:
         """Release the runner: weights, pools and graphs go, and so does their memory
         once nothing else holds them (idempotent)."""
@@ -123,9 +134,11 @@ class MultiprocExecutor:
 
     Steps go to every rank over its pipe; rank 0, the one rank that samples,
     answers with the tokens (as columns: see :mod:`kvrunner.batch`). Any rank's
-    failure, death or silence past ``distributed_timeout_s`` raises one
+    failure, death, silence past ``distributed_timeout_s`` or heartbeat stopped
+    for ``heartbeat_timeout_s`` raises one
     :class:`~kvrunner.distributed.errors.WorkerError` naming the rank, and stops
-    the group. Create it under ``if __name__ == "__main__":`` (spawn re-imports
+    the group. An interrupted call (Ctrl-C) leaves it serving: :meth:`settle`.
+    Create it under ``if __name__ == "__main__":`` (spawn re-imports
     the main module).
     """
 
@@ -148,10 +161,12 @@ class MultiprocExecutor:
         spec = SpawnSpec(config=config, store_host="127.0.0.1", store_port=self._store.port,
                          progress=progress)
         self.procs = WorkerProcesses(
-            run_spawned_rank, world_size=parallel.tensor_parallel_size, args=(spec,)
+            run_spawned_rank, world_size=parallel.tensor_parallel_size, args=(spec,),
+            heartbeats=HeartbeatMonitor(self._store, world_size=parallel.tensor_parallel_size,
+                                        timeout_s=parallel.heartbeat_timeout_s),
         )
         ready = self.procs.collect(
-            range(self.procs.world_size), during="start-up (load, sizing, capture)",
+            self.procs.startup_ticket, during="start-up (load, sizing, capture)",
             timeout_s=parallel.startup_timeout_s,
         )
         described = [ready[r] for r in sorted(ready)]
@@ -161,6 +176,8 @@ class MultiprocExecutor:
         # Rank 0 defers each answer until the next step arrives (see worker.py).
         self._deferred = config.scheduler.async_scheduling
         self._steps_sent = 0
+        # the last step whose answer was asked for with ("answer",) (deferred answers)
+        self._asked_for = -1
 
     def execute(self, step: StepInput) -> SampledTokens:
         return self.submit(step).result()
@@ -168,24 +185,35 @@ class MultiprocExecutor:
     def submit(self, step: StepInput) -> SubmittedStep:
         """Send the step to every rank; ``result()`` waits for rank 0's answer. Rank 0
         answers its steps in order, so results must be asked for in order too."""
-        self.procs.send_all(("step", step), during="a step")
+        ticket = self.procs.send_all(("step", step), during="a step", replies_from=(0,))
         index = self._steps_sent
         self._steps_sent += 1
-        return SubmittedStep(lambda: self._answer(index))
+        return SubmittedStep(lambda: self._answer(index, ticket))
 
-    def _answer(self, index: int) -> PackedSampled:
-        if self._deferred and index == self._steps_sent - 1:
-            # Rank 0 answers a step once it has the next; there is none: ask for it.
+    def _answer(self, index: int, ticket: Ticket) -> PackedSampled:
+        self._ask_for_last(index)
+        return self.procs.collect(ticket, during="a step", timeout_s=self.timeout_s)[0]
+
+    def _ask_for_last(self, index: int) -> None:
+        """Rank 0 answers a step once it has the next (or a call); for the last step
+        sent there is none: ask for it, once."""
+        if self._deferred and index == self._steps_sent - 1 and self._asked_for < index:
             self.procs.send_all(("answer",), during="a step")
-        return self.procs.collect([0], during="a step", timeout_s=self.timeout_s)[0]
+            self._asked_for = index
 
     def call(self, name: str, *args: Any) -> list[Any]:
         """Run worker method ``name`` on every rank; the answers in rank order."""
         during = f"call {name!r}"
-        self.procs.send_all(("call", name, args), during=during)
-        replies = self.procs.collect(range(self.procs.world_size), during=during,
-                                     timeout_s=self.timeout_s)
-        return [replies[r] for r in range(self.procs.world_size)]
+        ranks = range(self.procs.world_size)
+        ticket = self.procs.send_all(("call", name, args), during=during, replies_from=ranks)
+        replies = self.procs.collect(ticket, during=during, timeout_s=self.timeout_s)
+        return [replies[r] for r in ranks]
+
+    def settle(self) -> None:
+        """After an interrupted call: wait until every rank has finished every command
+        sent, dropping the answers nobody reads, so the group is back in step."""
+        self._ask_for_last(self._steps_sent - 1)
+        self.procs.settle(during="settling an interrupted call", timeout_s=self.timeout_s)
 
     def call_ranks(self, name: str, *args: Any) -> list[Any]:
         return raise_refused(self.call(name, *args))

@@ -5,14 +5,16 @@ spawned driver, or a broadcast from rank 0 under torchrun):
 
 - ``("step", StepInput)``: run one step. Every rank runs the forward and the LM
   head; rank 0 alone samples and answers (see :meth:`RankWorker.step`).
-- ``("answer",)``: rank 0 answers the step it holds (see below); others ignore it.
+- ``("answer",)``: rank 0 answers the step it holds, if any (see below); others
+  ignore it.
 - ``("call", name, args)``: run one of :data:`CALLS` on every rank; every rank
   answers.
 
 A spawned rank 0 with asynchronous steps (``defer_answers``) answers a step only
-after it has launched the next one (or on ``("answer",)``): the driver sends step
-N+1 before it reads step N's tokens, so rank 0 prepares N+1 while its device still
-computes N, and answers are still one per step, in order.
+after it has launched the next one (or on ``("answer",)``, or before a call's
+answer): the driver sends step N+1 before it reads step N's tokens, so rank 0
+prepares N+1 while its device still computes N, and answers are still one per
+step, in the order of the commands.
 - ``("stop",)``: leave the group and exit.
 
 A spawned rank that raises — at start-up or in any command — sends a
@@ -41,6 +43,7 @@ from kvrunner.config import EngineConfig
 from kvrunner.distributed.errors import RankFailure
 from kvrunner.distributed.fault_injection import FaultPlan
 from kvrunner.distributed.group import DistGroup, connect_store
+from kvrunner.distributed.heartbeat import HeartbeatSender
 from kvrunner.runner.launched_step import LaunchedStep
 from kvrunner.runner.model_runner import ModelRunner
 from kvrunner.runner.rank_calls import CALLS, RECOVERABLE, RankCalls, Refused, runner_summary
@@ -113,6 +116,11 @@ class RankWorker(RankCalls):
         summary["last_sampled"] = list(zip(seq_ids, token_ids, strict=True))
         return summary
 
+    def flush_held(self) -> Any:
+        """The answer of the step held back (deferred answers), or :data:`NO_REPLY`."""
+        held, self._held = self._held, None
+        return self.finish(held) if held is not None else NO_REPLY
+
     def handle(self, command: tuple) -> Any:
         """Run one command; its answer, or :data:`NO_REPLY`."""
         kind = command[0]
@@ -124,10 +132,7 @@ class RankWorker(RankCalls):
             tokens = self.step(command[1])
             return tokens if self.rank == 0 else NO_REPLY
         if kind == "answer":
-            if self.rank != 0:
-                return NO_REPLY
-            held, self._held = self._held, None
-            return self.finish(held) if held is not None else no_samples()
+            return self.flush_held()
         if kind == "call":
             name, args = command[1], command[2]
             if name not in CALLS:
@@ -165,6 +170,7 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
     parallel = spec.config.parallel
     world = parallel.tensor_parallel_size
     group: DistGroup | None = None
+    heartbeat: HeartbeatSender | None = None
     try:
         device = rank_device(spec.config.device, rank)
         if device.type == "cuda":
@@ -177,6 +183,12 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
         store = connect_store(
             spec.store_host, spec.store_port, timeout_s=parallel.distributed_timeout_s,
             is_master=False,
+        )
+        # Its own store client: the beats never queue behind the group's store traffic.
+        heartbeat = HeartbeatSender(
+            connect_store(spec.store_host, spec.store_port,
+                          timeout_s=parallel.distributed_timeout_s, is_master=False),
+            rank=rank, timeout_s=parallel.heartbeat_timeout_s,
         )
         group = DistGroup.init(
             rank=rank, size=world, device=device, backend=parallel.distributed_backend,
@@ -194,6 +206,10 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
                 break
             if command[0] == "stop":
                 break
+            if command[0] == "call":  # a held step's answer comes first: replies keep order
+                held = worker.flush_held()
+                if held is not NO_REPLY:
+                    _send(conn, "ok", held)
             reply = worker.handle(command)
             if reply is not NO_REPLY:
                 _send(conn, "ok", reply)
@@ -203,5 +219,7 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
         # Skip the group's orderly teardown: peers may be stuck in a collective with
         # us, and exiting (which closes our sockets) is what releases them.
         os._exit(1)
+    if heartbeat is not None:
+        heartbeat.stop()
     if group is not None:
         group.destroy()

@@ -90,6 +90,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "distributed_backend": (strs_except("auto", "gloo", "nccl"), "load", {}),
     "distributed_timeout_s": (floats_outside(1, 1 << 20), "load", {}),
     "startup_timeout_s": (floats_outside(1, 1 << 20), "load", {}),
+    "heartbeat_timeout_s": (floats_outside(0.5, 1 << 20), "load", {}),
     "distributed_executor": (strs_except("mp", "torchrun"), "load", {}),
     "all_reduce": (strs_except("auto", "nccl", "symm_mem"), "load", {}),
     # [capture]

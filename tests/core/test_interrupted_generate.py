@@ -1,0 +1,241 @@
+"""An interrupted ``generate`` (Ctrl-C, or any exception out of a step) leaves the LLM
+usable: that call's requests are aborted, their blocks and state slots freed, the
+step in flight settled, and the next call returns what a fresh engine returns.
+
+The interrupt is raised inside the real engine path: right after the executor
+launched a step (the scheduler holds it, the engine never got its handle) or right
+after a step's tokens were read (they are lost with the call). One test sends a
+real SIGINT to a process looping over generate calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.runner.launched_step import SubmittedStep
+
+PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 201]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+#: a call long enough to be interrupted in its middle
+LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SMALL = dict(max_num_seqs=4, max_model_len=64, block_size=8, num_blocks=64)
+#: the step of the interrupted call in which the interrupt lands
+INTERRUPTED_STEP = 3
+
+
+def interrupt_at(llm: LLM, site: str, step: int = INTERRUPTED_STEP) -> Callable[[], None]:
+    """Make the ``step``-th step submitted from now raise KeyboardInterrupt at
+    ``site``: "launch" (after the real launch, before the engine has its handle) or
+    "result" (the real tokens read, then lost); returns what undoes it."""
+    executor = llm.executor
+    real_submit = executor.submit
+    count = 0
+
+    def submit(step_input):
+        nonlocal count
+        count += 1
+        handle = real_submit(step_input)
+        if count != step:
+            return handle
+        if site == "launch":
+            raise KeyboardInterrupt
+        return SubmittedStep(lambda: (handle.read(), _raise_interrupt())[1])
+
+    executor.submit = submit
+    return lambda: vars(executor).pop("submit")
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def assert_every_block_and_slot_free(llm: LLM) -> None:
+    info = llm.cache_info()
+    assert info.num_free_blocks == info.num_blocks
+    assert info.num_free_state_slots == info.num_state_slots
+    assert not llm.engine.has_unfinished()
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private home for the embedded models, shared by this module's engines."""
+    path = str(tmp_path_factory.mktemp("home"))
+    old = os.environ.get("KVRUNNER_HOME")
+    os.environ["KVRUNNER_HOME"] = path
+    yield path
+    if old is None:
+        os.environ.pop("KVRUNNER_HOME", None)
+    else:
+        os.environ["KVRUNNER_HOME"] = old
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-qwen3-next"])
+def model(request: pytest.FixtureRequest, home: str) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(model: str) -> list[list[int]]:
+    with LLM(model, **SMALL) as llm:
+        return tokens(llm)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokens(home: str) -> list[list[int]]:
+    """What a fresh TP=1 engine returns on tiny-qwen3 (TP=2 returns the same)."""
+    with LLM("tiny-qwen3", **SMALL) as llm:
+        return tokens(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("site", ["launch", "result"])
+def test_a_keyboard_interrupt_inside_a_step_leaves_the_llm_usable(
+    model: str, fresh_tokens: list[list[int]], site: str, async_scheduling: bool
+) -> None:
+    with LLM(model, async_scheduling=async_scheduling, **SMALL) as llm:
+        undo = interrupt_at(llm, site)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, LONG)
+        undo()
+        assert_every_block_and_slot_free(llm)
+        assert tokens(llm) == fresh_tokens
+        assert_every_block_and_slot_free(llm)
+        # and the rest of the API is open again
+        llm.sleep(1)
+        llm.wake_up()
+        assert tokens(llm) == fresh_tokens
+
+
+def test_an_error_raised_inside_a_step_is_raised_and_leaves_the_llm_usable(
+    model: str, fresh_tokens: list[list[int]]
+) -> None:
+    with LLM(model, **SMALL) as llm:
+        real_submit = llm.executor.submit
+
+        def failing(step_input):
+            real_submit(step_input)
+            raise OSError("the disk the tokens go to is full")
+
+        llm.executor.submit = failing
+        with pytest.raises(OSError, match="disk"):
+            llm.generate(PROMPTS, LONG)
+        del llm.executor.submit
+        assert_every_block_and_slot_free(llm)
+        assert tokens(llm) == fresh_tokens
+
+
+SIGINT_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from kvrunner import LLM, SamplingParams
+
+    PROMPTS = {prompts!r}
+    GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    if __name__ == "__main__":
+        llm = LLM("tiny-qwen3", **{small!r}, **{extra!r})
+        print("generating", flush=True)
+        interrupted = 0
+        try:
+            while True:
+                llm.generate(PROMPTS, LONG)
+        except KeyboardInterrupt:
+            interrupted = 1
+        info = llm.cache_info()
+        after = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        print(json.dumps({{"interrupted": interrupted, "after": after,
+                          "free": info.num_free_blocks, "blocks": info.num_blocks,
+                          "unfinished": llm.engine.has_unfinished()}}), flush=True)
+        llm.shutdown()
+    """
+)
+
+
+def run_and_interrupt(tmp_path, home: str, extra: dict, *, after_s: float = 1.0) -> dict:
+    """Start a process looping over generate calls, SIGINT it mid-loop, and read the
+    report it prints after one more generate."""
+    script = tmp_path / "child.py"
+    script.write_text(SIGINT_CHILD.format(prompts=PROMPTS, small=SMALL, extra=extra))
+    env = {**os.environ, "KVRUNNER_HOME": home}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "generating", proc.stderr.read()
+        try:
+            proc.wait(after_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_a_real_sigint_during_generate_leaves_the_llm_usable(
+    tmp_path, home: str, qwen3_tokens: list[list[int]], tp: int
+) -> None:
+    report = run_and_interrupt(tmp_path, home, {"tensor_parallel_size": tp})
+    assert report["interrupted"] == 1
+    assert report["free"] == report["blocks"] and not report["unfinished"]
+    assert report["after"] == qwen3_tokens
+
+
+# -- TP=2: spawned ranks over gloo ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp2(home: str) -> Iterator[LLM]:
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2, **SMALL)
+    yield llm
+    llm.shutdown()
+
+
+def interrupt_a_wait(llm: LLM, wait: int = 4) -> Callable[[], None]:
+    """Make the driver's ``wait``-th wait for the ranks from now raise KeyboardInterrupt
+    (as a Ctrl-C landing while rank 0's tokens are awaited); returns what undoes it."""
+    procs = llm.executor.procs
+    real = procs._wait_round
+    count = 0
+
+    def wait_round(*args):
+        nonlocal count
+        count += 1
+        if count == wait:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    procs._wait_round = wait_round
+    return lambda: vars(procs).pop("_wait_round")
+
+
+@pytest.mark.parametrize("site", ["launch", "result", "wait"])
+def test_at_tp2_a_keyboard_interrupt_inside_a_step_leaves_the_group_serving(
+    tp2: LLM, qwen3_tokens: list[list[int]], site: str
+) -> None:
+    pids = tp2.executor.procs.pids
+    undo = interrupt_a_wait(tp2) if site == "wait" else interrupt_at(tp2, site)
+    with pytest.raises(KeyboardInterrupt):
+        tp2.generate(PROMPTS, LONG)
+    undo()
+    assert tp2.executor.procs.alive() == [True, True]
+    assert_every_block_and_slot_free(tp2)
+    assert tokens(tp2) == qwen3_tokens
+    assert tp2.executor.procs.pids == pids  # the same ranks: no new group was needed
+    tp2.sleep(1)
+    tp2.wake_up()
+    assert tokens(tp2) == qwen3_tokens
