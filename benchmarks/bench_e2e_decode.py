@@ -154,9 +154,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--row-loops-too", action="store_true",
-                    help="also time each batch with the scheduler's row loops alone "
-                         "(no decode batch: Scheduler.use_columns off), in the same engine")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp())
     path = root / "qwen3-0.6b-random"
@@ -175,13 +172,6 @@ def main() -> None:
             host[b], launch[b] = host_busy_ms(llm, b)
             print(f"ours batch {b}: {ours[b]:.3f} ms/step, replay {replay[b]:.3f} ms, "
                   f"host busy {host[b]:.3f} ms ({launch[b]:.3f} in graph launches)", flush=True)
-            if args.row_loops_too:
-                llm.engine.scheduler.use_columns = False
-                step, (busy, _) = ours_step_ms(llm, b), host_busy_ms(llm, b)
-                llm.engine.scheduler.use_columns = True
-                print(f"  row loops alone: {step:.3f} ms/step, host busy {busy:.3f} ms "
-                      f"(decode batch: {ours[b] / step:.3f} of the step, "
-                      f"{host[b] / busy:.3f} of the host's time)", flush=True)
 
     llm = engine(BATCHES)
     capture_s, num_graphs = llm.runner.capture_seconds, len(llm.runner.graphs)

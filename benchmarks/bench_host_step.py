@@ -9,8 +9,8 @@ GPU step times in docs/benchmarks.md to see how much of them is host work.
     python benchmarks/bench_host_step.py          # one rank, asynchronous steps
     python benchmarks/bench_host_step.py --sync   # one step at a time
     python benchmarks/bench_host_step.py --pickle # plus TP's pipe: step and reply pickled
-    python benchmarks/bench_host_step.py --staggered --row-loops  # requests ending apart;
-                                                  # the scheduler's row loops alone
+    python benchmarks/bench_host_step.py --staggered  # requests ending apart
+    python benchmarks/bench_host_step.py --queued     # room for half: the rest admitted
 
 With nothing on a device to overlap, both do the same host work; the difference is
 the bookkeeping of a step in flight.
@@ -61,7 +61,7 @@ class HostOnlyExecutor:
 
 def step_ms(
     batch: int, *, async_scheduling: bool = True, pickled: bool = False, repeats: int = 3,
-    staggered: bool = False, row_loops: bool = False, queued: bool = False,
+    staggered: bool = False, queued: bool = False,
 ) -> float:
     """Mean host ms per decode step: (time for NEW tokens - time for 1) / (NEW - 1),
     each the fastest of ``repeats`` runs (the machine is shared: noise only adds).
@@ -80,7 +80,6 @@ def step_ms(
         blocks = batch * ((PROMPT + NEW + 16) // BLOCK + 1)
         engine = LLMEngine(config, HostOnlyExecutor(blocks, pickled=pickled), eos_token_ids=(0,),
                            vocab_size=1000, uses_state_slots=False)
-        engine.scheduler.use_columns = not row_loops
         for i in range(batch):
             prompt = [1 + (i * 31 + j) % 997 for j in range(PROMPT)]
             # staggered: requests end one after another over the run's second half
@@ -112,16 +111,13 @@ def main() -> None:
     parser.add_argument("--staggered", action="store_true",
                         help="requests end one after another (max_tokens from NEW down "
                              "to NEW / 2), not all on the last step")
-    parser.add_argument("--row-loops", action="store_true",
-                        help="the scheduler's row loops alone (no decode batch)")
     parser.add_argument("--queued", action="store_true",
                         help="room for half the requests: the rest admitted as others end")
     args = parser.parse_args()
     print(f"{'batch':>5} {'host ms/step':>13} {'µs/sequence':>12}")
     for b in args.batches:
         ms = step_ms(b, async_scheduling=not args.sync, pickled=args.pickle,
-                     repeats=args.repeats, staggered=args.staggered,
-                     row_loops=args.row_loops, queued=args.queued)
+                     repeats=args.repeats, staggered=args.staggered, queued=args.queued)
         print(f"{b:>5} {ms:>13.3f} {ms / b * 1e3:>12.2f}")
 
 

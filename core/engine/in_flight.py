@@ -3,8 +3,9 @@
 With synchronous steps there is at most one, between ``schedule()`` and
 ``update()``. With asynchronous steps the engine schedules step N+1 while step N
 runs, so two can be in flight: the scheduler then plans from where each sequence
-*will* be once the newest step is done (:meth:`InFlight.newest`), and the token that
-step samples is a placeholder the runner fills in on the device.
+*will* be once the newest step is done (the running batch's columns count what the
+steps in flight feed and sample), and the token that step samples is a placeholder
+the runner fills in on the device.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+import numpy as np
+
 from kvrunner.batch import SampledTokens
-from kvrunner.engine.decode_batch import DecodeBatch
 from kvrunner.engine.sequence import Sequence
 
 #: steps that may be in flight at once: the one running and the one being prepared
@@ -21,32 +23,40 @@ MAX_IN_FLIGHT = 2
 
 
 class StepChunks:
-    """One step as the scheduler remembers it: its rows, tokens per sequence, and who
+    """One step as the scheduler remembers it: its rows, the chunk each fed, and who
     samples.
 
-    Kept as the step's own columns; the dict and the set that the row loops look up
-    are built in C-level passes, and only when first asked for: a step kept as a
-    decode batch (``batch``) needs neither.
+    Kept as the step's own columns, and ``rows``: each row's index in the running
+    batch (``running_batch.py``), renumbered when rows leave it (``-1``: the sequence
+    left ``running`` since: finished, aborted or preempted). The dict and the set that
+    matching tokens by seq id looks up are built in C-level passes, and only when
+    first asked for.
     """
 
-    __slots__ = ("_num_tokens", "_sample_ids", "_samples", "batch", "sample", "seq_ids",
-                 "seqs", "sizes")  # fmt: skip
+    __slots__ = ("_num_tokens", "_sample_ids", "_samples", "all_sample", "rows", "sample",
+                 "sample_mask", "seq_ids", "seqs", "sizes", "starts")  # fmt: skip
 
     def __init__(
         self,
         seqs: list[Sequence],
         seq_ids: list[int],
-        sizes: list[int],
+        rows: np.ndarray,
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        sample_mask: np.ndarray,
         sample: list[bool],
-        batch: DecodeBatch | None = None,
     ) -> None:
-        #: the rows as ``schedule()`` returned them, and the tokens each feeds
+        #: the rows as ``schedule()`` returned them, where each chunk starts and the
+        #: tokens it feeds
         self.seqs = seqs
-        self.sizes = sizes
         self.seq_ids = seq_ids
+        self.rows = rows
+        self.starts = starts
+        self.sizes = sizes
+        #: whether each row samples, as an array and as the step's list
+        self.sample_mask = sample_mask
         self.sample = sample
-        #: the step's columns, when every row samples in it (``decode_batch.py``)
-        self.batch = batch
+        self.all_sample = bool(sample_mask.all())
         self._num_tokens: dict[int, int] | None = None
         self._sample_ids: list[int] | None = None
         self._samples: set[int] | None = None
@@ -55,7 +65,7 @@ class StepChunks:
     def num_tokens(self) -> dict[int, int]:
         """seq id -> tokens its chunk feeds."""
         if self._num_tokens is None:
-            self._num_tokens = dict(zip(self.seq_ids, self.sizes, strict=True))
+            self._num_tokens = dict(zip(self.seq_ids, self.sizes.tolist(), strict=True))
         return self._num_tokens
 
     @property
@@ -63,7 +73,8 @@ class StepChunks:
         """seq ids whose chunk ends their known tokens, so the step samples for them,
         in row order (the order the runner answers in)."""
         if self._sample_ids is None:
-            self._sample_ids = list(itertools.compress(self.seq_ids, self.sample))
+            self._sample_ids = (self.seq_ids if self.all_sample
+                                else list(itertools.compress(self.seq_ids, self.sample)))
         return self._sample_ids
 
     @property
@@ -99,22 +110,30 @@ class InFlight:
     def pop_oldest(self) -> StepChunks:
         return self._steps.popleft()
 
-    def newest(self) -> StepChunks | None:
-        """The step the next ``schedule()`` plans after: for each sequence in it, its
-        chunk counts as computed and, if it samples, one more token is on its way."""
-        return self._steps[-1] if self._steps else None
+    def renumber(self, new_index: np.ndarray | int) -> None:
+        """The running batch lost rows: ``new_index[r]`` is where row ``r`` went
+        (``-1``: gone), or, given an int ``n``, every row from ``n`` on was cut."""
+        for chunks in self._steps:
+            rows = chunks.rows
+            if isinstance(new_index, int):
+                rows[rows >= new_index] = -1
+            else:
+                chunks.rows = np.where(rows >= 0, new_index[rows], -1)
+
+    def __iter__(self):
+        return iter(self._steps)
 
 
-#: per row of ``update()``'s sequences: tokens fed, and the sampled token, its logprob
-#: and top logprobs (``None`` token: the row sampled nothing)
-AlignedResult = tuple[list[int], list[int | None], list[float | None], list[dict | None]]
+#: per row of the step (in its own row order): the sampled token, its logprob and top
+#: logprobs (``None``: the row sampled nothing, or its token is dropped)
+AlignedResult = tuple[list[int | None], list[float | None], list[dict | None]]
 
 
 def check_step_result(
     chunks: StepChunks, seqs: list[Sequence], sampled: SampledTokens
 ) -> AlignedResult:
-    """Validate ``update()``'s arguments before anything changes; the step's sizes and
-    tokens row by row, aligned with ``seqs``.
+    """Validate ``update()``'s arguments before anything changes; the step's tokens
+    row by row, aligned with the step's rows (``chunks.seqs``).
 
     The engine passes back the very list ``schedule()`` returned and the runner
     answers in row order, so the columns are usually aligned already: two C-level
@@ -125,13 +144,12 @@ def check_step_result(
     """
     if seqs == chunks.seqs and sampled.seq_ids == chunks.sample_ids:
         if len(sampled) == len(seqs):  # every row samples: a decode step
-            return chunks.sizes, sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+            return sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         where = dict(zip(sampled.seq_ids, range(len(sampled)), strict=True))
     else:
         where = _match_by_id(chunks, seqs, sampled)
-    picked = [where.get(seq.seq_id) for seq in seqs]
+    picked = [where.get(seq_id) for seq_id in chunks.seq_ids]
     return (
-        [chunks.num_tokens[seq.seq_id] for seq in seqs],
         [None if k is None else sampled.token_ids[k] for k in picked],
         [None if k is None else sampled.logprobs[k] for k in picked],
         [None if k is None else sampled.top_logprobs[k] for k in picked],

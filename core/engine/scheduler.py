@@ -23,10 +23,11 @@ one step too many, whose token ``update()`` discards. That step writes only KV s
 and a state slot the sequence still held when it was scheduled: freed ones are
 handed out again only by a later ``schedule()``, whose steps run after it.
 
-When every row of a step samples (a decode step, or one whose new requests prefill
-whole prompts), its columns are kept (``decode_batch.py``): the next step's chunks
-for those rows, and the step's update, are derived from them. The row loops below
-plan and apply every other step, and are what those columns are tested against.
+Every step is planned from the running batch (``running_batch.py``): the running
+sequences' state as columns, changed in place where a sequence is admitted, moves
+on, finishes, is aborted or is preempted. ``update()`` applies the plain rows of a
+step (running, sampling, nothing to publish or finish) in C-level passes over those
+columns and the step's own, and the others one at a time.
 """
 
 from __future__ import annotations
@@ -34,19 +35,33 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import attrgetter
+
+import numpy as np
 
 from kvrunner.batch import NONFINITE_CAUSES, SampledToken, SampledTokens, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
-from kvrunner.engine.decode_batch import DecodeBatch, Membership
 from kvrunner.engine.in_flight import InFlight, StepChunks, check_step_result
+from kvrunner.engine.running_batch import RunningBatch
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrunner.engine.step_columns import step_columns
 
+_token_ids = attrgetter("token_ids")
+_logprobs = attrgetter("logprobs")
+_top_logprobs = attrgetter("top_logprobs")
+
+
+def _consume(iterator) -> None:
+    """Run a C-level ``map`` for its side effects, keeping nothing."""
+    deque(iterator, maxlen=0)
+
 
 class Scheduler:
-    """Decides which sequences run each step and with how many tokens.
+    """Decides which sequences run each step and with how many tokens, and applies
+    what each step sampled.
 
     Protocol: ``schedule()`` then ``update()`` with the step's sampled tokens, in
     order; at most two steps in flight (a step's chunks advance
@@ -79,24 +94,23 @@ class Scheduler:
         else:
             self.eos_token_ids = frozenset(eos_token_id)
         self.waiting: deque[Sequence] = deque()
-        #: in admission order, which is also arrival order (see the module docstring)
-        self.running: list[Sequence] = []
+        #: the running sequences' columns; its ``seqs`` is :attr:`running`
+        self.batch = RunningBatch()
         self.num_preemptions = 0
         self._unfinished: dict[int, Sequence] = {}
         self._arrivals = itertools.count()
         # the steps scheduled but not yet updated
         self._in_flight = InFlight()
-        #: plan and apply steady decode steps from the last step's columns
-        #: (``decode_batch.py``); False runs the row loops they must equal
-        self.use_columns = True
-        #: sequences that left ``running``, ever (``membership``)
-        self.departures = 0
-        # the last planned step's columns, if it was a steady decode step
-        self._batch: DecodeBatch | None = None
         #: steps applied by ``update``, ever: a non-finite row's error names its step
         self.num_steps_applied = 0
         #: sampled rows whose logits were non-finite, each ending its request ("error")
         self.nonfinite_rows = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences, in admission order (which is also arrival order, see
+        the module docstring): the running batch's rows."""
+        return self.batch.seqs
 
     # -- requests ---------------------------------------------------------------------
 
@@ -135,9 +149,8 @@ class Scheduler:
         if seq is None:
             return None
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._in_flight.renumber(self.batch.remove([self.running.index(seq)]))
             self.block_manager.free(seq)
-            self.departures += 1
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -174,32 +187,18 @@ class Scheduler:
         if len(self._in_flight) > 1:
             raise RuntimeError("schedule() called again before update() for the last step")
         budget = self.config.max_num_batched_tokens
-        newest = self._in_flight.newest()
+        batch = self.batch
         preemptions_before = self.num_preemptions
-        # After a step whose every row sampled, this one's rows follow from its
-        # columns; anything else (and a plan that preempted) is planned row by row.
-        continued = None
-        batch, self._batch = self._batch, None
-        if batch is not None:
-            continued = batch.advance(self.membership, budget, newest is not None,
-                                      self.block_manager.block_size,
-                                      self.block_manager.table_rows, self._room_or_stop)
-        if continued is not None:
-            seqs, starts = list(continued.seqs), continued.starts.tolist()
-            sizes, samples = [1] * len(seqs), [True] * len(seqs)
-            pending = [1 if newest is not None else 0] * len(seqs)
-        else:
-            seqs, sizes, starts, pending, samples = self._plan_by_row(
-                budget,
-                newest.num_tokens if newest is not None else {},
-                newest.samples if newest is not None else set(),
-            )
-        budget -= sum(sizes)
+        rows, sizes = batch.chunks(budget)
+        if len(rows):
+            rows, sizes = self._make_rooms(rows, sizes)
+        budget -= int(sizes.sum())
         preempted = self.num_preemptions > preemptions_before
 
         # Admitting while another sequence just lost its blocks would only thrash. (So
         # a sequence preempted with a step in flight is back in the queue only after
         # that step's update(): a waiting sequence is never in flight.)
+        admitted: list[int] = []
         while (
             not preempted
             and self.waiting
@@ -215,29 +214,18 @@ class Scheduler:
             self.block_manager.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            seqs.append(seq)
-            sizes.append(n)
-            starts.append(seq.num_computed_tokens)
-            pending.append(0)
-            samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+            admitted.append(batch.append(seq))
+            admitted.append(n)
             budget -= n
-
-        if not seqs:
+        if admitted:
+            rows = np.concatenate([rows, np.array(admitted[0::2], np.intp)])
+            sizes = np.concatenate([sizes, np.array(admitted[1::2], np.int64)])
+        if not len(rows):
             return None
-        tables = self.block_manager.table_rows
-        if continued is not None and len(seqs) == len(continued.seqs):  # nobody admitted
-            step = continued.step(tables)
-            # Rows it left out are gone, or end when the step in flight is applied.
-            self._batch = continued.batch_of(step, self.membership)
-        else:
-            step = step_columns(seqs, sizes, starts, pending, samples, tables)
-            if self.use_columns:
-                # Rows the continuation left out end with the step in flight.
-                staying = len(self.running) - (continued.ending if continued else 0)
-                self._batch = DecodeBatch.of_step(seqs, sizes, step, staying,
-                                                  self.membership)  # fmt: skip
-        self._in_flight.push(StepChunks(seqs, step.seq_id, sizes, samples, self._batch))
+        step, seqs, starts, samples = step_columns(batch, rows, sizes,
+                                                   self.block_manager.table_rows)  # fmt: skip
+        self._in_flight.push(StepChunks(seqs, step.seq_id, rows, starts, sizes, samples,
+                                        step.sample))  # fmt: skip
         return step, seqs
 
     def update(
@@ -255,67 +243,149 @@ class Scheduler:
         chunks = self._in_flight.oldest()
         sampled = SampledTokens.of(sampled)
         self.num_steps_applied += 1
+        tokens, logprobs, tops = check_step_result(chunks, seqs, sampled)
+        self._in_flight.pop_oldest()
         finished: list[Sequence] = []
-        batch = chunks.batch
-        now = self.membership
-        if (
-            self.use_columns
-            and batch is not None
-            and batch.membership.preemptions == now.preemptions  # every row running or gone
-            and seqs == chunks.seqs
-            and sampled.seq_ids == chunks.sample_ids  # one token a row, in row order
-            # a non-finite row's code (below 0) ends its request: the row loop's case
-            and min(sampled.token_ids, default=0) >= 0
-        ):
-            self._in_flight.pop_oldest()
-            batch.apply(now, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
-                        self.block_manager.block_size, self.block_manager.mark_computed,
-                        lambda seq, reason: self._finish(seq, reason, finished))  # fmt: skip
-        else:
-            sizes, tokens, logprobs, tops = check_step_result(chunks, seqs, sampled)
-            self._in_flight.pop_oldest()
-            self._apply_by_row(seqs, sizes, tokens, logprobs, tops, finished)
-        if finished:
-            self.running = [s for s in self.running if not s.is_finished]
+        nonfinite = min(sampled.token_ids, default=0) < 0  # a code: see NONFINITE_CAUSES
+        gone = self._apply(chunks, tokens, logprobs, tops, nonfinite, finished)
+        if gone:
+            self._in_flight.renumber(self.batch.remove(gone))
         return finished
 
-    def _apply_by_row(self, seqs, sizes, tokens, logprobs, tops, finished) -> None:
-        """The specification: one pass over the step's rows, locals only, and the
-        block manager called only for a chunk that fills a block (to publish it) or one
-        whose count it must refuse."""
-        block_manager = self.block_manager
-        block_size = block_manager.block_size
-        for seq, n, token, logprob, top in zip(seqs, sizes, tokens, logprobs, tops,
-                                               strict=True):  # fmt: skip
-            status = seq.status
-            if status is SequenceStatus.FINISHED:
-                continue  # aborted, or ended one step early: a token past the end
-            if token is not None and token < 0:
-                # Non-finite logits: the request ends and keeps nothing of this step
-                # (no token, no logprob, no computed count: its KV may be poisoned).
-                self._fail(seq, token, finished)
-                continue
-            if status is SequenceStatus.RUNNING:  # else preempted since: its token stands
-                computed = seq.num_computed_tokens + n
-                if (
-                    computed // block_size == (computed - n) // block_size
-                    and computed <= len(seq.token_ids)
-                    and computed <= len(seq.block_table) * block_size
-                ):
-                    seq.num_computed_tokens = computed  # no block filled: nothing to publish
-                else:
-                    block_manager.mark_computed(seq, n)
-            if token is None:
-                continue  # still prefilling
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top)
-            # "stop" wins over "length" on the same token: the model ended on its own.
-            if token in seq.stop_on:
-                self._finish(seq, "stop", finished)
-            elif len(token_ids) >= seq.length_limit:
-                self._finish(seq, "length", finished)
+    # -- internals --------------------------------------------------------------------
+
+    def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Grow the tables of the planned ``rows`` whose chunk passes their last block,
+        in row order, preempting latest arrivals where the pool is short; the rows
+        still running, and their chunks."""
+        batch = self.batch
+        block_size = self.block_manager.block_size
+        ends = batch.pos[rows] + sizes
+        lens = self.block_manager.table_rows.lens[batch.table_row[rows]]
+        for k in np.flatnonzero(ends > lens * block_size).tolist():
+            i = int(rows[k])
+            if i >= len(batch):
+                break  # preempted already, with every row after it
+            seq = batch.seqs[i]
+            if not self._make_room(seq, int(ends[k]) - seq.num_computed_tokens):
+                break  # seq preempted itself: it was the last running sequence
+        if int(rows[-1]) >= len(batch):
+            keep = rows < len(batch)
+            rows, sizes = rows[keep], sizes[keep]
+        return rows, sizes
+
+    def _apply(self, chunks: StepChunks, tokens: list, logprobs: list, tops: list,
+               nonfinite: bool, finished: list[Sequence]) -> list[int]:  # fmt: skip
+        """Apply a step's tokens (aligned with its rows); the running batch's rows of the
+        sequences that finished.
+
+        A row is plain when its sequence still runs, its chunk fills no block and,
+        if it sampled, its token is finite and ends nothing: plain rows get their
+        computed count and token in C-level passes. Every other row, in row order:
+        :meth:`_apply_row`. ``nonfinite``: some sampled token is a non-finite code."""
+        batch = self.batch
+        rows = chunks.rows
+        block_size = self.block_manager.block_size
+        starts = chunks.starts
+        computed = starts + chunks.sizes
+        sample = chunks.sample_mask
+        running = rows >= 0
+        # a row's columns (row 0, or a cleared row past the batch, stands in for the gone)
+        at = np.where(running, rows, 0)
+        # "stop" wins over "length" on the same token: the model ended on its own.
+        if running.all() and batch.every_row(rows):
+            stop_on = batch.stop_on
+        else:
+            nothing: frozenset[int] = frozenset()  # a gone row's: it is special anyway
+            stop_on = [batch.stop_on[i] if i >= 0 else nothing for i in rows.tolist()]
+        stop = np.fromiter(map(frozenset.__contains__, stop_on, tokens), bool, len(tokens))
+        special = (
+            ~running
+            | (computed // block_size != starts // block_size)  # fills a block: publish
+            | (computed > batch.tokens[at] - batch.pending[at])  # refused by mark_computed
+            | (computed > self.block_manager.table_rows.lens[batch.table_row[at]] * block_size)
+            | stop
+            | (sample & (computed + 1 >= batch.limit[at]))  # its new token's length ends it
+        )
+        if nonfinite:
+            special |= np.fromiter((t is not None and t < 0 for t in tokens), bool, len(tokens))
+        seqs = chunks.seqs
+        if special.any():
+            plain = (~special).tolist()
+            plain_seqs = list(compress(seqs, plain))
+            plain_computed = list(compress(computed.tolist(), plain))
+            with_token = (sample & ~special).tolist()
+            token_seqs = list(compress(seqs, with_token))
+            tokens_, logprobs_, tops_ = (list(compress(c, with_token))
+                                         for c in (tokens, logprobs, tops))
+            # (a running row that fails ends, and its row goes with it)
+            batch.applied(rows[sample & running])
+        else:
+            plain_seqs, plain_computed = seqs, computed.tolist()
+            if chunks.all_sample:
+                token_seqs, tokens_, logprobs_, tops_ = seqs, tokens, logprobs, tops
+            else:
+                with_token = chunks.sample
+                token_seqs = list(compress(seqs, with_token))
+                tokens_, logprobs_, tops_ = (list(compress(c, with_token))
+                                             for c in (tokens, logprobs, tops))
+            batch.applied(rows[sample])
+        _consume(map(setattr, plain_seqs, repeat("num_computed_tokens"), plain_computed))
+        _consume(map(list.append, map(_token_ids, token_seqs), tokens_))
+        _consume(map(list.append, map(_logprobs, token_seqs), logprobs_))
+        _consume(map(list.append, map(_top_logprobs, token_seqs), tops_))
+        gone: list[int] = []
+        for k in np.flatnonzero(special).tolist():
+            self._apply_row(chunks, k, tokens[k], logprobs[k], tops[k], finished, gone)
+        return gone
+
+    def _apply_row(self, chunks: StepChunks, k: int, token: int | None,
+                   logprob: float | None, top: dict | None, finished: list[Sequence],
+                   gone: list[int]) -> None:  # fmt: skip
+        """Apply row ``k`` of a step on its own: a sequence that left ``running`` since
+        (finished: nothing; preempted: its token stands), a non-finite sample, a chunk
+        that fills a block, a token that ends its request. A sequence it finishes
+        while running adds its batch row to ``gone``."""
+        seq = chunks.seqs[k]
+        status = seq.status
+        if status is SequenceStatus.FINISHED:
+            return  # aborted, or ended one step early: a token past the end
+        row = int(chunks.rows[k])
+        if token is not None and token < 0:
+            # Non-finite logits: the request ends and keeps nothing of this step
+            # (no token, no logprob, no computed count: its KV may be poisoned).
+            self._fail(seq, token, finished)
+            if status is SequenceStatus.RUNNING:
+                gone.append(row)
+            return
+        if status is SequenceStatus.RUNNING:  # else preempted since: its token stands
+            n = int(chunks.sizes[k])
+            computed = seq.num_computed_tokens + n
+            if (
+                computed // self.block_manager.block_size
+                == (computed - n) // self.block_manager.block_size
+                and computed <= len(seq.token_ids)
+                and computed <= len(seq.block_table) * self.block_manager.block_size
+            ):
+                seq.num_computed_tokens = computed  # no block filled: nothing to publish
+            else:
+                self.block_manager.mark_computed(seq, n)
+        if token is None:
+            return  # still prefilling
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.top_logprobs.append(top)
+        # "stop" wins over "length" on the same token: the model ended on its own.
+        if token in seq.stop_on:
+            reason: FinishReason = "stop"
+        elif len(token_ids) >= seq.length_limit:
+            reason = "length"
+        else:
+            return
+        self._finish(seq, reason, finished)
+        if status is SequenceStatus.RUNNING:
+            gone.append(row)
 
     def _fail(self, seq: Sequence, code: int, finished: list[Sequence]) -> None:
         """End ``seq`` with ``"error"``: its row in the step just applied was non-finite
@@ -329,73 +399,16 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason, finished: list[Sequence]) -> None:
         """End ``seq`` with ``reason``: free what it holds (or take it off the queue,
-        if it was preempted while its last step ran)."""
+        if it was preempted while its last step ran). The caller drops its row from
+        the running batch."""
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.free(seq)
-            self.departures += 1
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
         finished.append(seq)
-
-    # -- internals --------------------------------------------------------------------
-
-    def _plan_by_row(
-        self, budget: int, fed_ahead: dict[int, int], sampling_ahead: set[int]
-    ) -> tuple[list[Sequence], list[int], list[int], list[int], list[bool]]:
-        """The running sequences' chunks, one row at a time: per row the sequence,
-        tokens it feeds, from where (after what the step in flight feeds), 1 if the
-        step in flight samples for it, whether this step samples.
-
-        Every lookup it repeats per sequence is a local or a field cached on the
-        sequence (``length_limit``), not a property call. A preemption pops
-        ``running``'s tail, which simply ends the iteration there.
-        """
-        seqs: list[Sequence] = []
-        sizes: list[int] = []
-        starts: list[int] = []
-        pending: list[int] = []
-        samples: list[bool] = []
-        block_size = self.block_manager.block_size
-        for seq in self.running:
-            if budget <= 0:
-                break
-            seq_id = seq.seq_id
-            known = len(seq.token_ids)
-            ahead = 0
-            if seq_id in sampling_ahead:
-                if known + 1 >= seq.length_limit:
-                    continue  # the step in flight samples its last token: nothing to feed
-                ahead = 1
-            start = seq.num_computed_tokens + fed_ahead.get(seq_id, 0)
-            # Without chunked prefill a running sequence is only still prefilling when it
-            # resumed with more tokens than a step may hold; chunking is its way through.
-            n = min(known + ahead - start, budget)
-            if start + n > len(seq.block_table) * block_size and not self._make_room(
-                seq, start + n - seq.num_computed_tokens
-            ):
-                break  # seq preempted itself: it was the last running sequence
-            seqs.append(seq)
-            sizes.append(n)
-            starts.append(start)
-            pending.append(ahead)
-            samples.append(start + n == known + ahead)
-            budget -= n
-        return seqs, sizes, starts, pending, samples
-
-    @property
-    def membership(self) -> Membership:
-        """Departures and preemptions so far (``decode_batch.py``)."""
-        return Membership(self.departures, self.num_preemptions)
-
-    def _room_or_stop(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """:meth:`_make_room`, False as soon as it preempts anybody: a plan from the
-        last step's columns no longer holds, and the row loop re-plans (the rooms
-        already made stand: growing a table is idempotent)."""
-        before = self.num_preemptions
-        return self._make_room(seq, num_new_tokens) and self.num_preemptions == before
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Get blocks for ``seq``'s chunk, preempting latest arrivals; False if ``seq``
@@ -409,8 +422,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         assert self.running[-1] is seq, "only the latest admitted sequence is preempted"
-        self.running.pop()
-        self.departures += 1
+        n = len(self.running) - 1
+        self.batch.truncate(n)
+        self._in_flight.renumber(n)
         self.block_manager.free(seq)  # also resets num_computed_tokens to 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -1,55 +1,64 @@
-"""A scheduled step written as the columns the runner reads (``StepInput``)."""
+"""A scheduled step written as the columns the runner reads (``StepInput``).
+
+Its columns are gathered from the running batch's (``running_batch.py``): numpy takes
+for the numbers and the block tables, list copies or C-level ``compress`` passes for
+the objects. Only the token ids are built per row, and only for rows whose chunk the
+host knows: a row whose chunk is the token still in flight feeds one shared
+placeholder.
+"""
 
 from __future__ import annotations
 
-from operator import add, attrgetter, sub
+from operator import attrgetter
+
+import numpy as np
 
 from kvrunner.batch import PLACEHOLDER_CHUNK, StepInput
+from kvrunner.engine.running_batch import RunningBatch
 from kvrunner.engine.sequence import Sequence
 from kvrunner.engine.table_rows import TableRows
 
-# C-level column reads (``map`` over an attrgetter runs no bytecode per sequence).
-_seq_id = attrgetter("seq_id")
 _token_ids = attrgetter("token_ids")
-_num_prompt_tokens = attrgetter("num_prompt_tokens")
-_table_row = attrgetter("table_row")
-_state_slot = attrgetter("state_slot")
-_sampling = attrgetter("sampling_params")
 
 
 def step_columns(
-    seqs: list[Sequence],
-    sizes: list[int],
-    starts: list[int],
-    pending: list[int],
-    samples: list[bool],
+    batch: RunningBatch,
+    rows: np.ndarray,
+    sizes: np.ndarray,
     tables: TableRows,
-) -> StepInput:
-    """The step as columns (what the runner reads): sequence ``s`` feeds ``n``
-    tokens from ``start`` (where the step in flight leaves it), and samples
-    (``samples``) if they end its tokens - counting the one in flight, which is fed
-    as ``PLACEHOLDER_TOKEN``. Block tables come from their persistent rows."""
-    num_seqs = len(seqs)
-    if pending.count(1) == num_seqs:
-        # Every sequence feeds exactly the token in flight: a steady decode step.
-        tokens = [PLACEHOLDER_CHUNK] * num_seqs
+) -> tuple[StepInput, list[Sequence], np.ndarray, np.ndarray]:
+    """The step feeding ``sizes`` tokens to each of the batch's ``rows`` (increasing),
+    with the batch moved past it (:meth:`RunningBatch.advance`): the step, its
+    sequences, each chunk's start and whether it samples.
+
+    A chunk starts where the steps in flight leave its sequence and samples if it
+    ends its tokens, counting the one in flight, which it feeds as
+    ``PLACEHOLDER_TOKEN`` (only ever a chunk's last token, and then its only one).
+    """
+    seqs = batch.pick(batch.seqs, rows)
+    starts, samples, in_flight, outputs = batch.advance(rows, sizes)
+    m = len(seqs)
+    num_placeholders = int(in_flight.sum())
+    if num_placeholders == m:
+        # Every row feeds exactly its token in flight: a steady decode step.
+        tokens = [PLACEHOLDER_CHUNK] * m
+    elif num_placeholders == 0 and samples.all() and (sizes == 1).all():
+        # A decode step after the last one was applied: each feeds its newest token.
+        tokens = [(t[-1],) for t in map(_token_ids, seqs)]
     else:
-        # A sequence with a token in flight feeds exactly that token.
         tokens = [
             PLACEHOLDER_CHUNK if p else tuple(s.token_ids[a : a + n])
-            for s, n, a, p in zip(seqs, sizes, starts, pending, strict=True)
+            for s, n, a, p in zip(seqs, sizes.tolist(), starts.tolist(), in_flight.tolist(),
+                                  strict=True)  # fmt: skip
         ]
-    outputs = list(map(sub, map(len, map(_token_ids, seqs)), map(_num_prompt_tokens, seqs)))
-    if any(pending):
-        # Seeds already count the token in flight.
-        outputs = list(map(add, outputs, pending))
-    return StepInput(
-        seq_id=list(map(_seq_id, seqs)),
+    step = StepInput(
+        seq_id=batch.seq_id[rows].tolist(),
         token_ids=tokens,
-        start_pos=starts,
-        block_table=tables.gather(list(map(_table_row, seqs))),
-        state_slot=list(map(_state_slot, seqs)),
-        sample=samples,
-        sampling=list(map(_sampling, seqs)),
-        num_output_tokens=outputs,
+        start_pos=starts.tolist(),
+        block_table=tables.gather_rows(batch.table_row[rows]),
+        state_slot=batch.state_slot[rows].tolist(),
+        sample=samples.tolist(),
+        sampling=batch.pick(batch.sampling, rows),
+        num_output_tokens=outputs.tolist(),
     )
+    return step, seqs, starts, samples

@@ -136,6 +136,7 @@ def check_block_accounting(sched: Scheduler) -> None:
             assert bm.pool.block_hash(block) is not None, f"block {block} shared uncached"
     assert bm.num_free_blocks + len(mapped) == bm.num_blocks
     check_table_rows(sched)
+    check_running_batch(sched)
     for seq in sched.waiting:
         assert not seq.block_table and seq.state_slot == -1 and seq.num_computed_tokens == 0
     slots = [s.state_slot for s in sched.running]
@@ -161,6 +162,41 @@ def check_table_rows(sched: Scheduler) -> None:
     assert not rows.array[others].any() and not rows.lens[others].any()
     for seq in sched.running:
         assert not rows.array[seq.table_row, len(seq.block_table):].any()
+
+
+def check_running_batch(sched: Scheduler) -> None:
+    """The running batch's columns always say what the sequences and the steps in
+    flight say: row i is running[i], its next chunk starts past what the steps in
+    flight feed it, its token count includes their samples, and every row past the
+    batch is clear. Each step in flight knows where its rows are now (-1: gone)."""
+    batch = sched.batch
+    n = len(sched.running)
+    assert batch.seqs is sched.running
+    fed = dict.fromkeys(map(id, sched.running), 0)
+    pending = dict.fromkeys(map(id, sched.running), 0)
+    for chunks in sched._in_flight:
+        for k, seq in enumerate(chunks.seqs):
+            row = int(chunks.rows[k])
+            if row == -1:
+                assert seq.status is not SequenceStatus.RUNNING or seq not in sched.running
+                continue
+            assert sched.running[row] is seq
+            fed[id(seq)] += int(chunks.sizes[k])
+            pending[id(seq)] += bool(chunks.sample[k])
+    assert batch.sampling == [s.sampling_params for s in sched.running]
+    assert batch.stop_on == [s.stop_on for s in sched.running]
+    for i, seq in enumerate(sched.running):
+        assert (
+            batch.seq_id[i], batch.pos[i], batch.tokens[i], batch.pending[i], batch.prompt[i],
+            batch.limit[i], batch.table_row[i], batch.state_slot[i],
+        ) == (
+            seq.seq_id, seq.num_computed_tokens + fed[id(seq)],
+            len(seq.token_ids) + pending[id(seq)], pending[id(seq)], seq.num_prompt_tokens,
+            seq.length_limit, seq.table_row, seq.state_slot,
+        ), f"row {i} of the running batch is not {seq}"
+    for name in ("seq_id", "pos", "tokens", "pending", "prompt", "limit"):
+        assert not getattr(batch, name)[n:].any(), f"a row past the batch holds {name}"
+    assert (batch.table_row[n:] == -1).all() and (batch.state_slot[n:] == -1).all()
 
 
 def check_fairness(sched: Scheduler) -> None:

@@ -105,8 +105,11 @@ def engine_for(
     return engine, executor, runner, seqs
 
 
-def run(case: Case, *, async_scheduling: bool) -> tuple[LLMEngine, list[Sequence], FakeRunner]:
-    """Drive the engine to completion, checking block accounting after every step."""
+def run(
+    case: Case, *, async_scheduling: bool, aborts: dict[int, int] | None = None
+) -> tuple[LLMEngine, list[Sequence], FakeRunner]:
+    """Drive the engine to completion, checking block accounting after every step.
+    ``aborts``: request -> the engine step before which the caller withdraws it."""
     w = case.workload
     engine, _, runner, seqs = engine_for(case, async_scheduling=async_scheduling)
     arrivals = sorted(zip((r[0] for r in w.requests), seqs, strict=True), key=lambda a: a[0])
@@ -114,6 +117,9 @@ def run(case: Case, *, async_scheduling: bool) -> tuple[LLMEngine, list[Sequence
     while arrivals or engine.has_unfinished():
         while arrivals and arrivals[0][0] <= steps:
             engine.add_request(arrivals.pop(0)[1])
+        for i, at in (aborts or {}).items():
+            if at == steps:
+                engine.abort_request(i)
         for seq in engine.step():
             assert seq.is_finished
         steps += 1
@@ -259,3 +265,37 @@ def test_the_engine_aborts_a_running_request_by_id_and_the_others_run_on(
     for i in (0, 2):
         assert seqs[i].output_token_ids == reference_outputs((5 + i, 6, 7), 8, 64)
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_state_slots == 3
+
+
+@st.composite
+def cases_with_aborts(draw: st.DrawFn, tight_pool: bool = False) -> tuple[Case, dict[int, int]]:
+    """A case, and up to two of its requests withdrawn by the caller (request ->
+    the engine step before which ``abort_request`` is called)."""
+    case = draw(cases(tight_pool=tight_pool))
+    n = len(case.workload.requests)
+    aborted = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=2))
+    return case, {i: draw(st.integers(0, 12)) for i in aborted}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("tight_pool", [False, True], ids=["roomy", "preempting"])
+@given(data=st.data())
+def test_aborts_at_any_step_leave_every_other_request_its_reference_outputs(
+    async_scheduling: bool, tight_pool: bool, data: st.DataObject
+) -> None:
+    """Requests withdrawn at random steps (waiting, running, preempted, with a step in
+    flight or not): each other request still gets exactly its reference outputs,
+    an aborted one keeps a prefix of its own and ends with "abort" (unless it ended
+    first), accounting is exact after every step, and everything is free at the end."""
+    case, aborts = data.draw(cases_with_aborts(tight_pool=tight_pool))
+    _, seqs, _ = run(case, async_scheduling=async_scheduling, aborts=aborts)
+    for i, seq in enumerate(seqs):
+        tokens, reason = expected_outputs(case, i)
+        assert seq.status is SequenceStatus.FINISHED
+        if seq.finish_reason == "abort":
+            assert i in aborts and seq.output_token_ids == tokens[: seq.num_output_tokens]
+        else:
+            assert (seq.output_token_ids, seq.finish_reason) == (tokens, reason)
+        assert seq.logprobs == [
+            fake_logprob(seq.token_ids[:n]) for n in range(seq.num_prompt_tokens, seq.num_tokens)
+        ]

@@ -1,0 +1,177 @@
+"""The running batch: every running sequence's scheduling state, as columns kept in place.
+
+Row ``i`` of every column is ``seqs[i]``, the ``i``-th running sequence in admission
+order (which is arrival order: see ``scheduler.py``). The scheduler plans each step
+from these columns in a few numpy passes instead of reading a dozen fields off every
+``Sequence``, and a step's columns are gathered from them. They are changed in place,
+and only where the scheduler changes who runs or where they are:
+
+* admission appends a row (:meth:`RunningBatch.append`), read off the sequence once;
+* a planned step moves its rows on (:meth:`RunningBatch.advance`): each row's next
+  chunk starts where this one ends, and a row that samples has one more token coming;
+* applying a step's samples takes them off the rows' count of samples in flight
+  (:meth:`RunningBatch.applied`);
+* a finish or an abort removes its rows (:meth:`RunningBatch.remove`, order kept), a
+  preemption cuts the tail (:meth:`RunningBatch.truncate`); either clears the rows
+  it frees and returns where every remaining row went, so the steps in flight can
+  follow their rows.
+
+What a row holds is what the sequence's own fields say plus what the steps in flight
+add to it; ``tests/core/engine/engine_sim.py`` checks exactly that after every step.
+"""
+
+from __future__ import annotations
+
+from itertools import compress
+
+import numpy as np
+
+from kvrunner.engine.sequence import Sequence
+from kvrunner.sampling_params import SamplingParams
+
+#: rows the columns start with; they double when outgrown
+_INITIAL_ROWS = 64
+
+
+class RunningBatch:
+    """The running sequences' columns (rows ``0 .. len - 1``; every row past them is
+    clear: zeros, ``-1`` table row and state slot).
+
+    ``pos``: where the row's next chunk starts (``num_computed_tokens`` plus what the
+    steps in flight feed it). ``tokens``: how many tokens it has once the steps in
+    flight are applied (``len(token_ids)`` plus ``pending``). ``pending``: steps in
+    flight that sample for it. ``prompt``, ``limit``: ``num_prompt_tokens``,
+    ``length_limit``. ``table_row``, ``state_slot``, ``seq_id``: the sequence's.
+    """
+
+    def __init__(self) -> None:
+        #: the running sequences, in admission order (the scheduler's ``running``)
+        self.seqs: list[Sequence] = []
+        #: per row: its ``sampling_params`` and ``stop_on`` (objects: lists)
+        self.sampling: list[SamplingParams] = []
+        self.stop_on: list[frozenset[int]] = []
+        self.seq_id = np.zeros(_INITIAL_ROWS, np.int64)
+        self.pos = np.zeros(_INITIAL_ROWS, np.int64)
+        self.tokens = np.zeros(_INITIAL_ROWS, np.int64)
+        self.pending = np.zeros(_INITIAL_ROWS, np.int64)
+        self.prompt = np.zeros(_INITIAL_ROWS, np.int64)
+        self.limit = np.zeros(_INITIAL_ROWS, np.int64)
+        self.table_row = np.full(_INITIAL_ROWS, -1, np.intp)
+        self.state_slot = np.full(_INITIAL_ROWS, -1, np.int64)
+
+    _NUMERIC = ("seq_id", "pos", "tokens", "pending", "prompt", "limit", "table_row",
+                "state_slot")  # fmt: skip
+    #: what a cleared row holds, per numeric column
+    _CLEAR = {"table_row": -1, "state_slot": -1}
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # -- who runs ---------------------------------------------------------------------
+
+    def append(self, seq: Sequence) -> int:
+        """A row for ``seq``, just admitted (it holds its blocks, nothing in flight);
+        its row index."""
+        i = len(self.seqs)
+        if i == len(self.pos):
+            self._grow()
+        self.seqs.append(seq)
+        self.sampling.append(seq.sampling_params)
+        self.stop_on.append(seq.stop_on)
+        self.seq_id[i] = seq.seq_id
+        self.pos[i] = seq.num_computed_tokens
+        self.tokens[i] = len(seq.token_ids)
+        self.pending[i] = 0
+        self.prompt[i] = seq.num_prompt_tokens
+        self.limit[i] = seq.length_limit
+        self.table_row[i] = seq.table_row
+        self.state_slot[i] = seq.state_slot
+        return i
+
+    def remove(self, rows: list[int]) -> np.ndarray:
+        """Drop ``rows`` (finished or aborted), keeping the others' order; returns, for
+        every old row, its new index (``-1``: dropped)."""
+        n = len(self.seqs)
+        keep = np.ones(n, bool)
+        keep[rows] = False
+        new_index = np.where(keep, np.cumsum(keep) - 1, -1)
+        k = n - len(rows)
+        kept = keep.tolist()
+        self.seqs[:] = compress(self.seqs, kept)
+        self.sampling[:] = compress(self.sampling, kept)
+        self.stop_on[:] = compress(self.stop_on, kept)
+        for name in self._NUMERIC:
+            column = getattr(self, name)
+            column[:k] = column[:n][keep]
+        self._clear(k, n)
+        return new_index
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows (the tail was preempted)."""
+        old = len(self.seqs)
+        del self.seqs[n:], self.sampling[n:], self.stop_on[n:]
+        self._clear(n, old)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def chunks(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """The running rows' chunks under ``budget`` tokens, in row order: the rows that
+        feed anything, and how many tokens each (before any room is made for them).
+
+        Each row wants the rest of its tokens (1 for a decoding row); a row whose only
+        token to come is the last the step in flight samples wants none. Rows take
+        what they want in order until the budget runs out, the last one taking what
+        is left (a partial prefill chunk)."""
+        n = len(self.seqs)
+        want = self.tokens[:n] - self.pos[:n]
+        want[self.tokens[:n] >= self.limit[:n]] = 0
+        before = np.cumsum(want) - want  # tokens the rows before it take
+        sizes = np.minimum(want, np.maximum(budget - before, 0))
+        rows = np.flatnonzero(sizes)
+        return rows, sizes[rows]
+
+    def advance(self, rows: np.ndarray, sizes: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """Plan ``sizes`` tokens for ``rows``: per row the chunk's start, whether it
+        samples (it feeds the row's last token), whether its last token is still in
+        flight (a placeholder), and the outputs counted so far (seeds count the one in
+        flight). Then each row moves past its chunk."""
+        starts = self.pos[rows]
+        tokens = self.tokens[rows]
+        samples = starts + sizes == tokens
+        in_flight = self.pending[rows] > 0
+        outputs = tokens - self.prompt[rows]
+        self.pos[rows] = starts + sizes
+        self.tokens[rows] = tokens + samples
+        self.pending[rows] += samples
+        return starts, samples, in_flight, outputs
+
+    def applied(self, rows: np.ndarray) -> None:
+        """A step's samples for ``rows`` are applied: in their tokens, no longer in
+        flight."""
+        self.pending[rows] -= 1
+
+    def pick(self, column: list, rows: np.ndarray) -> list:
+        """``column``'s entries at ``rows`` (in increasing order), as a new list."""
+        if self.every_row(rows):
+            return column[:]
+        mask = np.zeros(len(self.seqs), bool)
+        mask[rows] = True
+        return list(compress(column, mask.tolist()))
+
+    def every_row(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` (increasing, distinct) is every row, in order."""
+        return len(rows) == len(self.seqs)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _clear(self, start: int, end: int) -> None:
+        for name in self._NUMERIC:
+            getattr(self, name)[start:end] = self._CLEAR.get(name, 0)
+
+    def _grow(self) -> None:
+        for name in self._NUMERIC:
+            column = getattr(self, name)
+            grown = np.full(2 * len(column), self._CLEAR.get(name, 0), column.dtype)
+            grown[: len(column)] = column
+            setattr(self, name, grown)
