@@ -173,7 +173,7 @@ class Scheduler:
         dropped = len(self._in_flight)
         while len(self._in_flight):
             self._in_flight.pop_oldest()
-        self._batch = None  # the next step is planned afresh
+        # (the running batch is empty: every request was withdrawn, its row with it)
         return dropped
 
     # -- one step ---------------------------------------------------------------------
