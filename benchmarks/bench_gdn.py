@@ -106,20 +106,15 @@ def main() -> None:
         f"decode ours (in place): {t_ours * 1e3:.0f} us, {moved / (t_ours * 1e-3) / 1e12:.2f} TB/s"
     )
     if fused_recurrent_gated_delta_rule is not None:
+        # one token per sequence as fla's [B, 1, ...]; keywords: fla's 5th positional is
+        # gk, not beta
+        fla_call = functools.partial(
+            fused_recurrent_gated_delta_rule, q[:, None], k[:, None], v[:, None],
+            g=decay[:, None], beta=beta[:, None], scale=scale, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
 
         def fla_decode(p: torch.Tensor) -> torch.Tensor:
-            state = p[idx.long()]
-            o, final = fused_recurrent_gated_delta_rule(
-                q[:, None],
-                k[:, None],
-                v[:, None],
-                g=decay[:, None],  # keywords: fla's 5th positional is gk, not beta
-                beta=beta[:, None],
-                scale=scale,
-                initial_state=state,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )
+            o, final = fla_call(initial_state=p[idx.long()])
             p[idx.long()] = final
             return o[:, 0]
 
@@ -128,17 +123,7 @@ def main() -> None:
         state0 = pristine[idx.long()]
 
         def fla_kernel() -> None:
-            fused_recurrent_gated_delta_rule(
-                q[:, None],
-                k[:, None],
-                v[:, None],
-                g=decay[:, None],  # keywords: fla's 5th positional is gk, not beta
-                beta=beta[:, None],
-                scale=scale,
-                initial_state=state0,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )
+            fla_call(initial_state=state0)
 
         t_fla, t_fla_k = median_ms(lambda: fla_decode(pool)), median_ms(fla_kernel)
         print(

@@ -39,6 +39,7 @@ from kvrunner.plugin_api import on_device
 from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
 from kvrunner_gdn.ops.gated_delta_rule.naive import L2NORM_EPS
 from kvrunner_gdn.ops.gated_delta_rule.tril_inverse import unit_lower_inverse
+from kvrunner_gdn.ops.slots_triton import row_slots
 from kvrunner_gdn.ops.utils import dot_block, next_pow2
 
 
@@ -110,10 +111,7 @@ def _scan_kernel(
     hk = hv // group
     start = tl.load(cu_ptr + seq).to(tl.int64)
     length = tl.load(cu_ptr + seq + 1).to(tl.int64) - start
-    w_idx = tl.load(write_ptr + seq).to(tl.int64)
-    r_idx = tl.load(read_ptr + seq).to(tl.int64)
-    runs = w_idx >= 0
-    reads = runs & (r_idx >= 0)
+    w_idx, r_idx, runs, k_run_bound, k_read_bound = row_slots(read_ptr, write_ptr, seq, head_k)
 
     tt = tl.arange(0, CHUNK)
     kk = tl.arange(0, BLOCK_K)
@@ -121,10 +119,8 @@ def _scan_kernel(
     kmask = kk < head_k
     vmask = vv < head_v
     causal = tt[:, None] >= tt[None, :]
-    # Row conditions folded into the K bound (the Triton interpreter cannot AND a block
-    # mask with a scalar): k_run is empty for PAD rows, k_read also without history.
-    k_run = kk < tl.where(runs, head_k, 0)
-    k_read = kk < tl.where(reads, head_k, 0)
+    k_run = kk < k_run_bound  # empty for a PAD sequence
+    k_read = kk < k_read_bound  # also without history
     offs = kk[:, None] * stride_s_k + vv[None, :]
     r_base = state_ptr + tl.maximum(r_idx, 0) * stride_s_n + hv * stride_s_h
     s = tl.load(r_base + offs, mask=k_read[:, None] & vmask[None, :], other=0.0)

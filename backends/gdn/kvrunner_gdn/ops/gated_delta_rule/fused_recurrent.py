@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
 from kvrunner_gdn.ops.gated_delta_rule.naive import L2NORM_EPS
+from kvrunner_gdn.ops.slots_triton import row_slots
 from kvrunner_gdn.ops.utils import next_pow2
 
 
@@ -38,14 +39,9 @@ def _gdn_decode_kernel(
     kk = tl.arange(0, BLOCK_K)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = vv < head_v
-    w_idx = tl.load(write_ptr + row).to(tl.int64)
-    r_idx = tl.load(read_ptr + row).to(tl.int64)
-    runs = w_idx >= 0
-    reads = runs & (r_idx >= 0)
-    # Row conditions folded into the K bound (the interpreter cannot AND a block mask
-    # with a scalar): k_run is empty for PAD rows, k_read also without a prior state.
-    k_run = kk < tl.where(runs, head_k, 0)
-    k_read = kk < tl.where(reads, head_k, 0)
+    w_idx, r_idx, runs, k_run_bound, k_read_bound = row_slots(read_ptr, write_ptr, row, head_k)
+    k_run = kk < k_run_bound  # empty for a PAD row
+    k_read = kk < k_read_bound  # also without a prior state
 
     q = tl.load(q_ptr + row * stride_q_t + hk * stride_q_h + kk, mask=k_run, other=0.0)
     k = tl.load(k_ptr + row * stride_k_t + hk * stride_k_h + kk, mask=k_run, other=0.0)

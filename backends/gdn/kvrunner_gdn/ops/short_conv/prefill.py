@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.slots_triton import row_slots
 from kvrunner_gdn.ops.utils import next_pow2
 
 
@@ -50,7 +51,7 @@ def _conv_prefill_out_kernel(
     r_idx = tl.load(read_ptr + seq).to(tl.int64)
     runs = w_idx >= 0
     tmask = t < length
-    # Per-sequence conditions folded into bounds (see conv_update for why).
+    # Per-sequence conditions folded into bounds (see slots_triton for why).
     t_run = t < tl.where(runs, length, 0)
     # Row pointers once; tap j reads them shifted by a compile-time number of rows.
     x_rows = x_ptr + (start + t)[:, None] * stride_x_t + d[None, :]
@@ -110,13 +111,10 @@ def _conv_prefill_state_kernel(
     length = tl.load(cu_ptr + seq + 1).to(tl.int64) - start
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     c = tl.arange(0, BLOCK_W)
-    w_idx = tl.load(write_ptr + seq).to(tl.int64)
-    r_idx = tl.load(read_ptr + seq).to(tl.int64)
-    runs = w_idx >= 0
-    reads = runs & (r_idx >= 0)
+    w_idx, r_idx, runs, d_run_bound, d_read_bound = row_slots(read_ptr, write_ptr, seq, dim)
     cmask = c < WIDTH - 1
-    d_run = d < tl.where(runs, dim, 0)
-    d_read = d < tl.where(reads, dim, 0)
+    d_run = d < d_run_bound
+    d_read = d < d_read_bound
     # New column c holds relative position length - (WIDTH - 1) + c: from x when that
     # is >= 0, else from the old state (short sequences keep part of their history).
     pos = length - (WIDTH - 1) + c

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvrunner_gdn.ops.short_conv.inputs import ShortConvInputs
+from kvrunner_gdn.ops.slots_triton import row_slots
 from kvrunner_gdn.ops.utils import next_pow2
 
 
@@ -31,15 +32,9 @@ def _conv_update_kernel(
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cols = tl.arange(0, BLOCK_W)
     dmask = d < dim
-    w_idx = tl.load(write_ptr + row).to(tl.int64)
-    r_idx = tl.load(read_ptr + row).to(tl.int64)
-    runs = w_idx >= 0
-    reads = runs & (r_idx >= 0)
-    # Fold the per-row conditions into the channel bound (the Triton interpreter cannot
-    # AND a block mask with a scalar): d_run is empty for PAD rows, d_read also without
-    # history.
-    d_run = d < tl.where(runs, dim, 0)
-    d_read = d < tl.where(reads, dim, 0)
+    w_idx, r_idx, runs, d_run_bound, d_read_bound = row_slots(read_ptr, write_ptr, row, dim)
+    d_run = d < d_run_bound  # empty for a PAD row
+    d_read = d < d_read_bound  # also without history
     # Clamp before forming addresses so a PAD row never builds a negative pointer.
     r_base = state_ptr + tl.maximum(r_idx, 0) * stride_s_n + d[:, None] * stride_s_d
     w_base = state_ptr + tl.maximum(w_idx, 0) * stride_s_n + d[:, None] * stride_s_d
