@@ -95,6 +95,22 @@ class StopStringWatch:
         return True
 
     @property
+    def streamable_text(self) -> str:
+        """The text a stream may send now: all of it but the longest tail that begins
+        a stop string (a later token may complete that stop, and the stop text is
+        never output); once a stop matched, the text before it."""
+        if self.cut is not None:
+            return self.text[: self.cut]
+        text = self.text
+        held = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:size]):
+                    held = size
+                    break
+        return text[: len(text) - held]
+
+    @property
     def output_text(self) -> str:
         """The text before the matched stop string (call only once one matched)."""
         assert self.cut is not None, "no stop string matched"

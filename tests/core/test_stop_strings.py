@@ -59,6 +59,31 @@ def test_watch_finds_what_decoding_each_prefix_finds(data, ids) -> None:
         assert watch.output_text == decode(ids[:k])[:cut]
 
 
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab c€", min_size=1, max_size=20),
+       stops=st.lists(st.text(alphabet="ab c€", min_size=1, max_size=3), min_size=1,
+                      max_size=2))
+def test_streamed_text_only_grows_and_never_holds_stop_text(text, stops) -> None:
+    """Text a stream sent is never taken back: each streamable text extends the one
+    before, holds no stop string, holds back only the start of one, and the last is
+    the output text."""
+    ids = TOKENIZER.encode(text).ids
+    watch = StopStringWatch(TOKENIZER, stops)
+    sent = ""
+    for k in range(1, len(ids) + 1):
+        matched = watch.feed(ids, 0, k, final=k == len(ids))
+        now = watch.streamable_text
+        assert now.startswith(sent), (sent, now)
+        sent = now
+        assert not any(s in sent for s in stops)
+        if matched:
+            assert sent == watch.output_text
+            break
+        # what is held back is the start of a stop string, and no more
+        held = watch.text[len(sent):]
+        assert not held or any(s.startswith(held) and len(held) < len(s) for s in stops)
+
+
 def test_watch_holds_a_split_character_until_it_is_whole() -> None:
     euro = TOKENIZER.encode("€").ids  # three bytes, more than one token here
     assert len(euro) > 1
