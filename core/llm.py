@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import torch
 from tqdm.auto import tqdm
 
 from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
-from kvrunner.llm_sleep import SleepWakeAPI
+from kvrunner.llm_sleep import SleepWakeControl
 from kvrunner.outputs import RequestOutput
 from kvrunner.prompts import normalize_requests, prompt_token_ids
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.sleep_state import CacheInfo, SleepState
 
 if TYPE_CHECKING:
     from kvrunner.runner.executor import DriverExecutor
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 Prompt = str | Seq[int]
 
 
-class LLM(SleepWakeAPI):
+class LLM:
     """Load a model and generate from it.
 
     Not thread-safe: one engine serves one call at a time, and a call from a second
@@ -90,7 +93,8 @@ class LLM(SleepWakeAPI):
         self.default_sampling_params = SamplingParams(
             **(info.sampling_defaults if config.generation_config == "auto" else {})
         )
-        self._init_sleep_state()
+        #: sleep, wake and weight pushes; it keeps the engine's one SleepState
+        self._sleep_wake = SleepWakeControl(self.config, self.executor, self.engine)
 
     @exclusive
     def shutdown(self) -> None:
@@ -175,6 +179,82 @@ class LLM(SleepWakeAPI):
                 raise  # settling found a rank dead: that is the news
             # else the error that ended the call is the one to see; a group that
             # failed says so again at the next call
+
+    # -- sleep, wake and weights (the RL loop's half: kvrunner.llm_sleep) ---------------
+
+    @property
+    def sleep_state(self) -> SleepState:
+        """What is resident, and which calls that allows (read-only use)."""
+        return self._sleep_wake.state
+
+    @exclusive
+    def sleep(self, level: int = 1, *, discard_weights: bool = False) -> float:
+        """Free the device memory the engine holds; returns seconds.
+
+        Level 1 drops the decode graphs and every backend's cache pools. Level 2 also
+        frees the weights: kept in pinned host memory, or discarded
+        (``discard_weights=True``) when new ones will be pushed before generating.
+        Raises :class:`~kvrunner.plugin_api.BackendError` naming the backend whose
+        ``release_cache`` kept its pools' memory (the engine is asleep all the same).
+        """
+        return self._sleep_wake.sleep(level, discard_weights=discard_weights)
+
+    @exclusive
+    def wake_up(self, tags: Iterable[str] | str | None = None) -> float:
+        """Bring back ``"weights"`` and/or ``"kv_cache"`` (both when ``None``), in either
+        order; returns seconds. The KV pool comes back at exactly its start-up size
+        on every rank, or :class:`~kvrunner.sleep_state.WakeError` is raised on every
+        rank with nothing allocated (retry once memory is free). The prefix cache is
+        empty afterwards; the decode graphs are recaptured, blanked, once every part
+        is back and the weights are whole."""
+        return self._sleep_wake.wake_up(tags)
+
+    @exclusive
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        check_finite: bool = True,
+    ) -> int:
+        """Load ``(name, tensor)`` pairs, or a Mapping of them (a ``state_dict``), with
+        Hugging Face names and full (unsharded) tensors of any floating dtype, on the
+        CPU or a GPU; a generator is fine, and an update may be spread over several
+        calls. Returns how many tensors were loaded.
+
+        Each rank takes its tensor-parallel shard in the model's dtype; fused
+        projections are filled part by part. A wrong name or shape, a value that is
+        not a floating-point tensor, or (``check_finite``, one reduction per tensor)
+        NaN or inf raises :class:`~kvrunner.sleep_state.WeightUpdateError` naming it,
+        with nothing of that tensor loaded. If tensors before it were, the weights are
+        ``"partial"`` (``cache_info().weights``) and generation is refused until every
+        tensor this call did not load has been pushed. After a call completes the
+        prefix cache is reset and, if the engine is awake, the graphs are recaptured.
+        """
+        return self._sleep_wake.update_weights(weights, check_finite=check_finite)
+
+    @exclusive
+    def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
+        """Load every tensor of a safetensors checkpoint directory (each rank reads it),
+        as :meth:`update_weights` does; returns how many were loaded. The directory
+        must hold the whole model: a wrong shape, a missing or unexpected tensor, or
+        (``check_finite``) NaN or inf raises
+        :class:`~kvrunner.errors.CheckpointError` naming the file and the tensor."""
+        return self._sleep_wake.load_weights(path, check_finite=check_finite)
+
+    @exclusive
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were uncached."""
+        return self._sleep_wake.reset_prefix_cache()
+
+    @exclusive
+    def recapture(self) -> float:
+        """Capture every decode graph again (blanked, as at start-up); returns seconds."""
+        return self._sleep_wake.recapture()
+
+    @exclusive
+    def cache_info(self) -> CacheInfo:
+        """A frozen record of the pool, what is resident, and the last sleep / wake."""
+        return self._sleep_wake.cache_info()
 
     def _output(self, prompt: Prompt, seq: Any) -> RequestOutput:
         out = list(seq.output_token_ids)

@@ -7,6 +7,7 @@ import contextlib
 import sys
 import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from kvrunner.distributed.supervisor import FAILURE_GRACE_S
 from kvrunner.runner.launched_step import LaunchedStep, SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import agreed_model_len
-from kvrunner.runner.rank_calls import raise_refused
+from kvrunner.runner.rank_calls import RankCalls, call_name, raise_refused
+from kvrunner.runner.rank_client import RankClient
 from kvrunner.runner.worker import RankWorker
 
 
@@ -33,7 +35,8 @@ class BroadcastExecutor:
         # Armed first: whatever happens from here, the peers are released in the end.
         self._stopper = weakref.finalize(self, _stop_broadcast, channel)
         self.failure: WorkerError | None = None
-        described = self._all("describe")
+        self.ranks = RankClient(self.call_ranks)
+        described = self._all(call_name(RankCalls.describe))
         self.num_blocks = agreed_num_blocks(described)
         self.max_num_batched_tokens = agreed_batched_tokens(described)
         self.model_len = agreed_model_len(described)
@@ -85,8 +88,8 @@ class BroadcastExecutor:
         if not self._stopper.alive:
             raise RuntimeError("this LLM was shut down; the other ranks have left")
 
-    def call_ranks(self, name: str, *args: Any) -> list[Any]:
-        return raise_refused(self._all(name, *args))
+    def call_ranks(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        return raise_refused(self._all(call_name(method), *args))
 
     def settle(self) -> None:
         """After an interrupted call: the peers ran every step broadcast to them in
@@ -96,10 +99,10 @@ class BroadcastExecutor:
             torch.cuda.synchronize(self.runner.device)
 
     def capture(self) -> float:
-        return max(self.call_ranks("capture"))
+        return max(self.ranks.capture())
 
     def describe_ranks(self) -> list[dict[str, Any]]:
-        return self.call_ranks("describe")
+        return self.ranks.describe()
 
     def shutdown(self) -> None:
         """Release ranks > 0 from their serve loop, then leave the group (idempotent).

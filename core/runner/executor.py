@@ -2,9 +2,11 @@
 
 Every executor implements the engine's ``Executor`` protocol (``num_blocks`` and
 ``execute(StepInput) -> SampledTokens``) and adds ``model_info`` (what the
-driver needs without the weights), ``call_ranks(name, *args)`` (one of
-:class:`~kvrunner.runner.rank_calls.RankCalls` on every rank, answers in rank order,
-a refusal raised here), ``capture()``, ``describe_ranks()`` and ``shutdown()``.
+driver needs without the weights), ``call_ranks(method, *args)`` (one of
+:class:`~kvrunner.runner.rank_calls.RankCalls`' methods on every rank, answers in
+rank order, a refusal raised here) and ``ranks``, the typed
+:class:`~kvrunner.runner.rank_client.RankClient` over it, ``capture()``,
+``describe_ranks()`` and ``shutdown()``.
 
 - :class:`LocalExecutor`: one rank, the runner in this process.
 - :class:`MultiprocExecutor`: one spawned process per rank; the engine stays here.
@@ -21,6 +23,7 @@ it allocated and the executor refuses a group whose ranks disagree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -34,7 +37,8 @@ from kvrunner.distributed.supervisor import FAILURE_GRACE_S, Ticket, WorkerProce
 from kvrunner.runner.launched_step import SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import ModelLen, agreed_model_len
-from kvrunner.runner.rank_calls import RankCalls, raise_refused
+from kvrunner.runner.rank_calls import RankCalls, call_name, raise_refused
+from kvrunner.runner.rank_client import RankClient
 from kvrunner.runner.sizing import release_unreachable_memory
 from kvrunner.runner.worker import SpawnSpec, run_spawned_rank
 
@@ -57,7 +61,10 @@ class DriverExecutor(Protocol):
 
     def submit(self, step: StepInput) -> SubmittedStep: ...
 
-    def call_ranks(self, name: str, *args: Any) -> list[Any]: ...
+    #: every rank's RankCalls, typed (over call_ranks)
+    ranks: RankClient
+
+    def call_ranks(self, method: Callable[..., Any], *args: Any) -> list[Any]: ...
 
     def capture(self) -> float: ...
 
@@ -81,7 +88,8 @@ class LocalExecutor:
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.model_len = self.runner.model_len
         self.model_info = ModelInfo.from_runner(self.runner)
-        self._rank = _LocalRank(self.runner)
+        self._rank: RankCalls | None = RankCalls(self.runner, 0)
+        self.ranks = RankClient(self.call_ranks)
 
     def execute(self, step: StepInput) -> SampledTokens:
         self.check()
@@ -92,15 +100,16 @@ class LocalExecutor:
         self.check()
         return SubmittedStep(self.runner.launch(step).result)
 
-    def call_ranks(self, name: str, *args: Any) -> list[Any]:
+    def call_ranks(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         self.check()
-        return [getattr(self._rank, name)(*args)]
+        call_name(method)  # the same calls as the other executors
+        return [method(self._rank, *args)]
 
     def capture(self) -> float:
-        return self.call_ranks("capture")[0]
+        return self.ranks.capture()[0]
 
     def describe_ranks(self) -> list[dict[str, Any]]:
-        return self.call_ranks("describe")
+        return self.ranks.describe()
 
     def check(self) -> None:
         """Raise if this executor was shut down."""
@@ -122,11 +131,6 @@ class LocalExecutor:
         device = self.runner.device
         self.runner = self._rank = None
         release_unreachable_memory(device)  # graphs and modules hold reference cycles
-
-
-class _LocalRank(RankCalls):
-    def __init__(self, runner: Any) -> None:
-        self.runner, self.rank = runner, 0
 
 
 class MultiprocExecutor:
@@ -173,6 +177,7 @@ class MultiprocExecutor:
         self.num_blocks = agreed_num_blocks(described)
         self.max_num_batched_tokens = agreed_batched_tokens(described)
         self.model_len = agreed_model_len(described)
+        self.ranks = RankClient(self.call_ranks)
         # Rank 0 defers each answer until the next step arrives (see worker.py).
         self._deferred = config.scheduler.async_scheduling
         self._steps_sent = 0
@@ -215,18 +220,18 @@ class MultiprocExecutor:
         self._ask_for_last(self._steps_sent - 1)
         self.procs.settle(during="settling an interrupted call", timeout_s=self.timeout_s)
 
-    def call_ranks(self, name: str, *args: Any) -> list[Any]:
-        return raise_refused(self.call(name, *args))
+    def call_ranks(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        return raise_refused(self.call(call_name(method), *args))
 
     def check(self) -> None:
         """Raise the group's earlier failure (WorkerError) if it had one, or if shut down."""
         self.procs.check_usable()
 
     def capture(self) -> float:
-        return max(self.call_ranks("capture"))
+        return max(self.ranks.capture())
 
     def describe_ranks(self) -> list[dict[str, Any]]:
-        return self.call_ranks("describe")
+        return self.ranks.describe()
 
     def shutdown(self) -> None:
         self.procs.shutdown()

@@ -1,7 +1,8 @@
 """The calls a driver makes on every rank between steps, and how refusals come back.
 
 :class:`RankCalls` is what every rank answers to ``("call", name, args)`` (and what
-the in-process executor calls directly): capture, describe, sleep, wake, weight
+the in-process executor calls directly; the driver makes them through
+:class:`~kvrunner.runner.rank_client.RankClient`): capture, describe, sleep, wake, weight
 updates, cache info. A call that fails in a way that leaves the rank consistent (a
 wake refused for memory, a bad weight name) is *answered* with a :class:`Refused`
 instead of killing the rank, so the driver raises the same error and the group
@@ -11,7 +12,7 @@ keeps serving.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -19,6 +20,7 @@ import torch
 
 from kvrunner.errors import CheckpointError
 from kvrunner.layers.fused.dispatch import chosen_kernels
+from kvrunner.runner.rank_reports import PushReport, SleepReport, WakeReport
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WakeError, WeightUpdateError
 
 #: errors after which a rank is still consistent and serving
@@ -90,21 +92,30 @@ def weight_buckets(
 
 
 class RankCalls:
-    """The between-steps calls of one rank, on ``self.runner`` (a ModelRunner)."""
+    """The between-steps calls of one rank, on its runner (a ModelRunner).
 
-    runner: Any
-    rank: int
+    :param describe_extra: what :meth:`describe` adds to :func:`runner_summary`
+        (a worker adds the last tokens it sampled).
+    """
+
+    def __init__(
+        self, runner: Any, rank: int, *,
+        describe_extra: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
+        self.runner = runner
+        self.rank = rank
+        self._describe_extra = describe_extra
 
     def capture(self) -> float:
         return self.runner.capture()
 
     def describe(self) -> dict[str, Any]:
-        return runner_summary(self.runner, self.rank)
+        return {**runner_summary(self.runner, self.rank), **self._describe_extra()}
 
-    def sleep(self, level: int, discard_weights: bool) -> dict[str, Any]:
+    def sleep(self, level: int, discard_weights: bool) -> SleepReport:
         return self.runner.sleep(level, discard_weights)
 
-    def wake_up(self, tags: tuple[str, ...]) -> dict[str, Any]:
+    def wake_up(self, tags: tuple[str, ...]) -> WakeReport:
         return self.runner.wake_up(tags)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -116,10 +127,10 @@ class RankCalls:
     def begin_weight_update(self) -> None:
         self.runner.begin_weight_update()
 
-    def fail_weight_update(self) -> dict[str, Any]:
+    def fail_weight_update(self) -> PushReport:
         return self.runner.fail_weight_update()
 
-    def finish_weight_update(self) -> dict[str, Any]:
+    def finish_weight_update(self) -> PushReport:
         return self.runner.finish_weight_update()
 
     def cache_info(self) -> RankCacheInfo:
@@ -130,3 +141,11 @@ class RankCalls:
 CALLS = frozenset(
     name for name, value in vars(RankCalls).items() if callable(value) and not name.startswith("_")
 )
+
+
+def call_name(method: Callable[..., Any]) -> str:
+    """The wire name of a :class:`RankCalls` method (refusing anything else)."""
+    name = getattr(method, "__name__", "")
+    if name not in CALLS or getattr(RankCalls, name) is not method:
+        raise ValueError(f"{method!r} is not one of the rank calls {sorted(CALLS)}")
+    return name

@@ -19,13 +19,13 @@ import gc
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kvrunner.models.checkpoint_tensors import CheckpointTensors
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.runner.pool_release import PoolRelease
+from kvrunner.runner.rank_reports import PushReport, SleepReport, WakeReport
 from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
 from kvrunner.sleep_state import RankCacheInfo, SleepStateError, WeightUpdateError
 from kvrunner.weight_push import tensor_problem
@@ -77,15 +77,11 @@ class SleepWake:
 
     # -- sleep -----------------------------------------------------------------------
 
-    def sleep(self, level: int, discard_weights: bool = False) -> dict[str, Any]:
+    def sleep(self, level: int, discard_weights: bool = False) -> SleepReport:
         """Release the graphs and pools (level 1) and the weights (level 2).
 
-        Returns ``{"seconds", "freed_bytes", "pending", "kept"}``: device bytes returned
-        to the device on CUDA, the bytes of the pool storages actually freed (plus the
-        weights released) on the CPU, both measured; weight tensors that must be pushed
-        before serving (all of them after a discard); and, when a backend's
-        ``release_cache`` kept a pool alive, the message naming it (else ``""``). The
-        sleep completes either way: the driver raises once its state says asleep.
+        The sleep completes even when a backend's ``release_cache`` kept a pool alive
+        (the report's ``kept`` names it): the driver raises once its state says asleep.
         """
         if not (self.kv_resident and self.weights.state == "resident"):
             raise SleepStateError("this rank is already asleep")
@@ -113,14 +109,14 @@ class SleepWake:
             kept = ""
         except BackendError as e:
             kept = str(e)
-        return {"seconds": time.perf_counter() - start, "freed_bytes": freed,
-                "pending": len(self.weights_pending), "kept": kept}
+        return SleepReport(seconds=time.perf_counter() - start, freed_bytes=freed,
+                           pending=len(self.weights_pending), kept=kept)
 
     # -- wake ------------------------------------------------------------------------
 
-    def wake_up(self, tags: tuple[str, ...]) -> dict[str, Any]:
+    def wake_up(self, tags: tuple[str, ...]) -> WakeReport:
         """Bring back the tagged parts at their saved sizes, or raise ``WakeError`` on
-        every rank with nothing allocated. Returns ``{"seconds", "recapture_s"}``."""
+        every rank with nothing allocated."""
         start = time.perf_counter()
         wake_weights = "weights" in tags and self.weights.state != "resident"
         wake_kv = "kv_cache" in tags and not self.kv_resident
@@ -162,7 +158,7 @@ class SleepWake:
         self.device_bytes_after_wake = self._device_bytes()
         if self.device.type == "cuda":
             self.allocated_bytes_after_wake = torch.cuda.memory_allocated(self.device)
-        return {"seconds": time.perf_counter() - start, "recapture_s": recapture_s}
+        return WakeReport(seconds=time.perf_counter() - start, recapture_s=recapture_s)
 
     def _recapture_if_whole(self) -> float:
         """Capture the decode graphs once everything is resident and the weights whole."""
@@ -221,27 +217,27 @@ class SleepWake:
         self._note_loaded(loaded)
         self.fail_weight_update()
 
-    def fail_weight_update(self) -> dict[str, Any]:
+    def fail_weight_update(self) -> PushReport:
         """A push failed part way (here or on the driver): unless the call loaded
         nothing (the weights are unchanged), every tensor it did not load is pending
         until pushed, whatever was pushed before it. Returns what
-        :meth:`finish_weight_update` does, without recapturing, and ``"partial"``:
+        :meth:`finish_weight_update` does, without recapturing, and ``partial``:
         whether the call loaded anything."""
         if self._update_loaded:  # idempotent: the rank and then the driver may call it
             self.weights_pending = set(self.model.expected_weight_names()) - self._update_loaded
-        return {**self._pending_report(), "partial": bool(self._update_loaded)}
+        return self._push_report(partial=bool(self._update_loaded))
 
-    def finish_weight_update(self) -> dict[str, Any]:
-        """After the last tensor of an update: recapture if the engine is whole.
-
-        Returns ``{"pending", "missing", "recapture_s"}``: how many tensors are still
-        missing since a discard or a failed push, and a few of their names."""
+    def finish_weight_update(self) -> PushReport:
+        """After the last tensor of an update: recapture if the engine is whole; how
+        many tensors are still missing since a discard or a failed push, and a few of
+        their names."""
         self._update_loaded = set()
-        return {**self._pending_report(), "recapture_s": self._recapture_if_whole()}
+        return self._push_report(recapture_s=self._recapture_if_whole())
 
-    def _pending_report(self) -> dict[str, Any]:
-        return {"pending": len(self.weights_pending),
-                "missing": tuple(sorted(self.weights_pending)[:MISSING_SHOWN]), "recapture_s": 0.0}
+    def _push_report(self, *, partial: bool = False, recapture_s: float = 0.0) -> PushReport:
+        return PushReport(pending=len(self.weights_pending),
+                          missing=tuple(sorted(self.weights_pending)[:MISSING_SHOWN]),
+                          recapture_s=recapture_s, partial=partial)
 
     # -- reporting -------------------------------------------------------------------
 

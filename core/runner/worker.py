@@ -46,7 +46,7 @@ from kvrunner.distributed.group import DistGroup, connect_store
 from kvrunner.distributed.heartbeat import HeartbeatSender
 from kvrunner.runner.launched_step import LaunchedStep
 from kvrunner.runner.model_runner import ModelRunner
-from kvrunner.runner.rank_calls import CALLS, RECOVERABLE, RankCalls, Refused, runner_summary
+from kvrunner.runner.rank_calls import CALLS, RECOVERABLE, RankCalls, Refused
 from kvrunner.runner.setup import resolve_device
 
 #: returned by RankWorker.handle when the command wants no answer from this rank
@@ -60,8 +60,9 @@ def rank_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-class RankWorker(RankCalls):
-    """This rank's runner and the commands it serves."""
+class RankWorker:
+    """This rank's runner and the commands it serves: steps here, the calls between
+    steps through its :class:`~kvrunner.runner.rank_calls.RankCalls` (``calls``)."""
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class RankWorker(RankCalls):
             runner.wake_pressure = faults.wake_pressure_for(self.rank)
         self.runner = faults.wrap(self.rank, runner) if faults is not None else runner
         self.last_sampled: PackedSampled = no_samples()
+        self.calls = RankCalls(self.runner, self.rank, describe_extra=self._last_sampled)
 
     def step(self, step: StepInput) -> PackedSampled:
         """Run one step on this rank; the sampled tokens (as columns) on rank 0, none
@@ -109,12 +111,13 @@ class RankWorker(RankCalls):
         self.last_sampled = launched.result()
         return self.last_sampled
 
-    def describe(self) -> dict[str, Any]:
-        """:func:`runner_summary` plus this rank's last sampled ``(seq_id, token_id)``."""
-        summary = runner_summary(self.runner, self.rank)
+    def _last_sampled(self) -> dict[str, Any]:
+        """What ``describe`` adds: this rank's last sampled ``(seq_id, token_id)``."""
         seq_ids, token_ids = self.last_sampled[:2]
-        summary["last_sampled"] = list(zip(seq_ids, token_ids, strict=True))
-        return summary
+        return {"last_sampled": list(zip(seq_ids, token_ids, strict=True))}
+
+    def describe(self) -> dict[str, Any]:
+        return self.calls.describe()
 
     def flush_held(self) -> Any:
         """The answer of the step held back (deferred answers), or :data:`NO_REPLY`."""
@@ -138,7 +141,7 @@ class RankWorker(RankCalls):
             if name not in CALLS:
                 raise ValueError(f"unknown worker call {name!r}; known: {sorted(CALLS)}")
             try:
-                return getattr(self, name)(*args)
+                return getattr(self.calls, name)(*args)
             except RECOVERABLE as e:  # this rank is still consistent: answer, do not die
                 return Refused(e)
         raise ValueError(f"unknown worker command {command!r}")
