@@ -1,17 +1,30 @@
-"""The runner: owns the model, the backends, the pools, forward_vars and the graphs.
+"""The runner: one tensor-parallel rank's model, backends, pools, buffers and graphs.
 
 It computes what the engine schedules and never decides who runs. One runner per
-tensor-parallel rank.
+tensor-parallel rank, assembled from parts that own their state:
+
+- :class:`~kvrunner.runner.weight_store.WeightStore`: the weights, where they are,
+  and what is still to push;
+- :class:`~kvrunner.runner.cache_pools.CachePools`: every backend's pools, at the
+  group's one size;
+- :class:`~kvrunner.runner.graph_capture.GraphCapture`: the decode graphs;
+- :class:`~kvrunner.runner.step_launch.StepLauncher`: one step, up to its samples;
+- :class:`~kvrunner.runner.sleep_wake.SleepWake`: sleep and wake of the three above.
+
+The runner itself loads the model, builds the backends and the persistent buffers,
+and sizes the pools; its methods are what the rank calls ask of it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
 
 from kvrunner.backend_manager import BackendManager
+from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
@@ -20,12 +33,14 @@ from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
 from kvrunner.plugin_api.overlap import LayerStack, OverlapContext
 from kvrunner.plugin_api.step_data import BackendContext, ForwardContext, ModelSpec
-from kvrunner.runner.capture import capture_decode_graphs
+from kvrunner.runner.cache_pools import CachePools
 from kvrunner.runner.forward_vars import ForwardVars
+from kvrunner.runner.graph_capture import GraphCapture
 from kvrunner.runner.graph_sampling import GraphSampling
-from kvrunner.runner.graphs import DecodeGraph, default_capture_sizes
-from kvrunner.runner.launched_step import DeviceTokens
+from kvrunner.runner.graphs import DecodeGraph
+from kvrunner.runner.launched_step import LaunchedStep
 from kvrunner.runner.model_len import fit_model_len, min_pool_blocks, model_len_bound
+from kvrunner.runner.rank_reports import PushReport, SleepReport, WakeReport
 from kvrunner.runner.setup import (
     resolve_device,
     resolve_dtype,
@@ -39,10 +54,10 @@ from kvrunner.runner.sizing import (
 )
 from kvrunner.runner.sleep_wake import SleepWake
 from kvrunner.runner.step_batch import profile_step
-from kvrunner.runner.step_launch import StepLaunch
+from kvrunner.runner.step_launch import StepLauncher
 from kvrunner.runner.step_metadata import StepMetadataBuilder
-from kvrunner.runner.weight_residency import WeightResidency
-from kvrunner.sleep_state import SleepStateError
+from kvrunner.runner.weight_store import WeightStore
+from kvrunner.sleep_state import RankCacheInfo, SleepStateError
 
 
 def _create_library_workspaces(device: torch.device, dtype: torch.dtype) -> None:
@@ -72,7 +87,7 @@ def _all_reduce_for(config: EngineConfig) -> str:
     return "nccl" if asked == "auto" else asked
 
 
-class ModelRunner(SleepWake, StepLaunch):
+class ModelRunner:
     """One rank's runner.
 
     :param group: this rank's tensor-parallel group (``None`` for a single rank);
@@ -176,32 +191,9 @@ class ModelRunner(SleepWake, StepLaunch):
         # On CUDA this moves the weights into an allocator pool of their own, so a
         # level-2 sleep returns their segments whatever else the process holds; before
         # the sizing below, which must see the memory the move leaves.
-        self.weights = WeightResidency(self.model, self.device)
+        self.weights = WeightStore(self.model, self.device, self.dtype)
         #: the model as an overlap plugin drives it, layer by layer
         self.layer_stack = LayerStack.of(self.model.model)
-        self.graphs: dict[int, DecodeGraph] = {}
-        self._captured_before = False  # a recapture skips the warmup forwards
-        self.capture_seconds = 0.0
-        # Counted on the device: a host read here would stall every step.
-        self._nan_rows = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.sampler = Sampler(config.seed)
-        #: where the decode graphs end (graph_sampling.py)
-        self.graph_end = config.capture.decode_graph_ends_at
-        # Only the first rank draws tokens: the engine sends the tokens each step
-        # feeds, so the other ranks never need what was sampled - except with
-        # asynchronous steps, whose next step feeds them before the engine knows them:
-        # then rank 0 broadcasts them on the device (one small collective per step).
-        self.samples = group is None or group.rank == 0
-        self.shares_samples = (
-            group is not None and group.size > 1 and config.scheduler.async_scheduling
-        )
-        #: the buffers of the graphs' draws, on the rank that samples
-        self.graph_sampling = (
-            GraphSampling(sched.max_num_seqs, self.model_config.vocab_size, self.device)
-            if self.samples else None
-        )
-        #: the last step's tokens, on the device: the next step's placeholders
-        self.previous_tokens: DeviceTokens | None = None
         self.forward_vars = ForwardVars()
         self.forward_vars.register(
             "input_ids", torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
@@ -217,6 +209,29 @@ class ModelRunner(SleepWake, StepLaunch):
         self.forward_vars.register_all(
             self.backends.persistent_buffers(max_batch=self.max_batch, max_tokens=self.max_tokens)
         )
+        self.graph_capture = GraphCapture(
+            config.capture, max_batch=self.max_batch, backends=self.backends,
+            forward_vars=self.forward_vars, step_builder=self.step_builder,
+            device=self.device, vocab_size=self.model_config.vocab_size,
+        )
+        # Only the first rank draws tokens: the engine sends the tokens each step
+        # feeds, so the other ranks never need what was sampled - except with
+        # asynchronous steps, whose next step feeds them before the engine knows them:
+        # then rank 0 broadcasts them on the device (one small collective per step).
+        samples = group is None or group.rank == 0
+        self.launcher = StepLauncher(
+            block_size=config.cache.block_size, device=self.device, group=group,
+            model=self.model, backends=self.backends, forward_vars=self.forward_vars,
+            step_builder=self.step_builder, graphs=self.graph_capture,
+            sampler=Sampler(config.seed),
+            # looked up at each call: a benchmark may swap the runner's forward
+            forward_rows=lambda n, ctx: self._forward_rows(n, ctx),
+            samples=samples,
+            shares_samples=(
+                group is not None and group.size > 1 and config.scheduler.async_scheduling
+            ),
+            max_num_seqs=sched.max_num_seqs, vocab_size=self.model_config.vocab_size,
+        )
         #: the profiled activation peak (CUDA sizing): a wake leaves room for it again
         self.activation_peak_bytes = 0
         # own_num_blocks: what this rank could hold; num_blocks: the group's minimum,
@@ -231,10 +246,12 @@ class ModelRunner(SleepWake, StepLaunch):
         self.config = attrs.evolve(config, scheduler=attrs.evolve(
             config.scheduler, max_model_len=self.model_len.value
         ))
-        self.pools = self.backends.allocate_cache(
-            num_blocks=self.num_blocks, num_slots=self.num_slots
+        self.cache = CachePools(self.backends, num_blocks=self.num_blocks, num_slots=self.num_slots)
+        self.sleep_wake = SleepWake(
+            config=self.config, device=self.device, group=group, cache=self.cache,
+            weights=self.weights, graphs=self.graph_capture, capture=self.capture,
+            activation_peak_bytes=self.activation_peak_bytes,
         )
-        self._init_sleep_wake()
         if not config.capture.enforce_eager:
             self.capture()
         self.progress = False  # bars while starting up; recaptures stay quiet
@@ -266,7 +283,7 @@ class ModelRunner(SleepWake, StepLaunch):
         # The profile's longest row is min(max_model_len - 1, max_tokens) tokens long.
         longest = min(self.config.scheduler.max_model_len, self.max_tokens)
         min_blocks = math.ceil(longest / self.config.cache.block_size)
-        self.pools = self.backends.allocate_cache(num_blocks=min_blocks, num_slots=self.num_slots)
+        self.backends.allocate_cache(num_blocks=min_blocks, num_slots=self.num_slots)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -276,15 +293,61 @@ class ModelRunner(SleepWake, StepLaunch):
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.backends.release_cache()
-        self.pools = {}
         torch.cuda.empty_cache()
         return peak
 
-    # -- capture ------------------------------------------------------------------------
+    # -- the parts, as the rank calls and the tests see them ----------------------------
 
-    def capture_sizes(self) -> list[int]:
-        sizes = self.config.capture.capture_sizes or default_capture_sizes(self.max_batch)
-        return [s for s in sizes if s <= self.max_batch]
+    @property
+    def pools(self) -> dict:
+        """Every backend's pools (empty while asleep)."""
+        return self.cache.pools
+
+    @property
+    def kv_resident(self) -> bool:
+        return self.cache.resident
+
+    @property
+    def graphs(self) -> dict[int, DecodeGraph]:
+        return self.graph_capture.graphs
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.graph_capture.capture_seconds
+
+    @property
+    def graph_end(self) -> str:
+        return self.graph_capture.graph_end
+
+    @property
+    def graph_sampling(self) -> GraphSampling | None:
+        return self.launcher.graph_sampling
+
+    @property
+    def nan_rows(self) -> int:
+        """Sampled rows whose logits were non-finite, since start (see
+        :attr:`StepLauncher.nan_rows`)."""
+        return self.launcher.nan_rows
+
+    @property
+    def wake_pressure(self) -> Callable[[], int]:
+        """Test hook: bytes a wake treats as taken by someone else."""
+        return self.sleep_wake.wake_pressure
+
+    @wake_pressure.setter
+    def wake_pressure(self, pressure: Callable[[], int]) -> None:
+        self.sleep_wake.wake_pressure = pressure
+
+    # -- steps -------------------------------------------------------------------------
+
+    def execute(self, step: StepInput) -> PackedSampled:
+        """Run one step; its sampled tokens as columns (none on ranks > 0, and none
+        for a step whose chunks are all mid-prefill)."""
+        return self.launcher.launch(step).result()
+
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Run one step up to its samples, leaving them on the device."""
+        return self.launcher.launch(step)
 
     def _forward_rows(self, num_rows: int, ctx: ForwardContext) -> torch.Tensor:
         fv = self.forward_vars
@@ -295,32 +358,45 @@ class ModelRunner(SleepWake, StepLaunch):
             )
         return self.model(fv["input_ids"][:num_rows], fv["positions"][:num_rows], ctx)
 
-    @property
-    def nan_rows(self) -> int:
-        """Sampled rows whose logits were non-finite (NaN, +inf, or all -inf: see
-        ``layers/nonfinite_rows.py``), since start (reading waits for the device)."""
-        return int(self._nan_rows)
+    # -- capture, sleep, wake, weights -------------------------------------------------
+
+    def capture_sizes(self) -> list[int]:
+        return self.graph_capture.sizes()
 
     def capture(self) -> float:
         """(Re)capture every decode graph; safe whatever forward_vars hold now."""
-        if not self.kv_resident or self.weights.state != "resident":
+        if not self.cache.resident or self.weights.state != "resident":
             raise SleepStateError("cannot capture while asleep: wake_up() first")
-        self.graphs = {}
-        with torch.inference_mode():
-            self.graphs, self.capture_seconds = capture_decode_graphs(
-                sizes=self.capture_sizes(),
-                backends=self.backends,
-                forward=self._decode_outputs,
-                forward_vars=self.forward_vars,
-                step_builder=self.step_builder,
-                pools=self.pools,
-                config=self.config.capture,
-                device=self.device,
-                # valid as a KV block, a KV slot and a state slot alike
-                index_bound=min(self.num_blocks, self.num_slots),
-                vocab_size=self.model_config.vocab_size,
-                warmup=not self._captured_before,
-                progress=self.progress,
-            )
-        self._captured_before = True
-        return self.capture_seconds
+        return self.graph_capture.capture(
+            self.launcher.decode_outputs, pools=self.cache.pools,
+            # valid as a KV block, a KV slot and a state slot alike
+            index_bound=min(self.num_blocks, self.num_slots), progress=self.progress,
+        )
+
+    def pool_bytes_by_backend(self) -> dict[str, int]:
+        """Each backend's pool bytes at the saved counts (resident or not)."""
+        return self.cache.bytes_by_backend()
+
+    def sleep(self, level: int, discard_weights: bool = False) -> SleepReport:
+        return self.sleep_wake.sleep(level, discard_weights)
+
+    def wake_up(self, tags: tuple[str, ...]) -> WakeReport:
+        return self.sleep_wake.wake_up(tags)
+
+    def begin_weight_update(self) -> None:
+        self.weights.begin_update()
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.weights.update(weights)
+
+    def load_weights(self, path: str, check_finite: bool = True) -> int:
+        return self.weights.load(path, check_finite)
+
+    def fail_weight_update(self) -> PushReport:
+        return self.weights.fail_update()
+
+    def finish_weight_update(self) -> PushReport:
+        return self.weights.finish_update(self.sleep_wake.recapture_if_whole)
+
+    def cache_info(self, rank: int) -> RankCacheInfo:
+        return self.sleep_wake.cache_info(rank)

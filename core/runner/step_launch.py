@@ -1,4 +1,4 @@
-"""One step on one rank, up to its samples on the device (a part of :class:`ModelRunner`).
+"""One step on one rank, up to its samples on the device.
 
 ``launch`` prepares the step, fills its placeholders from the last step's tokens on
 the device, replays the decode graph (which ends with the logits, and on rank 0 with
@@ -7,38 +7,92 @@ what the graph did not on rank 0, and returns
 a :class:`~kvrunner.runner.launched_step.LaunchedStep` without waiting for the
 device: with asynchronous steps the host schedules the next step meanwhile.
 ``execute`` is ``launch`` followed by ``result()``.
+
+:class:`StepLauncher` owns what lives from one step to the next: the last step's
+tokens on the device, the non-finite row count, and the graphs' sampling buffers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import torch
 
+from kvrunner.backend_manager import BackendManager
 from kvrunner.batch import PackedSampled, StepInput
+from kvrunner.distributed.group import DistGroup
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
+from kvrunner.layers.sampler import Sampler
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.plugin_api.buffers import on_device
 from kvrunner.plugin_api.step_data import ForwardContext
-from kvrunner.runner.graph_sampling import DecodeOutputs
+from kvrunner.runner.forward_vars import ForwardVars
+from kvrunner.runner.graph_capture import GraphCapture
+from kvrunner.runner.graph_sampling import DecodeOutputs, GraphSampling
 from kvrunner.runner.graphs import DecodeGraph
 from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
 from kvrunner.runner.step_batch import prepare_step
+from kvrunner.runner.step_metadata import StepMetadataBuilder
+
+#: the model's forward over the first ``num_rows`` rows of the persistent buffers
+ForwardRows = Callable[[int, ForwardContext], torch.Tensor]
 
 
-class StepLaunch:
-    """One step for :class:`~kvrunner.runner.model_runner.ModelRunner`.
+class StepLauncher:
+    """Launches one rank's steps.
 
-    Uses the runner's ``config``, ``device``, ``group``, ``graphs``, ``forward_vars``,
-    ``step_builder``, ``backends``, ``model``, ``sampler``, ``samples``,
-    ``shares_samples``, ``previous_tokens``, ``_nan_rows``, ``graph_sampling``,
-    ``graph_end`` and ``_forward_rows``.
+    :param forward_rows: the model's forward (eager, or an overlap plugin's).
+    :param samples: whether this rank draws the tokens (rank 0 only).
+    :param shares_samples: whether the draws are broadcast to the other ranks on the
+        device (asynchronous steps at TP > 1: the next step feeds them).
     """
 
-    def _graph_for(self, step: StepInput) -> DecodeGraph | None:
-        if not self.graphs or not step.is_decode:
-            return None
-        fitting = [bs for bs in self.graphs if bs >= step.num_seqs]
-        return self.graphs[min(fitting)] if fitting else None
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        device: torch.device,
+        group: DistGroup | None,
+        model: Any,
+        backends: BackendManager,
+        forward_vars: ForwardVars,
+        step_builder: StepMetadataBuilder,
+        graphs: GraphCapture,
+        sampler: Sampler,
+        forward_rows: ForwardRows,
+        samples: bool,
+        shares_samples: bool,
+        max_num_seqs: int,
+        vocab_size: int,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.group = group
+        self.model = model
+        self.backends = backends
+        self.forward_vars = forward_vars
+        self.step_builder = step_builder
+        self.graphs = graphs
+        self.sampler = sampler
+        self._forward_rows = forward_rows
+        self.samples = samples
+        self.shares_samples = shares_samples
+        #: the buffers of the graphs' draws, on the rank that samples
+        self.graph_sampling = (
+            GraphSampling(max_num_seqs, vocab_size, device) if samples else None
+        )
+        #: the last step's tokens, on the device: the next step's placeholders
+        self.previous_tokens: DeviceTokens | None = None
+        # Counted on the device: a host read here would stall every step.
+        self._nan_rows = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def nan_rows(self) -> int:
+        """Sampled rows whose logits were non-finite (NaN, +inf, or all -inf: see
+        ``layers/nonfinite_rows.py``), since start (reading waits for the device)."""
+        return int(self._nan_rows)
 
     def execute(self, step: StepInput) -> PackedSampled:
         """Run one step; its sampled tokens as columns (none on ranks > 0, and none
@@ -49,11 +103,9 @@ class StepLaunch:
     def launch(self, step: StepInput) -> LaunchedStep:
         """Run one step up to its samples, leaving them on the device; the host may
         prepare the next step before it reads them (:meth:`LaunchedStep.result`)."""
-        graph = self._graph_for(step)
+        graph = self.graphs.graph_for(step)
         padded = graph.batch_size if graph is not None else None
-        prepared = prepare_step(
-            step, block_size=self.config.cache.block_size, num_padded_seqs=padded
-        )
+        prepared = prepare_step(step, block_size=self.block_size, num_padded_seqs=padded)
         num_tokens = prepared.batch.num_tokens
         rows = padded if padded is not None else num_tokens
         fv = self.forward_vars
@@ -112,7 +164,8 @@ class StepLaunch:
     def _stage_graph_draws(self, step: StepInput, graph: DecodeGraph) -> bool:
         """Fill the graph's sampling buffers for ``step``; whether its tokens are the
         step's draws (a decode step whose every row the graph's sampler serves)."""
-        if self.graph_sampling is None or self.graph_end != "tokens" or not all(step.sample):
+        graph_end = self.graphs.graph_end
+        if self.graph_sampling is None or graph_end != "tokens" or not all(step.sample):
             return False
         return self.graph_sampling.stage(
             step.sampling,
@@ -121,13 +174,14 @@ class StepLaunch:
             rows=graph.batch_size,
         )
 
-    def _decode_outputs(self, num_rows: int, ctx: ForwardContext) -> DecodeOutputs:
+    def decode_outputs(self, num_rows: int, ctx: ForwardContext) -> DecodeOutputs:
         """What a decode graph captures: the forward, then (unless ``graph_end`` says
         otherwise) the logits and, on the rank that samples, the tokens."""
         hidden = self._forward_rows(num_rows, ctx)
-        if self.graph_end == "hidden":
+        graph_end = self.graphs.graph_end
+        if graph_end == "hidden":
             return DecodeOutputs(hidden, None, None, None)
         logits = self.model.compute_logits(hidden, widen=False)
-        if self.graph_end == "logits" or self.graph_sampling is None:
+        if graph_end == "logits" or self.graph_sampling is None:
             return DecodeOutputs(None, logits, None, None)
         return DecodeOutputs(None, logits, *self.graph_sampling.sample(logits))

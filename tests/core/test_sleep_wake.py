@@ -18,7 +18,7 @@ import torch
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner import model_runner
+from kvrunner.runner import graph_capture
 from kvrunner.runner.capture_safety import PoolSnapshot
 from kvrunner.runner.model_runner import ModelRunner
 from kvrunner.sleep_state import SleepStateError, WakeError, WeightUpdateError
@@ -233,7 +233,7 @@ def test_the_capture_after_a_wake_writes_no_pool_byte_only_because_of_blanking(
     llm = LLM(model=checkpoints[0], blank_write_targets=blank, **SETTINGS)
     llm.generate(PROMPTS, GREEDY)  # forward_vars now hold a served batch's live rows
     changed: list[list[str]] = []
-    real_capture = model_runner.capture_decode_graphs
+    real_capture = graph_capture.capture_decode_graphs
 
     def audited(**kwargs):
         snapshot = PoolSnapshot(kwargs["pools"])
@@ -241,7 +241,7 @@ def test_the_capture_after_a_wake_writes_no_pool_byte_only_because_of_blanking(
         changed.append(snapshot.changed_pools())
         return out
 
-    monkeypatch.setattr(model_runner, "capture_decode_graphs", audited)
+    monkeypatch.setattr(graph_capture, "capture_decode_graphs", audited)
     llm.sleep(1)
     llm.wake_up()
     assert len(changed) == 1
