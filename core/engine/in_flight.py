@@ -33,7 +33,7 @@ class StepChunks:
     first asked for.
     """
 
-    __slots__ = ("_num_tokens", "_sample_ids", "_samples", "all_sample", "rows", "sample",
+    __slots__ = ("_num_tokens", "_sample_ids", "_samples", "all_sample", "intact", "rows", "sample",
                  "sample_mask", "seq_ids", "seqs", "sizes", "starts")  # fmt: skip
 
     def __init__(
@@ -56,7 +56,9 @@ class StepChunks:
         #: whether each row samples, as an array and as the step's list
         self.sample_mask = sample_mask
         self.sample = sample
-        self.all_sample = bool(sample_mask.all())
+        self.all_sample = np.count_nonzero(sample_mask) == len(sample_mask)
+        #: no row has left ``running`` since the step was planned (``rows`` as planned)
+        self.intact = True
         self._num_tokens: dict[int, int] | None = None
         self._sample_ids: list[int] | None = None
         self._samples: set[int] | None = None
@@ -114,6 +116,7 @@ class InFlight:
         """The running batch lost rows: ``new_index[r]`` is where row ``r`` went
         (``-1``: gone), or, given an int ``n``, every row from ``n`` on was cut."""
         for chunks in self._steps:
+            chunks.intact = False
             rows = chunks.rows
             if isinstance(new_index, int):
                 rows[rows >= new_index] = -1

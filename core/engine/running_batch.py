@@ -114,21 +114,32 @@ class RunningBatch:
 
     # -- one step ---------------------------------------------------------------------
 
-    def chunks(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    def chunks(self, budget: int) -> tuple[np.ndarray, np.ndarray, int]:
         """The running rows' chunks under ``budget`` tokens, in row order: the rows that
-        feed anything, and how many tokens each (before any room is made for them).
+        feed anything, how many tokens each (before any room is made for them), and
+        how many in all.
 
         Each row wants the rest of its tokens (1 for a decoding row); a row whose only
         token to come is the last the step in flight samples wants none. Rows take
         what they want in order until the budget runs out, the last one taking what
         is left (a partial prefill chunk)."""
         n = len(self.seqs)
-        want = self.tokens[:n] - self.pos[:n]
-        want[self.tokens[:n] >= self.limit[:n]] = 0
-        before = np.cumsum(want) - want  # tokens the rows before it take
-        sizes = np.minimum(want, np.maximum(budget - before, 0))
+        tokens = self.tokens[:n]
+        want = tokens - self.pos[:n]
+        done = tokens >= self.limit[:n]
+        if done.any():
+            want[done] = 0
+        total = int(want.sum())
+        if total <= budget:  # every row gets what it wants (a decode step)
+            sizes = want
+        else:
+            before = np.cumsum(want) - want  # tokens the rows before it take
+            sizes = np.minimum(want, np.maximum(budget - before, 0))
+            total = budget
+        if np.count_nonzero(sizes) == n:
+            return np.arange(n), sizes, total
         rows = np.flatnonzero(sizes)
-        return rows, sizes[rows]
+        return rows, sizes[rows], total
 
     def advance(self, rows: np.ndarray, sizes: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
@@ -136,20 +147,22 @@ class RunningBatch:
         samples (it feeds the row's last token), whether its last token is still in
         flight (a placeholder), and the outputs counted so far (seeds count the one in
         flight). Then each row moves past its chunk."""
-        starts = self.pos[rows]
-        tokens = self.tokens[rows]
-        samples = starts + sizes == tokens
-        in_flight = self.pending[rows] > 0
-        outputs = tokens - self.prompt[rows]
-        self.pos[rows] = starts + sizes
-        self.tokens[rows] = tokens + samples
-        self.pending[rows] += samples
+        at = slice(0, len(rows)) if self.every_row(rows) else rows  # a slice is cheaper
+        starts = self.pos[at].copy()
+        tokens = self.tokens[at].copy()
+        ends = starts + sizes
+        samples = ends == tokens
+        in_flight = self.pending[at] > 0
+        outputs = tokens - self.prompt[at]
+        self.pos[at] = ends
+        self.tokens[at] = tokens + samples
+        self.pending[at] += samples
         return starts, samples, in_flight, outputs
 
     def applied(self, rows: np.ndarray) -> None:
-        """A step's samples for ``rows`` are applied: in their tokens, no longer in
-        flight."""
-        self.pending[rows] -= 1
+        """A step's samples for ``rows`` (increasing) are applied: in their tokens, no
+        longer in flight."""
+        self.pending[slice(0, len(rows)) if self.every_row(rows) else rows] -= 1
 
     def pick(self, column: list, rows: np.ndarray) -> list:
         """``column``'s entries at ``rows`` (in increasing order), as a new list."""

@@ -189,10 +189,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = self.batch
         preemptions_before = self.num_preemptions
-        rows, sizes = batch.chunks(budget)
+        rows, sizes, total = batch.chunks(budget)
         if len(rows):
-            rows, sizes = self._make_rooms(rows, sizes)
-        budget -= int(sizes.sum())
+            rows, sizes, total = self._make_rooms(rows, sizes, total)
+        budget -= total
         preempted = self.num_preemptions > preemptions_before
 
         # Admitting while another sequence just lost its blocks would only thrash. (So
@@ -254,15 +254,18 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------------
 
-    def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray, total: int
+                    ) -> tuple[np.ndarray, np.ndarray, int]:  # fmt: skip
         """Grow the tables of the planned ``rows`` whose chunk passes their last block,
         in row order, preempting latest arrivals where the pool is short; the rows
-        still running, and their chunks."""
+        still running, their chunks, and the tokens those feed (``total`` before)."""
         batch = self.batch
         block_size = self.block_manager.block_size
-        ends = batch.pos[rows] + sizes
-        lens = self.block_manager.table_rows.lens[batch.table_row[rows]]
-        for k in np.flatnonzero(ends > lens * block_size).tolist():
+        at = slice(0, len(rows)) if batch.every_row(rows) else rows  # a slice is cheaper
+        ends = batch.pos[at] + sizes
+        lens = self.block_manager.table_rows.lens[batch.table_row[at]]
+        short = ends > lens * block_size
+        for k in np.flatnonzero(short).tolist() if short.any() else ():
             i = int(rows[k])
             if i >= len(batch):
                 break  # preempted already, with every row after it
@@ -272,7 +275,8 @@ class Scheduler:
         if int(rows[-1]) >= len(batch):
             keep = rows < len(batch)
             rows, sizes = rows[keep], sizes[keep]
-        return rows, sizes
+            total = int(sizes.sum())
+        return rows, sizes, total
 
     def _apply(self, chunks: StepChunks, tokens: list, logprobs: list, tops: list,
                nonfinite: bool, finished: list[Sequence]) -> list[int]:  # fmt: skip
@@ -289,28 +293,35 @@ class Scheduler:
         starts = chunks.starts
         computed = starts + chunks.sizes
         sample = chunks.sample_mask
-        running = rows >= 0
-        # a row's columns (row 0, or a cleared row past the batch, stands in for the gone)
-        at = np.where(running, rows, 0)
+        running = None if chunks.intact else rows >= 0
+        all_running = running is None or np.count_nonzero(running) == len(rows)
+        every_row = all_running and batch.every_row(rows)
+        if every_row:
+            at = slice(0, len(rows))  # a slice is cheaper
+        elif all_running:
+            at = rows
+        else:  # a gone row reads row 0's columns (or a cleared row's): it is special anyway
+            at = np.where(running, rows, 0)
         # "stop" wins over "length" on the same token: the model ended on its own.
-        if running.all() and batch.every_row(rows):
+        if every_row:
             stop_on = batch.stop_on
         else:
             nothing: frozenset[int] = frozenset()  # a gone row's: it is special anyway
             stop_on = [batch.stop_on[i] if i >= 0 else nothing for i in rows.tolist()]
         stop = np.fromiter(map(frozenset.__contains__, stop_on, tokens), bool, len(tokens))
-        special = (
-            ~running
-            | (computed // block_size != starts // block_size)  # fills a block: publish
-            | (computed > batch.tokens[at] - batch.pending[at])  # refused by mark_computed
-            | (computed > self.block_manager.table_rows.lens[batch.table_row[at]] * block_size)
-            | stop
-            | (sample & (computed + 1 >= batch.limit[at]))  # its new token's length ends it
-        )
+        # A row filling a block publishes it; a sampled token may reach the length limit.
+        # (Every chunk fits its sequence's tokens and table: the plan made it so, and
+        # mark_computed checks both again for a row that fills a block.)
+        special = (computed % block_size < chunks.sizes) | stop  # passed a block's end
+        length = computed + 1 >= batch.limit[at]
+        special |= length if chunks.all_sample else sample & length
+        if not all_running:
+            special |= ~running
         if nonfinite:
             special |= np.fromiter((t is not None and t < 0 for t in tokens), bool, len(tokens))
         seqs = chunks.seqs
-        if special.any():
+        special_rows = np.flatnonzero(special).tolist() if special.any() else []
+        if special_rows:
             plain = (~special).tolist()
             plain_seqs = list(compress(seqs, plain))
             plain_computed = list(compress(computed.tolist(), plain))
@@ -319,7 +330,7 @@ class Scheduler:
             tokens_, logprobs_, tops_ = (list(compress(c, with_token))
                                          for c in (tokens, logprobs, tops))
             # (a running row that fails ends, and its row goes with it)
-            batch.applied(rows[sample & running])
+            batch.applied(rows[sample if running is None else sample & running])
         else:
             plain_seqs, plain_computed = seqs, computed.tolist()
             if chunks.all_sample:
@@ -329,13 +340,13 @@ class Scheduler:
                 token_seqs = list(compress(seqs, with_token))
                 tokens_, logprobs_, tops_ = (list(compress(c, with_token))
                                              for c in (tokens, logprobs, tops))
-            batch.applied(rows[sample])
+            batch.applied(rows if chunks.all_sample else rows[sample])
         _consume(map(setattr, plain_seqs, repeat("num_computed_tokens"), plain_computed))
         _consume(map(list.append, map(_token_ids, token_seqs), tokens_))
         _consume(map(list.append, map(_logprobs, token_seqs), logprobs_))
         _consume(map(list.append, map(_top_logprobs, token_seqs), tops_))
         gone: list[int] = []
-        for k in np.flatnonzero(special).tolist():
+        for k in special_rows:
             self._apply_row(chunks, k, tokens[k], logprobs[k], tops[k], finished, gone)
         return gone
 

@@ -38,11 +38,11 @@ def step_columns(
     seqs = batch.pick(batch.seqs, rows)
     starts, samples, in_flight, outputs = batch.advance(rows, sizes)
     m = len(seqs)
-    num_placeholders = int(in_flight.sum())
+    num_placeholders = np.count_nonzero(in_flight)
     if num_placeholders == m:
         # Every row feeds exactly its token in flight: a steady decode step.
         tokens = [PLACEHOLDER_CHUNK] * m
-    elif num_placeholders == 0 and samples.all() and (sizes == 1).all():
+    elif num_placeholders == 0 and np.count_nonzero(samples) == m and int(sizes.sum()) == m:
         # A decode step after the last one was applied: each feeds its newest token.
         tokens = [(t[-1],) for t in map(_token_ids, seqs)]
     else:
@@ -51,12 +51,13 @@ def step_columns(
             for s, n, a, p in zip(seqs, sizes.tolist(), starts.tolist(), in_flight.tolist(),
                                   strict=True)  # fmt: skip
         ]
+    at = slice(0, m) if batch.every_row(rows) else rows  # a slice is cheaper
     step = StepInput(
-        seq_id=batch.seq_id[rows].tolist(),
+        seq_id=batch.seq_id[at].tolist(),
         token_ids=tokens,
         start_pos=starts.tolist(),
-        block_table=tables.gather_rows(batch.table_row[rows]),
-        state_slot=batch.state_slot[rows].tolist(),
+        block_table=tables.gather_rows(batch.table_row[at]),  # a gather: a copy
+        state_slot=batch.state_slot[at].tolist(),
         sample=samples.tolist(),
         sampling=batch.pick(batch.sampling, rows),
         num_output_tokens=outputs.tolist(),
