@@ -198,7 +198,8 @@ class Scheduler:
         # Admitting while another sequence just lost its blocks would only thrash. (So
         # a sequence preempted with a step in flight is back in the queue only after
         # that step's update(): a waiting sequence is never in flight.)
-        admitted: list[int] = []
+        new_rows: list[int] = []
+        new_sizes: list[int] = []
         while (
             not preempted
             and self.waiting
@@ -214,12 +215,12 @@ class Scheduler:
             self.block_manager.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            admitted.append(batch.append(seq))
-            admitted.append(n)
+            new_rows.append(batch.append(seq))
+            new_sizes.append(n)
             budget -= n
-        if admitted:
-            rows = np.concatenate([rows, np.array(admitted[0::2], np.intp)])
-            sizes = np.concatenate([sizes, np.array(admitted[1::2], np.int64)])
+        if new_rows:
+            rows = np.concatenate([rows, np.array(new_rows, np.intp)])
+            sizes = np.concatenate([sizes, np.array(new_sizes, np.int64)])
         if not len(rows):
             return None
         step, seqs, starts, samples = step_columns(batch, rows, sizes,
