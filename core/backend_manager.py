@@ -20,6 +20,7 @@ from kvrunner.layers.backend_layer import BackendLayer
 from kvrunner.overlap_manager import OverlapPlugin
 from kvrunner.plugin_api import hookspecs
 from kvrunner.plugin_api.errors import BackendError, BackendHookError
+from kvrunner.plugin_api.factory import declares_overlap_support
 from kvrunner.plugin_api.overlap import OverlapContext
 from kvrunner.plugin_api.step_data import (
     BackendContext,
@@ -85,6 +86,15 @@ class BackendManager:
                 raise BackendError(
                     f"backend {name!r} cannot serve layer type(s) {sorted(unsupported)}; "
                     f"it serves {list(factory.layer_types)}"
+                )
+            if overlap is not None and not declares_overlap_support(factory):
+                # The plugin would hand each micro-batch mirrored metadata that the
+                # backend's layers never read: wrong tokens, without a word.
+                raise BackendError(
+                    f"overlap plugin {overlap.name!r} cannot run over backend {name!r}: "
+                    f"{name!r} does not declare supports_overlap = True (its layers must "
+                    f"read everything but the pools from the metadata it returns; "
+                    f"docs/plugins.md, 'Overlap plugins')"
                 )
             self.contexts[name] = context_for(name, tuple(layer_types))
             try:

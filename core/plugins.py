@@ -110,11 +110,24 @@ def _validate_factory(name: str, factory: Any) -> None:
             f"backend {name!r} targets plugin API {version}, "
             f"this kvrunner speaks {PLUGIN_API_VERSION}"
         )
-    value = getattr(factory, "layer_types", None)
-    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-        raise BackendError(f"backend {name!r}: layer_types must be a tuple of str, got {value!r}")
+    layer_types = getattr(factory, "layer_types", None)
+    if not isinstance(layer_types, tuple) or not all(isinstance(v, str) for v in layer_types):
+        raise BackendError(
+            f"backend {name!r}: layer_types must be a tuple of str, got {layer_types!r}"
+        )
     if not callable(factory):
         raise BackendError(f"backend {name!r}: entry point is not callable")
+    overlap = getattr(factory, "supports_overlap", False)
+    if not isinstance(overlap, bool):
+        raise BackendError(f"backend {name!r}: supports_overlap must be a bool, got {overlap!r}")
+    if layer_types and not callable(getattr(factory, "cache_rows", None)):
+        # Required of every layer backend: without it the conformance kit cannot read
+        # a slot of its pools, so nothing can show the backend keeps the contract.
+        raise BackendError(
+            f"backend {name!r} has no cache_rows(pool_name, pool) attribute: every layer "
+            f"backend declares how one slot of its pools is read (docs/plugins.md, "
+            f"'The factory')"
+        )
     if isinstance(factory, type):
         refuse_unmarked_hooks(name, factory)
         require_release_cache(name, factory)

@@ -7,8 +7,11 @@ checks every backend in the tree. What is exported here is versioned by
 and a mismatch is refused at load.
 
 - the hooks: :mod:`~kvrunner.plugin_api.hookspecs` and the :data:`hookimpl` marker;
+- what a factory declares (``layer_types``, ``cache_rows``, ``supports_overlap``):
+  :mod:`~kvrunner.plugin_api.factory`;
 - the data a hook is handed or answers with: :mod:`~kvrunner.plugin_api.step_data`;
-- the data an overlap plugin is handed: :mod:`~kvrunner.plugin_api.overlap`;
+- the data an overlap plugin is handed: :mod:`~kvrunner.plugin_api.overlap`, and what
+  it requires of a layer backend's metadata: :mod:`~kvrunner.plugin_api.mirroring`;
 - what a model layer expects from the object ``make_layer`` returns:
   :mod:`~kvrunner.plugin_api.layers`;
 - in-place buffer fills a metadata builder may use: :mod:`~kvrunner.plugin_api.buffers`;
@@ -20,8 +23,10 @@ docs/plugins.md is the guide to all of it.
 from kvrunner.plugin_api import hookspecs
 from kvrunner.plugin_api.buffers import fill_head, on_device
 from kvrunner.plugin_api.errors import BackendError, BackendHookError, KvrunnerError
+from kvrunner.plugin_api.factory import CacheRows, LayerBackendFactory, declares_overlap_support
 from kvrunner.plugin_api.hookspecs import hookimpl
 from kvrunner.plugin_api.layers import FullAttentionImpl, LinearAttentionImpl
+from kvrunner.plugin_api.mirroring import TensorMap, map_tensors, unwalked_tensors
 from kvrunner.plugin_api.overlap import (
     DecoderLayer,
     LayerBackends,
@@ -47,12 +52,14 @@ __all__ = [
     "BackendContext",
     "BackendError",
     "BackendHookError",
+    "CacheRows",
     "CacheSpec",
     "CacheWriteTarget",
     "DecoderLayer",
     "ForwardContext",
     "FullAttentionImpl",
     "KvrunnerError",
+    "LayerBackendFactory",
     "LayerBackends",
     "LayerStack",
     "LinearAttentionImpl",
@@ -61,8 +68,12 @@ __all__ = [
     "OverlapContext",
     "StepBatch",
     "StepMetadata",
+    "TensorMap",
+    "declares_overlap_support",
     "fill_head",
     "hookimpl",
     "hookspecs",
+    "map_tensors",
     "on_device",
+    "unwalked_tensors",
 ]

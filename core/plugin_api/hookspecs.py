@@ -35,6 +35,15 @@ from kvrunner.plugin_api.step_data import CacheSpec, CacheWriteTarget, StepMetad
 hookspec = pluggy.HookspecMarker("kvrunner")
 hookimpl = pluggy.HookimplMarker("kvrunner")
 
+#: hooks every layer backend implements: without them the core has no layer to call
+#: and no metadata to hand it (a missing one fails at its first use, naming the backend)
+REQUIRED_OF_LAYER_BACKENDS = frozenset({"make_layer", "build_metadata", "build_capture_metadata"})
+#: hooks required of a backend that implements another: hook -> the one that makes it
+#: required (refused at load without it)
+REQUIRED_WITH = {"release_cache": "allocate_cache"}
+#: hooks every overlap plugin implements (the rest of the "overlap" section is optional)
+REQUIRED_OF_OVERLAP_PLUGINS = frozenset({"plan_micro_batches", "forward_micro_batches"})
+
 # ---------------------------------------------------------------------------
 # sizing
 # ---------------------------------------------------------------------------

@@ -9,7 +9,13 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvrunner.plugin_api import PAD_SLOT_ID, CacheWriteTarget, StepMetadata, hookimpl
+from kvrunner.plugin_api import (
+    PAD_SLOT_ID,
+    CacheWriteTarget,
+    ForwardContext,
+    StepMetadata,
+    hookimpl,
+)
 from kvrunner_paged import PagedAttention, PagedBackend, PagedMetadata
 
 
@@ -179,6 +185,32 @@ class ReleaseKeepsMemory(PagedBackend):
         super().release_cache()
 
 
+class _SlotsFromBuilder:
+    """A paged layer that takes ``slot_mapping`` from the backend's builder, not from
+    the metadata it is handed."""
+
+    def __init__(self, layer: PagedAttention, backend: PagedBackend) -> None:
+        self.layer, self.backend = layer, backend
+
+    def forward(self, q, k, v, ctx: ForwardContext):  # noqa: ANN001, ANN201
+        name = self.layer.backend_name
+        md = attrs.evolve(ctx.for_backend(name, PagedMetadata),
+                          slot_mapping=self.backend.builder.slot_mapping)
+        return self.layer.forward(q, k, v, ForwardContext(metadata={**ctx.metadata, name: md}))
+
+
+class ReadsBuilderSlots(PagedBackend):
+    """Declares ``supports_overlap`` but its layers read the write buffer from the
+    backend object: under an overlap plugin every micro-batch writes the last one's
+    slots."""
+
+    supports_overlap = True
+
+    @hookimpl
+    def make_layer(self, layer_index: int) -> _SlotsFromBuilder:
+        return _SlotsFromBuilder(super().make_layer(layer_index), self)
+
+
 #: check -> (mutant name, factory)
 MUTANTS = {
     "step_matches_reference": ("mutant-wrong-scale", WrongScale),
@@ -191,6 +223,7 @@ MUTANTS = {
     "serve_sleep_wake_recapture_under_audit": ("mutant-keeps-first-pools", KeepsFirstPools),
     "forward_reads_nothing_on_the_host": ("mutant-counts-slots-on-host", CountsSlotsOnHost),
     "release_cache_frees_the_pools": ("mutant-release-keeps-memory", ReleaseKeepsMemory),
+    "metadata_carries_what_layers_read": ("mutant-reads-builder-slots", ReadsBuilderSlots),
 }
 #: defects the runtime audit (``LLM(..., audit=True)``) catches as the kit does:
 #: mutant name -> (factory, the kit check that catches it)

@@ -6,10 +6,11 @@ kernel paths of ``paged`` and ``gdn`` are held to the same properties.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
-from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, Target, run_check
+from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, OVERLAP_PROMISE, Target, run_check
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: the checks a torch path (the CPU's, eager by design) is held to
@@ -57,3 +58,10 @@ def test_a_cuda_path_check_refuses_a_torch_path_target() -> None:
 def test_flatkv_fixture_backend(flatkv_installed, check: str) -> None:
     (target,) = Target.of("flatkv")
     run_check(target, check, max_examples=6)
+
+
+def test_an_overlap_promise_check_refuses_a_backend_that_makes_no_promise() -> None:
+    """Not run and not passed: asked of a backend without ``supports_overlap``, it says so."""
+    target = attrs.evolve(Target.of("paged")[0], supports_overlap=False)
+    with pytest.raises(ValueError, match="supports_overlap promise"):
+        run_check(target, sorted(OVERLAP_PROMISE)[0])

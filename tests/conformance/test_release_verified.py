@@ -57,6 +57,7 @@ def test_a_factory_whose_backend_has_no_release_cache_is_refused_at_start(start)
 
     factory.plugin_api_version = PLUGIN_API_VERSION
     factory.layer_types = NoReleaseCache.layer_types
+    factory.cache_rows = NoReleaseCache.cache_rows
     register_backend("mutant-no-release-factory", factory)  # a function: checked per instance
     try:
         with pytest.raises(BackendError, match="'mutant-no-release-factory'.*release_cache"):

@@ -100,3 +100,47 @@ def test_the_step_metadata_host_side_lives_on_the_cpu() -> None:
         for field, _, device, _ in documented("StepBatch"):
             if device == "CPU":
                 assert getattr(step.host, field).device.type == "cpu"
+
+
+def _table_after(heading: str, first_column: str) -> list[list[str]]:
+    """The rows of the first table under ``heading`` whose header starts with
+    ``first_column``, cells stripped of backticks."""
+    section = DOCS.split(heading, 1)[1]
+    table = section.split(f"| {first_column} |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    return [[cell.strip().replace("`", "") for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_the_hook_table_names_every_hook_and_what_is_required() -> None:
+    from kvrunner.plugin_api import hookspecs
+    from kvrunner.plugins import hook_names
+
+    rows = {hook: (layer, plugin) for hook, layer, plugin in _table_after("## Hooks", "hook")}
+    assert set(rows) == hook_names()
+    for hook, (layer, plugin) in rows.items():
+        assert (layer == "required") == (hook in hookspecs.REQUIRED_OF_LAYER_BACKENDS), hook
+        assert (plugin == "required") == (hook in hookspecs.REQUIRED_OF_OVERLAP_PLUGINS), hook
+        if hook in hookspecs.REQUIRED_WITH:
+            assert layer == f"required with {hookspecs.REQUIRED_WITH[hook]}", hook
+        else:
+            assert layer.startswith(("required", "optional", "-")), hook
+            assert layer != "required" or hook in hookspecs.REQUIRED_OF_LAYER_BACKENDS
+
+
+def test_the_factory_table_lists_what_the_plugin_api_declares() -> None:
+    from kvrunner.plugin_api import LayerBackendFactory
+
+    rows = _table_after("The entry point names the *factory*", "attribute")
+    declared = list(LayerBackendFactory.__annotations__)
+    assert [row[0] for row in rows] == declared
+    required = {row[0] for row in rows if row[1].startswith("yes")}
+    assert required == {"plugin_api_version", "layer_types", "cache_rows"}
+    assert "supports_overlap" not in required
+
+
+def test_the_conformance_extra_the_docs_name_exists() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "hypothesis" in " ".join(pyproject["project"]["optional-dependencies"]["conformance"])
+    assert "pip install 'kvrunner[conformance]'" in DOCS

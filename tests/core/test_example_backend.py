@@ -60,6 +60,15 @@ def test_check_backend_command_passes(minimal_installed, capsys) -> None:
     assert "minimal: all checks passed" in capsys.readouterr().out
 
 
+def test_check_backend_with_tbo_on_top_passes(minimal_installed, capsys) -> None:
+    """It declares ``supports_overlap`` and keeps the promise: its layer reads its write
+    buffer from the metadata, so each micro-batch writes its own slots."""
+    assert main(["check-backend", "minimal", "--overlap", "tbo", "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "minimal+tbo: all checks passed" in out
+    assert "ok   minimal+tbo full_attention metadata_carries_what_layers_read" in out
+
+
 def test_selected_by_keyword_it_generates_what_paged_generates(minimal_installed, tmp_path) -> None:
     model = str(write_tiny_checkpoint(tmp_path / "tiny", kind="qwen3", seed=0))
     settings = dict(model=model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
@@ -70,4 +79,8 @@ def test_selected_by_keyword_it_generates_what_paged_generates(minimal_installed
         mine = [o.token_ids for o in llm.generate(prompts, greedy)]
         llm.recapture()  # under the audit, after serving
     with LLM(**settings) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == mine
+    # under two-batch overlap cutting every step, with the audit on: the same tokens
+    with LLM(**settings, full_attention="minimal", overlap="tbo", overlap_min_tokens=2,
+             overlap_min_decode_seqs=2) as llm:
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == mine

@@ -21,6 +21,7 @@ class Minimal:
 
     plugin_api_version = plugin_api.PLUGIN_API_VERSION
     layer_types = (FULL,)
+    cache_rows = staticmethod(lambda name, pool: ("kv", pool))
     asked: list[int] = []
 
     def __init__(self, context) -> None:
@@ -158,6 +159,7 @@ def test_a_factory_functions_backend_is_checked_for_unmarked_hooks_when_built() 
         return Forgot(context)
 
     factory.plugin_api_version, factory.layer_types = plugin_api.PLUGIN_API_VERSION, (FULL,)
+    factory.cache_rows = Minimal.cache_rows
     register_backend("forgot-later", factory)  # a function: nothing to inspect yet
     try:
         with pytest.raises(BackendError, match=r"'forgot-later'.*cache_write_targets.*no @"):

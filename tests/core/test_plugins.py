@@ -48,6 +48,7 @@ def test_backend_that_cannot_serve_the_layer_type_is_refused(flatkv_installed) -
 class _Base:
     plugin_api_version = plugin_api.PLUGIN_API_VERSION
     layer_types = ("full_attention",)
+    cache_rows = staticmethod(lambda name, pool: ("kv", pool))
 
     def __init__(self, context) -> None:
         self.buffer = torch.full((8,), -1, dtype=torch.int64)
@@ -183,3 +184,19 @@ def test_factory_that_raises_is_reported_with_its_name(registered) -> None:
     registered("crashes", Crashes)
     with pytest.raises(BackendError, match=r"'crashes' failed to load: no device"):
         backend_manager({"full_attention": "crashes"}, small_model_spec())
+
+
+def test_a_layer_backend_without_cache_rows_is_refused_at_load() -> None:
+    class NoRows(_Base):
+        cache_rows = None
+
+    with pytest.raises(BackendError, match=r"'no-rows' has no cache_rows"):
+        register_backend("no-rows", NoRows)
+
+
+def test_supports_overlap_must_be_a_bool() -> None:
+    class Vague(_Base):
+        supports_overlap = "yes"
+
+    with pytest.raises(BackendError, match=r"'vague': supports_overlap must be a bool, got 'yes'"):
+        register_backend("vague", Vague)

@@ -39,6 +39,8 @@ class GDNBackend:
     layer_types = (LAYER_TYPE,)
     #: how the conformance kit reads one request slot of a pool
     cache_rows = staticmethod(cache_rows)
+    #: its layers read everything but the pools from the metadata it returns
+    supports_overlap = True
     #: tokens per chunk of the chunked prefill (rounded up to a power of two >= 16 by
     #: the Triton kernel); an instance attribute may override it before make_layer.
     chunk_size = DEFAULT_CHUNK

@@ -34,6 +34,8 @@ class PagedBackend:
     layer_types = (LAYER_TYPE,)
     #: how the conformance kit reads one KV slot of a pool
     cache_rows = staticmethod(cache_rows)
+    #: its layers read everything but the pools from the metadata it returns
+    supports_overlap = True
 
     def __init__(self, context: BackendContext) -> None:
         model = context.model

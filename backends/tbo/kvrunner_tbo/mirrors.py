@@ -15,13 +15,11 @@ as the core blanked it, exactly as the contract asks of a backend's own write si
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
-import attrs
 import torch
 
-from kvrunner.plugin_api import CacheWriteTarget, ForwardContext
+from kvrunner.plugin_api import CacheWriteTarget, ForwardContext, map_tensors
 
 PARTS = 2
 
@@ -80,42 +78,31 @@ class Mirrors:
     def _relocate(
         self, part: int, path: str, value: object, keep: set[int], capture: bool
     ) -> object:
-        """``value`` re-pointed at mirrors; ``path`` names where it sits in the metadata."""
-        if isinstance(value, torch.Tensor):
-            key = _storage_key(value)
+        """``value`` re-pointed at mirrors; ``path`` names where it sits in the metadata.
+        The walk is the plugin API's (:func:`kvrunner.plugin_api.map_tensors`): the
+        containers it enters are what a backend declaring ``supports_overlap`` keeps
+        its tensors in."""
+
+        def mirror(place: str, tensor: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(tensor)
             if key in keep:
-                return value
+                return tensor
             written = self._write.get((part, key))
             if written is None:
-                mirror = self._read_mirror(part, path, value)
-                view = mirror.as_strided(value.shape, value.stride(), value.storage_offset())
-                view.copy_(value)
+                read = self._read_mirror(part, place, tensor)
+                view = read.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+                view.copy_(tensor)
                 return view
-            mirror, _, pad = written
-            view = mirror.as_strided(value.shape, value.stride(), value.storage_offset())
+            target, _, pad = written
+            view = target.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
             if not capture:
                 # Every row this part does not use holds PAD, whatever a larger step
                 # left there: what no kernel should write through, none can.
-                mirror.fill_(pad)
-                view.copy_(value)
+                target.fill_(pad)
+                view.copy_(tensor)
             return view
-        if attrs.has(type(value)):
-            return attrs.evolve(value, **{  # type: ignore[misc]
-                f.alias: self._relocate(part, f"{path}.{f.name}", getattr(value, f.name), keep,
-                                        capture)
-                for f in attrs.fields(type(value)) if f.init
-            })
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{
-                f.name: self._relocate(part, f"{path}.{f.name}", getattr(value, f.name), keep,
-                                       capture)
-                for f in dataclasses.fields(value) if f.init
-            })
-        if isinstance(value, tuple | list):
-            return type(value)(
-                self._relocate(part, f"{path}[{i}]", v, keep, capture) for i, v in enumerate(value)
-            )
-        return value
+
+        return map_tensors(value, mirror, path)
 
     def _read_mirror(self, part: int, path: str, like: torch.Tensor) -> torch.Tensor:
         """The part's mirror for the read-side tensor at ``path``, made on first use

@@ -8,7 +8,8 @@ Use it from a backend's own tests (see docs/plugins.md, "The conformance kit")::
 
 or from the command line: ``kvrunner check-backend mybackend``. A backend gives the
 kit one thing beyond its hooks: a ``cache_rows(pool_name, pool)`` attribute on its
-factory, saying which row of a pool holds a KV slot or a request slot.
+factory (required of every layer backend), saying which row of a pool holds a KV
+slot or a request slot.
 
 Pieces: :mod:`.cases` (hypothesis strategies for valid steps), :mod:`.reference`
 (naive full attention and gated delta rule), :mod:`.rig` (a backend set up as a
@@ -26,6 +27,7 @@ from kvrunner.testing.conformance.checks import (
     CHECKS,
     DECODE_ONLY,
     GPU_PATH_ONLY,
+    OVERLAP_PROMISE,
     ConformanceError,
 )
 from kvrunner.testing.conformance.rig import Rig, Target
@@ -33,6 +35,7 @@ from kvrunner.testing.conformance.rig import Rig, Target
 __all__ = [
     "CHECKS",
     "GPU_PATH_ONLY",
+    "OVERLAP_PROMISE",
     "ConformanceError",
     "Rig",
     "StepCase",
@@ -46,11 +49,15 @@ __all__ = [
 def run_check(target: Target, check: str, *, max_examples: int = 8) -> None:
     """Run one check over ``max_examples`` hypothesis cases; raises on the first failure
     (shrunk to a minimal case). A check of :data:`GPU_PATH_ONLY` needs a target with
-    ``use_triton`` (``ValueError`` otherwise)."""
+    ``use_triton``, one of :data:`OVERLAP_PROMISE` a backend that declares
+    ``supports_overlap`` (``ValueError`` otherwise)."""
     fn = CHECKS[check]
     if check in GPU_PATH_ONLY and not target.use_triton:
         raise ValueError(f"{check} checks the path a CUDA step takes: run it on "
                          f"Target.of({target.name!r}, use_triton=True)")
+    if check in OVERLAP_PROMISE and not target.supports_overlap:
+        raise ValueError(f"{check} checks the supports_overlap promise, which "
+                         f"{target.name!r} does not make")
 
     @settings(
         max_examples=max_examples, deadline=None, database=None, derandomize=True,
@@ -68,11 +75,15 @@ def conformance_suite(
     checks: Sequence[str] | None = None,
 ) -> Callable[..., None]:
     """A pytest test function, parametrized by layer type and check, for ``backend``
-    (the checks of :data:`GPU_PATH_ONLY` only with ``use_triton``)."""
+    (the checks of :data:`GPU_PATH_ONLY` only with ``use_triton``, those of
+    :data:`OVERLAP_PROMISE` only if the backend declares ``supports_overlap``)."""
     import pytest
 
-    names = [c for c in checks or CHECKS if use_triton or c not in GPU_PATH_ONLY]
-    layer_types = [t.layer_type for t in Target.of(backend, use_triton=use_triton, device=device)]
+    targets = Target.of(backend, use_triton=use_triton, device=device)
+    names = [c for c in checks or CHECKS
+             if (use_triton or c not in GPU_PATH_ONLY)
+             and (targets[0].supports_overlap or c not in OVERLAP_PROMISE)]
+    layer_types = [t.layer_type for t in targets]
 
     @pytest.mark.parametrize("check", names)
     @pytest.mark.parametrize("layer_type", layer_types)

@@ -11,6 +11,7 @@ import torch
 
 from kvrunner.config import CaptureConfig
 from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.mirroring import map_tensors, unwalked_tensors
 from kvrunner.plugin_api.step_data import ForwardContext
 from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.capture_safety import CaptureAuditError
@@ -264,6 +265,58 @@ def forward_reads_nothing_on_the_host(rig: Rig, case: StepCase) -> None:
             raise
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (a NaN equals itself)."""
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                       b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def _overwrite(tensors: list[torch.Tensor], rig: Rig, seed: int) -> None:
+    """Integer tensors get in-range row indices, floating ones NaN: a layer that reads
+    any of them writes wrong rows or returns NaN."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for t in tensors:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.copy_(torch.randint(0, rig.pools_bound(), t.shape, generator=gen).to(t.dtype))
+
+
+def metadata_carries_what_layers_read(rig: Rig, case: StepCase) -> None:
+    """For a backend declaring ``supports_overlap``: its layers read nothing but the
+    pools from outside the metadata it returns, in containers an overlap plugin walks
+    (:mod:`kvrunner.plugin_api.mirroring`). The step's metadata is copied by that walk,
+    as an overlap plugin copies a micro-batch's; then every buffer the step filled
+    (the core's read side, the backend's buffers, its write targets, and anything on
+    its builder that ``build_metadata`` changed) is overwritten, as building the next
+    micro-batch overwrites them. A forward with the copy must still equal the
+    reference and write only the step's rows."""
+    rig.serve_history(case)
+    _stale_buffers(rig, case.seed)  # so a buffer the step fills shows a change
+    step = rig.step(case.final())
+    pools = {p.untyped_storage().data_ptr() for p in rig.pools.values()}
+    candidates = [*rig.buffers.values(), *(t.buffer for t in rig.manager.cache_write_targets()),
+                  *(t for t in rig.manager.held_tensors().values()
+                    if t.untyped_storage().data_ptr() not in pools)]
+    before = [t.clone() for t in candidates]
+    ctx = rig.manager.build_metadata(step)
+    unwalked = unwalked_tensors(ctx, "ctx")
+    if unwalked:
+        raise ConformanceError(
+            f"the metadata holds tensors an overlap plugin cannot mirror: {unwalked}; keep "
+            f"them in attrs classes, dataclasses, tuples, lists or dicts"
+        )
+    copy = map_tensors(ctx, lambda _, t: t.clone())
+    filled = [t for t, old in zip(candidates, before, strict=True) if not _same_bytes(t, old)]
+    _overwrite([*filled, *rig.step_builder.buffers().values()], rig, case.seed)
+    what = ("a forward with a copy of its metadata, after the buffers it was built in were "
+            "overwritten (a layer reads a buffer outside the metadata it was handed, so an "
+            "overlap plugin's micro-batch would read another's)")
+    rows = rig.rows()
+    _require_matches(rig, case.final(), rig.forward(case.final(), copy), what)
+    _require_only(rig, rows, case.final(), what)
+
+
 #: every check, by name, in the order they are documented
 CHECKS = {
     fn.__name__: fn
@@ -278,11 +331,14 @@ CHECKS = {
         serve_sleep_wake_recapture_under_audit,
         release_cache_frees_the_pools,
         forward_reads_nothing_on_the_host,
+        metadata_carries_what_layers_read,
     )
 }
 #: checks of the path a CUDA step takes: they run on targets with ``use_triton`` only
 #: (the torch paths are the CPU's, eager by design: they read sizes on the host)
 GPU_PATH_ONLY = frozenset({"forward_reads_nothing_on_the_host"})
+#: checks of the ``supports_overlap`` promise: they run on backends that declare it
+OVERLAP_PROMISE = frozenset({"metadata_carries_what_layers_read"})
 #: checks whose final step must be a decode (they capture or pad)
 DECODE_ONLY = frozenset(
     {"pad_rows_write_nothing", "blanked_capture_writes_nothing", "replay_sees_later_fill"}

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrunner.plugin_api.factory import declares_overlap_support
 from kvrunner.plugins import discover_backends
-from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, Target, run_check
+from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, OVERLAP_PROMISE, Target, run_check
 
 
 def check_backend(
@@ -28,9 +29,12 @@ def check_backend(
     found = discover_backends()
     if name in found and getattr(found[name].load(), "plugin_role", "layers") == "overlap":
         layers = [n for n, b in sorted(found.items())
-                  if getattr(b.load(), "plugin_role", "layers") != "overlap"
-                  and getattr(b.load(), "cache_rows", None) is not None]
+                  if getattr(b.load(), "plugin_role", "layers") != "overlap"]
+        refused = [n for n in layers if not declares_overlap_support(found[n].load())]
+        layers = [n for n in layers if n not in refused]
         print(f"{name} is an overlap plugin: checking it on top of {', '.join(layers)}")
+        if refused:
+            print(f"not over {', '.join(refused)}: they do not declare supports_overlap")
         return max((check_backend(layer, checks=checks, examples=examples,
                                   use_triton=use_triton, overlap=name) for layer in layers),
                    default=1)
@@ -43,6 +47,11 @@ def check_backend(
                 print(f"skip {label} {target.layer_type} {check} (the CUDA path's: --triton)")
                 skipped += 1
                 continue
+            if check in OVERLAP_PROMISE and not target.supports_overlap:
+                print(f"skip {label} {target.layer_type} {check} ({name} does not declare "
+                      f"supports_overlap)")
+                skipped += 1
+                continue
             start = time.perf_counter()
             try:
                 run_check(target, check, max_examples=examples)
@@ -53,6 +62,6 @@ def check_backend(
             print(f"ok   {label} {target.layer_type} {check} ({time.perf_counter() - start:.1f}s)")
     verdict = "all checks passed" if not failed else f"{failed} check(s) failed"
     if skipped:
-        verdict += f", {skipped} not run (they need --triton)"
+        verdict += f", {skipped} not run (listed above, with why)"
     print(f"{label}: {verdict}")
     return 1 if failed else 0

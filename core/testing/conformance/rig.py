@@ -19,6 +19,7 @@ import torch
 
 from kvrunner.batch import StepInput
 from kvrunner.plugin_api.errors import BackendError
+from kvrunner.plugin_api.factory import CacheRows, declares_overlap_support
 from kvrunner.plugin_api.step_data import ForwardContext, ModelSpec, StepMetadata
 from kvrunner.plugins import discover_backends
 from kvrunner.runner.forward_vars import ForwardVars
@@ -30,10 +31,6 @@ from kvrunner.testing.conformance.cases import Seq, StepCase
 from kvrunner.testing.harness import backend_manager
 
 FULL, LINEAR = "full_attention", "linear_attention"
-#: ``cache_rows(pool_name, pool) -> (kind, rows)``: ``rows[i]`` is everything the
-#: pool holds for KV slot ``i`` (kind ``"kv"``: ``block * block_size + offset``) or
-#: for request slot ``i`` (kind ``"state"``)
-CacheRows = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
 #: a layer's forward inputs for some token rows, from the sequence's full inputs
 Rows = list[tuple[Seq, int, int]]
 #: ``guard(layer_index)``: a context entered around one layer's forward
@@ -51,6 +48,8 @@ class Target:
     device: str = "cpu"
     #: an overlap plugin on top of the backend (its micro-batches are run in turns)
     overlap: str | None = None
+    #: the factory declares ``supports_overlap`` (the kit then checks the promise)
+    supports_overlap: bool = False
 
     @classmethod
     def of(
@@ -64,15 +63,16 @@ class Target:
         if name not in found:
             raise BackendError(f"backend {name!r} is not installed; installed: {sorted(found)}")
         factory = found[name].load()
-        rows = getattr(factory, "cache_rows", None)
-        if rows is None:
+        supports_overlap = declares_overlap_support(factory)
+        if overlap is not None and not supports_overlap:
             raise BackendError(
-                f"backend {name!r} has no cache_rows attribute: the conformance kit needs it "
-                f"to read a slot of its cache (docs/plugins.md, 'The conformance kit')"
+                f"overlap plugin {overlap!r} cannot run over backend {name!r}: {name!r} does "
+                f"not declare supports_overlap = True (docs/plugins.md, 'Overlap plugins')"
             )
+        # cache_rows is required of every layer backend, checked at load
         return [
-            cls(name=name, layer_type=t, cache_rows=rows, use_triton=use_triton, device=device,
-                overlap=overlap)
+            cls(name=name, layer_type=t, cache_rows=factory.cache_rows, use_triton=use_triton,
+                device=device, overlap=overlap, supports_overlap=supports_overlap)
             for t in factory.layer_types
             if t in (FULL, LINEAR)
         ]

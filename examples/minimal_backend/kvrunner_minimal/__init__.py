@@ -4,11 +4,14 @@ Keys and values of every layer live in one ``[2, num_blocks * block_size, kv_hea
 head_dim]`` tensor, indexed by KV slot (``block * block_size + offset``). The core
 hands each step's shared read side (query offsets, context lengths, block tables);
 this backend owns one buffer, ``slot_mapping``: where each token's keys and values
-go, PAD (-1) for rows that must write nothing.
+go, PAD (-1) for rows that must write nothing. Its layers read both from the
+metadata it returns, never from the backend object, so an overlap plugin can hand
+each micro-batch its own copy (``supports_overlap``).
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from kvrunner.plugin_api import (
@@ -24,6 +27,14 @@ from kvrunner.plugin_api import (
 )
 
 
+@attrs.frozen
+class MinimalMetadata:
+    """What the layers read for one step: the core's read side and the write slots."""
+
+    step: StepMetadata
+    slot_mapping: torch.Tensor
+
+
 def cache_rows(pool_name: str, pool: torch.Tensor) -> tuple[str, torch.Tensor]:
     """For the conformance kit: row ``i`` of a pool is KV slot ``i``."""
     return "kv", pool.transpose(0, 1)
@@ -33,6 +44,7 @@ class MinimalBackend:
     plugin_api_version = PLUGIN_API_VERSION
     layer_types = ("full_attention",)
     cache_rows = staticmethod(cache_rows)
+    supports_overlap = True
 
     def __init__(self, context: BackendContext) -> None:
         self.context = context
@@ -68,15 +80,15 @@ class MinimalBackend:
         return {"slot_mapping": self.slot_mapping}
 
     @hookimpl
-    def build_metadata(self, step: StepMetadata) -> StepMetadata:
+    def build_metadata(self, step: StepMetadata) -> MinimalMetadata:
         """This step's slots, PAD on every row after them."""
         fill_head(self.slot_mapping, step.host.slot_mapping, PAD_SLOT_ID)
-        return step
+        return MinimalMetadata(step, self.slot_mapping)
 
     @hookimpl
-    def build_capture_metadata(self, step: StepMetadata) -> StepMetadata:
+    def build_capture_metadata(self, step: StepMetadata) -> MinimalMetadata:
         """The core's capture step as is; ``slot_mapping`` stays as the core blanked it."""
-        return step
+        return MinimalMetadata(step, self.slot_mapping)
 
     @hookimpl
     def cache_write_targets(self) -> list[CacheWriteTarget]:
@@ -100,9 +112,9 @@ class MinimalAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         be = self.backend
-        step = ctx.for_backend(be.context.name, StepMetadata)
-        kv = be.kv[self.layer_index]
-        slots = be.slot_mapping[: q.shape[0]]
+        md = ctx.for_backend(be.context.name, MinimalMetadata)
+        step, kv = md.step, be.kv[self.layer_index]  # the pool is shared: looked up here
+        slots = md.slot_mapping[: q.shape[0]]
         live = slots >= 0  # PAD rows write nothing
         kv[0, slots[live]] = k[live].to(kv.dtype)
         kv[1, slots[live]] = v[live].to(kv.dtype)

@@ -1,0 +1,50 @@
+"""What a backend's factory declares: the attributes the core reads before calling it.
+
+The entry point of a backend names its factory (a class, usually): called with a
+:class:`~kvrunner.plugin_api.step_data.BackendContext`, it returns the object whose
+hooks the core calls. These attributes on the factory are checked at load, before
+any is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from kvrunner.plugin_api.step_data import BackendContext
+
+#: ``cache_rows(pool_name, pool) -> (kind, rows)``: ``rows[i]`` is everything the pool
+#: ``pool_name`` (without the backend's prefix) holds for KV slot ``i`` (kind ``"kv"``,
+#: slot ``block * block_size + offset``) or for request slot ``i`` (kind ``"state"``);
+#: a view or a copy, only read
+CacheRows = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
+
+
+class LayerBackendFactory(Protocol):
+    """The factory of a layer backend (``paged``, ``gdn``)."""
+
+    #: the plugin API version it was written against; must equal ``PLUGIN_API_VERSION``
+    plugin_api_version: int
+    #: the layer types it can serve (``"full_attention"``, ``"linear_attention"``)
+    layer_types: tuple[str, ...]
+    #: how the conformance kit reads one slot of each pool it allocates. Required: a
+    #: backend the kit cannot read cannot be shown to keep the contract, and the core
+    #: refuses a layer backend without it at load.
+    cache_rows: CacheRows
+    #: Optional, ``False`` when absent. ``True`` promises that its layers read
+    #: nothing but the cache pools from outside the metadata it returns, in containers
+    #: an overlap plugin can walk (:mod:`kvrunner.plugin_api.mirroring`). The core
+    #: refuses an overlap plugin over a backend that does not declare it; the kit's
+    #: ``metadata_carries_what_layers_read`` checks the promise.
+    supports_overlap: bool
+
+    def __call__(self, context: BackendContext) -> Any:
+        """The backend object, registered on the runner's plugin manager."""
+        ...
+
+
+def declares_overlap_support(factory: object) -> bool:
+    """Whether ``factory`` declares ``supports_overlap = True`` (absent means no)."""
+    return getattr(factory, "supports_overlap", False) is True
