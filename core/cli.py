@@ -1,4 +1,4 @@
-"""The ``kvrunner`` command: backends, check-backend, generate, make-tiny, rollout."""
+"""The ``kvrunner`` command: backends, check-backend, generate, make-tiny, rollout, serve."""
 
 from __future__ import annotations
 
@@ -243,6 +243,61 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from kvrunner.serve.server import serve_forever
+        from kvrunner.serve.settings import ServeSettings
+    except ImportError as e:  # fastapi, uvicorn, prometheus-client: an optional extra
+        print(f"kvrunner: serve needs {e.name}: pip install 'kvrunner[serve]'", file=sys.stderr)
+        return 2
+    settings = ServeSettings.with_env_key(
+        host=args.host, port=args.port, api_key=args.api_key,
+        enable_rl_endpoints=args.enable_rl_endpoints,
+        served_model_name=args.served_model_name, max_n=args.max_n,
+        max_logprobs=args.max_logprobs, shutdown_mode=args.shutdown_mode,
+        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+    )
+    config = _config_kwargs(args)
+
+    def make_engine() -> Any:
+        from kvrunner import AsyncLLM
+
+        return AsyncLLM(config_file=args.config_file, **config)
+
+    return serve_forever(settings, make_engine)
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="interface to listen on; 0.0.0.0 for every one "
+                       "(default: %(default)s, this machine only)")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port; 0 picks a free one, printed on start-up "
+                       "(default: %(default)s)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route "
+                       "(default: $KVRUNNER_API_KEY, else none)")
+    group.add_argument("--enable-rl-endpoints", action="store_true",
+                       help="serve the control routes (weights, memory, pause, flush, abort); "
+                       "off, they answer 403")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients pass (default: the --model setting)")
+    group.add_argument("--max-n", type=_positive_int, default=16,
+                       help="most samples per request (default: %(default)s)")
+    group.add_argument("--max-logprobs", type=_positive_int, default=20,
+                       help="most top logprobs per token (default: %(default)s)")
+    group.add_argument("--shutdown-mode", default="abort", choices=["abort", "drain"],
+                       help="on SIGTERM, abort the requests in flight or let them finish "
+                       "(default: %(default)s)")
+    group.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds a drain may take before the rest is aborted "
+                       "(default: %(default)s)")
+    group.add_argument("--log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="the HTTP server's log level (default: %(default)s)")
+
+
 def _positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (argparse turns the error into a usage line)."""
     try:
@@ -339,6 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "alternately a perturbed copy and the own again (default: %(default)s)")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_rollout)
+
+    p = sub.add_parser(
+        "serve", help="HTTP server: OpenAI-compatible and SGLang-shaped RL routes, /metrics "
+        "(needs kvrunner[serve])"
+    )
+    _add_serve_flags(p)
+    _add_config_flags(p)
+    p.set_defaults(func=_cmd_serve)
 
     for command in sub.choices.values():
         command.add_argument("-v", "--verbose", "--traceback", action="store_true",

@@ -1,0 +1,86 @@
+"""The checkpoint's chat template: messages to the prompt text the model was tuned on.
+
+Read from the checkpoint directory as transformers writes it: ``chat_template.jinja``,
+or the ``chat_template`` key of ``tokenizer_config.json`` (a string, or a list of named
+templates of which ``default`` is used). Rendered with jinja2's sandbox, as
+transformers does, so a template cannot reach Python.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvrunner.errors import CheckpointError
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may refer to."""
+
+    def __init__(self, source: str, *, special: dict[str, str], origin: Path) -> None:
+        try:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:  # pragma: no cover - jinja2 comes with the serve extra
+            raise CheckpointError(origin, "rendering its chat template needs jinja2: "
+                                  "pip install 'kvrunner[serve]'") from e
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise CheckpointError(origin, f"the chat template does not compile: {e}") from e
+        self._special = special
+        self.origin = origin
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        """The prompt text; ValueError (the template's own ``raise_exception``, or a
+        template fault) when the messages do not fit it."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self._special)
+        except TemplateError as e:
+            raise ValueError(f"the chat template failed on these messages: {e}") from e
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...} as some configs write it
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(model_dir: Path) -> ChatTemplate | None:
+    """The checkpoint's template, or None when it has none."""
+    config_path = model_dir / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(config_path, f"not valid JSON: {e}") from e
+    source: Any = None
+    origin = config_path
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        source, origin = jinja_file.read_text(), jinja_file
+    else:
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise CheckpointError(origin, f"chat_template must be a string, got "
+                              f"{type(source).__name__}")
+    special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+               if (t := _token_text(config.get(k))) is not None}
+    return ChatTemplate(source, special=special, origin=origin)

@@ -1,0 +1,103 @@
+"""Health and what the server serves, at SGLang's paths: ``/health``,
+``/health_generate``, ``/get_model_info``, ``/get_weight_version``, ``/server_info``
+(also ``/get_server_info``). Open to every client holding the API key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kvrunner import __version__
+from kvrunner.sampling_params import SamplingParams
+from kvrunner.serve.app import ServerState, new_id
+from kvrunner.serve.errors import APIError
+from kvrunner.serve.vllm_routes import is_sleeping
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _require_serving(state: ServerState) -> None:
+    if not state.admission.open:
+        raise APIError(503, "the server is shutting down")
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, str]:
+    """200 while the server takes requests (the engine is loaded), 503 once it is
+    shutting down."""
+    _require_serving(_state(request))
+    return {"status": "ok"}
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> dict[str, Any]:
+    """Generate one token end to end; 503 while shutting down, asleep or paused (it
+    could not generate), or when the engine fails."""
+    state = _state(request)
+    _require_serving(state)
+    engine = state.engine
+    if engine.is_paused or is_sleeping(engine.stats()):
+        raise APIError(503, "the engine is paused or asleep and generates nothing now")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        out = await engine.generate([0], params, request_id=new_id("health"))
+    except Exception as e:
+        raise APIError(503, f"generating one token failed: {type(e).__name__}: {e}") from None
+    return {"status": "ok", "token_ids": list(out.token_ids)}
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    path = str(state.model_path) if state.model_path else state.model_name
+    return {
+        "model_path": path,
+        "tokenizer_path": path if state.engine.tokenizer is not None else None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": state.engine.stats().weight_version,
+        "served_model_name": state.model_name,
+    }
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict[str, Any]:
+    return {"weight_version": _state(request).engine.stats().weight_version}
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    """The server's settings (not the key), the engine's and its live figures."""
+    state = _state(request)
+    config = state.engine.config
+    stats = state.engine.stats()
+    settings = state.settings
+    return {
+        "version": __version__,
+        "model_path": str(state.model_path) if state.model_path else state.model_name,
+        "served_model_name": state.model_name,
+        "host": settings.host,
+        "port": settings.port,
+        "api_key_set": settings.api_key is not None,
+        "enable_rl_endpoints": settings.enable_rl_endpoints,
+        "max_n": settings.max_n,
+        "max_logprobs": settings.max_logprobs,
+        "shutdown_mode": settings.shutdown_mode,
+        "tp_size": int(config.parallel.tensor_parallel_size),
+        "max_running_requests": int(config.scheduler.max_num_seqs),
+        "max_model_len": state.max_model_len,
+        "context_length": state.max_model_len,
+        "weight_version": stats.weight_version,
+        "internal_states": [{
+            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "blocks_used": stats.blocks_used, "blocks_total": stats.blocks_total,
+            "paused": bool(stats.paused), "sleep_state": stats.sleep_state,
+            "last_step_s": stats.last_step_s,
+        }],
+    }

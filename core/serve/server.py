@@ -1,0 +1,114 @@
+"""The ``kvrunner serve`` process: load the engine, serve HTTP until SIGTERM, stop clean.
+
+One asyncio loop runs both uvicorn and the ``AsyncLLM`` front. SIGTERM (or Ctrl-C) runs
+:class:`~kvrunner.serve.shutdown.GracefulShutdown` first and only then lets uvicorn
+close its connections; a second signal forces the exit. The engine is shut down last,
+which frees the device and stops every tensor-parallel rank process, so the process
+exits with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from kvrunner.serve.app import build_app
+from kvrunner.serve.settings import ServeSettings
+from kvrunner.serve.shutdown import GracefulShutdown
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: how long uvicorn waits for connections once every request has ended
+CLOSE_TIMEOUT_S = 10.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM empties the engine before it stops."""
+
+    def __init__(self, config: uvicorn.Config, shutdown: GracefulShutdown,
+                 announce: Callable[[str], None]) -> None:
+        super().__init__(config)
+        self._graceful = shutdown
+        self._announce = announce
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._emptying: asyncio.Task | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self._announce(f"http://{host}:{port}")
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own re-raises the signal after serving, which would kill the process
+        # before the engine (and its rank processes) is shut down
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._emptying is None and self._loop is not None and not self.should_exit:
+            self._loop.call_soon_threadsafe(self._begin)
+            return
+        self.should_exit = True
+        self.force_exit = True  # a second signal: stop now
+
+    def _begin(self) -> None:
+        self._emptying = asyncio.ensure_future(self._empty())
+
+    async def _empty(self) -> None:
+        try:
+            aborted = await self._graceful.empty_engine()
+            print(f"kvrunner serve: shutting down ({aborted} request(s) aborted)",
+                  file=sys.stderr, flush=True)
+        finally:
+            self.should_exit = True
+
+
+def _announce(url: str) -> None:
+    # the one line a supervisor (or a test) waits for: where the server listens
+    print(f"kvrunner serve: listening on {url}", flush=True)
+
+
+async def _serve(settings: ServeSettings, make_engine: Callable[[], Any]) -> int:
+    engine = make_engine()
+    try:
+        app = build_app(engine, settings)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                                log_level=settings.log_level, access_log=False,
+                                timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S), lifespan="off",
+                                backlog=4096)
+        server = _Server(config, app.state.server.shutdown, _announce)
+        await server.serve()
+        if not server.started:
+            print(f"kvrunner serve: could not listen on {settings.host}:{settings.port}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        await engine.shutdown()
+
+
+def serve_forever(settings: ServeSettings, make_engine: Callable[[], Any]) -> int:
+    """Load the engine with ``make_engine()``, serve until SIGTERM; the exit status.
+
+    A SIGTERM while the model loads ends the process through ``SystemExit``, so the
+    engine's clean-up (its rank processes) still runs.
+    """
+    def _stop_loading(sig: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + sig)
+
+    for sig in _SIGNALS:
+        signal.signal(sig, _stop_loading)
+    return asyncio.run(_serve(settings, make_engine))

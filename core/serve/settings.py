@@ -1,0 +1,73 @@
+"""What the HTTP server is told at start-up, apart from the engine's own settings."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+from kvrunner.config import ConfigError
+
+#: the environment variable read when ``--api-key`` is not given
+API_KEY_ENV = "KVRUNNER_API_KEY"
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"serve: {attribute.name} must be a positive number, got {value!r}")
+
+
+def _choice(*allowed: str):
+    def check(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if value not in allowed:
+            raise ConfigError(
+                f"serve: {attribute.name} must be one of {list(allowed)}, got {value!r}"
+            )
+
+    return check
+
+
+def _port(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"serve: port must be an integer in [0, 65535], got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ServeSettings:
+    """The server's own settings (the engine's are an ``EngineConfig``).
+
+    Secure by default: it listens on the loopback interface only, and the routes that
+    can replace the model or stop generation for everyone (weights, memory, pause,
+    flush, abort) answer 403 unless ``enable_rl_endpoints``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_port)
+    #: the Bearer token every route requires; None: no authentication
+    api_key: str | None = None
+    #: serve the routes that change the engine's weights, memory or schedule
+    enable_rl_endpoints: bool = False
+    #: the name clients pass as ``model``; None: the model setting as given
+    served_model_name: str | None = None
+    #: the most samples one request may ask for (``n``): a bound on what one client
+    #: can make the server hold
+    max_n: int = attrs.field(default=16, validator=_positive)
+    #: the most top logprobs one request may ask for per token
+    max_logprobs: int = attrs.field(default=20, validator=_positive)
+    #: on SIGTERM: "abort" ends every request at once (finish reason "abort"), "drain"
+    #: lets them finish for up to ``drain_timeout_s`` and then aborts what is left
+    shutdown_mode: str = attrs.field(default="abort", validator=_choice("abort", "drain"))
+    drain_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    #: uvicorn's log level
+    log_level: str = attrs.field(
+        default="warning", validator=_choice("critical", "error", "warning", "info", "debug")
+    )
+
+    @classmethod
+    def with_env_key(cls, *, api_key: str | None = None, **fields: object) -> ServeSettings:
+        """Settings whose ``api_key`` falls back to ``$KVRUNNER_API_KEY``; an empty key is
+        refused (it would look like protection and be none)."""
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        if key is not None and not key.strip():
+            raise ConfigError(f"serve: the API key (--api-key or ${API_KEY_ENV}) is empty")
+        return cls(api_key=key, **fields)

@@ -1,0 +1,168 @@
+"""Live ``kvrunner serve`` processes for the HTTP tests (the fixtures are in conftest.py).
+
+Each server is a real subprocess (``python -m kvrunner.cli serve --port 0``) serving
+the embedded ``tiny-qwen3`` on 127.0.0.1; the fixture reads the URL it prints, waits
+for ``/health``, and at teardown sends SIGTERM and checks that the process exited 0
+with every process it started (tensor-parallel ranks included) gone.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key-1234"
+#: engine flags every test server and every in-process reference LLM share, so that
+#: their tokens and logprobs can be compared
+ENGINE_FLAGS = ["--model", "tiny-qwen3", "--seed", "0", "--max-num-seqs", "64",
+                "--capture-sizes", "1,2,4,8"]
+ENGINE_KWARGS = {"model": "tiny-qwen3", "seed": 0, "max_num_seqs": 64,
+                 "capture_sizes": (1, 2, 4, 8)}
+START_TIMEOUT_S = 300
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc: parent links)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name is in parentheses and may hold spaces: split after it
+        fields = stat[stat.rfind(")") + 2:].split()
+        parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent and p not in found]
+        found.update(kids)
+        frontier.extend(kids)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+class ServeProcess:
+    """One ``kvrunner serve`` subprocess."""
+
+    def __init__(self, flags: list[str], *, env: dict[str, str], log: Path,
+                 api_key: str | None) -> None:
+        self.flags = flags
+        self.env = env
+        self.log_path = log
+        self.api_key = api_key
+        self.url = ""
+        self.proc: subprocess.Popen | None = None
+        self._lines: queue.Queue[str] = queue.Queue()
+
+    def start(self) -> ServeProcess:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrunner.cli", "serve", "--port", "0", *self.flags],
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+    def wait_ready(self) -> ServeProcess:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.url:
+            try:
+                line = self._lines.get(timeout=1.0)
+            except queue.Empty:
+                line = ""
+            if "listening on " in line:
+                self.url = line.split("listening on ", 1)[1].strip()
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvrunner serve exited {self.proc.returncode}:\n"
+                                     f"{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"kvrunner serve did not start:\n{self.log()}")
+        response = httpx.get(self.url + "/health", headers=self.headers(), timeout=60)
+        assert response.status_code == 200, response.text
+        return self
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers(), timeout=120, **kwargs)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def rss_kib(self) -> int:
+        """The server's resident set (VmRSS in /proc/PID/status), KiB."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS line")
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM; the exit status. Fails if any process it started outlives it."""
+        assert self.proc is not None
+        started = _children(self.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            for pid in started:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"kvrunner serve ignored SIGTERM for {timeout} s:\n"
+                                 f"{self.log()}") from None
+        finally:
+            self._log.close()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = sorted(p for p in started if alive(p))
+        for pid in left:  # not to leak them into the rest of the run
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes left behind by kvrunner serve: {left}\n{self.log()}"
+        return code
+
+
+def server_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVRUNNER_API_KEY"}
+    return env | {"KVRUNNER_HOME": str(home)} | extra
+
+
+def start_server(tmp: Path, home: Path, name: str, flags: list[str], *,
+                 api_key: str | None, env_key: bool = False) -> ServeProcess:
+    extra = {"KVRUNNER_API_KEY": api_key} if env_key and api_key else {}
+    key_flags = ["--api-key", api_key] if api_key and not env_key else []
+    return ServeProcess([*ENGINE_FLAGS, *key_flags, *flags], env=server_env(home, **extra),
+                        log=tmp / f"{name}.log", api_key=api_key).start()
