@@ -254,7 +254,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         enable_rl_endpoints=args.enable_rl_endpoints,
         served_model_name=args.served_model_name, max_n=args.max_n,
-        max_logprobs=args.max_logprobs, shutdown_mode=args.shutdown_mode,
+        max_logprobs=getattr(args, "max_logprobs", None) or 20, shutdown_mode=args.shutdown_mode,
         drain_timeout_s=args.drain_timeout, log_level=args.log_level,
     )
     config = _config_kwargs(args)
@@ -285,8 +285,6 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                        help="the model name clients pass (default: the --model setting)")
     group.add_argument("--max-n", type=_positive_int, default=16,
                        help="most samples per request (default: %(default)s)")
-    group.add_argument("--max-logprobs", type=_positive_int, default=20,
-                       help="most top logprobs per token (default: %(default)s)")
     group.add_argument("--shutdown-mode", default="abort", choices=["abort", "drain"],
                        help="on SIGTERM, abort the requests in flight or let them finish "
                        "(default: %(default)s)")
