@@ -22,5 +22,6 @@ def test_every_core_package_is_in_the_distribution_and_only_those() -> None:
         ".".join(("kvrunner", *init.parent.relative_to(core).parts))
         for init in core.rglob("__init__.py")
     }
-    assert on_disk - listed == set(), f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
-    assert listed - on_disk == set(), f"listed but not in core/: {sorted(listed - on_disk)}"
+    unlisted, absent = sorted(on_disk - listed), sorted(listed - on_disk)
+    assert not unlisted, f"add to [tool.setuptools] packages: {unlisted}"
+    assert not absent, f"listed but not in core/: {absent}"
