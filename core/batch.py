@@ -133,6 +133,11 @@ class StepInput:
     sampling: list[SamplingParams]
     #: tokens generated so far; keys the per-request seed
     num_output_tokens: list[int]
+    #: for each row, the prompt tokens its chunk's positions predict (the token after
+    #: each position, while that is a prompt token): scored for
+    #: ``SamplingParams.prompt_logprobs``; ``()`` for a row that scores none, and None
+    #: for a step where no row does (every step but a scoring request's prefill)
+    prompt_targets: list[tuple[int, ...]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -160,13 +165,19 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
-#: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs
-PackedSampled = tuple[list[int], list[int], list[float | None], list[dict[int, float] | None]]
+#: one chunk's prompt scores: the prompt index of its first scored token, each scored
+#: token's logprob, and the top-N logprobs at each (None where N is 0)
+PromptScores = tuple[int, list[float], list[dict[int, float] | None]]
+
+#: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, and
+#: the prompt scores of the rows that asked for them, by seq id (None: no row asked)
+PackedSampled = tuple[list[int], list[int], list[float | None], list[dict[int, float] | None],
+                      dict[int, PromptScores] | None]
 
 
-def no_samples() -> PackedSampled:
-    """The columns of a step that sampled nothing."""
-    return ([], [], [], [])
+def no_samples(prompt_scores: dict[int, PromptScores] | None = None) -> PackedSampled:
+    """The columns of a step that sampled nothing (but may have scored prompts)."""
+    return ([], [], [], [], prompt_scores)
 
 
 class SampledTokens(Seq[SampledToken]):
@@ -177,7 +188,7 @@ class SampledTokens(Seq[SampledToken]):
     one attrs object per sequence per step cost about 1 µs each at batch 1024.
     """
 
-    __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs")
+    __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs", "prompt_scores")
 
     def __init__(
         self,
@@ -185,6 +196,7 @@ class SampledTokens(Seq[SampledToken]):
         token_ids: list[int],
         logprobs: list[float | None],
         top_logprobs: list[dict[int, float] | None],
+        prompt_scores: dict[int, PromptScores] | None = None,
     ) -> None:
         if not len(seq_ids) == len(token_ids) == len(logprobs) == len(top_logprobs):
             raise ValueError(
@@ -196,6 +208,8 @@ class SampledTokens(Seq[SampledToken]):
         self.token_ids = token_ids
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
+        #: the step's prompt scores by seq id (``SamplingParams.prompt_logprobs``)
+        self.prompt_scores = prompt_scores
 
     @classmethod
     def of(cls, tokens: Iterable[SampledToken]) -> SampledTokens:
@@ -237,7 +251,8 @@ class SampledTokens(Seq[SampledToken]):
         return f"SampledTokens({list(self)!r})"
 
     def __reduce__(self) -> tuple:
-        return (SampledTokens, (self.seq_ids, self.token_ids, self.logprobs, self.top_logprobs))
+        return (SampledTokens, (self.seq_ids, self.token_ids, self.logprobs, self.top_logprobs,
+                                self.prompt_scores))
 
 
 def unpack_sampled(packed: PackedSampled) -> SampledTokens:

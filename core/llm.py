@@ -259,6 +259,7 @@ class LLM:
     def _output(self, prompt: Prompt, seq: Any) -> RequestOutput:
         out = list(seq.output_token_ids)
         wants = seq.sampling_params.logprobs is not None
+        scored = seq.sampling_params.prompt_logprobs
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -268,6 +269,8 @@ class LLM:
             logprobs=list(seq.logprobs) if wants else None,
             top_logprobs=list(seq.top_logprobs) if wants and seq.sampling_params.logprobs else None,
             finish_reason=seq.finish_reason,
+            prompt_logprobs=None if scored is None else [None, *seq.prompt_logprobs],
+            prompt_top_logprobs=[None, *seq.prompt_top_logprobs] if scored else None,
             error=seq.error,
             sample_index=seq.sample_index,
             stop_reason=seq.stop_reason,

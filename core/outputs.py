@@ -26,6 +26,12 @@ class RequestOutput:
     #: the top-N logprobs at each step, when SamplingParams.logprobs = N > 0
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    #: each prompt token's logprob given the tokens before it (None for the first),
+    #: when SamplingParams.prompt_logprobs was set
+    prompt_logprobs: list[float | None] | None = None
+    #: the top-N logprobs at each prompt position (None for the first), when
+    #: SamplingParams.prompt_logprobs = N > 0
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     #: why it ended with finish reason "error": the engine step, the output position and
     #: the cause (``"step 12 (output token 3): logits hold NaN"``); else None
     error: str | None = None

@@ -112,6 +112,11 @@ class SamplingParams:
     holds one of them (finish reason ``"stop"``): the output text ends before the
     stop string, and no token after the one that completed it is kept. It needs the
     model's tokenizer; a model without one refuses such a request.
+    ``prompt_logprobs=N`` also returns each prompt token's logprob given the tokens
+    before it, and the N most likely tokens' logprobs there (``RequestOutput.
+    prompt_logprobs``, ``None`` for the first token, as vLLM's): computed by the
+    prefill itself, so such a request computes its whole prompt (no prefix-cache
+    hit: a cached block has no logits to give).
 
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
@@ -128,6 +133,9 @@ class SamplingParams:
     )
     n: int = attrs.field(default=1, validator=_int_field(minimum=1))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    prompt_logprobs: int | None = attrs.field(
+        default=None, validator=_int_field(minimum=0, optional=True)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

@@ -205,7 +205,9 @@ class BlockManager:
     # -- internals --------------------------------------------------------------------
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        # A request scoring its prompt needs every prompt position's logits: a cached
+        # block has none, so it computes its whole prompt (and still publishes it).
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         # Hash lazily: a miss on block i makes every later block a miss too.

@@ -135,11 +135,13 @@ class LLMEngine:
                 f"samples; make them with make_group (one request is one sample)"
             )
         cap = self.config.scheduler.max_logprobs
-        if params.logprobs is not None and params.logprobs > cap:
-            raise RequestError(
-                f"request {index}: SamplingParams.logprobs={params.logprobs} exceeds "
-                f"max_logprobs={cap} (raise the max_logprobs setting to allow it)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > cap:
+                raise RequestError(
+                    f"request {index}: SamplingParams.{name}={asked} exceeds "
+                    f"max_logprobs={cap} (raise the max_logprobs setting to allow it)"
+                )
         watch = None
         if params.stop:
             if self.tokenizer is None:

@@ -40,7 +40,13 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvrunner.batch import NONFINITE_CAUSES, SampledToken, SampledTokens, StepInput
+from kvrunner.batch import (
+    NONFINITE_CAUSES,
+    PromptScores,
+    SampledToken,
+    SampledTokens,
+    StepInput,
+)
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
@@ -98,6 +104,8 @@ class Scheduler:
         self.batch = RunningBatch()
         self.num_preemptions = 0
         self._unfinished: dict[int, Sequence] = {}
+        #: unfinished requests that score their prompt (SamplingParams.prompt_logprobs)
+        self._scoring: set[int] = set()
         self._arrivals = itertools.count()
         # the steps scheduled but not yet updated
         self._in_flight = InFlight()
@@ -121,6 +129,8 @@ class Scheduler:
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
+        if seq.sampling_params.prompt_logprobs is not None:
+            self._scoring.add(seq.seq_id)
 
     def validate(self, seq: Sequence, *, name: str | None = None) -> None:
         """Raise RequestError naming the request and the limit if it can never run here.
@@ -148,6 +158,7 @@ class Scheduler:
         seq = self._unfinished.pop(seq_id, None)
         if seq is None:
             return None
+        self._scoring.discard(seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self._in_flight.renumber(self.batch.remove([self.running.index(seq)]))
             self.block_manager.free(seq)
@@ -224,7 +235,8 @@ class Scheduler:
         if not len(rows):
             return None
         step, seqs, starts, samples = step_columns(batch, rows, sizes,
-                                                   self.block_manager.table_rows)  # fmt: skip
+                                                   self.block_manager.table_rows,
+                                                   score_prompts=bool(self._scoring))  # fmt: skip
         self._in_flight.push(StepChunks(seqs, step.seq_id, rows, starts, sizes, samples,
                                         step.sample))  # fmt: skip
         return step, seqs
@@ -246,6 +258,8 @@ class Scheduler:
         self.num_steps_applied += 1
         tokens, logprobs, tops = check_step_result(chunks, seqs, sampled)
         self._in_flight.pop_oldest()
+        if sampled.prompt_scores:  # before _apply: a request this step ends still gets them
+            self._record_prompt_scores(sampled.prompt_scores)
         finished: list[Sequence] = []
         nonfinite = min(sampled.token_ids, default=0) < 0  # a code: see NONFINITE_CAUSES
         gone = self._apply(chunks, tokens, logprobs, tops, nonfinite, finished)
@@ -254,6 +268,20 @@ class Scheduler:
         return finished
 
     # -- internals --------------------------------------------------------------------
+
+    def _record_prompt_scores(self, scores: dict[int, PromptScores]) -> None:
+        """Append each chunk's prompt scores to its request's; a prompt scored again
+        (recomputed after a preemption) keeps the scores it already has."""
+        for seq_id, (first, logprobs, tops) in scores.items():
+            seq = self._unfinished.get(seq_id)
+            if seq is None:
+                continue  # withdrawn while the step ran
+            skip = len(seq.prompt_logprobs) + 1 - first  # prompt index 1 is entry 0
+            if skip < 0:
+                raise ValueError(f"sequence {seq_id}: prompt scores from index {first} but "
+                                 f"only {len(seq.prompt_logprobs)} recorded before it")
+            seq.prompt_logprobs.extend(logprobs[skip:])
+            seq.prompt_top_logprobs.extend(tops[skip:])
 
     def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray, total: int
                     ) -> tuple[np.ndarray, np.ndarray, int]:  # fmt: skip
@@ -420,6 +448,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
+        self._scoring.discard(seq.seq_id)
         finished.append(seq)
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:

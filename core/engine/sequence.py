@@ -70,6 +70,11 @@ class Sequence:
     logprobs: list[float | None] = attrs.field(factory=list, init=False)
     #: the top-N logprobs at each output position (``None`` if not asked)
     top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
+    #: each prompt token's logprob given the tokens before it, from the second prompt
+    #: token on, as its prefill chunks are applied (``SamplingParams.prompt_logprobs``)
+    prompt_logprobs: list[float] = attrs.field(factory=list, init=False)
+    #: the top-N logprobs at each of those positions (``None`` where N is 0)
+    prompt_top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
     #: admission order stamp given by the scheduler on ``add`` (-1 before that)
     arrival: int = attrs.field(default=-1, init=False)
     #: ``len(prompt_token_ids)``, kept: the scheduler reads it for every row of every step

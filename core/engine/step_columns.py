@@ -21,11 +21,23 @@ from kvrunner.engine.table_rows import TableRows
 _token_ids = attrgetter("token_ids")
 
 
+def prompt_targets(seq: Sequence, start: int, size: int) -> tuple[int, ...]:
+    """The prompt tokens a chunk of ``seq`` (``size`` tokens from position ``start``)
+    scores for ``SamplingParams.prompt_logprobs``: the token after each of its
+    positions, while that is a prompt token; ``()`` if it asked for none."""
+    if seq.sampling_params.prompt_logprobs is None:
+        return ()
+    end = min(start + size + 1, seq.num_prompt_tokens)
+    return tuple(seq.token_ids[start + 1 : end]) if start + 1 < end else ()
+
+
 def step_columns(
     batch: RunningBatch,
     rows: np.ndarray,
     sizes: np.ndarray,
     tables: TableRows,
+    *,
+    score_prompts: bool = False,
 ) -> tuple[StepInput, list[Sequence], np.ndarray, np.ndarray]:
     """The step feeding ``sizes`` tokens to each of the batch's ``rows`` (increasing),
     with the batch moved past it (:meth:`RunningBatch.advance`): the step, its
@@ -34,6 +46,8 @@ def step_columns(
     A chunk starts where the steps in flight leave its sequence and samples if it
     ends its tokens, counting the one in flight, which it feeds as
     ``PLACEHOLDER_TOKEN`` (only ever a chunk's last token, and then its only one).
+    ``score_prompts``: some running request scores its prompt, so the step carries
+    ``prompt_targets`` (else None, at no cost).
     """
     seqs = batch.pick(batch.seqs, rows)
     starts, samples, in_flight, outputs = batch.advance(rows, sizes)
@@ -61,5 +75,9 @@ def step_columns(
         sample=samples.tolist(),
         sampling=batch.pick(batch.sampling, rows),
         num_output_tokens=outputs.tolist(),
+        prompt_targets=[
+            prompt_targets(s, a, n)
+            for s, a, n in zip(seqs, starts.tolist(), sizes.tolist(), strict=True)
+        ] if score_prompts else None,
     )
     return step, seqs, starts, samples

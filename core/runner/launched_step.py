@@ -24,6 +24,7 @@ from kvrunner.batch import (
     no_samples,
     unpack_sampled,
 )
+from kvrunner.layers.prompt_logprobs import ScoredPrompts
 from kvrunner.layers.sampler import StepSamples
 from kvrunner.plugin_api.buffers import on_device
 
@@ -44,9 +45,16 @@ class LaunchedStep:
     until :meth:`result`; on the CPU the samples are already there.
     """
 
-    def __init__(self, samples: StepSamples | None) -> None:
+    def __init__(self, samples: StepSamples | None, prompt: ScoredPrompts | None = None) -> None:
         self._samples = samples
+        #: the step's prompt scores (``SamplingParams.prompt_logprobs``), if it made any
+        self._prompt = prompt
         self._event: torch.cuda.Event | None = None
+        if prompt is not None and prompt.logprobs.is_cuda:
+            self._prompt = prompt.to_host()
+            if samples is None:
+                self._event = torch.cuda.Event()
+                self._event.record()
         if samples is not None and samples.out.token_ids.is_cuda:
             out = samples.out
             host = attrs.evolve(
@@ -63,11 +71,13 @@ class LaunchedStep:
 
     def result(self) -> PackedSampled:
         """The sampled tokens as columns (waits for the step, not for later ones)."""
-        if self._samples is None:
-            return no_samples()
         if self._event is not None:
             self._event.synchronize()
-        return self._samples.packed()
+        prompt = None if self._prompt is None else self._prompt.packed()
+        if self._samples is None:
+            return no_samples(prompt)
+        packed = self._samples.packed()
+        return packed if prompt is None else (*packed[:4], prompt)
 
 
 @attrs.frozen

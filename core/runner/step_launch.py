@@ -24,6 +24,7 @@ from kvrunner.backend_manager import BackendManager
 from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.distributed.group import DistGroup
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
+from kvrunner.layers.prompt_logprobs import PromptRows, ScoredPrompts, prompt_rows, score_prompts
 from kvrunner.layers.sampler import Sampler
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.plugin_api.buffers import on_device
@@ -120,8 +121,10 @@ class StepLauncher:
             out: DecodeOutputs = graph.replay()
         else:
             out = DecodeOutputs(self._forward_rows(num_tokens, ctx), None, None, None)
+        plan = prompt_rows(step)
+        scored = None if plan is None else self._score_prompts(out, plan)
         if not prepared.sample_rows:
-            return LaunchedStep(None)
+            return LaunchedStep(None, scored)
         rows = prepared.sample_rows
         if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
             index = None
@@ -143,7 +146,7 @@ class StepLauncher:
                 seq_ids = [s for s, wants in zip(step.seq_id, step.sample, strict=True) if wants]
                 tokens = self.group.broadcast_from_first(tokens)
                 self.previous_tokens = DeviceTokens(seq_ids, tokens)
-            return LaunchedStep(None)
+            return LaunchedStep(None, scored)
         # The graph's tokens live in its memory until the next replay: every reader
         # below (the non-finite count, the copy to the host, the next step's placeholder feed)
         # is queued before that replay, on the same stream.
@@ -159,7 +162,26 @@ class StepLauncher:
             tokens = self.group.broadcast_from_first(tokens)
         # The sampler already listed the sampled rows' ids: the next step's placeholders.
         self.previous_tokens = DeviceTokens(samples.seq_ids, tokens)
-        return LaunchedStep(attrs.evolve(samples, out=attrs.evolve(samples.out, token_ids=coded)))
+        return LaunchedStep(attrs.evolve(samples, out=attrs.evolve(samples.out, token_ids=coded)),
+                            scored)
+
+    def _score_prompts(self, out: DecodeOutputs, plan: PromptRows) -> ScoredPrompts | None:
+        """Score the step's prompt tokens (``layers/prompt_logprobs.py``) on the rank that
+        samples; every rank computes the rows' logits (each joins the LM head's
+        all-gather)."""
+        if out.logits is not None:  # a replayed graph: one token a row, logits for each
+            logits = out.logits
+
+            def rows_logits(index: torch.Tensor) -> torch.Tensor:
+                return logits.index_select(0, index)
+        else:
+            hidden = out.hidden
+
+            def rows_logits(index: torch.Tensor) -> torch.Tensor:
+                return self.model.compute_logits(hidden.index_select(0, index), widen=False)
+
+        scored = score_prompts(rows_logits, plan, self.device)
+        return scored if self.samples else None
 
     def _stage_graph_draws(self, step: StepInput, graph: DecodeGraph) -> bool:
         """Fill the graph's sampling buffers for ``step``; whether its tokens are the

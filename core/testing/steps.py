@@ -26,15 +26,25 @@ class Row(NamedTuple):
     sample: bool
     sampling: SamplingParams
     num_output_tokens: int
+    #: the prompt tokens its chunk scores (None: the step scores no prompt)
+    prompt_targets: tuple[int, ...] | None = None
 
 
 def step_of(rows: Iterable[Row]) -> StepInput:
     """The step whose row ``i`` is ``rows[i]``."""
     rows = list(rows)
-    return StepInput(*([list(column) for column in zip(*rows, strict=True)] or
-                       [[] for _ in attrs.fields(StepInput)]))
+    columns = [list(column) for column in zip(*rows, strict=True)] or [
+        [] for _ in attrs.fields(StepInput)]
+    if all(t is None for t in columns[-1]):
+        columns[-1] = None  # a step that scores no prompt
+    else:
+        columns[-1] = [() if t is None else tuple(t) for t in columns[-1]]
+    return StepInput(*columns)
 
 
 def rows_of(step: StepInput) -> list[Row]:
     """The step one sequence at a time."""
-    return [Row(*values) for values in zip(*attrs.astuple(step, recurse=False), strict=True)]
+    columns = list(attrs.astuple(step, recurse=False))
+    if columns[-1] is None:
+        columns[-1] = [None] * step.num_seqs
+    return [Row(*values) for values in zip(*columns, strict=True)]

@@ -53,6 +53,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "stop_token_ids": not_a_list | st.text(max_size=3)
     | list_with(st.integers(max_value=-1) | st.floats() | st.text(max_size=2) | st.booleans()),
     "logprobs": not_an_optional_int | st.integers(max_value=-1),
+    "prompt_logprobs": not_an_optional_int | st.integers(max_value=-1),
     "n": not_an_int | st.integers(max_value=0),
     "stop": not_a_list | st.just("") | st.lists(
         st.one_of(st.just(""), st.integers(), st.none(), st.binary(max_size=2)),
@@ -65,6 +66,7 @@ AT_ADMISSION: dict[str, tuple[st.SearchStrategy, dict]] = {
     "stop_token_ids": (st.lists(st.integers(min_value=512, max_value=1 << 40), min_size=1,
                                 max_size=3), {}),
     "logprobs": (st.integers(min_value=21, max_value=1 << 40), {}),
+    "prompt_logprobs": (st.integers(min_value=21, max_value=1 << 40), {}),
     "stop": (st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=2),
              {"skip_tokenizer_init": True}),
 }
