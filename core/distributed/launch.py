@@ -53,14 +53,6 @@ def launch(
 
     ``model`` overrides the config file's; with neither, the embedded default.
     """
-    from kvrunner.llm import LLM
-    from kvrunner.runner.broadcast_executor import (
-        BroadcastExecutor,
-        handed_to_rank_0,
-        serve_broadcast,
-    )
-    from kvrunner.runner.worker import RankWorker, rank_device
-
     world = int(os.environ["WORLD_SIZE"])
     asked = config.pop("tensor_parallel_size", None)
     if asked not in (None, world):
@@ -74,7 +66,39 @@ def launch(
     # torchrun keeps its store across restarts of the job: scope our keys (failure
     # reports among them) to this attempt.
     store = dist.PrefixStore(f"kvrunner/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
-    device = rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank)))
+    return join_group(
+        cfg, store=store, rank=rank, world=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)), progress=progress,
+    )
+
+
+def join_group(
+    cfg: EngineConfig,
+    *,
+    store: dist.Store,
+    rank: int,
+    world: int,
+    local_rank: int,
+    progress: bool = False,
+) -> Any:
+    """This rank's part of a group whose ranks were started by some launcher
+    (torchrun, Ray actors) and meet through ``store``: rank 0 gets the LLM, others
+    serve rank 0's commands until it shuts down and get ``None``.
+
+    ``cfg`` is every rank's same config, with ``tensor_parallel_size == world``;
+    ``local_rank`` picks the CUDA device on this host (ignored on the CPU). A rank
+    > 0 that fails reports it for rank 0 and ends its process (see
+    :func:`_leave_cleanly`).
+    """
+    from kvrunner.llm import LLM
+    from kvrunner.runner.broadcast_executor import (
+        BroadcastExecutor,
+        handed_to_rank_0,
+        serve_broadcast,
+    )
+    from kvrunner.runner.worker import RankWorker, rank_device
+
+    device = rank_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = DistGroup.init(

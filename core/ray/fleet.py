@@ -1,0 +1,413 @@
+"""``RolloutFleet``: engine replicas on a Ray cluster, driven as one rollout engine.
+
+::
+
+    ray.init()
+    fleet = RolloutFleet(num_replicas=4, tensor_parallel_size=2, model="/ckpt")
+    out = await fleet.generate(prompt_ids, SamplingParams(max_tokens=256), request_id="traj-7")
+    await fleet.pause("keep")
+    await fleet.update_weights(state_dict, weight_version=12)
+    await fleet.resume()
+    await fleet.shutdown()
+
+Placement: one placement group of ``num_replicas * tensor_parallel_size`` bundles
+(each ``num_cpus_per_rank`` CPUs and, on a GPU cluster, one GPU); replica ``r``
+takes bundles ``r * tp`` to ``r * tp + tp - 1``, its rank ``k`` on bundle
+``r * tp + k``. Rank 0 is an :class:`~kvrunner.ray.replica_actor.EngineReplica`
+(the replica's ``AsyncLLM``), ranks > 0 are
+:class:`~kvrunner.ray.rank_actor.EngineRank` actors; they meet through a store
+rank 0 serves, with no torchrun.
+
+Routing (:mod:`kvrunner.ray.router`): a request id goes back to the replica it was
+last served on (multi-turn rollouts keep their prefix cache), a new one to the
+least loaded replica; ``generate(..., replica=i)`` pins it.
+
+Failures: a replica whose actor dies, or whose tensor-parallel group fails,
+is marked dead; every request that was on it fails with a
+:class:`~kvrunner.ray.errors.ReplicaError` naming it, and the fleet keeps serving
+on the others. Requests are not retried on another replica: a retry would start
+the rollout again from its prompt, perhaps under other weights, and hand back tokens
+the caller did not ask to have redrawn; the caller (the RL framework) decides.
+
+Weights: :meth:`RolloutFleet.update_weights` puts the tensors into Ray's object
+store once and every replica's rank 0 loads them from there (each rank takes its
+shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from kvrunner.config import ConfigError
+from kvrunner.distributed.errors import CollectiveError, WorkerError
+from kvrunner.ray.errors import FleetCallError, NoReplicaError, ReplicaError
+from kvrunner.ray.rank_actor import EngineRank
+from kvrunner.ray.rank_setup import RankSpec
+from kvrunner.ray.replica_actor import EngineReplica
+from kvrunner.ray.router import ReplicaRouter
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrunner.async_llm import Prompt
+    from kvrunner.outputs import RequestOutput
+    from kvrunner.sampling_params import SamplingParams
+
+#: concurrent calls one replica actor takes (requests and control calls together)
+MAX_CONCURRENCY = 100_000
+
+
+@attrs.define(kw_only=True)
+class Replica:
+    """One replica as the fleet sees it.
+
+    :ivar actor: rank 0's actor (the replica's ``AsyncLLM``).
+    :ivar ranks: the actors of ranks 1 to ``tp - 1``.
+    :ivar error: why the fleet marked it dead; None while alive.
+    """
+
+    index: int
+    actor: Any
+    ranks: list[Any]
+    alive: bool = True
+    error: str | None = None
+
+
+class RolloutFleet:
+    """``num_replicas`` engine replicas of ``tensor_parallel_size`` ranks each, on the
+    Ray cluster this process is connected to (``ray.init()`` is called if it is not).
+
+    Built synchronously: returns once every replica has loaded its model and can
+    serve. From a running event loop, build it with ``await asyncio.to_thread(...)``.
+
+    :param model: the checkpoint directory every rank loads (visible on every node),
+        or an embedded default.
+    :param num_gpus_per_rank: GPUs in each bundle; unset: 1 when the cluster has GPUs,
+        else 0 (ranks on the CPU, gloo).
+    :param num_cpus_per_rank: CPUs in each bundle (and torch's threads on the CPU).
+    :param placement_strategy: the placement group's strategy (``"PACK"``,
+        ``"SPREAD"``, ``"STRICT_PACK"`` ...).
+    :param startup_timeout_s: how long to wait for the bundles and the replicas.
+    :param config: flat engine overrides, as ``LLM(**config)`` takes them.
+    """
+
+    def __init__(
+        self,
+        num_replicas: int = 1,
+        tensor_parallel_size: int = 1,
+        model: str | None = None,
+        *,
+        num_gpus_per_rank: float | None = None,
+        num_cpus_per_rank: float = 1,
+        placement_strategy: str = "PACK",
+        sticky_capacity: int = 100_000,
+        startup_timeout_s: float = 3600.0,
+        **config: Any,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        for name, value in (("num_replicas", num_replicas),
+                            ("tensor_parallel_size", tensor_parallel_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"RolloutFleet: {name} must be an integer >= 1, got {value!r}")
+        if "tensor_parallel_size" in config:
+            raise ConfigError("RolloutFleet: pass tensor_parallel_size as its own argument")
+        if not ray.is_initialized():
+            ray.init()
+        if num_gpus_per_rank is None:
+            num_gpus_per_rank = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        self.num_replicas = num_replicas
+        self.tensor_parallel_size = tensor_parallel_size
+        self.spec = RankSpec(model=model, config=dict(config),
+                             tensor_parallel_size=tensor_parallel_size,
+                             cpu_threads=max(1, int(num_cpus_per_rank)))
+        bundle = {"CPU": num_cpus_per_rank}
+        if num_gpus_per_rank:
+            bundle["GPU"] = num_gpus_per_rank
+        self._router = ReplicaRouter(num_replicas, sticky_capacity=sticky_capacity)
+        self._num_updates = 0
+        #: the version of the last weight push every live replica took
+        self.weight_version: str | int = 0
+        self.replicas: list[Replica] = []
+        self._pg = placement_group([dict(bundle)] * (num_replicas * tensor_parallel_size),
+                                   strategy=placement_strategy)
+        try:
+            try:
+                ray.get(self._pg.ready(), timeout=startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                count = num_replicas * tensor_parallel_size
+                raise ConfigError(
+                    f"RolloutFleet: the cluster did not provide {count}"
+                    f" bundles of {bundle} ({placement_strategy}) within {startup_timeout_s} s; "
+                    f"it has {ray.available_resources()} free"
+                ) from None
+            self.replicas = [self._place(r, bundle) for r in range(num_replicas)]
+            self._start_all(startup_timeout_s)
+        except BaseException:
+            self._release()
+            raise
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _place(self, index: int, bundle: dict[str, float]) -> Replica:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        def on_bundle(k: int) -> dict[str, Any]:
+            return dict(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg,
+                    placement_group_bundle_index=index * self.tensor_parallel_size + k,
+                ),
+            )
+
+        actor = ray.remote(EngineReplica).options(
+            max_concurrency=MAX_CONCURRENCY, **on_bundle(0)
+        ).remote(self.spec, index)
+        ranks = [ray.remote(EngineRank).options(**on_bundle(k)).remote(self.spec, k)
+                 for k in range(1, self.tensor_parallel_size)]
+        return Replica(index=index, actor=actor, ranks=ranks)
+
+    def _start_all(self, timeout_s: float) -> None:
+        import ray
+
+        starts = []
+        for replica in self.replicas:
+            loopback = True
+            if replica.ranks:
+                nodes = ray.get([replica.actor.node_address.remote()]
+                                + [rank.node_address.remote() for rank in replica.ranks])
+                loopback = len(set(nodes)) == 1  # one host: the group stays on loopback
+                host = "127.0.0.1" if loopback else nodes[0]
+                port = ray.get(replica.actor.open_store.remote(host))
+                # ranks > 0 return once their serving thread runs; rank 0 once all joined
+                ray.get([rank.start.remote(host, port, loopback=loopback)
+                         for rank in replica.ranks])
+            starts.append(replica.actor.start.remote(loopback=loopback))
+        ray.get(starts, timeout=timeout_s)
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        replica: int | None = None,
+    ) -> RequestOutput:
+        """Generate on one replica: ``replica`` if given, else the one ``request_id``
+        was last served on, else the least loaded. Cancelling the awaiting task
+        aborts the request there.
+
+        Raises :class:`ReplicaError` if that replica dies or fails meanwhile (its
+        other requests fail too; the fleet serves on without it), and what
+        ``AsyncLLM.generate`` raises (``RequestError`` ...) as itself.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        index = self._route(request_id, replica)
+        actor = self.replicas[index].actor
+        try:
+            return await self._ask(index, f"serving request {request_id!r}",
+                                   actor.generate.remote(prompt, params, request_id))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # a dead replica has nothing to abort
+                actor.abort.remote(request_id)
+            raise
+        finally:
+            self._router.finished(index)
+
+    def _route(self, request_id: str, replica: int | None) -> int:
+        if replica is None:
+            return self._router.pick(request_id)
+        if not isinstance(replica, int) or not 0 <= replica < self.num_replicas:
+            raise ConfigError(f"replica must be in [0, {self.num_replicas}), got {replica!r}")
+        if not self.replicas[replica].alive:
+            raise ReplicaError(f"replica {replica} is dead: {self.replicas[replica].error}",
+                               replica=replica)
+        return self._router.pin(request_id, replica)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort ``request_id`` on the replica it was sent to; False if it is not live
+        (or its replica is dead)."""
+        index = self._router.replica_of(request_id)
+        if index is None or not self.replicas[index].alive:
+            return False
+        return await self._ask(index, f"aborting {request_id!r}",
+                               self.replicas[index].actor.abort.remote(request_id))
+
+    async def abort_all(self) -> int:
+        """Abort every live request on every replica; returns how many."""
+        return sum((await self._on_all("abort_all", lambda a: a.abort_all.remote())).values())
+
+    # -- control, on every live replica ---------------------------------------------------
+
+    async def pause(self, mode: Literal["abort", "keep", "wait"] = "abort") -> None:
+        """``AsyncLLM.pause(mode)`` on every replica (see there)."""
+        await self._on_all("pause", lambda a: a.pause.remote(mode))
+
+    async def resume(self) -> None:
+        """``AsyncLLM.resume()`` on every replica."""
+        await self._on_all("resume", lambda a: a.resume.remote())
+
+    async def wait_for_requests_to_drain(self, timeout: float | None = None) -> None:
+        """Return once no request is live on any replica."""
+        await self._on_all("wait_for_requests_to_drain",
+                           lambda a: a.wait_for_requests_to_drain.remote(timeout))
+
+    async def sleep(self, level: int = 1, **kwargs: Any) -> dict[int, float]:
+        """``AsyncLLM.sleep(level, **kwargs)`` on every replica; seconds by replica."""
+        return await self._on_all("sleep", lambda a: a.sleep.remote(level, kwargs))
+
+    async def wake_up(self, tags: Iterable[str] | str | None = None) -> dict[int, float]:
+        """``AsyncLLM.wake_up(tags)`` on every replica; seconds by replica."""
+        tags = list(tags) if tags is not None and not isinstance(tags, str) else tags
+        return await self._on_all("wake_up", lambda a: a.wake_up.remote(tags))
+
+    async def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | int | None = None,
+        **kwargs: Any,
+    ) -> dict[int, int]:
+        """Push ``(name, tensor)`` pairs (full tensors, HF names) to every replica, as
+        ``AsyncLLM.update_weights`` takes them (pause first, or no requests). The
+        tensors go into Ray's object store once. Every replica then serves
+        ``weight_version`` (unset: the count of fleet pushes, 1, 2, ...). Returns the
+        tensors loaded by replica."""
+        import ray
+
+        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        version = self._num_updates + 1 if weight_version is None else weight_version
+        ref = ray.put(pairs)
+        loaded = await self._on_all(
+            "update_weights", lambda a: a.update_weights.remote(ref, version, kwargs))
+        self._num_updates += 1
+        self.weight_version = version
+        return loaded
+
+    async def reset_prefix_cache(self) -> dict[int, int]:
+        """Forget every cached prefix on every replica; blocks uncached by replica."""
+        return await self._on_all("reset_prefix_cache", lambda a: a.reset_prefix_cache.remote())
+
+    async def weight_versions(self) -> dict[int, str | int]:
+        """The weight version each live replica serves, by replica."""
+        return await self._on_all("weight_version", lambda a: a.weight_version.remote())
+
+    async def cache_info(self) -> dict[int, Any]:
+        """``AsyncLLM.cache_info()`` of each live replica, by replica."""
+        return await self._on_all("cache_info", lambda a: a.cache_info.remote())
+
+    @property
+    def live_replicas(self) -> list[int]:
+        """The indices of the replicas still serving."""
+        return [r.index for r in self.replicas if r.alive]
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Abort every request, release every replica's model, end its actors and the
+        placement group. Idempotent."""
+        live = [r for r in self.replicas if r.alive]
+        with contextlib.suppress(Exception):  # a replica that dies now is ended below
+            await asyncio.gather(*(r.actor.shutdown.remote() for r in live),
+                                 return_exceptions=True)
+        for r in live:
+            r.alive, r.error = False, "the fleet was shut down"
+            self._router.mark_dead(r.index)
+        self._release()
+
+    async def __aenter__(self) -> RolloutFleet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    def _release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for replica in self.replicas:
+            for actor in [replica.actor, *replica.ranks]:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.kill(actor, no_restart=True)
+        if self._pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
+            self._pg = None
+
+    # -- how calls reach replicas ---------------------------------------------------------
+
+    async def _ask(self, index: int, doing: str, ref: Awaitable[Any]) -> Any:
+        """Await one replica's answer; a dead or failed replica becomes a ReplicaError
+        (and is marked dead); an error its engine raised is raised as itself."""
+        import ray
+
+        try:
+            return await ref
+        except ray.exceptions.RayActorError as e:
+            raise await self._dead(index, doing, e) from e
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, BaseException) else e
+            # its tensor-parallel group failed: the replica cannot serve again
+            if isinstance(cause, WorkerError | CollectiveError):
+                raise await self._dead(index, doing, cause) from cause
+            raise cause from None
+
+    async def _on_all(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> dict[int, Any]:
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise NoReplicaError(f"{what}: every replica of the fleet has died")
+        answers = await asyncio.gather(
+            *(self._ask(r.index, what, call(r.actor)) for r in live), return_exceptions=True)
+        results = {r.index: a for r, a in zip(live, answers, strict=True)
+                   if not isinstance(a, BaseException)}
+        failures = {r.index: a for r, a in zip(live, answers, strict=True)
+                    if isinstance(a, BaseException)}
+        if failures:
+            raise FleetCallError(what, failures, results)
+        return results
+
+    async def _dead(self, index: int, doing: str, cause: BaseException) -> ReplicaError:
+        """Mark replica ``index`` dead (once), end its actors, and say why: the
+        cause's first line, and which of its rank actors no longer answer (a rank
+        killed without a word leaves rank 0 only a failed collective)."""
+        import ray
+
+        replica = self.replicas[index]
+        if replica.alive:
+            replica.alive = False
+            self._router.mark_dead(index)
+            lines = str(cause).strip().splitlines()
+            replica.error = f"{type(cause).__name__}: {lines[0] if lines else ''}"
+            gone = await _unanswering(replica.ranks)
+            if gone:
+                replica.error += f" (the actors of rank(s) {[k + 1 for k in gone]} are gone)"
+            for actor in [replica.actor, *replica.ranks]:  # free its bundles' processes
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        return ReplicaError(f"replica {index} died or failed while {doing}: {replica.error}; "
+                            f"the fleet serves on replicas {self.live_replicas}",
+                            replica=index)
+
+
+async def _unanswering(actors: list[Any], timeout_s: float = 2.0) -> list[int]:
+    """The positions of the actors that do not answer a ping within ``timeout_s``."""
+    async def answers(actor: Any) -> bool:
+        try:
+            await asyncio.wait_for(actor.node_address.remote(), timeout_s)
+        except Exception:  # noqa: BLE001 - dead, unreachable or stuck: it does not answer
+            return False
+        return True
+
+    alive = await asyncio.gather(*(answers(a) for a in actors))
+    return [k for k, ok in enumerate(alive) if not ok]
