@@ -1,4 +1,9 @@
-"""One request between its submission and its end, as the engine thread tracks it."""
+"""One request between its submission and its end, as the engine thread tracks it.
+
+A stream's text grows by the new tokens' text only (never the whole output decoded
+again), and never says what the final output drops: a request with stop strings
+sends only the text its stop watch can no longer take back.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import attrs
 
 from kvrunner.async_engine.delta import StreamDelta
 from kvrunner.async_engine.handoff import Channel
+from kvrunner.engine.incremental_decoder import IncrementalDecoder
 from kvrunner.engine.sequence import Sequence
 from kvrunner.outputs import RequestOutput
 
@@ -31,6 +37,8 @@ class LiveRequest:
     sent: int = 0
     #: decoded text already sent in deltas
     text: str = ""
+    #: the stream's text, decoded as it grows (for a request without a stop watch)
+    decoder: IncrementalDecoder | None = attrs.field(default=None, init=False)
 
     @property
     def num_output_tokens(self) -> int:
@@ -85,10 +93,18 @@ class LiveRequest:
     def _new_text(self, tokenizer: Any | None) -> str:
         if tokenizer is None:
             return ""
-        # Decoding the whole output each time keeps merges across token boundaries
-        # right; text that ends inside a multi-byte character waits for the next token.
-        full = tokenizer.decode(self.seq.output_token_ids, skip_special_tokens=True)
-        if full.endswith("\ufffd") or not full.startswith(self.text):
+        seq = self.seq
+        watch = seq.stop_watch
+        if watch is not None:
+            # The engine decodes the output to find the stops: send what no later token
+            # can turn into the start of a stop string (the output leaves it out).
+            text = watch.streamable_text
+        else:
+            if self.decoder is None:
+                self.decoder = IncrementalDecoder(tokenizer)
+            self.decoder.decode_upto(seq.token_ids, seq.num_prompt_tokens, seq.num_output_tokens)
+            text = self.decoder.text
+        if len(text) <= len(self.text):
             return ""
-        new, self.text = full[len(self.text) :], full
+        new, self.text = text[len(self.text) :], text
         return new

@@ -7,10 +7,15 @@ Every method either does all of its work or none of it, so the scheduler can pro
 
 from __future__ import annotations
 
+import sys
+
 from kvrunner.engine.block_pool import BlockPool, NoFreeBlocksError, hash_block_tokens
 from kvrunner.engine.sequence import Sequence
 from kvrunner.engine.state_slots import NoFreeStateSlotError, StateSlotPool
 from kvrunner.engine.table_rows import TableRows
+
+#: "every block published already": a sequence so marked publishes no more blocks
+_NEVER = sys.maxsize
 
 
 class BlockManager:
@@ -43,7 +48,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching and num_state_slots == 0
         # seq_id -> how many leading blocks of its table are already published (or were
-        # prefix hits), so mark_computed hashes each block once.
+        # prefix hits), so mark_computed hashes each block once; _NEVER for a sequence
+        # whose blocks must not be published at all (see reset_prefix_cache).
         self._num_published: dict[int, int] = {}
         #: every held table again, one array row each (``Sequence.table_row``): a
         #: step's tables are then one gather, not one tuple per sequence
@@ -199,7 +205,16 @@ class BlockManager:
         self._num_published.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (after a weight update the cached KV is stale)."""
+        """Forget every cached prefix (after a weight update the cached KV is stale).
+
+        The sequences holding blocks now (parked across a weight update) publish none
+        of their blocks from here on: their KV was computed under what the reset
+        declares stale, and so, through attention over it, is every block they fill
+        later. A sequence admitted afresh (a new request, or a preempted one that
+        recomputes) publishes as usual.
+        """
+        for seq_id in self._num_published:
+            self._num_published[seq_id] = _NEVER
         return self.pool.reset_prefix_cache()
 
     # -- internals --------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 A stop string may span tokens (``"\\n\\n"`` from two ``"\\n"`` tokens) or end inside
 one (a token ``" end."`` for the stop ``"end"``), so it is searched in the decoded
-text, not in the token ids. Each new token's text is decoded against the few
-tokens before it, as a tokenizer's decoder needs for word boundaries, and text
-that ends in an incomplete UTF-8 character (``"\\ufffd"``) is held until the
-tokens completing it arrive. Only the tail that the new text can complete is
-searched, so a long completion is not scanned again every step.
+text, not in the token ids. The text grows one token at a time through an
+:class:`~kvrunner.engine.incremental_decoder.IncrementalDecoder` (each token decoded
+against the few before it; an incomplete UTF-8 character held until it is whole).
+Only the tail that the new text can complete is searched, so a long completion is
+not scanned again every step.
 
 On a match the request's output ends: its text stops before the stop string and
 its tokens after the one completing it are dropped.
@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-#: what a decoder gives for bytes that do not yet form a whole character
-_INCOMPLETE = "\ufffd"
+from kvrunner.engine.incremental_decoder import IncrementalDecoder
 
 
 class StopStringWatch:
@@ -30,16 +29,10 @@ class StopStringWatch:
     """
 
     def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
-        self._tokenizer = tokenizer
+        self._decoder = IncrementalDecoder(tokenizer)
         self.stops = tuple(stops)
-        #: the output's text decoded so far (a held incomplete character aside)
-        self.text = ""
         #: output tokens fed so far
         self.num_seen = 0
-        # Output tokens [_context, _decoded) are the ones whose text ends ``text``: the
-        # next token's text is its decode after them, less theirs.
-        self._context = 0
-        self._decoded = 0
         #: the matched stop string, once one is found
         self.matched: str | None = None
         #: where ``text`` is cut when a stop matched: the stop string's start
@@ -57,25 +50,15 @@ class StopStringWatch:
         while self.num_seen < upto:
             self.num_seen += 1
             last = final and self.num_seen == upto
-            new = self._decode_next(token_ids, start, self.num_seen, last)
+            new = self._decoder.decode_upto(token_ids, start, self.num_seen, last=last)
             if new and self._find(new):
                 return True
         return False
 
-    def _decode_next(self, token_ids: Sequence[int], start: int, end: int, last: bool) -> str:
-        """The text output tokens up to ``end`` add to ``text`` ("" while it is an
-        incomplete character, unless ``last``, or nothing at all)."""
-        decode = self._tokenizer.decode
-        before = decode(list(token_ids[start + self._context : start + self._decoded]),
-                        skip_special_tokens=True)  # fmt: skip
-        after = decode(list(token_ids[start + self._context : start + end]),
-                       skip_special_tokens=True)  # fmt: skip
-        if len(after) <= len(before) or (after.endswith(_INCOMPLETE) and not last):
-            return ""
-        new = after[len(before) :]
-        self.text += new
-        self._context, self._decoded = self._decoded, end
-        return new
+    @property
+    def text(self) -> str:
+        """The output's text decoded so far (a held incomplete character aside)."""
+        return self._decoder.text
 
     def _find(self, new: str) -> bool:
         """Whether the text, grown by ``new``, now holds a stop string. The earliest

@@ -205,6 +205,26 @@ def test_reset_prefix_cache_forgets_every_prefix() -> None:
     assert bm.num_free_blocks == 8
 
 
+def test_a_sequence_holding_blocks_at_a_reset_publishes_no_block_after_it() -> None:
+    """Its KV is stale (the reset follows a weight update), and so is every block it
+    fills on top of that KV; a sequence admitted after the reset publishes as usual."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prompt = list(range(BS + 2))
+    held = Sequence(0, prompt)
+    run_prefill(bm, held)
+    bm.reset_prefix_cache()
+    held.token_ids += [90, 91, 92, 93]  # decoded on top of the stale KV
+    bm.ensure_slots(held, 4)
+    bm.mark_computed(held, 4)  # fills block 1, over stale context
+    assert [bm.pool.block_hash(b) for b in held.block_table] == [None, None, None]
+    fresh = Sequence(1, held.token_ids)  # the same tokens, computed after the reset
+    run_prefill(bm, fresh)
+    longer = Sequence(2, held.token_ids + [7])
+    bm.allocate(longer)
+    assert longer.num_computed_tokens == 2 * BS
+    assert longer.block_table[:2] == fresh.block_table[:2]  # fresh's KV, not held's
+
+
 def test_allocate_refuses_a_sequence_that_already_holds_blocks() -> None:
     bm = BlockManager(num_blocks=4, block_size=BS)
     seq = Sequence(0, [1, 2])
