@@ -100,9 +100,17 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int) -> Any:
     return build_params(values, _NAMES, state.engine.default_sampling_params)
 
 
+#: the message of an abort a client or a pause asked for
+ABORTED = "Aborted"
+
+
 def _finish_reason(out: Any) -> dict[str, Any] | None:
-    """SGLang's finish-reason object. kvrunner's ``"error"`` (a non-finite logits row) is
-    an ``abort`` carrying the error, the type SGLang clients already drop or retry."""
+    """SGLang's finish-reason object: ``length`` / ``stop`` / ``abort``, the last with
+    SGLang's ``message``, ``status_code`` and ``err_type``. SGLang has no finish reason
+    for a failed request, only an abort carrying the error, which slime and AReaL
+    already drop or retry; so kvrunner's ``"error"`` (a non-finite logits row) is such an
+    abort, status 500, its message the cause (``"step 12 (output token 3): logits hold
+    NaN"``). An abort that was asked for has no status, as in SGLang."""
     reason = out.finish_reason
     if reason is None:
         return None
@@ -113,7 +121,10 @@ def _finish_reason(out: Any) -> dict[str, Any] | None:
         if matched is None and out.token_ids:
             matched = out.token_ids[-1]
         return {"type": "stop", "matched": matched}
-    return {"type": "abort", "message": getattr(out, "error", None) or reason}
+    if reason == "error":
+        return {"type": "abort", "message": getattr(out, "error", None) or "error",
+                "status_code": 500, "err_type": "InternalServerError"}
+    return {"type": "abort", "message": ABORTED, "status_code": None, "err_type": None}
 
 
 def _weight_version(state: ServerState, out: Any) -> Any:
@@ -138,6 +149,9 @@ def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
         "weight_version": _weight_version(state, out),
         "e2e_latency": time.perf_counter() - started,
     }
+    spans = getattr(out, "weight_versions", None)
+    if spans:  # a finished request: which of its tokens each weight version made
+        meta["weight_versions"] = [[version, start] for version, start in spans]
     if body.return_logprob and out.logprobs is not None:
         text = body.return_text_in_logprobs
         meta["output_token_logprobs"] = _logprob_triples(state, out.token_ids, out.logprobs,
@@ -196,6 +210,7 @@ class _Progress:
         self.stop_reason: Any = None
         self.error: str | None = None
         self.weight_version: Any = None
+        self.weight_versions: Any = None
 
     def add(self, delta: Any) -> None:
         self.token_ids += list(delta.token_ids)
@@ -209,6 +224,7 @@ class _Progress:
             self.stop_reason = getattr(final, "stop_reason", None)
             self.error = getattr(final, "error", None)
             self.weight_version = getattr(final, "weight_version", None)
+            self.weight_versions = getattr(final, "weight_versions", None)
 
 
 async def _events(state: ServerState, body: GenerateRequest,
@@ -244,6 +260,7 @@ class _OutputView:
         self.stop_reason = seen.stop_reason
         self.error = seen.error
         self.weight_version = seen.weight_version
+        self.weight_versions = seen.weight_versions
 
 
 # ---------------------------------------------------------------------------

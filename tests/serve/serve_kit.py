@@ -8,6 +8,8 @@ with every process it started (tensor-parallel ranks included) gone.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import queue
 import signal
@@ -24,12 +26,14 @@ API_KEY = "test-key-1234"
 #: their tokens and logprobs can be compared
 ENGINE_FLAGS = ["--model", "tiny-qwen3", "--seed", "0", "--max-num-seqs", "64",
                 "--capture-sizes", "1,2,4,8"]
+#: the engine flags without the model, for a server of another checkpoint
+SETTING_FLAGS = ENGINE_FLAGS[2:]
 ENGINE_KWARGS = {"model": "tiny-qwen3", "seed": 0, "max_num_seqs": 64,
                  "capture_sizes": (1, 2, 4, 8)}
 START_TIMEOUT_S = 300
 
 
-def _children(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (from /proc: parent links)."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -116,6 +120,10 @@ class ServeProcess:
     def client(self, **kwargs: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers(), timeout=120, **kwargs)
 
+    def async_client(self, **kwargs: object) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers(), timeout=120,
+                                 **kwargs)
+
     @property
     def pid(self) -> int:
         assert self.proc is not None
@@ -131,7 +139,7 @@ class ServeProcess:
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM; the exit status. Fails if any process it started outlives it."""
         assert self.proc is not None
-        started = _children(self.pid)
+        started = descendants(self.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -161,8 +169,42 @@ def server_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def start_server(tmp: Path, home: Path, name: str, flags: list[str], *,
-                 api_key: str | None, env_key: bool = False) -> ServeProcess:
+                 api_key: str | None, env_key: bool = False, model: str = "tiny-qwen3",
+                 engine_flags: list[str] | None = None) -> ServeProcess:
+    """A server of ``model`` (a default model's name or a checkpoint directory) with the
+    shared engine flags (``engine_flags`` replaces them) and ``flags``."""
     extra = {"KVRUNNER_API_KEY": api_key} if env_key and api_key else {}
     key_flags = ["--api-key", api_key] if api_key and not env_key else []
-    return ServeProcess([*ENGINE_FLAGS, *key_flags, *flags], env=server_env(home, **extra),
-                        log=tmp / f"{name}.log", api_key=api_key).start()
+    settings = SETTING_FLAGS if engine_flags is None else engine_flags
+    return ServeProcess(["--model", model, *settings, *key_flags, *flags],
+                        env=server_env(home, **extra), log=tmp / f"{name}.log",
+                        api_key=api_key).start()
+
+
+def sse_payloads(lines: list[str]) -> list[object]:
+    """The JSON payloads of server-sent event lines, up to ``data: [DONE]``; fails unless
+    the stream was closed by ``[DONE]`` (a stream cut short never sends it)."""
+    payloads: list[object] = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return payloads
+        payloads.append(json.loads(data))
+    raise AssertionError(f"the stream ended without data: [DONE] after {payloads[-1:]}")
+
+
+async def stream_events(client: httpx.AsyncClient, path: str, body: dict,
+                        first: asyncio.Event | None = None) -> list[dict]:
+    """POST ``body`` with ``stream`` set and read the whole event stream (its payloads);
+    ``first`` is set once the first event arrives."""
+    lines: list[str] = []
+    async with client.stream("POST", path, json=body | {"stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            lines.append(line)
+            if first is not None and line.startswith("data: "):
+                first.set()
+    return sse_payloads(lines)  # type: ignore[return-value]
