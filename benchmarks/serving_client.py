@@ -1,0 +1,137 @@
+"""The HTTP load of bench_serving.py, run in a process of its own (so that the client's
+JSON work does not share the server's interpreter): a rollout batch sent all at once,
+streams under Poisson arrivals, and the slime-shaped wake / update / continue cycle.
+
+Imports only httpx and the standard library; every function returns plain data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import httpx
+
+#: a client as an RL framework keeps one: every request of a batch in flight at once
+_LIMITS = dict(max_connections=None, max_keepalive_connections=None)
+
+
+def _body(route: str, prompt: list[int], new: int, seed: int, *, stream: bool = False
+          ) -> dict[str, Any]:
+    if route == "/generate":
+        return {"input_ids": prompt, "stream": stream, "sampling_params": {
+            "max_new_tokens": new, "temperature": 1.0, "sampling_seed": seed,
+            "ignore_eos": True}}
+    return {"model": "served", "prompt": prompt, "max_tokens": new, "temperature": 1.0,
+            "seed": seed, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+
+
+def _completion_tokens(route: str, answer: dict[str, Any]) -> int:
+    if route == "/generate":
+        return len(answer["output_ids"])
+    return int(answer["usage"]["completion_tokens"])
+
+
+def rollout(url: str, route: str, prompts: list[list[int]], new: int) -> tuple[float, int]:
+    """Send every prompt at once (seed ``i`` for prompt ``i``) and wait for all answers;
+    (seconds from the first send to the last answer, completion tokens)."""
+
+    async def run() -> tuple[float, int]:
+        async with httpx.AsyncClient(base_url=url, timeout=None,
+                                     limits=httpx.Limits(**_LIMITS)) as client:
+            async def one(i: int, prompt: list[int]) -> int:
+                r = await client.post(route, json=_body(route, prompt, new, i))
+                r.raise_for_status()
+                return _completion_tokens(route, r.json())
+
+            await one(0, prompts[0][:8])  # the route's first call (imports, connections)
+            start = time.perf_counter()
+            tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            return time.perf_counter() - start, sum(tokens)
+
+    return asyncio.run(run())
+
+
+async def _timed_stream(client: httpx.AsyncClient, prompt: list[int], new: int, seed: int
+                        ) -> tuple[float, list[float], int]:
+    """One streamed ``/v1/completions``: (time to first token, the gaps between later
+    events, completion tokens). Each event is one engine step's tokens."""
+    start = time.perf_counter()
+    events: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions",
+                             json=_body("/v1/completions", prompt, new, seed,
+                                        stream=True)) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+            elif chunk["choices"]:
+                events.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(events, events[1:], strict=False)]
+    return events[0] - start, gaps, tokens
+
+
+def poisson(url: str, prompts: list[list[int]], new: int, rate: float, seed: int
+            ) -> dict[str, Any]:
+    """Stream one request per prompt, arriving as a Poisson process of ``rate``
+    requests/s; every TTFT and ITL, the seconds the whole load took and its tokens."""
+
+    async def run() -> dict[str, Any]:
+        draw = random.Random(seed)
+        async with httpx.AsyncClient(base_url=url, timeout=None,
+                                     limits=httpx.Limits(**_LIMITS)) as client:
+            await _timed_stream(client, prompts[0][:8], 2, 0)  # warm the route
+            tasks = []
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                tasks.append(asyncio.create_task(_timed_stream(client, prompt, new, i)))
+                await asyncio.sleep(draw.expovariate(rate))
+            results = await asyncio.gather(*tasks)
+            seconds = time.perf_counter() - start
+        return {"ttft": [r[0] for r in results], "itl": [g for r in results for g in r[1]],
+                "tokens": sum(r[2] for r in results), "seconds": seconds}
+
+    return asyncio.run(run())
+
+
+def wake_cycle(url: str, model_path: str, prompt: list[int]) -> dict[str, float]:
+    """The colocated RL cycle over HTTP, as slime drives it: pause, release the memory,
+    (the trainer's turn), resume the weights, update them from disk, resume the KV
+    cache, continue, then one streamed request. Seconds of each call, and
+    ``wake_to_first_token``: from the first resume call to that request's first token.
+    """
+
+    async def run() -> dict[str, float]:
+        async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+            async def call(path: str, body: dict[str, Any] | None = None) -> float:
+                t0 = time.perf_counter()
+                r = await client.post(path, json=body or {})
+                r.raise_for_status()
+                return time.perf_counter() - t0
+
+            out = {"pause": await call("/pause_generation", {"mode": "abort"}),
+                   "release": await call("/release_memory_occupation")}
+            t0 = time.perf_counter()
+            out["resume weights"] = await call("/resume_memory_occupation",
+                                               {"tags": ["weights"]})
+            out["update from disk"] = await call("/update_weights_from_disk",
+                                                 {"model_path": model_path,
+                                                  "weight_version": "1"})
+            out["resume kv_cache"] = await call("/resume_memory_occupation",
+                                                {"tags": ["kv_cache"]})
+            out["continue"] = await call("/continue_generation")
+            asked = time.perf_counter()
+            ttft, _, _ = await _timed_stream(client, prompt, 2, 0)
+            out["first token"] = ttft
+            out["wake_to_first_token"] = asked + ttft - t0
+            return out
+
+    return asyncio.run(run())

@@ -1,0 +1,35 @@
+"""benchmarks/bench_serving.py runs end to end on the CPU (``--small``): every way of
+driving the engine generates every token, the latency load answers every request, and
+the wake cycle over HTTP ends in a first token."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_the_small_serving_benchmark_drives_one_engine_every_way(capsys) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_serving
+
+        got = bench_serving.main(["--small"])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    shape = bench_serving.SMALL
+    ways = [r.way for r in got["rows"]]
+    assert ways == ["LLM.generate", f"AsyncLLM, {shape.batch} calls", "HTTP /generate",
+                    "HTTP /v1/completions", "LLM.generate, again"]
+    for row in got["rows"]:
+        assert row.tokens == shape.batch * shape.new and row.seconds > 0, row
+    assert [r["rate"] for r in got["latency"]] == list(shape.rates)
+    for r in got["latency"]:
+        assert len(r["ttft"]) == r["requests"] and min(r["ttft"]) > 0
+        assert r["tokens"] == r["requests"] * shape.serve_new
+        assert len(r["itl"]) >= r["requests"]  # more than one event per stream
+    wake = got["wake"]
+    assert 0 < wake["first token"] < wake["wake_to_first_token"]
+    out = capsys.readouterr().out
+    assert "vs LLM.generate" in out and "TTFT p50 ms" in out and "wake_to_first_token" in out
