@@ -3,12 +3,17 @@
 Read from the checkpoint directory as transformers writes it: ``chat_template.jinja``,
 or the ``chat_template`` key of ``tokenizer_config.json`` (a string, or a list of named
 templates of which ``default`` is used). Rendered with jinja2's sandbox, as
-transformers does, so a template cannot reach Python.
+transformers does, so a template cannot reach Python, and with what the templates
+published with checkpoints rely on from transformers' environment: ``{% break %}`` and
+``{% continue %}``, ``raise_exception(message)``, ``strftime_now(format)``, and a
+``tojson`` filter that writes plain JSON (non-ASCII kept, nothing HTML-escaped; the
+``indent``, ``separators`` and ``sort_keys`` options of ``json.dumps``).
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +30,12 @@ class ChatTemplate:
         except ImportError as e:  # pragma: no cover - jinja2 comes with the serve extra
             raise CheckpointError(origin, "rendering its chat template needs jinja2: "
                                   "pip install 'kvrunner[serve]'") from e
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        # jinja2's own tojson escapes <, >, & and ' for HTML, which a prompt must not see
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
         except TemplateError as e:
@@ -49,6 +58,16 @@ class ChatTemplate:
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _token_text(value: Any) -> str | None:

@@ -2,12 +2,16 @@
 
 A collector reads :meth:`AsyncLLM.stats` when Prometheus scrapes, so nothing runs
 between scrapes and the figures are the engine's own (no second count kept here to
-drift from it). Tokens per second is ``rate(kvrunner_generation_tokens_total[1m])``.
-Each app has its own registry: two servers in one process do not share figures.
+drift from it). Tokens per second over any window is
+``rate(kvrunner_generation_tokens_total[1m])``; the gauge
+``kvrunner_generation_tokens_per_second`` is the same figure between this scrape and
+the one before it, for a reader without Prometheus. Each app has its own registry: two
+servers in one process do not share figures.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +23,6 @@ from prometheus_client.registry import Collector
 
 router = APIRouter()
 
-#: the sleep states a stats record reports, as the gauge's value
-SLEEP_STATES = {"awake": 0, "level1": 1, "level2": 2}
 
 
 class EngineCollector(Collector):
@@ -28,6 +30,15 @@ class EngineCollector(Collector):
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        #: (monotonic seconds, tokens generated) at the previous scrape
+        self._last: tuple[float, int] | None = None
+
+    def _tokens_per_second(self, total: int) -> float:
+        now = time.monotonic()
+        last, self._last = self._last, (now, total)
+        if last is None or now <= last[0]:
+            return 0.0
+        return max(total - last[1], 0) / (now - last[0])
 
     def collect(self) -> Iterator[Any]:
         s = self.engine.stats()
@@ -38,8 +49,12 @@ class EngineCollector(Collector):
             "kvrunner_kv_blocks_total": ("KV blocks in the pool", s.blocks_total),
             "kvrunner_step_seconds": ("wall time of the last engine step", s.last_step_s),
             "kvrunner_paused": ("1 while generation is paused", int(bool(s.paused))),
-            "kvrunner_sleep_level": ("0 awake, 1 or 2: the sleep level",
-                                     _sleep_level(s.sleep_state)),
+            "kvrunner_sleep_level": ("0 awake, 1 the KV pool released, 2 the weights too",
+                                     sleep_level(s.sleep_state)),
+            "kvrunner_generation_tokens_per_second": (
+                "tokens generated per second since the previous scrape",
+                self._tokens_per_second(s.generated_tokens_total)),
+            "kvrunner_state_slots_used": ("recurrent-state slots in use", s.state_slots_used),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value or 0))
@@ -56,10 +71,13 @@ class EngineCollector(Collector):
                                value={"version": str(s.weight_version)})
 
 
-def _sleep_level(state: Any) -> int:
-    if isinstance(state, int):
-        return state
-    return SLEEP_STATES.get(str(state), 0 if state in (None, "", "awake") else -1)
+def sleep_level(state: str) -> int:
+    """The sleep level a stats record's ``sleep_state`` amounts to: 0 awake, 2 while the
+    weights are released (whatever else is), 1 while only the KV pool is."""
+    if state in ("", "awake"):
+        return 0
+    released = state.removeprefix("asleep:").replace(" ", "").split(",")
+    return 2 if "weights" in released else 1
 
 
 def make_registry(engine: Any) -> CollectorRegistry:
