@@ -312,6 +312,26 @@ class AsyncLLM:
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
 
+    async def update_weights_from_ipc(
+        self,
+        address: tuple[str, int] | str,
+        *,
+        authkey: bytes,
+        weight_version: str | int | None = None,
+        **kwargs: Any,
+    ) -> int:
+        """``LLM.update_weights_from_ipc`` (one whole push from a trainer's
+        ``BucketSender``) on the engine thread, versioned and refused as
+        :meth:`update_weights`."""
+        llm = self._engine.llm
+
+        def push() -> int:
+            loaded = llm.update_weights_from_ipc(address, authkey=authkey, **kwargs)
+            self._engine.weights_changed(weight_version)
+            return loaded
+
+        return await self._call(self._engine.call("update_weights", "quiet", push))
+
     async def load_weights(
         self, path: str | Path, *, weight_version: str | int | None = None, **kwargs: Any
     ) -> int:

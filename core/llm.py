@@ -233,6 +233,30 @@ class LLM:
         return self._sleep_wake.update_weights(weights, check_finite=check_finite)
 
     @exclusive
+    def update_weights_from_ipc(
+        self,
+        address: tuple[str, int] | str,
+        *,
+        authkey: bytes,
+        check_finite: bool = True,
+        timeout_s: float = 300.0,
+    ) -> int:
+        """Receive one whole push from a trainer's
+        :class:`~kvrunner.weight_sync.BucketSender` listening at ``address`` (in
+        another process: CUDA IPC on the same GPU, shared memory on the CPU); returns
+        how many tensors were loaded. Names, shapes and the TP shards are as for
+        :meth:`update_weights`; the whole push is one update. Each bucket is
+        acknowledged only once its copy has completed on the device. A push that
+        fails part way (the trainer dies, a bucket is malformed, a tensor is refused)
+        raises :class:`~kvrunner.weight_sync.WeightSyncError` and leaves the weights
+        ``"partial"`` (if anything loaded): generation is refused until a full push.
+        See docs/weight_sync.md."""
+        from kvrunner.weight_sync.receiver import receive_push
+
+        return receive_push(self._sleep_wake.push_session, address, authkey,
+                            check_finite_values=check_finite, timeout_s=timeout_s)
+
+    @exclusive
     def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
         """Load every tensor of a safetensors checkpoint directory (each rank reads it),
         as :meth:`update_weights` does; returns how many were loaded. The directory

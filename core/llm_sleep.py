@@ -20,7 +20,7 @@ the typed :class:`~kvrunner.runner.rank_client.RankClient`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,12 +136,32 @@ class SleepWakeControl:
         self._require_idle("update_weights", parked_ok=True)
         pairs = checked_pairs(weights, check_finite=check_finite)
         with self._weight_change():
-            if self.config.parallel.tensor_parallel_size == 1:
-                return self.ranks.update_weights(pairs)[0]
-            loaded = 0
-            for bucket in weight_buckets(pairs):
-                loaded = loaded + self.ranks.update_weights(bucket)[0]
-            return loaded
+            return self._load_pairs(pairs)
+
+    @contextlib.contextmanager
+    def push_session(self, what: str) -> Iterator[Callable[[Iterable[tuple[str, torch.Tensor]]],
+                                                          int]]:
+        """One weight update arriving in parts (``kvrunner.weight_sync``'s buckets):
+        checked as :meth:`update_weights` is, then yields a function loading one
+        part (already checked: no finiteness pass here) and returning how many
+        tensors it loaded. The parts count as one push: a failure in any part, or in
+        the caller between parts, leaves the weights ``"partial"`` (if any part
+        loaded) until a full push; the end resets the prefix cache and recaptures.
+        When a part's call returns, every rank has copied it (in process: the copies
+        are queued on the device; the caller waits for them)."""
+        self.executor.check()
+        self.state.require_weights_resident(what)
+        self._require_idle(what, parked_ok=True)
+        with self._weight_change():
+            yield self._load_pairs
+
+    def _load_pairs(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.config.parallel.tensor_parallel_size == 1:
+            return self.ranks.update_weights(pairs)[0]
+        loaded = 0
+        for bucket in weight_buckets(pairs):
+            loaded = loaded + self.ranks.update_weights(bucket)[0]
+        return loaded
 
     def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
         """See :meth:`kvrunner.LLM.load_weights`."""

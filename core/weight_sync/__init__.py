@@ -1,0 +1,15 @@
+"""Weights from the trainer's processes into a running engine.
+
+- :class:`BucketSender` (trainer side, any torch process): CUDA-IPC buckets on the
+  same GPU (shared memory on the CPU), double-buffered, each acknowledged only once
+  the engine's copy of it has completed on the device. The engine side is
+  ``LLM.update_weights_from_ipc``, ``AsyncLLM.update_weights_from_ipc`` and
+  ``POST /update_weights_from_tensor``.
+
+The protocol and its guarantees: docs/weight_sync.md.
+"""
+
+from kvrunner.weight_sync.errors import WeightSyncError
+from kvrunner.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, gathered
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "BucketSender", "WeightSyncError", "gathered"]

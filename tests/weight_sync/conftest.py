@@ -1,0 +1,108 @@
+"""Weight-sync test set-up: transformers checkpoints (through the parity helpers of
+tests/core), their greedy tokens, and a trainer in its own process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from test_generate_hf_parity import hf_greedy, save_hf_qwen3  # noqa: E402
+
+from kvrunner.models.tiny import write_tiny_checkpoint  # noqa: E402
+
+pytest.importorskip("transformers")
+
+
+class Checkpoints:
+    """transformers Qwen3 checkpoints by seed, each also rounded to a dtype, with the
+    greedy tokens transformers gives on each (computed once)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._expected: dict[tuple[int, str], list[list[int]]] = {}
+
+    def path(self, seed: int) -> Path:
+        path = self.root / f"seed{seed}"
+        if not path.exists():
+            save_hf_qwen3(path, tie=False, seed=seed)
+            tiny = write_tiny_checkpoint(self.root / "tok", kind="qwen3", seed=0)
+            shutil.copy(tiny / "tokenizer.json", path / "tokenizer.json")
+        return path
+
+    def rounded(self, seed: int, dtype: str) -> Path:
+        """The seed's checkpoint with every tensor rounded to ``dtype`` (what the engine
+        holds after a push in that dtype), stored in float32."""
+        if dtype == "float32":
+            return self.path(seed)
+        from safetensors.torch import load_file, save_file
+
+        path = self.root / f"seed{seed}-{dtype}"
+        if not path.exists():
+            shutil.copytree(self.path(seed), path)
+            file = path / "model.safetensors"
+            tensors = load_file(file)
+            save_file({k: v.to(getattr(torch, dtype)).float() for k, v in tensors.items()}, file,
+                      metadata={"format": "pt"})
+        return path
+
+    def expected(self, seed: int, dtype: str) -> list[list[int]]:
+        key = (seed, dtype)
+        if key not in self._expected:
+            self._expected[key] = hf_greedy(self.rounded(seed, dtype))
+        return self._expected[key]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("weight_sync"))
+
+
+class Trainer:
+    """The trainer process (tests/weight_sync/trainer_process.py) and its pipe."""
+
+    def __init__(self) -> None:
+        import trainer_process
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=trainer_process.serve, args=(child,), daemon=True)
+        self.process.start()
+
+    def start(self, **job: Any) -> tuple[Any, bytes]:
+        """Start a push; returns the sender's address and authkey."""
+        self.conn.send({k: str(v) if isinstance(v, Path) else v for k, v in job.items()})
+        kind, address, authkey = self.conn.recv()
+        assert kind == "listening"
+        return address, authkey
+
+    def result(self, timeout: float = 60) -> tuple[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("the trainer did not answer")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.conn.send(None)
+        self.process.join(10)
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Iterator[Trainer]:
+    process = Trainer()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def fresh_trainer() -> Iterator[Trainer]:
+    process = Trainer()
+    yield process
+    process.stop()

@@ -1,0 +1,127 @@
+"""A push from a trainer in another process (shared memory on the CPU: the CUDA IPC
+protocol run for real) lands whole, or leaves the engine refusing to serve.
+
+The engine starts from one transformers checkpoint and is pushed another; after the
+push its greedy tokens equal transformers' on the pushed weights (rounded to the
+dtype they travelled in).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_generate_hf_parity import NEW_TOKENS, PROMPTS
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.sleep_state import SleepStateError
+from kvrunner.weight_sync import WeightSyncError, receiver
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64,
+              block_size=4)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+#: the largest tensor of the test model (the 512 x 64 float32 embedding) fits exactly
+SMALLEST_BUCKET = 512 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    engine = LLM(model=str(checkpoints.path(1)), **ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def push(llm: LLM, trainer, **job) -> int:
+    address, authkey = trainer.start(**job)
+    loaded = llm.update_weights_from_ipc(address, authkey=authkey, timeout_s=30)
+    assert trainer.result() == ("pushed", loaded)
+    return loaded
+
+
+@given(
+    seed=st.sampled_from([2, 3]),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    bucket_bytes=st.integers(SMALLEST_BUCKET, 3 * SMALLEST_BUCKET),
+    order_seed=st.integers(0, 2**16),
+)
+def test_after_a_push_the_engine_generates_what_transformers_does_on_the_pushed_weights(
+    llm, trainer, checkpoints, seed, dtype, bucket_bytes, order_seed
+) -> None:
+    loaded = push(llm, trainer, path=checkpoints.path(seed), dtype=dtype,
+                  bucket_bytes=bucket_bytes, order_seed=order_seed)
+    assert loaded == len(llm.runner.model.expected_weight_names())
+    assert llm.cache_info().weights == "resident"
+    assert tokens(llm) == checkpoints.expected(seed, dtype)
+
+
+def test_a_bucket_is_acknowledged_only_after_its_copy_so_reused_buffers_never_corrupt(
+    llm, trainer, checkpoints, monkeypatch
+) -> None:
+    # A copy that takes a while (as an asynchronous device copy does): were the bucket
+    # acknowledged before it finished, the sender would refill the buffer under it.
+    real = receiver.copy_bucket
+    monkeypatch.setattr(receiver, "copy_bucket",
+                        lambda load, pairs: (time.sleep(0.05), real(load, pairs))[1])
+    push(llm, trainer, path=checkpoints.path(3), bucket_bytes=SMALLEST_BUCKET, order_seed=1)
+    assert tokens(llm) == checkpoints.expected(3, "float32")
+
+
+def test_a_trainer_killed_mid_push_leaves_the_engine_refusing_until_a_full_push(
+    llm, fresh_trainer, trainer, checkpoints
+) -> None:
+    address, authkey = fresh_trainer.start(path=checkpoints.path(2), die_after=12,
+                                           bucket_bytes=SMALLEST_BUCKET)
+    with pytest.raises(WeightSyncError, match="closed the connection|refused"):
+        llm.update_weights_from_ipc(address, authkey=authkey, timeout_s=30)
+    assert llm.cache_info().weights == "partial"
+    with pytest.raises(SleepStateError, match="failed part way"):
+        llm.generate(PROMPTS, GREEDY)
+    push(llm, trainer, path=checkpoints.path(2), bucket_bytes=SMALLEST_BUCKET)
+    assert llm.cache_info().weights == "resident"
+    assert tokens(llm) == checkpoints.expected(2, "float32")
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("past_the_end", "run past the end"),
+    ("unknown_dtype", "dtype 'int8' is not one of"),
+    ("wrong_shape", "expected shape"),
+    ("wrong_name", "no parameter 'model.nope.weight'"),
+    ("overlap", "overlap"),
+    ("not_a_bucket", "expected a Bucket or End"),
+])
+def test_a_malformed_bucket_is_refused_by_name_and_the_engine_refuses_until_a_full_push(
+    llm, trainer, checkpoints, fault, message
+) -> None:
+    address, authkey = trainer.start(path=checkpoints.path(3), fault=fault)
+    with pytest.raises(WeightSyncError, match=message):
+        llm.update_weights_from_ipc(address, authkey=authkey, timeout_s=30)
+    kind, said = trainer.result()
+    assert kind == "failed" and message.split("'")[0] in said  # the trainer hears why
+    assert llm.cache_info().weights == "partial"  # bucket 0 had loaded
+    with pytest.raises(SleepStateError):
+        llm.generate(PROMPTS, GREEDY)
+    push(llm, trainer, path=checkpoints.path(3), bucket_bytes=4 * SMALLEST_BUCKET)
+    assert tokens(llm) == checkpoints.expected(3, "float32")
+
+
+def test_the_trainer_hears_the_engines_refusal_when_the_engine_is_asleep(
+    llm, trainer, checkpoints
+) -> None:
+    llm.sleep(2)  # the weights offloaded: a push must wait for wake_up
+    try:
+        address, authkey = trainer.start(path=checkpoints.path(2), bucket_bytes=SMALLEST_BUCKET)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pushing = pool.submit(llm.update_weights_from_ipc, address, authkey=authkey)
+            kind, said = trainer.result()
+            with pytest.raises(SleepStateError, match="wake_up"):
+                pushing.result()
+        assert kind == "failed" and "refused" in said
+    finally:
+        llm.wake_up()
