@@ -80,7 +80,14 @@ def model_directory(engine: Any) -> Path | None:
 def build_app(engine: Any, settings: ServeSettings, *, model_path: Path | None = None
               ) -> FastAPI:
     """The HTTP app serving ``engine`` (an ``AsyncLLM``) with ``settings``."""
-    from kvrunner.serve import info_routes, metrics, openai_routes, rl_routes, vllm_routes
+    from kvrunner.serve import (
+        info_routes,
+        metrics,
+        openai_routes,
+        rl_routes,
+        vllm_routes,
+        weight_routes,
+    )
 
     path = model_path if model_path is not None else model_directory(engine)
     admission = Admission()
@@ -97,7 +104,7 @@ def build_app(engine: Any, settings: ServeSettings, *, model_path: Path | None =
         chat_template=load_chat_template(path) if path is not None else None,
     )
     install_error_handlers(app)
-    for module in (openai_routes, rl_routes, vllm_routes, info_routes, metrics):
+    for module in (openai_routes, rl_routes, vllm_routes, weight_routes, info_routes, metrics):
         app.include_router(module.router)
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)

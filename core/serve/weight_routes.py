@@ -1,0 +1,80 @@
+"""Weights from a trainer's process over HTTP: ``POST /update_weights_from_tensor``.
+
+SGLang's route name and answer (``success``, ``message``), with kvrunner's push: the
+body names a :class:`~kvrunner.weight_sync.BucketSender` listening in the trainer's
+process (``ipc_address``, ``ipc_authkey`` as hex); the server connects, receives one
+whole push (double-buffered CUDA-IPC buckets, shared memory on the CPU, each
+acknowledged after its copy completed on the device) and answers when it is done.
+The trainer posts this and runs ``sender.push(...)`` at the same time::
+
+    POST /pause_generation {"mode": "in_place"}
+    POST /update_weights_from_tensor {"ipc_address": "127.0.0.1:41234",
+                                      "ipc_authkey": "9f...", "weight_version": "7"}
+    POST /continue_generation
+
+A push that fails part way answers 400 naming the bucket and leaves the engine
+refusing to generate until a full push (docs/weight_sync.md). Behind
+``--enable-rl-endpoints``, like every control route.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from kvrunner.errors import KvrunnerError
+from kvrunner.serve.auth import require_rl_endpoints
+from kvrunner.serve.body import parse_body
+from kvrunner.serve.errors import engine_error, error_body
+from kvrunner.serve.openai_protocol import StrictModel
+from kvrunner.weight_sync.errors import WeightSyncError
+
+router = APIRouter(dependencies=[Depends(require_rl_endpoints)])
+
+
+class UpdateWeightsFromTensorRequest(StrictModel):
+    """``POST /update_weights_from_tensor``."""
+
+    #: where the trainer's BucketSender listens: "host:port" or a Unix socket path
+    ipc_address: Annotated[str, Field(min_length=1)]
+    #: the sender's authkey, as hex (``sender.authkey.hex()``)
+    ipc_authkey: Annotated[str, Field(min_length=2)]
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    #: the prefix cache is always reset after a push (its KV came from the old weights)
+    flush_cache: bool = True
+    check_finite: bool = True
+    timeout_s: Annotated[float, Field(gt=0)] = 300.0
+
+
+def _failed(status: int, message: str, param: str | None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param)
+                        | {"success": False, "message": message}, status_code=status)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> JSONResponse:
+    """Receive one whole push from the trainer's BucketSender named in the body."""
+    engine = request.app.state.server.engine
+    body = await parse_body(request, UpdateWeightsFromTensorRequest)
+    try:
+        authkey = bytes.fromhex(body.ipc_authkey)
+    except ValueError:
+        return _failed(400, "ipc_authkey must be hex (sender.authkey.hex())", "ipc_authkey")
+    if body.abort_all_requests:
+        await engine.abort_all()
+    try:
+        loaded = await engine.update_weights_from_ipc(
+            body.ipc_address, authkey=authkey, weight_version=body.weight_version,
+            check_finite=body.check_finite, timeout_s=body.timeout_s)
+    except WeightSyncError as e:
+        return _failed(400, str(e), None)
+    except KvrunnerError as e:
+        error = engine_error(e)
+        return _failed(error.status, error.message, None)
+    version = f"; weight version {body.weight_version}" if body.weight_version else ""
+    return JSONResponse({"success": True, "message": f"{loaded} tensors loaded{version}",
+                         "loaded": loaded})

@@ -1,0 +1,69 @@
+"""``POST /update_weights_from_tensor`` on a live ``kvrunner serve``: the server
+receives a whole push from a trainer's BucketSender in another process, then
+generates what transformers does on the pushed weights; a malformed push answers 400
+and leaves the server refusing to generate until a full push."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+from pathlib import Path
+
+import pytest
+from test_generate_hf_parity import NEW_TOKENS, PROMPTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+from serve_kit import start_server  # noqa: E402
+
+KEY = "weights-key-1"
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("weight_routes")
+    started = start_server(tmp, tmp, "weights", ["--enable-rl-endpoints"], api_key=KEY,
+                           model=str(checkpoints.path(1)), engine_flags=ENGINE_FLAGS)
+    started.wait_ready()
+    yield started
+    assert started.stop() == 0
+
+
+def greedy(client) -> list[list[int]]:
+    outs = []
+    for prompt in PROMPTS:
+        r = client.post("/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["output_ids"])
+    return outs
+
+
+def post_push(client, trainer, **job):
+    address, authkey = trainer.start(**job)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.post, "/update_weights_from_tensor", json={
+            "ipc_address": f"{address[0]}:{address[1]}", "ipc_authkey": authkey.hex(),
+            "weight_version": "7", "timeout_s": 30}).result()
+    return answer, trainer.result()
+
+
+def test_a_push_over_http_lands_whole_and_a_malformed_one_leaves_the_server_refusing(
+    server, trainer, checkpoints
+) -> None:
+    with server.client() as client:
+        answer, said = post_push(client, trainer, path=checkpoints.path(2),
+                                 bucket_bytes=512 * 64 * 4, dtype="bfloat16")
+        assert answer.status_code == 200 and answer.json()["success"], answer.text
+        assert said[0] == "pushed" and answer.json()["loaded"] == said[1]
+        assert greedy(client) == checkpoints.expected(2, "bfloat16")
+
+        answer, said = post_push(client, trainer, path=checkpoints.path(3), fault="past_the_end")
+        assert answer.status_code == 400 and "run past the end" in answer.json()["message"]
+        refused = client.post("/generate", json={"input_ids": PROMPTS[0]})
+        assert refused.status_code == 409 and "failed part way" in refused.text
+
+        answer, _ = post_push(client, trainer, path=checkpoints.path(3),
+                              bucket_bytes=4 * 512 * 64 * 4)
+        assert answer.status_code == 200, answer.text
+        assert greedy(client) == checkpoints.expected(3, "float32")
