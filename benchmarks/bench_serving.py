@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import importlib.util
+import importlib
 import multiprocessing
 import statistics
 import tempfile
@@ -71,7 +71,14 @@ SMALL = Shape(batch=8, prompt=16, new=8, serve_prompt=12, serve_new=4, arrival_s
 
 
 def missing_http_modules() -> list[str]:
-    return [m for m in HTTP_MODULES if importlib.util.find_spec(m) is None]
+    """The HTTP parts' modules (or the dependencies they name) that do not import."""
+    missing = []
+    for name in HTTP_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(name if e.name in (None, name) else f"{name} (needs {e.name})")
+    return missing
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
