@@ -20,7 +20,7 @@ from kvrunner.layers.backend_layer import BackendLayer
 from kvrunner.overlap_manager import OverlapPlugin
 from kvrunner.plugin_api import hookspecs
 from kvrunner.plugin_api.errors import BackendError, BackendHookError
-from kvrunner.plugin_api.factory import declares_overlap_support
+from kvrunner.plugin_api.factory import declares_batch_invariance, declares_overlap_support
 from kvrunner.plugin_api.overlap import OverlapContext
 from kvrunner.plugin_api.step_data import (
     BackendContext,
@@ -97,6 +97,14 @@ class BackendManager:
                     f"docs/plugins.md, 'Overlap plugins')"
                 )
             self.contexts[name] = context_for(name, tuple(layer_types))
+            if self.contexts[name].deterministic and not declares_batch_invariance(factory):
+                # Its rows would change with the batch: "deterministic" would be a lie.
+                raise BackendError(
+                    f"deterministic=True cannot run over backend {name!r} (serving "
+                    f"{sorted(layer_types)}): {name!r} does not declare batch_invariant = "
+                    f"True, so a request's outputs would depend on what shares its steps "
+                    f"(docs/plugins.md, 'Batch invariance'); run without deterministic"
+                )
             try:
                 instance = factory(self.contexts[name])
                 # A factory function's product is checked here, a class's at load.

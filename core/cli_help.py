@@ -26,6 +26,8 @@ FIELD_HELP: dict[str, str] = {
     "(prompts must be token ids)",
     "generation_config": "auto: a call without sampling settings uses the checkpoint's"
     " generation_config.json (temperature, top_p, top_k, max_new_tokens); ignore: not",
+    "deterministic": "batch-invariant kernels: a request's tokens and logprobs do not "
+    "depend on what else shares its steps (slower; refused where a backend cannot)",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

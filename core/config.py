@@ -215,6 +215,10 @@ class EngineConfig:
     #: generation_config.json (temperature, top_p, top_k), as vLLM's does;
     #: "ignore": with SamplingParams()' own defaults
     generation_config: str = attrs.field(default="auto", validator=_one_of("auto", "ignore"))
+    #: batch-invariant kernels: a request's tokens and logprobs are bit for bit the same
+    #: whatever else shares its steps (at one tensor-parallel size); refused at start
+    #: where a backend does not declare ``batch_invariant`` (docs/determinism.md)
+    deterministic: bool = False
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

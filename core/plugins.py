@@ -120,6 +120,9 @@ def _validate_factory(name: str, factory: Any) -> None:
     overlap = getattr(factory, "supports_overlap", False)
     if not isinstance(overlap, bool):
         raise BackendError(f"backend {name!r}: supports_overlap must be a bool, got {overlap!r}")
+    invariant = getattr(factory, "batch_invariant", False)
+    if not isinstance(invariant, bool):
+        raise BackendError(f"backend {name!r}: batch_invariant must be a bool, got {invariant!r}")
     if layer_types and not callable(getattr(factory, "cache_rows", None)):
         # Required of every layer backend: without it the conformance kit cannot read
         # a slot of its pools, so nothing can show the backend keeps the contract.

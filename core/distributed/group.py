@@ -113,8 +113,13 @@ class DistGroup:
             process_group=dist.group.WORLD,
         )
 
-    def tp_group(self, *, dtype: torch.dtype, all_reduce: str = "auto") -> TPGroup:
+    def tp_group(self, *, dtype: torch.dtype, all_reduce: str = "auto",
+                 fixed_order: bool = False) -> TPGroup:
         """The collectives the tensor-parallel layers call (identity for one rank).
+
+        ``fixed_order`` (deterministic mode): the all-reduce is an all-gather and a sum
+        in rank order on every rank, so its bits do not follow the algorithm NCCL
+        picks by message size (which follows the batch); ``all_reduce`` is not read.
 
         Collective when ``all_reduce`` is ``"auto"`` or ``"symm_mem"`` on NCCL: the
         ranks agree whether small all-reduces go through symmetric memory
@@ -123,6 +128,12 @@ class DistGroup:
         """
         if self.size == 1:
             return SINGLE
+        gather = _all_gather_last_dim(self.process_group, self.size)
+        if fixed_order:
+            self.all_reduce_impl, self.all_reduce_reason = "gather-sum", "deterministic"
+            return TPGroup(rank=self.rank, size=self.size,
+                           all_reduce=_fixed_order_all_reduce(self.process_group, self.size),
+                           all_gather=gather)
         check_all_reduce(all_reduce, self.backend)
         nccl_or_gloo = _all_reduce_sum(self.process_group)
         reduce, self.all_reduce_impl = nccl_or_gloo, self.backend
@@ -140,7 +151,7 @@ class DistGroup:
             rank=self.rank,
             size=self.size,
             all_reduce=reduce,
-            all_gather=_all_gather_last_dim(self.process_group, self.size),
+            all_gather=gather,
         )
 
     def gather_ints(self, value: int) -> list[int]:
@@ -197,6 +208,27 @@ def _all_reduce_sum(group: dist.ProcessGroup) -> Collective:
                 f"(a peer rank has probably failed): {e}"
             ) from e
         return x
+
+    return all_reduce
+
+
+def _fixed_order_all_reduce(group: dist.ProcessGroup, size: int) -> Collective:
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(size)]
+        try:
+            dist.all_gather(parts, x, group=group)
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"all_gather (the fixed-order all-reduce) over the tensor-parallel group "
+                f"failed (a peer rank has probably failed): {e}"
+            ) from e
+        # Rank 0's part, then rank 1's, ... in float32, rounded once: the same sum on
+        # every rank and for every message size.
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part
+        return total.to(x.dtype)
 
     return all_reduce
 

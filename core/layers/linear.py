@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrunner.layers.activation import silu_and_mul
-from kvrunner.layers.fused.dispatch import use_skinny_gemm
+from kvrunner.layers.batch_invariant import invariant_linear
+from kvrunner.layers.fused.dispatch import batch_invariant, use_skinny_gemm
 from kvrunner.layers.weight_copy import copy_weight_
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
@@ -31,7 +32,10 @@ Collective = Callable[[torch.Tensor], torch.Tensor]
 
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)``; a decode row takes the skinny-GEMM kernel where it was
-    measured faster than cuBLAS (``[kernels] skinny_gemm``, see ``layers/fused/dispatch.py``)."""
+    measured faster than cuBLAS (``[kernels] skinny_gemm``, see ``layers/fused/dispatch.py``);
+    in deterministic mode every row is computed as alone (``layers/batch_invariant.py``)."""
+    if batch_invariant():
+        return invariant_linear(x, weight)
     if use_skinny_gemm(x, weight):
         from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
 
@@ -44,7 +48,8 @@ def project_silu_mul(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     where the rows take the skinny GEMM (it forms the input as it reads it, the same
     roundings; the rows :func:`use_skinny_gemm` allows), else the activation's kernel
     and then :func:`project`."""
-    if gate_up.shape[-1] == 2 * weight.shape[-1] and use_skinny_gemm(gate_up, weight):
+    if (not batch_invariant() and gate_up.shape[-1] == 2 * weight.shape[-1]
+            and use_skinny_gemm(gate_up, weight)):
         from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
 
         return skinny_gemm(gate_up, weight, silu_mul=True)
@@ -151,6 +156,8 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return project(x, self.weight)
+        if batch_invariant():
+            return invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
+from kvrunner.layers.batch_invariant import INVARIANT_MOE_CONFIG
+from kvrunner.layers.fused.dispatch import batch_invariant, same_kernel_dtype, use_triton
 from kvrunner.layers.linear import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -115,7 +116,9 @@ class FusedMoE(nn.Module):
         if use_triton(x) and same_kernel_dtype(x, self.w13, topk_weights):
             from kvrunner.layers.fused.moe_triton import grouped_experts_triton, kernel_config
 
-            config = kernel_config(topk_ids.numel(), self.num_experts)
+            # Deterministic mode: one tiling whatever the tokens per expert.
+            config = (dict(INVARIANT_MOE_CONFIG) if batch_invariant()
+                      else kernel_config(topk_ids.numel(), self.num_experts))
             blocks = align_to_blocks(topk_ids, self.num_experts, config["BLOCK_M"])
             per_slot = grouped_experts_triton(x, self.w13, self.w2, topk_weights, blocks, config)
         else:

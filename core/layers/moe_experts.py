@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvrunner.layers.batch_invariant import invariant_linear
+from kvrunner.layers.fused.dispatch import batch_invariant
+
 
 def grouped_experts_torch(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -24,6 +27,8 @@ def grouped_experts_torch(
     """
     t, top_k = topk_ids.shape
     h, num_experts = x.shape[1], w13.shape[0]
+    # Deterministic mode: an expert's rows as if alone, however many tokens it got.
+    linear = invariant_linear if batch_invariant() else F.linear
     flat = topk_ids.reshape(-1).long()
     flat_weights = topk_weights.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -35,8 +40,8 @@ def grouped_experts_torch(
             continue
         rows = order[start : start + count]
         start += count
-        gate, up = F.linear(x[rows // top_k], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up = linear(x[rows // top_k], w13[expert]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w2[expert])
         out[rows] = y * flat_weights[rows, None]
     return out.view(t, top_k, h)
 

@@ -7,7 +7,8 @@ checks every backend in the tree. What is exported here is versioned by
 and a mismatch is refused at load.
 
 - the hooks: :mod:`~kvrunner.plugin_api.hookspecs` and the :data:`hookimpl` marker;
-- what a factory declares (``layer_types``, ``cache_rows``, ``supports_overlap``):
+- what a factory declares (``layer_types``, ``cache_rows``, ``supports_overlap``,
+  ``batch_invariant``):
   :mod:`~kvrunner.plugin_api.factory`;
 - the data a hook is handed or answers with: :mod:`~kvrunner.plugin_api.step_data`;
 - the data an overlap plugin is handed: :mod:`~kvrunner.plugin_api.overlap`, and what
@@ -23,7 +24,12 @@ docs/plugins.md is the guide to all of it.
 from kvrunner.plugin_api import hookspecs
 from kvrunner.plugin_api.buffers import fill_head, on_device
 from kvrunner.plugin_api.errors import BackendError, BackendHookError, KvrunnerError
-from kvrunner.plugin_api.factory import CacheRows, LayerBackendFactory, declares_overlap_support
+from kvrunner.plugin_api.factory import (
+    CacheRows,
+    LayerBackendFactory,
+    declares_batch_invariance,
+    declares_overlap_support,
+)
 from kvrunner.plugin_api.hookspecs import hookimpl
 from kvrunner.plugin_api.layers import FullAttentionImpl, LinearAttentionImpl
 from kvrunner.plugin_api.mirroring import TensorMap, map_tensors, unwalked_tensors
@@ -69,6 +75,7 @@ __all__ = [
     "StepBatch",
     "StepMetadata",
     "TensorMap",
+    "declares_batch_invariance",
     "declares_overlap_support",
     "fill_head",
     "hookimpl",

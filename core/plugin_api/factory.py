@@ -39,6 +39,14 @@ class LayerBackendFactory(Protocol):
     #: refuses an overlap plugin over a backend that does not declare it; the kit's
     #: ``metadata_carries_what_layers_read`` checks the promise.
     supports_overlap: bool
+    #: Optional, ``False`` when absent. ``True`` promises that, built with
+    #: ``context.deterministic``, its layers give each token row the very bits they
+    #: would give it alone: whatever other rows share the step, their number and
+    #: lengths, the row's place, the chunk its token came in, whether its prefix was
+    #: computed in this step or an earlier one, and prefill or decode alike. The core
+    #: refuses ``deterministic`` over a backend that does not declare it; the kit's
+    #: ``rows_do_not_depend_on_the_batch`` checks the promise.
+    batch_invariant: bool
 
     def __call__(self, context: BackendContext) -> Any:
         """The backend object, registered on the runner's plugin manager."""
@@ -48,3 +56,8 @@ class LayerBackendFactory(Protocol):
 def declares_overlap_support(factory: object) -> bool:
     """Whether ``factory`` declares ``supports_overlap = True`` (absent means no)."""
     return getattr(factory, "supports_overlap", False) is True
+
+
+def declares_batch_invariance(factory: object) -> bool:
+    """Whether ``factory`` declares ``batch_invariant = True`` (absent means no)."""
+    return getattr(factory, "batch_invariant", False) is True

@@ -21,7 +21,9 @@ import torch
 #: the core builds the shared read side of a step once (:class:`StepMetadata`).
 #: 4: the contract is one package, :mod:`kvrunner.plugin_api`; a layer backend
 #: declares ``supports_overlap``.
-PLUGIN_API_VERSION = 4
+#: 5: :class:`BackendContext` carries ``deterministic``; a layer backend declares
+#: ``batch_invariant``.
+PLUGIN_API_VERSION = 5
 
 #: Value written into every cache-write index buffer for rows that must not write.
 #: Every kernel that writes cache through an index skips an index < 0.
@@ -65,6 +67,10 @@ class BackendContext:
     #: the engine's kernel choices addressed to this backend (``[kernels]`` fields named
     #: ``<backend>_<option>``, as ``{option: value}``); a backend reads the ones it knows
     options: Mapping[str, str] = attrs.field(factory=dict)
+    #: the engine runs in deterministic mode: the backend's layers must compute every
+    #: token row as they would with no other row in the step (only ever True for a
+    #: backend whose factory declares ``batch_invariant``)
+    deterministic: bool = False
 
     @property
     def max_blocks_per_seq(self) -> int:

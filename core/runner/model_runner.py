@@ -28,6 +28,7 @@ from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
+from kvrunner.layers.determinism import choose_determinism
 from kvrunner.layers.fused.dispatch import choose_kernels
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
@@ -140,6 +141,7 @@ class ModelRunner:
         # The layers' kernel choices are the process's: this rank's config sets them
         # before anything is built that asks (the backends, the graphs' sampling).
         choose_kernels(config.kernels)
+        choose_determinism(config.deterministic, self.device)
         use_triton = self.device.type == "cuda" or config.kernels.triton_on_cpu
         selection = {
             t: config.backends.for_layer_type(t) for t in sorted(set(self.spec.layer_types))
@@ -159,6 +161,7 @@ class ModelRunner:
                 max_model_len=sched.max_model_len,
                 use_triton=use_triton,
                 options=config.kernels.options_for(name),
+                deterministic=config.deterministic,
             )
 
         overlap = config.backends.overlap
@@ -183,7 +186,8 @@ class ModelRunner:
             skip_tokenizer=config.skip_tokenizer_init,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
             tp=(
-                group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config))
+                group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config),
+                               fixed_order=config.deterministic)
                 if group is not None
                 else SINGLE
             ),

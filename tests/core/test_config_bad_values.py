@@ -70,6 +70,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "seed": (ints_outside(0, (1 << 63) - 1), "load", {}),
     "load_format": (strs_except("auto", "dummy"), "load", {}),
     "skip_tokenizer_init": (not_a_bool, "load", {}),
+    "deterministic": (not_a_bool, "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),

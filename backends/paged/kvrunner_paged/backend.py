@@ -36,6 +36,9 @@ class PagedBackend:
     cache_rows = staticmethod(cache_rows)
     #: its layers read everything but the pools from the metadata it returns
     supports_overlap = True
+    #: with ``context.deterministic`` every token is attended in one fixed order
+    #: (``layer.py``, ``kernels/invariant_torch.py``)
+    batch_invariant = True
 
     def __init__(self, context: BackendContext) -> None:
         model = context.model
@@ -123,4 +126,5 @@ class PagedBackend:
             head_dim=model.head_dim,
             max_model_len=self.context.max_model_len,
             use_triton=self.context.use_triton,
+            deterministic=self.context.deterministic,
         )

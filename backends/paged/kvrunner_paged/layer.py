@@ -13,6 +13,7 @@ import torch
 from kvrunner.plugin_api import ForwardContext
 from kvrunner_paged.cache import PagedKVPools
 from kvrunner_paged.kernels import torch_ops
+from kvrunner_paged.kernels.invariant_torch import fixed_order_attention_torch
 from kvrunner_paged.metadata import PagedMetadata
 
 
@@ -35,6 +36,7 @@ class PagedAttention:
         head_dim: int,
         max_model_len: int,
         use_triton: bool,
+        deterministic: bool = False,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
@@ -47,17 +49,20 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         self.max_model_len = max_model_len
         self.use_triton = use_triton
+        #: batch-invariant: every token attended in one order, prefill and decode alike
+        self.deterministic = deterministic
         self._num_sms = _streaming_multiprocessors(pools.device)
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
             from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-            from kvrunner_paged.kernels.prefill import paged_prefill_attention
+            from kvrunner_paged.kernels.prefill import LAUNCH, paged_prefill_attention
             from kvrunner_paged.kernels.store_kv import store_kv
 
             self._store: Callable[..., None] = store_kv
             self._decode = paged_decode_attention
             self._prefill = paged_prefill_attention
             self._choose_splits = choose_num_splits
+            self._fixed_launch = LAUNCH  # never the long-run launch: one order for all
         else:
             self._store = torch_ops.store_kv_torch
 
@@ -75,6 +80,9 @@ class PagedAttention:
             raise ValueError(f"{rows} token rows but metadata for {md.slot_mapping.shape[0]}")
         k_cache, v_cache = self.pools.kv(self.layer_index)
         slots = md.slot_mapping[:rows]
+        if self.deterministic:
+            self._store(k, v, k_cache, v_cache, slots)
+            return self._fixed_order_attention(q, k_cache, v_cache, md)
         if md.is_decode:
             return self._decode_attention(q, k, v, k_cache, v_cache, slots, md)
         self._store(k, v, k_cache, v_cache, slots)
@@ -119,6 +127,31 @@ class PagedAttention:
         return self._prefill(
             _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
             md.context_lens, self.scale, num_seqs=md.num_seqs, max_query_len=md.max_query_len,
+        )
+
+
+    def _fixed_order_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
+    ) -> torch.Tensor:
+        """Deterministic mode: decode and prefill through one path with one launch (no
+        split count chosen by batch, no launch chosen by query length), so a token's
+        reduction order is its own (``kernels/invariant_torch.py`` says why the torch
+        path is; the Triton prefill kernel walks each query's keys in fixed tiles from
+        position 0, and tiles past a query are exact no-ops for it)."""
+        # A replayed graph's padded rows are empty sequences: they attend nothing.
+        num_seqs = md.num_padded_seqs if md.is_decode else md.num_seqs
+        if not self.use_triton:
+            return fixed_order_attention_torch(
+                q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
+                self.scale, num_seqs,
+            )
+        launch = self._fixed_launch[q.dtype] if q.dtype in self._fixed_launch else (
+            self._fixed_launch[torch.float32])
+        return self._prefill(
+            _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
+            md.context_lens, self.scale, num_seqs=num_seqs, max_query_len=md.max_query_len,
+            block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, dot_precision=launch.dot_precision,
         )
 
 

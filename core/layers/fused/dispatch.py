@@ -25,6 +25,8 @@ import torch
 from kvrunner.config import KernelsConfig
 
 _chosen = KernelsConfig()
+#: whether the layers take their batch-invariant paths (``EngineConfig.deterministic``)
+_batch_invariant = False
 
 
 def chosen_kernels() -> KernelsConfig:
@@ -36,6 +38,31 @@ def choose_kernels(kernels: KernelsConfig) -> None:
     """Make ``kernels`` the choices this process's layers follow (a runner's config)."""
     global _chosen
     _chosen = kernels
+
+
+def batch_invariant() -> bool:
+    """Whether the layers compute every row as it would be computed alone: products,
+    experts and attention in one fixed order for any batch (``layers/batch_invariant.py``)."""
+    return _batch_invariant
+
+
+def choose_batch_invariance(enabled: bool) -> None:
+    """Make the layers take (or leave) their batch-invariant paths (a runner's
+    ``deterministic``)."""
+    global _batch_invariant
+    _batch_invariant = enabled
+
+
+@contextlib.contextmanager
+def batch_invariance(enabled: bool = True) -> Iterator[None]:
+    """The batch-invariant paths on (or off) for the block; the choice before it comes
+    back afterwards, also when the block raises."""
+    before = _batch_invariant
+    choose_batch_invariance(enabled)
+    try:
+        yield
+    finally:
+        choose_batch_invariance(before)
 
 
 @contextlib.contextmanager

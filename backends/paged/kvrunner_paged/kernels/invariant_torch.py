@@ -1,0 +1,87 @@
+"""The torch path of deterministic mode: attention in one fixed order for every token.
+
+The default torch path attends a decode batch as one padded SDPA call (its width is
+the batch's longest context, so a row's sums change with its neighbours) and a
+prefill one sequence at a time through SDPA, a different reduction again. Here every
+query, in prefill or in decode, is attended the same way: its sequence's keys from
+position 0 in tiles of :data:`KEY_TILE`, each tile folded into a running max, sum and
+accumulator (an online softmax) in float32. Every reduction is over the last
+dimension of a tensor whose shape per query is fixed (head dim, tile width), and a
+tile past a query's own position is an exact no-op for it (its scores are -inf:
+``alpha`` is 1 and it adds zeros), so a token's output depends on its own query and
+its sequence's keys alone: not on the other queries of its chunk, the chunk size,
+the other sequences of the step, or whether its prefix was cached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: keys per step of the online softmax: the split-KV size, fixed in keys
+KEY_TILE = 32
+
+
+def _gather_rows(cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
+                 ) -> torch.Tensor:  # fmt: skip
+    """Rows of ``cache`` (``[blocks, block_size, heads, dim]``) at logical ``positions``."""
+    block_size = cache.shape[1]
+    return cache[table.long()[positions // block_size], positions % block_size]
+
+
+def fixed_order_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+) -> torch.Tensor:
+    """Causal varlen attention over the paged pool, as
+    :func:`~kvrunner_paged.kernels.torch_ops.paged_prefill_attention_torch` computes
+    it (decode rows are sequences of one query), in the fixed order above.
+
+    The pool must already hold this step's keys and values. Rows of ``q`` owned by
+    no sequence are 0.
+    """
+    out = torch.zeros_like(q)
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    starts = query_start_loc[: num_seqs + 1].tolist()
+    lens = context_lens[:num_seqs].tolist()
+    tile = torch.arange(KEY_TILE, device=q.device)
+    for i in range(num_seqs):
+        lo, hi, ctx = starts[i], starts[i + 1], lens[i]
+        q_len = hi - lo
+        if q_len == 0 or ctx == 0:
+            continue
+        width = -(-ctx // KEY_TILE) * KEY_TILE
+        positions = torch.arange(width, device=q.device)
+        inside = (positions < ctx)[:, None, None]
+        read = positions.clamp(max=ctx - 1)  # never past the context: no stale slot
+        keys = _gather_rows(k_cache, block_tables[i], read).float().where(inside, 0.0)
+        values = _gather_rows(v_cache, block_tables[i], read).float().where(inside, 0.0)
+        # [heads, width, dim] and [heads, dim, width]: every sum below is over the last dim
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
+        values = values.repeat_interleave(group, dim=1).permute(1, 2, 0).contiguous()
+        query = q[lo:hi].float()  # [q_len, heads, dim]
+        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        m = torch.full((q_len, heads), float("-inf"), device=q.device)
+        total = torch.zeros((q_len, heads), device=q.device)
+        acc = torch.zeros((q_len, heads, q.shape[2]), device=q.device)
+        for start in range(0, ctx, KEY_TILE):
+            k_tile = keys[:, start : start + KEY_TILE]  # [heads, tile, dim]
+            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * scale
+            seen = (start + tile)[None, :] <= query_pos[:, None]  # [q_len, tile]
+            scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+            m_new = torch.maximum(m, scores.amax(-1))
+            # Tile 0 holds position 0, seen by every query: m_new is finite from it on.
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(scores - m_new[..., None])
+            total = total * alpha + p.sum(-1)
+            v_tile = values[:, :, start : start + KEY_TILE]  # [heads, dim, tile]
+            acc = acc * alpha[..., None] + (p[:, :, None, :] * v_tile[None]).sum(-1)
+            m = m_new
+        out[lo:hi] = (acc / total[..., None]).to(q.dtype)
+    return out
