@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from kvrunner_paged.kernels.torch_ops import _gather
+
 #: keys per step of the online softmax: the split-KV size, fixed in keys
 KEY_TILE = 32
-
-
-def _gather_rows(cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
-                 ) -> torch.Tensor:  # fmt: skip
-    """Rows of ``cache`` (``[blocks, block_size, heads, dim]``) at logical ``positions``."""
-    block_size = cache.shape[1]
-    return cache[table.long()[positions // block_size], positions % block_size]
 
 
 def fixed_order_attention_torch(
@@ -60,8 +55,8 @@ def fixed_order_attention_torch(
         positions = torch.arange(width, device=q.device)
         inside = (positions < ctx)[:, None, None]
         read = positions.clamp(max=ctx - 1)  # never past the context: no stale slot
-        keys = _gather_rows(k_cache, block_tables[i], read).float().where(inside, 0.0)
-        values = _gather_rows(v_cache, block_tables[i], read).float().where(inside, 0.0)
+        keys = _gather(k_cache, block_tables[i], read).float().where(inside, 0.0)
+        values = _gather(v_cache, block_tables[i], read).float().where(inside, 0.0)
         # [heads, width, dim] and [heads, dim, width]: every sum below is over the last dim
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
         values = values.repeat_interleave(group, dim=1).permute(1, 2, 0).contiguous()
