@@ -8,6 +8,7 @@ from kvrunner.ray.errors import FleetCallError, NoReplicaError, ReplicaError
 from kvrunner.ray.fleet import Replica, RolloutFleet
 from kvrunner.ray.rank_actor import EngineRank
 from kvrunner.ray.replica_actor import EngineReplica
+from kvrunner.ray.replica_start import start_replica
 
 __all__ = [
     "EngineRank",
@@ -17,4 +18,5 @@ __all__ = [
     "Replica",
     "ReplicaError",
     "RolloutFleet",
+    "start_replica",
 ]

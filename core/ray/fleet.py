@@ -50,6 +50,7 @@ from kvrunner.ray.errors import FleetCallError, NoReplicaError, ReplicaError
 from kvrunner.ray.rank_actor import EngineRank
 from kvrunner.ray.rank_setup import RankSpec
 from kvrunner.ray.replica_actor import EngineReplica
+from kvrunner.ray.replica_start import start_replica
 from kvrunner.ray.router import ReplicaRouter
 
 if TYPE_CHECKING:
@@ -179,20 +180,7 @@ class RolloutFleet:
     def _start_all(self, timeout_s: float) -> None:
         import ray
 
-        starts = []
-        for replica in self.replicas:
-            loopback = True
-            if replica.ranks:
-                nodes = ray.get([replica.actor.node_address.remote()]
-                                + [rank.node_address.remote() for rank in replica.ranks])
-                loopback = len(set(nodes)) == 1  # one host: the group stays on loopback
-                host = "127.0.0.1" if loopback else nodes[0]
-                port = ray.get(replica.actor.open_store.remote(host))
-                # ranks > 0 return once their serving thread runs; rank 0 once all joined
-                ray.get([rank.start.remote(host, port, loopback=loopback)
-                         for rank in replica.ranks])
-            starts.append(replica.actor.start.remote(loopback=loopback))
-        ray.get(starts, timeout=timeout_s)
+        ray.get([start_replica(r.actor, r.ranks) for r in self.replicas], timeout=timeout_s)
 
     # -- requests ------------------------------------------------------------------------
 
