@@ -1,0 +1,83 @@
+"""Deterministic mode on CUDA (bf16, decode graphs, asynchronous steps): a probe
+request's tokens and logprobs are bit for bit those it gets alone, in crowds of other
+requests, at the Qwen3-0.6B shape (greedy and seeded) and on the tiny MoE; scoring
+its prompt and output reproduces generation's logprobs; a sleep/wake in between
+changes nothing; the hybrid model is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.models.tiny import write_tiny_checkpoint
+from kvrunner.plugin_api.errors import BackendError
+
+pytestmark = pytest.mark.gpu
+
+ENGINE = dict(dtype="bfloat16", max_num_seqs=48, max_model_len=640, block_size=16,
+              gpu_memory_utilization=0.4, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_0_6b(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from bench_e2e_decode import write_checkpoint
+
+    path = tmp_path_factory.mktemp("q06") / "m"
+    write_checkpoint(path, max_positions=1024)
+    return path
+
+
+def crowd(seed: int, n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 5000, (int(k),), generator=g).tolist()
+            for k in torch.randint(3, 300, (n,), generator=g)]
+
+
+def check(path: Path, params: SamplingParams, **extra) -> None:
+    probe = crowd(1, 1)[0][:40] + list(range(100, 140))
+    with LLM(str(path), **ENGINE, **extra) as llm:
+        alone = llm.generate([probe], params)[0]
+        for seed, n, at in ((2, 26, 0), (3, 40, 17), (4, 9, 9)):
+            others = crowd(seed, n)
+            batch = others[:at] + [probe] + others[at:]
+            sp = [SamplingParams(max_tokens=8 + 3 * i % 40, temperature=1.0) for i in range(n)]
+            out = llm.generate(batch, sp[:at] + [params] + sp[at:])[at]
+            assert (out.token_ids, out.logprobs, out.top_logprobs) == (
+                alone.token_ids, alone.logprobs, alone.top_logprobs)
+        llm.sleep(1)
+        llm.wake_up()
+        again = llm.generate([probe] + crowd(5, 12), [params] + [SamplingParams()] * 12)[0]
+        assert (again.token_ids, again.logprobs) == (alone.token_ids, alone.logprobs)
+        scored = llm.generate([probe + alone.token_ids],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        assert scored.prompt_logprobs[len(probe):] == alone.logprobs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, seed=7, logprobs=2, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_a_request_is_bitwise_batch_invariant_at_the_0_6b_shape(qwen3_0_6b, params) -> None:
+    check(qwen3_0_6b, params)
+
+
+def test_chunked_prefill_does_not_change_a_bit(qwen3_0_6b) -> None:
+    check(qwen3_0_6b, SamplingParams(max_tokens=16, temperature=0.0, logprobs=0,
+                                     ignore_eos=True), max_num_batched_tokens=96)
+
+
+def test_moe_is_bitwise_batch_invariant(tmp_path) -> None:
+    moe = write_tiny_checkpoint(tmp_path / "moe", kind="qwen3-moe")
+    check(moe, SamplingParams(max_tokens=16, temperature=1.0, seed=3, logprobs=0,
+                              ignore_eos=True))
+
+
+def test_the_hybrid_model_is_refused(tmp_path) -> None:
+    hybrid = write_tiny_checkpoint(tmp_path / "next", kind="qwen3-next")
+    with pytest.raises(BackendError, match="batch_invariant"):
+        LLM(str(hybrid), **ENGINE)

@@ -1,0 +1,40 @@
+"""The batch-invariant products at tiny shapes: the Triton kernel under the
+interpreter and the CPU's torch path give a row the same bits whatever else is
+computed with it (end to end: test_batch_invariance.py; on the GPU, with the
+attention too: test_deterministic_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrunner.layers.batch_invariant import rowwise_linear
+
+triton = pytest.importorskip("triton")
+
+
+def test_the_invariant_gemm_gives_a_row_the_same_bits_in_any_batch() -> None:
+    from kvrunner.layers.fused.invariant_gemm_triton import invariant_gemm, invariant_splits
+
+    torch.manual_seed(0)
+    weight = torch.randn(40, 1100)  # K split in two: the split sum is exercised
+    assert invariant_splits(40, 1100) == 2
+    rows = torch.randn(70, 1100)
+    whole = invariant_gemm(rows, weight)  # two row tiles
+    torch.testing.assert_close(whole, rows @ weight.T, atol=1e-3, rtol=1e-4)
+    # Under the interpreter ``tl.dot`` is numpy's matmul, whose micro-kernel rounds a
+    # row by its place inside the tile; on a GPU the MMA does not. So here each slice
+    # starts at a tile boundary (its rows keep their places) and the launch's
+    # independence of the row count (other tiles, fewer rows, the split sum) is what
+    # is shown; test_deterministic_gpu.py shows the rest.
+    for lo, hi in ((0, 1), (0, 5), (0, 64), (64, 65), (64, 70)):
+        assert torch.equal(invariant_gemm(rows[lo:hi], weight), whole[lo:hi])
+
+
+def test_the_rowwise_torch_product_gives_a_row_the_same_bits_in_any_batch() -> None:
+    torch.manual_seed(1)
+    weight, rows = torch.randn(48, 96), torch.randn(33, 96)
+    whole = rowwise_linear(rows, weight)
+    for lo, hi in ((0, 1), (7, 8), (2, 31)):
+        assert torch.equal(rowwise_linear(rows[lo:hi], weight), whole[lo:hi])
+
