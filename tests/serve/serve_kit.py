@@ -208,3 +208,15 @@ async def stream_events(client: httpx.AsyncClient, path: str, body: dict,
             if first is not None and line.startswith("data: "):
                 first.set()
     return sse_payloads(lines)  # type: ignore[return-value]
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """``/metrics`` as {sample name (with its labels): value}."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-from serve_kit import API_KEY, ServeProcess, start_server, stream_events
+from serve_kit import API_KEY, ServeProcess, scrape, start_server, stream_events
 
 from kvrunner.models.tiny import write_tiny_checkpoint
 
@@ -38,18 +38,6 @@ def metrics_server(tmp_path_factory, serve_home, poisoned) -> Iterator[ServeProc
                           model=str(poisoned)).wait_ready()
     yield server
     assert server.stop() == 0
-
-
-def scrape(client) -> dict[str, float]:
-    """``/metrics`` as {sample name (with labels): value}."""
-    response = client.get("/metrics")
-    assert response.status_code == 200
-    values = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
 
 
 def test_a_nonfinite_row_is_counted_and_reaches_each_client_as_its_error(
