@@ -125,6 +125,14 @@ class EngineReplica:
         return await self._live().update_weights(
             weights, weight_version=weight_version, **kwargs)  # fmt: skip
 
+    async def update_weights_from_ipc(
+        self, address: tuple[str, int] | str, authkey: bytes, weight_version: str | int | None
+    ) -> int:
+        """``AsyncLLM.update_weights_from_ipc``: one whole push from a trainer's
+        ``kvrunner.weight_sync.BucketSender`` on this node; tensors loaded."""
+        return await self._live().update_weights_from_ipc(
+            address, authkey=authkey, weight_version=weight_version)  # fmt: skip
+
     async def reset_prefix_cache(self) -> int:
         """``AsyncLLM.reset_prefix_cache()``; blocks uncached."""
         return await self._live().reset_prefix_cache()

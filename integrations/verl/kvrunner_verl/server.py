@@ -129,6 +129,21 @@ class KvrunnerServer:
         prefix cache is reset (and, on CUDA, the graphs recaptured) per bucket."""
         return await self.replica.update_weights(pairs, global_steps, {})
 
+    async def update_weights_from_ipc(self, address: Any, authkey: bytes,
+                                      global_steps: int | None) -> int:
+        """Receive one whole push from a ``BucketSender`` on this node (shared-memory
+        or CUDA-IPC buckets, each acknowledged once copied); tensors loaded."""
+        loaded = await self.replica.update_weights_from_ipc(address, authkey, global_steps)
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return loaded
+
+    async def node_id(self) -> str:
+        """The Ray node this server runs on (a push from the same node goes by IPC)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def finish_weight_update(self, global_steps: int | None) -> None:
         """Report ``global_steps`` in every output from now on."""
         if global_steps is not None:

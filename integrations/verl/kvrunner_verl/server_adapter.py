@@ -2,14 +2,17 @@
 rank, or verl's checkpoint-engine worker) calls to wake, free and update a replica.
 
 ``update_weights`` packs the ``(name, tensor)`` stream into buckets of
-``checkpoint_engine.update_weights_bucket_megabytes`` and puts each into Ray's
-object store for the replica's server to load (tensors are moved to the CPU on the
-way). The replica must not be generating meanwhile: verl aborts (partial rollouts)
-or sleeps it first.
+``checkpoint_engine.update_weights_bucket_megabytes``. From the replica's own node
+they go through a ``kvrunner.weight_sync.BucketSender`` in shared memory (two
+buffers, each bucket acknowledged once the engine's copy is done); from another node,
+each bucket goes through Ray's object store (moved to the CPU on the way). The
+replica must not be generating meanwhile: verl aborts (partial rollouts) or sleeps
+it first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -65,6 +68,9 @@ class ServerAdapter(BaseRollout):
             return
         server = self._handle()
         limit = self.config.checkpoint_engine.update_weights_bucket_megabytes << 20
+        if await server.node_id.remote() == ray.get_runtime_context().get_node_id():
+            await self._push_by_ipc(server, weights, limit, global_steps)
+            return
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in weights:
@@ -76,3 +82,15 @@ class ServerAdapter(BaseRollout):
         if bucket:
             await server.load_weight_bucket.remote(ray.put(bucket), global_steps)
         await server.finish_weight_update.remote(global_steps)
+
+    async def _push_by_ipc(self, server: Any, weights: Iterable[tuple[str, torch.Tensor]],
+                           bucket_bytes: int, global_steps: int | None) -> None:
+        """One push through shared-memory buckets: the server connects while this
+        process streams (the sender returns once every tensor is loaded)."""
+        from kvrunner.weight_sync import BucketSender
+
+        with BucketSender(device="cpu", bucket_bytes=bucket_bytes) as sender:
+            receiving = server.update_weights_from_ipc.remote(
+                sender.address, sender.authkey, global_steps)
+            await asyncio.to_thread(sender.push, weights)
+            await receiving

@@ -54,6 +54,7 @@ def config(checkpoints):
             "actor_rollout_ref.rollout.max_num_seqs=8",
             "actor_rollout_ref.rollout.prompt_length=64",
             "actor_rollout_ref.rollout.response_length=400",
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
             f"+actor_rollout_ref.rollout.engine_kwargs.kvrunner={{{kv}}}",
         ])
 
