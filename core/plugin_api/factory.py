@@ -44,8 +44,8 @@ class LayerBackendFactory(Protocol):
     #: would give it alone: whatever other rows share the step, their number and
     #: lengths, the row's place, the chunk its token came in, whether its prefix was
     #: computed in this step or an earlier one, and prefill or decode alike. The core
-    #: refuses ``deterministic`` over a backend that does not declare it; the kit's
-    #: ``rows_do_not_depend_on_the_batch`` checks the promise.
+    #: refuses ``deterministic`` over a backend that does not declare it (the
+    #: engine-level property tests of ``tests/core/determinism`` hold ``paged`` to it).
     batch_invariant: bool
 
     def __call__(self, context: BackendContext) -> Any:
