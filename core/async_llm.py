@@ -332,6 +332,11 @@ class AsyncLLM:
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
 
+    async def weights_checksum(self) -> dict[str, str]:
+        """``LLM.weights_checksum()`` from the engine thread (between steps)."""
+        return await self._call(self._engine.call("weights_checksum", "any",
+                                                  self._engine.llm.weights_checksum))
+
     async def load_weights(
         self, path: str | Path, *, weight_version: str | int | None = None, **kwargs: Any
     ) -> int:

@@ -257,6 +257,19 @@ class LLM:
                             check_finite_values=check_finite, timeout_s=timeout_s)
 
     @exclusive
+    def weights_checksum(self) -> dict[str, str]:
+        """Per-tensor digests (16 hex digits) of the engine's weights under their
+        Hugging Face names, tensor-parallel shards merged: equal to
+        ``kvrunner.weight_sync.checksum.tensor_digests(tensors, llm.runner dtype)`` on
+        the full tensors, so a trainer can check that a push landed. Every name
+        loaded since start-up is listed."""
+        from kvrunner.weight_sync.checksum import merge_digests
+
+        self.executor.check()
+        self.sleep_state.require_weights_resident("weights_checksum")
+        return merge_digests(self._sleep_wake.ranks.weight_digests())
+
+    @exclusive
     def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
         """Load every tensor of a safetensors checkpoint directory (each rank reads it),
         as :meth:`update_weights` does; returns how many were loaded. The directory

@@ -152,6 +152,9 @@ def load_weights_into(
             unexpected.append(name)
             continue
         pname, shard = target
+        # where each loaded name went, and its full shape (what weights_checksum reads back)
+        layout = module.__dict__.setdefault("checkpoint_layout", {})
+        layout[name] = (pname, shard, tuple(tensor.shape))
         param = params[pname]
         loader = getattr(param, "weight_loader", _default_weight_loader)
         try:

@@ -136,6 +136,12 @@ class RankCalls:
     def cache_info(self) -> RankCacheInfo:
         return self.runner.cache_info(self.rank)
 
+    def weight_digests(self) -> dict[str, tuple[int, int, int]]:
+        """This rank's part of ``weights_checksum`` (kvrunner.weight_sync.checksum)."""
+        from kvrunner.weight_sync.checksum import rank_digests
+
+        return rank_digests(self.runner.model)
+
 
 #: the calls a ("call", name, args) command may run
 CALLS = frozenset(

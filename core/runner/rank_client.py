@@ -57,3 +57,6 @@ class RankClient:
 
     def cache_info(self) -> list[RankCacheInfo]:
         return self._call(RankCalls.cache_info)
+
+    def weight_digests(self) -> list[dict[str, tuple[int, int, int]]]:
+        return self._call(RankCalls.weight_digests)

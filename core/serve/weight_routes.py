@@ -78,3 +78,16 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
     version = f"; weight version {body.weight_version}" if body.weight_version else ""
     return JSONResponse({"success": True, "message": f"{loaded} tensors loaded{version}",
                          "loaded": loaded})
+
+
+@router.get("/weights_checksum")
+async def weights_checksum(request: Request) -> JSONResponse:
+    """Per-tensor digests of the served weights under their Hugging Face names
+    (``kvrunner.weight_sync.checksum``), TP shards merged."""
+    engine = request.app.state.server.engine
+    try:
+        digests = await engine.weights_checksum()
+    except KvrunnerError as e:
+        error = engine_error(e)
+        return _failed(error.status, error.message, None)
+    return JSONResponse({"success": True, "checksums": digests})

@@ -14,6 +14,7 @@ from test_generate_hf_parity import NEW_TOKENS, PROMPTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
 from serve_kit import start_server  # noqa: E402
+from test_checksum import digests  # noqa: E402
 
 KEY = "weights-key-1"
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
@@ -57,6 +58,8 @@ def test_a_push_over_http_lands_whole_and_a_malformed_one_leaves_the_server_refu
         assert answer.status_code == 200 and answer.json()["success"], answer.text
         assert said[0] == "pushed" and answer.json()["loaded"] == said[1]
         assert greedy(client) == checkpoints.expected(2, "bfloat16")
+        checksum = client.get("/weights_checksum").json()["checksums"]
+        assert checksum == digests(checkpoints.path(2), "bfloat16")
 
         answer, said = post_push(client, trainer, path=checkpoints.path(3), fault="past_the_end")
         assert answer.status_code == 400 and "run past the end" in answer.json()["message"]
