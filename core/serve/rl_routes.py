@@ -47,8 +47,13 @@ from kvrunner.serve.sse import event
 router = APIRouter()
 control = APIRouter(dependencies=[Depends(require_rl_endpoints)])
 
-#: SGLang's pause modes -> AsyncLLM's: both "in_place" and "retract" keep the requests
-#: parked with their KV (kvrunner never recomputes a parked request's prompt)
+#: SGLang's pause modes -> AsyncLLM's. "in_place" is "keep" (requests stay with their KV,
+#: as in SGLang). SGLang's "retract" instead frees the running requests' KV and
+#: recomputes it after /continue_generation (under the new weights); kvrunner has no
+#: recompute-on-resume for a paused request, so "retract" keeps them parked as well:
+#: they survive and continue the same way, their earlier tokens' KV stays the old
+#: weights', and /release_memory_occupation is refused (409) while they are parked,
+#: where SGLang would allow it
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
 
 _NEUTRAL = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,

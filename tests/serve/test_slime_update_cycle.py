@@ -207,6 +207,9 @@ def test_retract_and_in_place_keep_the_requests_until_continue(rollout_server, m
             await asyncio.sleep(0.3)  # paused: no step runs, no token is made
             assert _generated((await client.get("/metrics")).text) == made
             assert not any(task.done() for task in tasks)
+            # their KV is kept (not freed as SGLang's retract would): memory stays held
+            refused = await client.post("/release_memory_occupation", json={})
+            assert refused.status_code == 409, refused.text
             await _post(client, "/continue_generation")
             return [_final(events) for events in await asyncio.gather(*tasks)]
 
