@@ -31,7 +31,7 @@ from decode_timing import ours_step_ms
 from kvrunner.cli_help import choices_of
 from kvrunner.config import CaptureConfig
 from kvrunner.layers.sampler import Sampler, sample_step_rows
-from kvrunner.runner.step_launch import StepLaunch
+from kvrunner.runner.step_launch import StepLauncher
 
 BATCHES = (1, 64, 256)
 SAMPLINGS = ("greedy", "seeded", "unseeded", "shared")
@@ -44,7 +44,7 @@ GRAPH_ENDS = choices_of(attrs.fields(CaptureConfig).decode_graph_ends_at)
 def shared_generator_draws() -> Iterator[None]:
     """Unseeded rows drawn without keys: the graph draws no step that holds one, and
     the eager sampler takes them from its one generator."""
-    stage, step_rows = StepLaunch._stage_graph_draws, Sampler.sample_step_rows
+    stage, step_rows = StepLauncher._stage_graph_draws, Sampler.sample_step_rows
 
     def stage_keyed_only(self, step, graph):
         if any(p.seed is None and p.temperature > 0 for p in step.sampling):
@@ -57,12 +57,12 @@ def shared_generator_draws() -> Iterator[None]:
         return sample_step_rows(logits, step, drawn=drawn,
                                 generator=self._generator_for(logits.device))
 
-    StepLaunch._stage_graph_draws = stage_keyed_only
+    StepLauncher._stage_graph_draws = stage_keyed_only
     Sampler.sample_step_rows = from_generator
     try:
         yield
     finally:
-        StepLaunch._stage_graph_draws, Sampler.sample_step_rows = stage, step_rows
+        StepLauncher._stage_graph_draws, Sampler.sample_step_rows = stage, step_rows
 
 
 def main() -> None:

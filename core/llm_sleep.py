@@ -40,6 +40,15 @@ if TYPE_CHECKING:
     from kvrunner.runner.executor import DriverExecutor
 
 
+#: why each call that needs an idle engine needs it
+_WHY_IDLE = {
+    "sleep": "a sleep frees the KV cache an unfinished request holds",
+    "update_weights": "an unfinished request's KV was computed under the weights it replaces",
+    "load_weights": "an unfinished request's KV was computed under the weights it replaces",
+    "reset_prefix_cache": "an unfinished request holds blocks of the cache it resets",
+}
+
+
 @attrs.define
 class SleepTimings:
     """The last sleep, wake and recapture, as ``cache_info()`` reports them."""
@@ -70,15 +79,26 @@ class SleepWakeControl:
         self.timings = SleepTimings()
 
     def _require_idle(self, what: str, *, parked_ok: bool = False) -> None:
+        """Refuse ``what`` (a method's name) while a request is unfinished or a step
+        launched, naming the call, the requests, why and what to do instead."""
         # Parked requests (``LLMEngine.park``: nothing in flight, their blocks and slots
         # held) survive a weight change or a prefix-cache reset; a sleep frees their KV.
         if parked_ok and self.engine.parked:
             return
-        if self.engine.has_unfinished():
-            raise SleepStateError(
-                f"cannot {what} while requests are unfinished (a generate call was "
-                f"interrupted); their KV would be lost"
-            )
+        if not self.engine.has_unfinished():
+            return
+        ids = self.engine.scheduler.unfinished_ids()
+        if not ids:
+            held = "a launched step is not applied yet"
+            remedy = "let the engine settle first (LLMEngine.settle)"
+        else:
+            named = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+            held = (f"request {named} is unfinished" if len(ids) == 1
+                    else f"{len(ids)} requests are unfinished ({named})")
+            remedy = "finish or abort the requests first (LLMEngine.abort_request)"
+            if parked_ok:
+                remedy += ", or park them with their KV (AsyncLLM.pause(mode='keep'))"
+        raise SleepStateError(f"{what}() refused: {held}, and {_WHY_IDLE[what]}; {remedy}")
 
     def sleep(self, level: int = 1, *, discard_weights: bool = False) -> float:
         """See :meth:`kvrunner.LLM.sleep`."""

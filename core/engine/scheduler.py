@@ -175,6 +175,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
+    def unfinished_ids(self) -> list[int]:
+        """The ids of the requests not yet finished, oldest first."""
+        return list(self._unfinished)
+
     def forget_in_flight(self) -> int:
         """Drop every step in flight unapplied, once every request is withdrawn
         (:meth:`abort_all`): its tokens belong to nobody, and a step whose launch was

@@ -3,20 +3,27 @@
 A decode graph captures the forward and, after it, the logits of its padded batch
 (``compute_logits``, with its tensor-parallel gather), so no launch between the last
 layer and the logits is host work. On the rank that samples it goes on: each row's
-maximum and argmax (a greedy row's token; the maxima find the non-finite rows), then one
+maximum and argmax (a greedy row's token), then one
 launch that overwrites the token of every row at a temperature above 0 with its
 keyed draw (:func:`~kvrunner.layers.fused.gumbel_argmax_triton.gumbel_argmax_into_`:
-the kernel, noise and key the eager sampler uses for those rows).
+the kernel, noise and key the eager sampler uses for those rows), then the
+non-finite check on the maxima (:func:`~kvrunner.layers.nonfinite_rows.mark_nonfinite_into`):
+the tokens the host reads, with each non-finite row's token replaced by its cause's
+code, and the step's count raised by its real rows' non-finite ones. The drawn tokens
+stay beside the coded ones: the next step's placeholders feed them.
 
 The rows' temperatures, keys (a request's seed, or the engine's key for an unseeded
 request) and token counts live in buffers a step fills before its replay
 (:meth:`GraphSampling.stage`: two pinned uploads, none while every row stays greedy),
-so the graph holds no Python value of any step.
+and so does the number of rows the check counts (the step's rows when the graph draws
+it, else 0; one 8-byte upload when it changes), so the graph holds no Python value of
+any step.
 
 A step is drawn in the graph when no row filters by top-k / top-p: the rows the
 one-pass kernel serves eagerly too, with the same keys, so the tokens are the same.
-A step with a top-k / top-p row (a sort) is sampled eagerly from the graph's logits.
-Logprobs are computed after the replay either way, from the graph's logits and tokens.
+A step with a top-k / top-p row (a sort) is sampled eagerly from the graph's logits,
+and checked after the replay as an eager step is. Logprobs are computed after the
+replay either way, from the graph's logits and tokens.
 
 ``[capture] decode_graph_ends_at`` says where the graph ends: ``tokens`` (default),
 ``logits``, or ``hidden`` (the forward alone, the sampler and logits eager), for
@@ -31,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
+from kvrunner.layers.nonfinite_rows import mark_nonfinite_into
 from kvrunner.layers.sampling_draw import fused_draw_serves
 from kvrunner.plugin_api.buffers import upload_into
 from kvrunner.sampling_params import SamplingParams
@@ -44,6 +52,9 @@ class DecodeOutputs(NamedTuple):
     logits: torch.Tensor | None  # [B, vocab] in the model dtype
     tokens: torch.Tensor | None  # [B] int64: argmax, or the keyed draw above T = 0
     row_max: torch.Tensor | None  # [B]: each row's largest logit (NaN where it holds one)
+    #: [B] int64: ``tokens`` with each non-finite row's cause code, when the graph
+    #: checks them (else the step is checked after the replay)
+    coded: torch.Tensor | None = None
 
 
 class GraphSampling:
@@ -62,6 +73,12 @@ class GraphSampling:
         self.temperatures = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self.keys = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # key, count
         self._any_drawing = False  # a temperature above 0 is in the buffers
+        #: how many leading rows the captured check counts in the next replay: the
+        #: step's rows when the graph draws it, else 0 (a step checked after the
+        #: replay, a capture), so no row is counted twice and no padded row at all
+        self.counted_rows = torch.zeros(1, dtype=torch.int64, device=device)
+        self._counted_host = 0  # what counted_rows holds: uploaded only on a change
+        self.row_index = torch.arange(max_batch, dtype=torch.int64, device=device)
 
     def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Captured after the logits: every row's token and raw maximum."""
@@ -74,6 +91,24 @@ class GraphSampling:
                 tokens, logits, self.temperatures[:rows], self.keys[0, :rows], self.keys[1, :rows]
             )
         return tokens, row_max
+
+    def sample_checked(
+        self, logits: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Captured after the logits: :meth:`sample`, then the non-finite check; every
+        row's drawn token, raw maximum and coded token, with ``count`` (0-d int64)
+        raised by the non-finite rows among the first :attr:`counted_rows`."""
+        tokens, row_max = self.sample(logits)
+        coded = mark_nonfinite_into(
+            count, tokens, row_max, row_index=self.row_index, counted_rows=self.counted_rows
+        )
+        return tokens, row_max, coded
+
+    def count_rows(self, rows: int) -> None:
+        """Stage how many leading rows the next replay's check counts."""
+        if rows != self._counted_host:
+            upload_into(self.counted_rows, [rows])
+            self._counted_host = rows
 
     def stage(
         self,
@@ -92,6 +127,7 @@ class GraphSampling:
         served = greedy or self.draws and all(
             p.temperature == 0.0 or fused_draw_serves(p, self.vocab, keyed=True) for p in params
         )
+        self.count_rows(len(params) if served else 0)
         if greedy or not served:
             if self._any_drawing:  # a previous step's temperatures would draw again
                 self.temperatures.zero_()

@@ -11,8 +11,8 @@ tensor-parallel rank, assembled from parts that own their state:
 - :class:`~kvrunner.runner.step_launch.StepLauncher`: one step, up to its samples;
 - :class:`~kvrunner.runner.sleep_wake.SleepWake`: sleep and wake of the three above.
 
-The runner itself loads the model, builds the backends and the persistent buffers,
-and sizes the pools; its methods are what the rank calls ask of it.
+The runner itself loads the model, builds the backends (:func:`build_backends`) and
+the persistent buffers, and sizes the pools; its methods are what the rank calls ask of it.
 """
 
 from __future__ import annotations
@@ -88,6 +88,49 @@ def _all_reduce_for(config: EngineConfig) -> str:
     return "nccl" if asked == "auto" else asked
 
 
+def build_backends(
+    config: EngineConfig, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device,
+    max_tokens: int,
+) -> BackendManager:
+    """The backend manager of one rank: the backend each layer type is configured
+    for, each given the context of its layers, and the overlap plugin, if any.
+
+    :param max_tokens: the rank's token buffers' size (at least ``max_num_seqs``).
+    """
+    sched = config.scheduler
+    use_triton = device.type == "cuda" or config.kernels.triton_on_cpu
+    selection = {t: config.backends.for_layer_type(t) for t in sorted(set(spec.layer_types))}
+
+    def context_for(name: str, layer_types: tuple[str, ...]) -> BackendContext:
+        layers = tuple(i for i, t in enumerate(spec.layer_types) if t in layer_types)
+        return BackendContext(
+            name=name,
+            layers=layers,
+            model=spec,
+            dtype=dtype,
+            device=device,
+            block_size=config.cache.block_size,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=max_tokens,
+            max_model_len=sched.max_model_len,
+            use_triton=use_triton,
+            options=config.kernels.options_for(name),
+            deterministic=config.deterministic,
+        )
+
+    overlap = config.backends.overlap
+    return BackendManager(
+        selection, context_for,
+        overlap=None if overlap == "none" else OverlapContext(
+            name=overlap, device=device, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=max_tokens,
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            min_tokens=config.backends.overlap_min_tokens,
+            min_decode_seqs=config.backends.overlap_min_decode_seqs,
+        ),
+    )
+
+
 class ModelRunner:
     """One rank's runner.
 
@@ -142,37 +185,8 @@ class ModelRunner:
         # before anything is built that asks (the backends, the graphs' sampling).
         choose_kernels(config.kernels)
         choose_determinism(config.deterministic, self.device)
-        use_triton = self.device.type == "cuda" or config.kernels.triton_on_cpu
-        selection = {
-            t: config.backends.for_layer_type(t) for t in sorted(set(self.spec.layer_types))
-        }
-
-        def context_for(name: str, layer_types: tuple[str, ...]) -> BackendContext:
-            layers = tuple(i for i, t in enumerate(self.spec.layer_types) if t in layer_types)
-            return BackendContext(
-                name=name,
-                layers=layers,
-                model=self.spec,
-                dtype=self.dtype,
-                device=self.device,
-                block_size=config.cache.block_size,
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=self.max_tokens,
-                max_model_len=sched.max_model_len,
-                use_triton=use_triton,
-                options=config.kernels.options_for(name),
-                deterministic=config.deterministic,
-            )
-
-        overlap = config.backends.overlap
-        self.backends = BackendManager(
-            selection, context_for,
-            overlap=None if overlap == "none" else OverlapContext(
-                name=overlap, device=self.device, max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=self.max_tokens, tensor_parallel_size=tp_size,
-                min_tokens=config.backends.overlap_min_tokens,
-                min_decode_seqs=config.backends.overlap_min_decode_seqs,
-            ),
+        self.backends = build_backends(
+            config, self.spec, dtype=self.dtype, device=self.device, max_tokens=self.max_tokens
         )
         if self.device.type == "cuda":
             _create_library_workspaces(self.device, self.dtype)
@@ -371,6 +385,7 @@ class ModelRunner:
         """(Re)capture every decode graph; safe whatever forward_vars hold now."""
         if not self.cache.resident or self.weights.state != "resident":
             raise SleepStateError("cannot capture while asleep: wake_up() first")
+        self.launcher.before_capture()
         return self.graph_capture.capture(
             self.launcher.decode_outputs, pools=self.cache.pools,
             # valid as a KV block, a KV slot and a state slot alike

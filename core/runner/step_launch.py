@@ -2,8 +2,8 @@
 
 ``launch`` prepares the step, fills its placeholders from the last step's tokens on
 the device, replays the decode graph (which ends with the logits, and on rank 0 with
-the tokens where it can draw them: ``graph_sampling.py``) or runs eagerly, samples
-what the graph did not on rank 0, and returns
+the tokens where it can draw them, checked for non-finite rows: ``graph_sampling.py``)
+or runs eagerly, samples and checks what the graph did not on rank 0, and returns
 a :class:`~kvrunner.runner.launched_step.LaunchedStep` without waiting for the
 device: with asynchronous steps the host schedules the next step meanwhile.
 ``execute`` is ``launch`` followed by ``result()``.
@@ -15,7 +15,7 @@ tokens on the device, the non-finite row count, and the graphs' sampling buffers
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -39,6 +39,10 @@ from kvrunner.runner.step_metadata import StepMetadataBuilder
 
 #: the model's forward over the first ``num_rows`` rows of the persistent buffers
 ForwardRows = Callable[[int, ForwardContext], torch.Tensor]
+
+#: where a step the decode graph draws is checked for non-finite rows (see
+#: :attr:`StepLauncher.nonfinite_check`)
+NonfiniteCheck = Literal["graph", "after_replay", "off"]
 
 
 class StepLauncher:
@@ -88,6 +92,11 @@ class StepLauncher:
         self.previous_tokens: DeviceTokens | None = None
         # Counted on the device: a host read here would stall every step.
         self._nan_rows = torch.zeros((), dtype=torch.int64, device=device)
+        #: where a step the decode graph draws is checked: ``"graph"`` (inside it,
+        #: the default), ``"after_replay"`` (as an eager step is), or ``"off"`` (no
+        #: step is checked: for benchmarks only, measuring what the check costs). Read
+        #: by the capture too: recapture after changing it.
+        self.nonfinite_check: NonfiniteCheck = "graph"
 
     @property
     def nan_rows(self) -> int:
@@ -155,8 +164,13 @@ class StepLauncher:
         # A non-finite row's token reaches the host as its cause's code, so the
         # engine ends that request instead of recording a sample (nonfinite_rows.py);
         # the device keeps the drawn tokens for the next step's placeholders.
-        coded, nonfinite = mark_nonfinite(samples.out.token_ids, samples.out.row_max)
-        self._nan_rows += nonfinite
+        if drawn_in_graph and out.coded is not None:  # checked and counted in the graph
+            coded = pick(out.coded)
+        elif self.nonfinite_check == "off":
+            coded = samples.out.token_ids
+        else:
+            coded, nonfinite = mark_nonfinite(samples.out.token_ids, samples.out.row_max)
+            self._nan_rows += nonfinite
         tokens = samples.out.token_ids
         if self.shares_samples:
             tokens = self.group.broadcast_from_first(tokens)
@@ -186,8 +200,10 @@ class StepLauncher:
     def _stage_graph_draws(self, step: StepInput, graph: DecodeGraph) -> bool:
         """Fill the graph's sampling buffers for ``step``; whether its tokens are the
         step's draws (a decode step whose every row the graph's sampler serves)."""
-        graph_end = self.graphs.graph_end
-        if self.graph_sampling is None or graph_end != "tokens" or not all(step.sample):
+        if self.graph_sampling is None:
+            return False
+        if self.graphs.graph_end != "tokens" or not all(step.sample):
+            self.graph_sampling.count_rows(0)  # checked after the replay
             return False
         return self.graph_sampling.stage(
             step.sampling,
@@ -196,9 +212,19 @@ class StepLauncher:
             rows=graph.batch_size,
         )
 
+    def before_capture(self) -> None:
+        """Called before the decode graphs are (re)captured: a capture's forwards (the
+        warmup, the audit's probes, the CPU stand-in's) count no non-finite row."""
+        if self.graph_sampling is not None:
+            self.graph_sampling.count_rows(0)
+
     def decode_outputs(self, num_rows: int, ctx: ForwardContext) -> DecodeOutputs:
         """What a decode graph captures: the forward, then (unless ``graph_end`` says
-        otherwise) the logits and, on the rank that samples, the tokens."""
+        otherwise) the logits and, on the rank that samples, the tokens and (unless
+        :attr:`nonfinite_check` says otherwise) their non-finite check.
+
+        Also the body of the CPU's stand-in graphs (``graphs.py``), which run it
+        eagerly at every replay: the captured path is the one CPU tests exercise."""
         hidden = self._forward_rows(num_rows, ctx)
         graph_end = self.graphs.graph_end
         if graph_end == "hidden":
@@ -206,4 +232,8 @@ class StepLauncher:
         logits = self.model.compute_logits(hidden, widen=False)
         if graph_end == "logits" or self.graph_sampling is None:
             return DecodeOutputs(None, logits, None, None)
-        return DecodeOutputs(None, logits, *self.graph_sampling.sample(logits))
+        if self.nonfinite_check != "graph":
+            return DecodeOutputs(None, logits, *self.graph_sampling.sample(logits))
+        return DecodeOutputs(
+            None, logits, *self.graph_sampling.sample_checked(logits, self._nan_rows)
+        )
