@@ -332,6 +332,36 @@ class AsyncLLM:
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
 
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        **kwargs: Any) -> None:
+        """``LLM.init_weights_update_group`` on the engine thread (between steps)."""
+        llm = self._engine.llm
+        await self._call(self._engine.call("init_weights_update_group", "any", lambda:
+            llm.init_weights_update_group(master_address, master_port, rank_offset,
+                                          world_size, **kwargs)))
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+        weight_version: str | int | None = None,
+    ) -> int:
+        """``LLM.update_weights_from_distributed`` on the engine thread, versioned and
+        refused as :meth:`update_weights`."""
+        llm = self._engine.llm
+
+        def push() -> int:
+            loaded = llm.update_weights_from_distributed(names, dtypes, shapes)
+            self._engine.weights_changed(weight_version)
+            return loaded
+
+        return await self._call(self._engine.call("update_weights", "quiet", push))
+
+    async def destroy_weights_update_group(self) -> None:
+        """``LLM.destroy_weights_update_group`` on the engine thread."""
+        llm = self._engine.llm
+        await self._call(self._engine.call("destroy_weights_update_group", "any",
+                                           llm.destroy_weights_update_group))
+
     async def weights_checksum(self) -> dict[str, str]:
         """``LLM.weights_checksum()`` from the engine thread (between steps)."""
         return await self._call(self._engine.call("weights_checksum", "any",

@@ -257,6 +257,39 @@ class LLM:
                             check_finite_values=check_finite, timeout_s=timeout_s)
 
     @exclusive
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        *, backend: str = "nccl", group_name: str = "kvrunner_weights",
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Join every engine rank to a weight-update process group with the trainer's
+        rank 0 (its own store, never the TP group): engine rank ``r`` is group rank
+        ``rank_offset + r``. The trainer joins at the same time
+        (:class:`~kvrunner.weight_sync.broadcaster.WeightBroadcaster`)."""
+        self.executor.check()
+        self._sleep_wake.ranks.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, backend, group_name,
+            timeout_s)
+
+    @exclusive
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> int:
+        """Receive one broadcast per tensor from the group's rank 0 (full tensors;
+        each rank keeps its shard), as one weight update: a failure part way leaves
+        the weights ``"partial"``, as :meth:`update_weights_from_ipc`. Returns how
+        many tensors loaded."""
+        ranks = self._sleep_wake.ranks
+        with self._sleep_wake.push_session("update_weights_from_distributed"):
+            return ranks.update_weights_from_distributed(list(names), list(dtypes),
+                                                         [list(s) for s in shapes])[0]
+
+    @exclusive
+    def destroy_weights_update_group(self) -> None:
+        """Leave the weight-update group (idempotent)."""
+        self._sleep_wake.ranks.destroy_weights_update_group()
+
+    @exclusive
     def weights_checksum(self) -> dict[str, str]:
         """Per-tensor digests (16 hex digits) of the engine's weights under their
         Hugging Face names, tensor-parallel shards merged: equal to

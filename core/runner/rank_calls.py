@@ -105,6 +105,8 @@ class RankCalls:
         self.runner = runner
         self.rank = rank
         self._describe_extra = describe_extra
+        #: this rank's weight-update group (kvrunner.weight_sync), once joined
+        self.update_group: Any = None
 
     def capture(self) -> float:
         return self.runner.capture()
@@ -135,6 +137,29 @@ class RankCalls:
 
     def cache_info(self) -> RankCacheInfo:
         return self.runner.cache_info(self.rank)
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int, backend: str,
+                                  group_name: str, timeout_s: float) -> None:
+        """Join a weight-update group as ``rank_offset + rank`` (kvrunner.weight_sync)."""
+        from kvrunner.weight_sync.update_group import UpdateGroup, make_group
+
+        group = make_group(master_address=master_address, master_port=master_port,
+                           rank=rank_offset + self.rank, world_size=world_size,
+                           backend=backend, group_name=group_name, timeout_s=timeout_s,
+                           is_master=False, device=self.runner.device)
+        self.update_group = UpdateGroup(group, self.runner.device)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]]) -> int:
+        """Receive one broadcast per tensor from the group's rank 0 and load it."""
+        group = self.update_group
+        if group is None:
+            raise SleepStateError("no weight-update group: call init_weights_update_group")
+        return group.receive(names, dtypes, shapes, self.runner.update_weights)
+
+    def destroy_weights_update_group(self) -> None:
+        self.update_group = None
 
     def weight_digests(self) -> dict[str, tuple[int, int, int]]:
         """This rank's part of ``weights_checksum`` (kvrunner.weight_sync.checksum)."""

@@ -58,5 +58,15 @@ class RankClient:
     def cache_info(self) -> list[RankCacheInfo]:
         return self._call(RankCalls.cache_info)
 
+    def init_weights_update_group(self, *args: Any) -> None:
+        self._call(RankCalls.init_weights_update_group, *args)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]]) -> list[int]:
+        return self._call(RankCalls.update_weights_from_distributed, names, dtypes, shapes)
+
+    def destroy_weights_update_group(self) -> None:
+        self._call(RankCalls.destroy_weights_update_group)
+
     def weight_digests(self) -> list[dict[str, tuple[int, int, int]]]:
         return self._call(RankCalls.weight_digests)

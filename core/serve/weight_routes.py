@@ -19,7 +19,7 @@ refusing to generate until a full push (docs/weight_sync.md). Behind
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -91,3 +91,71 @@ async def weights_checksum(request: Request) -> JSONResponse:
         error = engine_error(e)
         return _failed(error.status, error.message, None)
     return JSONResponse({"success": True, "checksums": digests})
+
+
+class InitWeightsUpdateGroupRequest(StrictModel):
+    """``POST /init_weights_update_group`` (SGLang's fields)."""
+
+    master_address: Annotated[str, Field(min_length=1)]
+    master_port: Annotated[int, Field(gt=0, lt=65536)]
+    rank_offset: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=2)]
+    group_name: str = "kvrunner_weights"
+    backend: Literal["nccl", "gloo"] = "nccl"
+    timeout_s: Annotated[float, Field(gt=0)] = 300.0
+
+
+class UpdateWeightsFromDistributedRequest(StrictModel):
+    """``POST /update_weights_from_distributed`` (SGLang's fields)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    weight_version: str | None = None
+    group_name: str = "kvrunner_weights"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+async def _answer(call: Any, success: str) -> JSONResponse:
+    try:
+        result = await call
+    except WeightSyncError as e:
+        return _failed(400, str(e), None)
+    except KvrunnerError as e:
+        error = engine_error(e)
+        return _failed(error.status, error.message, None)
+    body: dict[str, Any] = {"success": True, "message": success}
+    if isinstance(result, int):
+        body["loaded"] = result
+    return JSONResponse(body)
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> JSONResponse:
+    """Join every engine rank to the trainer's weight-update group (rank_offset + r)."""
+    body = await parse_body(request, InitWeightsUpdateGroupRequest)
+    engine = request.app.state.server.engine
+    return await _answer(engine.init_weights_update_group(
+        body.master_address, body.master_port, body.rank_offset, body.world_size,
+        backend=body.backend, group_name=body.group_name, timeout_s=body.timeout_s),
+        f"joined the weight-update group {body.group_name}")
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> JSONResponse:
+    """Receive one broadcast per named tensor from the group's rank 0, as one push."""
+    body = await parse_body(request, UpdateWeightsFromDistributedRequest)
+    engine = request.app.state.server.engine
+    if body.abort_all_requests:
+        await engine.abort_all()
+    return await _answer(engine.update_weights_from_distributed(
+        body.names, body.dtypes, body.shapes, weight_version=body.weight_version),
+        "weights received")
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> JSONResponse:
+    """Leave the weight-update group."""
+    return await _answer(request.app.state.server.engine.destroy_weights_update_group(),
+                         "left the weight-update group")

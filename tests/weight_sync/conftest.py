@@ -65,6 +65,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("weight_sync"))
 
 
+@pytest.fixture(scope="session")
+def llm_tp2(checkpoints: Checkpoints) -> Iterator[Any]:
+    """A TP=2 engine (gloo), shared by the modules that need one (it starts slowly)."""
+    from kvrunner import LLM
+
+    engine = LLM(model=str(checkpoints.path(1)), tensor_parallel_size=2, max_num_seqs=4,
+                 max_num_batched_tokens=64, max_model_len=64, num_blocks=64, block_size=4)
+    yield engine
+    engine.shutdown()
+
+
 class Trainer:
     """The trainer process (tests/weight_sync/trainer_process.py) and its pipe."""
 

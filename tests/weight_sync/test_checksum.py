@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from test_generate_hf_parity import NEW_TOKENS, PROMPTS
 
-from kvrunner import LLM, SamplingParams
+from kvrunner import SamplingParams
 from kvrunner.weight_sync.checksum import tensor_digests
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64,
@@ -24,16 +23,10 @@ def digests(path, dtype: str) -> dict[str, str]:
                           torch.float32)
 
 
-@pytest.fixture(scope="module")
-def llm_tp2(checkpoints):
-    engine = LLM(model=str(checkpoints.path(1)), tensor_parallel_size=2, **ENGINE)
-    yield engine
-    engine.shutdown()
-
-
 def test_a_tp2_engines_checksum_merges_its_shards_into_the_checkpoints_digests(
     llm_tp2, checkpoints
 ) -> None:
+    llm_tp2.load_weights(checkpoints.path(1))
     assert llm_tp2.weights_checksum() == digests(checkpoints.path(1), "float32")
 
 

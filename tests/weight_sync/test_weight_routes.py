@@ -15,6 +15,10 @@ from test_generate_hf_parity import NEW_TOKENS, PROMPTS
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
 from serve_kit import start_server  # noqa: E402
 from test_checksum import digests  # noqa: E402
+from test_update_group import free_port  # noqa: E402
+from trainer_process import checkpoint_tensors  # noqa: E402
+
+from kvrunner.weight_sync.broadcaster import WeightBroadcaster  # noqa: E402
 
 KEY = "weights-key-1"
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
@@ -70,3 +74,24 @@ def test_a_push_over_http_lands_whole_and_a_malformed_one_leaves_the_server_refu
                               bucket_bytes=4 * 512 * 64 * 4)
         assert answer.status_code == 200, answer.text
         assert greedy(client) == checkpoints.expected(3, "float32")
+
+
+def test_the_group_routes_join_receive_a_broadcast_push_and_leave(
+    server, trainer, checkpoints
+) -> None:
+    port = free_port()
+    path = str(checkpoints.path(2))
+    with server.client() as client:
+        trainer.conn.send({"path": path, "port": port, "world_size": 2})
+        joined = client.post("/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "backend": "gloo", "timeout_s": 30})
+        assert joined.status_code == 200, joined.text
+        assert trainer.result()[0] == "joined"
+        names, dtypes, shapes = WeightBroadcaster.spec(checkpoint_tensors(path, 0))
+        pushed = client.post("/update_weights_from_distributed", json={
+            "names": names, "dtypes": dtypes, "shapes": shapes, "weight_version": "8"})
+        assert pushed.status_code == 200 and pushed.json()["loaded"] == len(names), pushed.text
+        assert trainer.result()[0] == "broadcast"
+        assert client.post("/destroy_weights_update_group").status_code == 200
+        assert greedy(client) == checkpoints.expected(2, "float32")

@@ -95,6 +95,21 @@ def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
     listener.close()
 
 
+def broadcast_job(conn: Connection, job: dict[str, Any]) -> None:
+    """Rank 0 of a weight-update group: join, then broadcast every tensor in order."""
+    from kvrunner.weight_sync.broadcaster import WeightBroadcaster
+
+    pairs = checkpoint_tensors(job["path"], job.get("order_seed", 0))
+    if job.get("die_after") is not None:
+        pairs = _dying_after(pairs, job["die_after"])
+    sender = WeightBroadcaster("127.0.0.1", job["port"], world_size=job["world_size"],
+                               timeout_s=30)
+    sender.connect()
+    conn.send(("joined", None, None))
+    sender.broadcast(pairs)
+    conn.send(("broadcast", job["world_size"]))
+
+
 def serve(conn: Connection) -> None:
     """Run pushes until told to stop (the target of the spawned process)."""
     torch.set_num_threads(1)
@@ -102,4 +117,7 @@ def serve(conn: Connection) -> None:
         job = conn.recv()
         if job is None:
             return
-        (push_malformed if job.get("fault") else push)(conn, job)
+        if "port" in job:
+            broadcast_job(conn, job)
+        else:
+            (push_malformed if job.get("fault") else push)(conn, job)

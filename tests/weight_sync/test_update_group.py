@@ -1,0 +1,77 @@
+"""Weights broadcast over a weight-update group (gloo on the CPU) from a trainer's
+rank 0 in another process: TP=1 and TP=2 engines receive full tensors, keep their
+shards and generate what transformers does; a trainer that dies mid-push leaves the
+engine refusing until a full push."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from test_generate_hf_parity import NEW_TOKENS, PROMPTS
+from trainer_process import checkpoint_tensors
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.sleep_state import SleepStateError
+from kvrunner.weight_sync import WeightSyncError
+from kvrunner.weight_sync.broadcaster import WeightBroadcaster
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64,
+              block_size=4)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def joined(llm: LLM, trainer, path, **job) -> None:
+    """The trainer (rank 0) and every engine rank in a fresh group."""
+    tp = llm.config.parallel.tensor_parallel_size
+    port = free_port()
+    trainer.conn.send({"path": str(path), "port": port, "world_size": 1 + tp, **job})
+    llm.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, backend="gloo",
+                                  timeout_s=30)
+    assert trainer.result()[0] == "joined"
+
+
+@pytest.fixture(scope="module")
+def llm_tp1(checkpoints):
+    engine = LLM(model=str(checkpoints.path(1)), **ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("engine", ["llm_tp1", "llm_tp2"])
+def test_a_broadcast_push_lands_in_every_rank_and_generates_as_transformers(
+    request, engine, trainer, checkpoints
+) -> None:
+    llm = request.getfixturevalue(engine)
+    joined(llm, trainer, checkpoints.path(2), order_seed=3)
+    names, dtypes, shapes = WeightBroadcaster.spec(checkpoint_tensors(str(checkpoints.path(2)),
+                                                                      3))
+    assert llm.update_weights_from_distributed(names, dtypes, shapes) == len(names)
+    assert trainer.result()[0] == "broadcast"
+    llm.destroy_weights_update_group()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == \
+        checkpoints.expected(2, "float32")
+
+
+def test_a_trainer_dying_mid_broadcast_leaves_the_engine_refusing_until_a_full_push(
+    llm_tp1, fresh_trainer, trainer, checkpoints
+) -> None:
+    path = str(checkpoints.path(3))
+    spec = WeightBroadcaster.spec(checkpoint_tensors(path, 0))
+    joined(llm_tp1, fresh_trainer, path, die_after=10)
+    with pytest.raises(WeightSyncError, match="broadcast"):
+        llm_tp1.update_weights_from_distributed(*spec)
+    assert llm_tp1.cache_info().weights == "partial"
+    with pytest.raises(SleepStateError, match="failed part way"):
+        llm_tp1.generate(PROMPTS, GREEDY)
+    joined(llm_tp1, trainer, path)
+    llm_tp1.update_weights_from_distributed(*spec)
+    assert trainer.result()[0] == "broadcast"
+    assert [o.token_ids for o in llm_tp1.generate(PROMPTS, GREEDY)] == \
+        checkpoints.expected(3, "float32")
