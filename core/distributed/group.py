@@ -215,14 +215,7 @@ def _all_reduce_sum(group: dist.ProcessGroup) -> Collective:
 def _fixed_order_all_reduce(group: dist.ProcessGroup, size: int) -> Collective:
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(size)]
-        try:
-            dist.all_gather(parts, x, group=group)
-        except RuntimeError as e:
-            raise CollectiveError(
-                f"all_gather (the fixed-order all-reduce) over the tensor-parallel group "
-                f"failed (a peer rank has probably failed): {e}"
-            ) from e
+        parts = _gather_parts(group, size, x, "all_gather (the fixed-order all-reduce)")
         # Rank 0's part, then rank 1's, ... in float32, rounded once: the same sum on
         # every rank and for every message size.
         total = parts[0].float()
@@ -245,14 +238,21 @@ def _all_gather_last_dim(group: dist.ProcessGroup, size: int) -> Collective:
     def all_gather(x: torch.Tensor) -> torch.Tensor:
         # The list form works on gloo and NCCL alike, and under CUDA-graph capture.
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(size)]
-        try:
-            dist.all_gather(parts, x, group=group)
-        except RuntimeError as e:
-            raise CollectiveError(
-                f"all_gather over the tensor-parallel group failed "
-                f"(a peer rank has probably failed): {e}"
-            ) from e
-        return torch.cat(parts, dim=-1)
+        return torch.cat(_gather_parts(group, size, x, "all_gather"), dim=-1)
 
     return all_gather
+
+
+def _gather_parts(
+    group: dist.ProcessGroup, size: int, x: torch.Tensor, what: str
+) -> list[torch.Tensor]:
+    """Every rank's ``x``, in rank order; a failed peer is a :class:`CollectiveError`."""
+    parts = [torch.empty_like(x) for _ in range(size)]
+    try:
+        dist.all_gather(parts, x, group=group)
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        raise CollectiveError(
+            f"{what} over the tensor-parallel group failed "
+            f"(a peer rank has probably failed): {e}"
+        ) from e
+    return parts

@@ -3,8 +3,10 @@
 Strict on purpose: an unknown field, a string where a number belongs, a float
 ``max_tokens`` or a bool ``n`` is a 400 naming the field, not a silent coercion. The
 fields are OpenAI's, plus the vLLM extras RL clients send (``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``return_tokens_as_token_ids``). Fields OpenAI defines but kvrunner
-does not implement (penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of``) are
+``stop_token_ids``, ``return_tokens_as_token_ids``). ``echo`` (without ``stream``) puts the
+prompt in front of the text and, with ``logprobs``, its logprobs in front of the
+completion's. Fields OpenAI defines but kvrunner
+does not implement (penalties, ``logit_bias``, ``suffix``, ``best_of``) are
 accepted at their neutral value only; see :func:`kvrunner.serve.request_params.refuse_unsupported`.
 """
 

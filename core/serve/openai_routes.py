@@ -41,7 +41,7 @@ _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": Non
 _NAMES = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
           "top_k": "top_k", "seed": "seed", "stop": "stop", "n": "n",
           "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-          "logprobs": "logprobs"}
+          "logprobs": "logprobs", "prompt_logprobs": "logprobs"}
 
 
 #: words of an engine's refusal -> the field it is about (see errors.engine_error)
@@ -55,8 +55,10 @@ def _state(request: Request) -> ServerState:
 
 
 def _params(state: ServerState, body: SamplingFields, *, max_tokens: int | None,
-            prompt_len: int, logprobs: int | None, logprobs_name: str) -> Any:
-    """The SamplingParams of one prompt of ``body``."""
+            prompt_len: int, logprobs: int | None, logprobs_name: str,
+            prompt_logprobs: int | None = None) -> Any:
+    """The SamplingParams of one prompt of ``body`` (``prompt_logprobs``: the prompt's
+    own logprobs and top-N, for ``echo``)."""
     settings = state.settings
     refuse_unsupported(body, _NEUTRAL)
     if body.n > settings.max_n:
@@ -73,6 +75,7 @@ def _params(state: ServerState, body: SamplingFields, *, max_tokens: int | None,
         "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
         "ignore_eos": body.ignore_eos if "ignore_eos" in given else None,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "n": body.n if body.n != 1 else None,
     }
     # unset sampling fields keep the engine's defaults (the checkpoint's generation_config)
@@ -91,8 +94,9 @@ def _token_text(state: ServerState, token_id: int, as_ids: bool) -> str:
     return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list[float] | None,
-                         tops: list[dict[int, float]] | None, *, as_ids: bool,
+def _completion_logprobs(state: ServerState, token_ids: list[int],
+                         logprobs: list[float | None] | None,
+                         tops: list[dict[int, float] | None] | None, *, as_ids: bool,
                          offset: int) -> dict[str, Any] | None:
     if logprobs is None:
         return None
@@ -105,7 +109,8 @@ def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: lis
         "tokens": tokens,
         "token_logprobs": list(logprobs),
         "top_logprobs": None if tops is None else [
-            {_token_text(state, t, as_ids): lp for t, lp in top.items()} for top in tops
+            None if top is None else {_token_text(state, t, as_ids): lp for t, lp in top.items()}
+            for top in tops
         ],
         "text_offset": offsets,
     }
@@ -149,14 +154,23 @@ async def completions(request: Request) -> Any:
     state = _state(request)
     body = await parse_body(request, CompletionRequest)
     state.check_model(body.model)
-    refuse_unsupported(body, {"echo": False, "suffix": None})
+    refuse_unsupported(body, {"suffix": None})
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported by kvrunner",
                        param="best_of")
+    if body.echo and body.stream:
+        raise APIError(400, "echo is supported without stream only", param="echo")
+    if body.echo and state.engine.tokenizer is None:
+        raise APIError(400, "echo needs the prompt's text, and the model has no tokenizer",
+                       param="echo")
     state.admission.require_open()
     prompts = _prompts(state, body.prompt)
+    # echo with logprobs scores the prompt too (SamplingParams.prompt_logprobs, computed in
+    # the prefill; such a request recomputes its prompt instead of taking a prefix hit)
+    scored = body.logprobs if body.echo else None
     jobs = [(ids, _params(state, body, max_tokens=body.max_tokens, prompt_len=len(ids),
-                          logprobs=body.logprobs, logprobs_name="logprobs"))
+                          logprobs=body.logprobs, logprobs_name="logprobs",
+                          prompt_logprobs=scored))
             for ids in prompts]
     rid, created = new_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
@@ -169,19 +183,37 @@ async def completions(request: Request) -> Any:
             _completion_events(state, items, head, jobs, as_ids=as_ids, usage=usage))
     results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS)
     choices, completion_tokens = [], 0
-    for outs in results:
+    for (ids, _), outs in zip(jobs, results, strict=True):
+        echoed = state.engine.tokenizer.decode(ids, skip_special_tokens=False) \
+            if body.echo else ""
         for out in outs:
+            logprobs = _completion_logprobs(state, out.token_ids, out.logprobs,
+                                            out.top_logprobs, as_ids=as_ids,
+                                            offset=len(echoed))
+            if body.echo and logprobs is not None:
+                logprobs = _echoed_logprobs(state, ids, out, logprobs, as_ids=as_ids)
             choices.append({
                 "index": len(choices),
-                "text": out.text,
-                "logprobs": _completion_logprobs(state, out.token_ids, out.logprobs,
-                                                 out.top_logprobs, as_ids=as_ids, offset=0),
+                "text": echoed + out.text,
+                "logprobs": logprobs,
                 "finish_reason": out.finish_reason,
                 "stop_reason": getattr(out, "stop_reason", None),
             })
             completion_tokens += len(out.token_ids)
     return JSONResponse(dict(head, choices=choices,
                              usage=_usage(sum(len(p) for p in prompts), completion_tokens)))
+
+
+def _echoed_logprobs(state: ServerState, prompt: list[int], out: Any,
+                     generated: dict[str, Any], *, as_ids: bool) -> dict[str, Any]:
+    """``generated``'s logprobs with the prompt's in front (the first prompt token has
+    none, as in vLLM's echo)."""
+    head = _completion_logprobs(state, prompt, out.prompt_logprobs,
+                                None if generated["top_logprobs"] is None
+                                else out.prompt_top_logprobs or [None] * len(prompt),
+                                as_ids=as_ids, offset=0)
+    assert head is not None  # the request asked for prompt logprobs
+    return {key: head[key] + generated[key] for key in head}
 
 
 async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],

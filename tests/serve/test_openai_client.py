@@ -96,3 +96,34 @@ def test_a_wrong_model_name_is_404_naming_model(client) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert caught.value.body["param"] == "model"
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_in_front(client, reference_llm) -> None:
+    prompt = "the cat sat on the"
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0, logprobs=2, echo=True,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    ref = reference_llm.generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2,
+                                 prompt_logprobs=2, ignore_eos=True))[0]
+    (choice,) = response.choices
+    n = len(ref.prompt_token_ids)
+    assert choice.text == reference_llm.tokenizer.decode(
+        ref.prompt_token_ids, skip_special_tokens=False) + ref.text
+    assert _ids(choice.logprobs.tokens) == list(ref.prompt_token_ids) + ref.token_ids
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:n] == pytest.approx(ref.prompt_logprobs[1:],
+                                                                abs=1e-5)
+    assert choice.logprobs.token_logprobs[n:] == pytest.approx(ref.logprobs, abs=1e-5)
+    tops = choice.logprobs.top_logprobs
+    assert tops[0] is None and len(tops) == n + 4
+    for got, want in zip(tops[1:n], ref.prompt_top_logprobs[1:], strict=True):
+        assert {int(k.split(":")[1]): v for k, v in got.items()} == pytest.approx(want, abs=1e-5)
+    assert response.usage.completion_tokens == 4
+
+
+def test_echo_with_stream_is_refused_naming_echo(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt="a b", max_tokens=2, echo=True,
+                                  stream=True)

@@ -434,3 +434,15 @@ def test_collectives_this_host_cannot_run_are_refused_before_any_rank_starts(
         LLM(checkpoint, tensor_parallel_size=2, device="cpu", **SMALL, **overrides)
     assert time.monotonic() - start < 5.0, "refused only after the ranks started"
     assert rank_pids() == before
+
+
+def test_deterministic_tp2_sums_in_rank_order_and_keeps_tp1_tokens(
+    checkpoint: str, tp1_greedy: list[list[int]]
+) -> None:
+    """deterministic=True replaces the all-reduce with an all-gather and a sum in rank
+    order; greedy tokens stay those of one rank, and a second run repeats them."""
+    with LLM(checkpoint, tensor_parallel_size=2, deterministic=True, enforce_eager=True,
+             **SMALL) as llm:
+        first = token_ids(llm)
+        assert token_ids(llm) == first
+    assert first == tp1_greedy
