@@ -47,7 +47,7 @@ CASES = [
     ("negative_seed", "POST", "/v1/completions", _completion(seed=-3), 400, "seed"),
     ("penalty", "POST", "/v1/completions", _completion(frequency_penalty=0.5), 400,
      "frequency_penalty"),
-    ("echo", "POST", "/v1/completions", _completion(echo=True), 400, "echo"),
+    ("echo", "POST", "/v1/completions", _completion(echo=True, stream=True), 400, "echo"),
     ("unknown_model", "POST", "/v1/completions", _completion(model="llama-9000"), 404, "model"),
     ("missing_model", "POST", "/v1/completions", {"prompt": "hi"}, 400, "model"),
     ("chat_no_messages", "POST", "/v1/chat/completions", {"model": MODEL, "messages": []},
