@@ -102,13 +102,42 @@ def gaps(path: Path, rollouts, dtype: torch.dtype) -> tuple[float, float]:
     return float(d.mean()), float(d.max())
 
 
+def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int = 10) -> None:
+    """The kernels of eager decode steps at ``batch`` (prompts of 1,024): the ``top``
+    by device time, with their share of all kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch_prompts = prompts(batch, ROLLOUT_PROMPT, seed=batch)
+    llm = LLM(model=str(path), dtype="bfloat16", deterministic=deterministic,
+              max_num_seqs=batch, max_model_len=ROLLOUT_PROMPT + 64, enforce_eager=True,
+              max_num_batched_tokens=16384, gpu_memory_utilization=0.7)
+    with llm:
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        llm.generate(batch_prompts, greedy)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(batch_prompts, attrs.evolve(greedy, max_tokens=17))
+    release_memory()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    print(f"deterministic={deterministic}: kernels of a prefill and 16 decode steps at batch "
+          f"{batch}, {total / 1e3:.1f} ms in all")
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / total:>6.1%} {e.count:>6}x  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="first print the kernels of eager decode steps, off and on")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp())
     path = root / "qwen3-0.6b-random"
     write_checkpoint(path, max_positions=4096)
+    if args.profile:
+        for flag in (False, True):
+            profile_decode(path, flag)
     print(f"{'case':<28}{'off':>12}{'on':>12}{'slowdown':>10}")
     for batch in DECODE_BATCHES:
         off, on = (decode_tokens_per_s(path, flag, batch) for flag in (False, True))

@@ -32,18 +32,20 @@ def qwen3_0_6b(tmp_path_factory) -> Path:
     return path
 
 
-def crowd(seed: int, n: int) -> list[list[int]]:
+def crowd(seed: int, n: int, vocab: int = 5000) -> list[list[int]]:
+    """``n`` random prompts of 3 to 299 token ids below ``vocab``."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 5000, (int(k),), generator=g).tolist()
+    return [torch.randint(10, vocab, (int(k),), generator=g).tolist()
             for k in torch.randint(3, 300, (n,), generator=g)]
 
 
 def check(path: Path, params: SamplingParams, **extra) -> None:
-    probe = crowd(1, 1)[0][:40] + list(range(100, 140))
     with LLM(str(path), **ENGINE, **extra) as llm:
+        vocab = min(5000, llm.engine.vocab_size)  # the tiny MoE has 448 ids
+        probe = crowd(1, 1, vocab)[0][:40] + list(range(100, 140))
         alone = llm.generate([probe], params)[0]
         for seed, n, at in ((2, 26, 0), (3, 40, 17), (4, 9, 9)):
-            others = crowd(seed, n)
+            others = crowd(seed, n, vocab)
             batch = others[:at] + [probe] + others[at:]
             sp = [SamplingParams(max_tokens=8 + 3 * i % 40, temperature=1.0) for i in range(n)]
             out = llm.generate(batch, sp[:at] + [params] + sp[at:])[at]
@@ -51,7 +53,7 @@ def check(path: Path, params: SamplingParams, **extra) -> None:
                 alone.token_ids, alone.logprobs, alone.top_logprobs)
         llm.sleep(1)
         llm.wake_up()
-        again = llm.generate([probe] + crowd(5, 12), [params] + [SamplingParams()] * 12)[0]
+        again = llm.generate([probe] + crowd(5, 12, vocab), [params] + [SamplingParams()] * 12)[0]
         assert (again.token_ids, again.logprobs) == (alone.token_ids, alone.logprobs)
         scored = llm.generate([probe + alone.token_ids],
                               SamplingParams(max_tokens=1, prompt_logprobs=0))[0]

@@ -58,6 +58,18 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     torch.float32: PrefillLaunch(32, 32, 4, 2, "tf32x3"),
 }
 
+#: Deterministic mode's launch for a step of decode rows only (one query a sequence):
+#: :data:`LAUNCH`'s key tile, stages and precision, so each row walks the same key
+#: tiles with the same online softmax, in a tile of the fewest rows a ``tl.dot`` takes.
+#: A decode row in :data:`LAUNCH`'s 128-row tile (as the default path's prefill kernel
+#: would attend it) fills one or two of the rows the tensor cores multiply; here it fills
+#: one or two of 16. A row's sums do not depend on the rows beside it in the tile, so the
+#: bits are those of the 128-row tile (tests/paged/test_fixed_order_decode_gpu.py checks
+#: it on CUDA, where the two tiles take different instructions).
+FIXED_ORDER_DECODE_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
+    dtype: attrs.evolve(launch, block_m=16, num_warps=4) for dtype, launch in LAUNCH.items()
+}
+
 #: From this many queries in one sequence, a run takes :data:`LONG_RUN_LAUNCH`
 LONG_RUN_QUERY_LEN = 4096
 #: Wider key tiles for long runs: each program walks many key tiles, so fewer, larger
