@@ -28,3 +28,10 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    #: the prompt's logprobs (``SamplingParams.prompt_logprobs``; None for its first
+    #: token), on the request's first delta only: the prefill that scored them is done
+    #: by the time the first token is sampled
+    prompt_logprobs: list[float | None] | None = None
+    #: the top-N logprobs at each prompt position, on the first delta, when
+    #: ``SamplingParams.prompt_logprobs`` = N > 0
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None

@@ -82,12 +82,16 @@ class LiveRequest:
     def _delta(self, new: list[int], first: int, text: str) -> StreamDelta:
         seq, wants = self.seq, self.seq.sampling_params.logprobs
         end = first + len(new)
+        scored = seq.sampling_params.prompt_logprobs if first == 0 else None
         return StreamDelta(
             request_id=self.request_id,
             token_ids=list(new),
             logprobs=list(seq.logprobs[first:end]) if wants is not None else None,
             top_logprobs=list(seq.top_logprobs[first:end]) if wants else None,
             text=text,
+            # as RequestOutput gives them (LLM._output): None for the first prompt token
+            prompt_logprobs=None if scored is None else [None, *seq.prompt_logprobs],
+            prompt_top_logprobs=[None, *seq.prompt_top_logprobs] if scored else None,
         )
 
     def _new_text(self, tokenizer: Any | None) -> str:

@@ -17,7 +17,8 @@ from kvrunner.serve.openai_protocol import NonNegativeInt, PositiveInt, StrictMo
 class SGLangSamplingParams(StrictModel):
     """``sampling_params`` of ``/generate``."""
 
-    max_new_tokens: PositiveInt | None = 128
+    #: 0 scores the prompt only (no output token; see ``logprob_start_len``)
+    max_new_tokens: NonNegativeInt | None = 128
     min_new_tokens: NonNegativeInt = 0
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -47,10 +48,15 @@ class GenerateRequest(StrictModel):
     text: str | None = None
     input_ids: TokenIds | None = None
     sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    #: output (and, from ``logprob_start_len``, prompt) logprobs in ``meta_info``
     return_logprob: bool = False
-    #: accepted for SGLang clients; kvrunner returns output logprobs only
-    logprob_start_len: int = -1
+    #: with ``return_logprob``: the prompt position ``input_token_logprobs`` start at
+    #: (its first entry's logprob is null); -1 is SGLang's default, the last prompt
+    #: token (none at all when ``max_new_tokens`` is 0); null is -1, as in SGLang
+    logprob_start_len: Annotated[int, Field(ge=-1)] | None = -1
+    #: the top-N logprobs at every returned position (prompt and output)
     top_logprobs_num: NonNegativeInt = 0
+    #: each logprob triple's third item is the token's text (else null)
     return_text_in_logprobs: bool = False
     rid: str | None = None
     stream: bool = False

@@ -75,7 +75,36 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _params(state: ServerState, body: GenerateRequest, prompt_len: int) -> Any:
+def score_only(body: GenerateRequest) -> bool:
+    """``max_new_tokens`` 0: the prompt is scored and nothing is generated. The engine
+    runs the prefill as for one new token (it samples one) and the route drops that
+    token: the answer has no output tokens, text or output logprobs."""
+    return body.sampling_params.max_new_tokens == 0
+
+
+def logprob_start(body: GenerateRequest, prompt_len: int) -> int | None:
+    """The prompt position ``input_token_logprobs`` starts at, as SGLang resolves
+    ``logprob_start_len``: -1 is the last prompt token (past the prompt, so none, for a
+    score-only request); None without ``return_logprob`` (then the field is ignored).
+
+    :raises APIError: a start past the last position the request can report.
+    """
+    if not body.return_logprob:
+        return None
+    last = prompt_len if score_only(body) else prompt_len - 1
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    if start == -1:
+        return last
+    if start > last:
+        raise APIError(400, f"logprob_start_len={start} is beyond the prompt: it must be at "
+                       f"most {last} (the prompt has {prompt_len} tokens"
+                       + (", and a score-only request may start past its end)"
+                          if score_only(body) else ")"), param="logprob_start_len")
+    return start
+
+
+def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
+            start: int | None) -> Any:
     sp: SGLangSamplingParams = body.sampling_params
     refuse_unsupported(sp, _NEUTRAL, prefix="sampling_params.")
     settings = state.settings
@@ -88,13 +117,19 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int) -> Any:
                        f"server's limit of {settings.max_logprobs} (--max-logprobs)",
                        param="top_logprobs_num")
     given = sp.model_fields_set
+    # the engine scores a prompt position p > 0 from the logits at p - 1; SGLang's first
+    # entry (at ``start``) has no logprob, so only a start before the last token needs
+    # the prompt scored (which costs the prefix-cache hit: see SamplingParams)
+    scored = start is not None and start < prompt_len - 1
     values: dict[str, Any] = {
-        "max_tokens": max_new_tokens(sp.max_new_tokens, prompt_len, state.max_model_len),
+        "max_tokens": 1 if score_only(body)
+        else max_new_tokens(sp.max_new_tokens, prompt_len, state.max_model_len),
         "seed": sp.sampling_seed,
         "stop": stops(sp.stop),
         "stop_token_ids": tuple(sp.stop_token_ids) if sp.stop_token_ids else None,
         "ignore_eos": sp.ignore_eos if "ignore_eos" in given else None,
         "logprobs": body.top_logprobs_num if body.return_logprob else None,
+        "prompt_logprobs": body.top_logprobs_num if scored else None,
         "n": sp.n if sp.n != 1 else None,
     }
     for name in ("temperature", "top_p"):
@@ -109,7 +144,7 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int) -> Any:
 ABORTED = "Aborted"
 
 
-def _finish_reason(out: Any) -> dict[str, Any] | None:
+def _finish_reason(out: Any, score_only: bool) -> dict[str, Any] | None:
     """SGLang's finish-reason object: ``length`` / ``stop`` / ``abort``, the last with
     SGLang's ``message``, ``status_code`` and ``err_type``. SGLang has no finish reason
     for a failed request, only an abort carrying the error, which slime and AReaL
@@ -119,6 +154,8 @@ def _finish_reason(out: Any) -> dict[str, Any] | None:
     reason = out.finish_reason
     if reason is None:
         return None
+    if score_only and reason in ("length", "stop"):  # the dropped token ended it
+        return {"type": "length", "length": 0}
     if reason == "length":
         return {"type": "length", "length": len(out.token_ids)}
     if reason == "stop":
@@ -137,19 +174,48 @@ def _weight_version(state: ServerState, out: Any) -> Any:
     return version if version is not None else state.engine.stats().weight_version
 
 
-def _logprob_triples(state: ServerState, token_ids: list[int], logprobs: list[float],
-                     with_text: bool) -> list[list[Any]]:
+def _logprob_triples(state: ServerState, token_ids: list[int],
+                     logprobs: list[float | None], with_text: bool) -> list[list[Any]]:
     return [[lp, t, state.decode([t]) if with_text else None]
             for t, lp in zip(token_ids, logprobs, strict=True)]
 
 
+def _top_triples(state: ServerState, top: dict[int, float] | None,
+                 with_text: bool) -> list[list[Any]] | None:
+    if top is None:
+        return None
+    return [[lp, t, state.decode([t]) if with_text else None] for t, lp in top.items()]
+
+
+def _input_logprobs(state: ServerState, body: GenerateRequest, out: Any,
+                    prompt: list[int], start: int) -> dict[str, Any]:
+    """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs``): one entry per
+    prompt position from ``start`` to the end, the first with a null logprob (SGLang
+    computes logits from ``start`` on, so the token there has none), entry ``k`` the
+    logprob of ``prompt[start + k]`` given the tokens before it. A request ended before
+    its prefill did (an abort) has entries for the positions scored by then only."""
+    scored = out.prompt_logprobs  # None: no position after ``start`` needed scoring
+    end = len(prompt) if scored is None else min(len(prompt), len(scored))
+    positions = range(start + 1, end)
+    text = body.return_text_in_logprobs
+    tail = prompt[start:end]
+    values = [None, *(scored[p] for p in positions)] if tail else []
+    meta = {"input_token_logprobs": _logprob_triples(state, tail, values, text)}
+    if body.top_logprobs_num:
+        tops = out.prompt_top_logprobs
+        meta["input_top_logprobs"] = [None, *(_top_triples(state, tops[p], text)
+                                              for p in positions)] if tail else []
+    return meta
+
+
 def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
-          prompt_tokens: int, started: float) -> dict[str, Any]:
+          prompt: list[int], started: float) -> dict[str, Any]:
+    only = score_only(body)
     meta: dict[str, Any] = {
         "id": rid,
-        "finish_reason": _finish_reason(out),
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(out.token_ids),
+        "finish_reason": _finish_reason(out, only),
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 0 if only else len(out.token_ids),
         "cached_tokens": 0,
         "weight_version": _weight_version(state, out),
         "e2e_latency": time.perf_counter() - started,
@@ -159,21 +225,24 @@ def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
         meta["weight_versions"] = [[version, start] for version, start in spans]
     if body.return_logprob and out.logprobs is not None:
         text = body.return_text_in_logprobs
-        meta["output_token_logprobs"] = _logprob_triples(state, out.token_ids, out.logprobs,
-                                                         text)
+        start = logprob_start(body, len(prompt))
+        assert start is not None  # return_logprob
+        meta |= _input_logprobs(state, body, out, prompt, start)
+        kept = 0 if only else len(out.token_ids)
+        meta["output_token_logprobs"] = _logprob_triples(
+            state, out.token_ids[:kept], out.logprobs[:kept], text)
         if body.top_logprobs_num:
-            meta["output_top_logprobs"] = [
-                [[lp, t, state.decode([t]) if text else None] for t, lp in top.items()]
-                for top in (out.top_logprobs or [])
-            ]
+            meta["output_top_logprobs"] = [_top_triples(state, top, text)
+                                           for top in (out.top_logprobs or [])[:kept]]
     return meta
 
 
 def _one(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
-         prompt_tokens: int, started: float) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": list(out.token_ids),
-            "meta_info": _meta(state, body, out, rid, prompt_tokens=prompt_tokens,
-                               started=started)}
+         prompt: list[int], started: float) -> dict[str, Any]:
+    only = score_only(body)
+    return {"text": "" if only else out.text,
+            "output_ids": [] if only else list(out.token_ids),
+            "meta_info": _meta(state, body, out, rid, prompt=prompt, started=started)}
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
@@ -188,18 +257,18 @@ async def generate(request: Request) -> Any:
     state.admission.require_open()
     field = "text" if body.text is not None else "input_ids"
     ids = state.token_ids(body.text if body.text is not None else body.input_ids, param=field)
-    params = _params(state, body, len(ids))
+    params = _params(state, body, len(ids), logprob_start(body, len(ids)))
     rid = body.rid or new_id("gen")
     started = time.perf_counter()
     if body.stream:
         items = await generation.start_stream(state.engine, [(ids, params)], rid,
                                               fields=_fields(field))
-        return sse.response(_events(state, body, items, rid, len(ids), started,
+        return sse.response(_events(state, body, items, rid, ids, started,
                                     many=body.sampling_params.n > 1, fields=_fields(field)))
     outs = (await generation.run(state.engine, [(ids, params)], rid, request,
                                  fields=_fields(field)))[0]
     answers = [_one(state, body, out, rid if len(outs) == 1 else f"{rid}-{k}",
-                    prompt_tokens=len(ids), started=started) for k, out in enumerate(outs)]
+                    prompt=ids, started=started) for k, out in enumerate(outs)]
     return JSONResponse(answers[0] if len(answers) == 1 else answers)
 
 
@@ -216,6 +285,8 @@ class _Progress:
         self.error: str | None = None
         self.weight_version: Any = None
         self.weight_versions: Any = None
+        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: Any) -> None:
         self.token_ids += list(delta.token_ids)
@@ -223,6 +294,9 @@ class _Progress:
         self.top_logprobs += list(delta.top_logprobs or ())
         self.text += delta.text or ""
         self.finish_reason = delta.finish_reason
+        if delta.prompt_logprobs is not None:  # the first delta: the prompt's scores
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_top_logprobs = delta.prompt_top_logprobs
         final = getattr(delta, "output", None)
         if final is not None:  # the last delta carries the whole output: take its facts
             self.text = final.text
@@ -233,7 +307,7 @@ class _Progress:
 
 
 async def _events(state: ServerState, body: GenerateRequest,
-                  items: AsyncIterator[tuple[int, Any]], rid: str, prompt_tokens: int,
+                  items: AsyncIterator[tuple[int, Any]], rid: str, prompt: list[int],
                   started: float, *, many: bool, fields: dict[str, str]
                   ) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
@@ -242,7 +316,7 @@ async def _events(state: ServerState, body: GenerateRequest,
             seen = progress.setdefault(index, _Progress())
             seen.add(delta)
             chunk = _one(state, body, _OutputView(seen), f"{rid}-{index}" if many else rid,
-                         prompt_tokens=prompt_tokens, started=started)
+                         prompt=prompt, started=started)
             if many:
                 chunk["index"] = index
             yield event(chunk)
@@ -266,6 +340,8 @@ class _OutputView:
         self.error = seen.error
         self.weight_version = seen.weight_version
         self.weight_versions = seen.weight_versions
+        self.prompt_logprobs = seen.prompt_logprobs
+        self.prompt_top_logprobs = seen.prompt_top_logprobs
 
 
 # ---------------------------------------------------------------------------
