@@ -60,7 +60,7 @@ _NEUTRAL = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,
             "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None,
             "json_schema": None, "ebnf": None, "logit_bias": None}
 _NAMES = {"max_tokens": "sampling_params.max_new_tokens", "seed": "sampling_params.sampling_seed",
-          "logprobs": "top_logprobs_num"} | {
+          "logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num"} | {
     f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "stop",
                                         "stop_token_ids", "ignore_eos", "n")}
 

@@ -84,10 +84,12 @@ def test_logprob_start_len_picks_the_first_returned_prompt_position(client, whol
     assert meta["output_token_logprobs"] == whole["output_token_logprobs"]
 
 
-def test_without_return_logprob_nothing_is_reported(client) -> None:
-    meta = _generate(client, {"input_ids": PROMPT, "sampling_params": GREEDY,
-                              "logprob_start_len": 0})["meta_info"]
-    assert not {k for k in meta if "logprobs" in k}
+def test_without_return_logprob_nothing_is_reported_and_the_start_is_ignored(client
+                                                                            ) -> None:
+    for start in (0, len(PROMPT) + 5):  # as in SGLang, unchecked without return_logprob
+        meta = _generate(client, {"input_ids": PROMPT, "sampling_params": GREEDY,
+                                  "logprob_start_len": start})["meta_info"]
+        assert not {k for k in meta if "logprobs" in k}
 
 
 def test_return_text_in_logprobs_puts_each_tokens_text_third(client, reference_llm) -> None:
@@ -187,11 +189,27 @@ def test_input_token_logprobs_are_the_in_process_prompt_logprobs_bit_for_bit(
         [lp, t, None] for lp, t in zip(ref.logprobs, ref.token_ids, strict=True)]
 
 
+def slime_opd_payload(tokens: list[int]) -> dict:
+    """What slime's on-policy distillation sends its teacher to score a sample."""
+    return {"input_ids": tokens,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 0,
+                                "skip_special_tokens": False},
+            "return_logprob": True, "logprob_start_len": 0}
+
+
+def slime_opd_parse(answer: dict, response_length: int) -> list[float]:
+    """How slime reads the teacher's answer: every entry's logprob after the first,
+    the response's last ``response_length``."""
+    logprobs = [item[0] for item in answer["meta_info"]["input_token_logprobs"][1:]]
+    return logprobs[-response_length:]
+
+
 def test_scoring_prompt_and_response_reproduces_generations_logprobs_bit_for_bit(
         deterministic_server) -> None:
     """The rollouts are generated side by side (seeded sampling), then scored side by
-    side with ``max_new_tokens: 0``, so every step's batch differs from the other's."""
-    async def go() -> tuple[list[dict], list[dict]]:
+    side with ``max_new_tokens: 0`` (slime's payload, and from the last prompt token
+    with the top-2), so every step's batch differs from the other's."""
+    async def go() -> tuple[list[dict], list[dict], list[dict]]:
         async with deterministic_server.async_client() as c:
             async def post(body: dict) -> dict:
                 response = await c.post("/generate", json=body)
@@ -203,17 +221,20 @@ def test_scoring_prompt_and_response_reproduces_generations_logprobs_bit_for_bit
                 "sampling_params": {"max_new_tokens": 6 + k, "temperature": 0.9,
                                     "sampling_seed": 40 + k, "ignore_eos": True},
             }) for k, p in enumerate(ROLLOUTS)))
+            tokens = [p + r["output_ids"] for p, r in zip(ROLLOUTS, rollouts, strict=True)]
+            slime = await asyncio.gather(*(post(slime_opd_payload(t)) for t in tokens))
             scores = await asyncio.gather(*(post({
-                "input_ids": p + r["output_ids"], "return_logprob": True,
-                "top_logprobs_num": TOP, "logprob_start_len": len(p) - 1,
-                "sampling_params": {"max_new_tokens": 0},
-            }) for p, r in zip(ROLLOUTS, rollouts, strict=True)))
-            return rollouts, scores
+                "input_ids": t, "return_logprob": True, "top_logprobs_num": TOP,
+                "logprob_start_len": len(p) - 1, "sampling_params": {"max_new_tokens": 0},
+            }) for p, t in zip(ROLLOUTS, tokens, strict=True)))
+            return rollouts, slime, scores
 
-    rollouts, scores = asyncio.run(go())
-    for rollout, score in zip(rollouts, scores, strict=True):
+    rollouts, slime, scores = asyncio.run(go())
+    for rollout, teacher, score in zip(rollouts, slime, scores, strict=True):
         out, scored = rollout["meta_info"], score["meta_info"]
-        # entry 0 is the last prompt token (no logprob); then the response's tokens
+        assert len(out["output_token_logprobs"]) == len(rollout["output_ids"]) >= 6
+        assert slime_opd_parse(teacher, len(rollout["output_ids"])) == [
+            lp for lp, _, _ in out["output_token_logprobs"]]
+        # from the last prompt token: entry 0 (no logprob), then the response's tokens
         assert scored["input_token_logprobs"][1:] == out["output_token_logprobs"]
         assert scored["input_top_logprobs"][1:] == out["output_top_logprobs"]
-        assert len(out["output_token_logprobs"]) == len(rollout["output_ids"]) >= 6
