@@ -8,29 +8,48 @@ are :class:`kvrunner.ray.EngineRank` actors started beside it.
   tokens it had (``stop_reason="aborted"``, a partial rollout verl's
   ``FullyAsyncLLMServerClient`` resumes), and requests arriving meanwhile wait for
   ``resume_generation`` (or, with ``reject_request=True``, come back aborted at once).
-- Weights arrive in buckets (``load_weight_bucket``), each loaded as it comes;
-  ``finish_weight_update(global_steps)`` sets the ``global_steps`` every output
-  reports.
+- Weights arrive by IPC buckets from a ``BucketSender`` in the trainer's process
+  (``update_weights_from_ipc``: CUDA IPC on the same GPU, shared memory on the
+  same node), or from another node bucket by bucket through Ray's object store
+  (``load_weight_bucket``, then ``finish_weight_update``). Either way outputs then
+  report the push's ``global_steps``; ``last_weight_update`` says which path the
+  last push took.
+- ``sleep`` frees what the layout (``mode``, verl's ``RolloutMode`` value) lets
+  go: in ``hybrid`` the KV pool and the weights, discarded (the trainer pushes new
+  ones before the next rollout); in ``colocated`` both, the weights kept in host
+  memory (no push comes); in ``standalone`` the KV pool only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from kvrunner.ray.rank_setup import RankSpec
 from kvrunner.ray.replica_actor import EngineReplica
+
+#: what ``sleep`` frees in each layout: (level, kwargs of ``AsyncLLM.sleep``)
+_SLEEP: dict[str, tuple[int, dict[str, Any]]] = {
+    "hybrid": (2, {"discard_weights": True}),
+    "colocated": (2, {"discard_weights": False}),
+    "standalone": (1, {}),
+}
 
 
 class KvrunnerServer:
     """Rank 0 of a kvrunner replica, serving verl (the replica makes it a Ray actor)."""
 
     def __init__(self, spec: RankSpec, replica_rank: int, *, default_max_tokens: int,
-                 free_cache_engine: bool) -> None:
+                 free_cache_engine: bool, mode: str = "standalone") -> None:
+        if mode not in _SLEEP:
+            raise ValueError(f"mode={mode!r}: one of {sorted(_SLEEP)} (verl's RolloutMode)")
         self.replica = EngineReplica(spec, replica_rank)
         self.default_max_tokens = default_max_tokens
         self.free_cache_engine = free_cache_engine
+        self.mode = mode
         self.global_steps: int | None = None
         self._rejecting = False
+        self._last_update: dict[str, Any] | None = None
+        self._bucket_tensors = 0  # loaded by load_weight_bucket since the last finish
 
     # -- start-up, as kvrunner.ray.start_replica drives it --------------------------------
 
@@ -101,15 +120,19 @@ class KvrunnerServer:
     # -- memory and weights ----------------------------------------------------------------
 
     async def sleep(self) -> None:
-        """Free the KV pool (``free_cache_engine``); requests must have drained."""
+        """Free what the layout lets go (module docstring), if ``free_cache_engine``;
+        requests must have drained."""
         if self.free_cache_engine:
-            await self.replica.sleep(1, {})
+            level, kwargs = _SLEEP[self.mode]
+            await self.replica.sleep(level, kwargs)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.replica.wake_up(tags)
 
     async def release_kv_cache(self) -> None:
-        await self.sleep()
+        """Free the KV pool only (weights stay for a push into them)."""
+        if self.free_cache_engine:
+            await self.replica.sleep(1, {})
 
     async def resume_kv_cache(self) -> None:
         await self.replica.wake_up(["kv_cache"])
@@ -127,16 +150,36 @@ class KvrunnerServer:
         requests, first); the weights are ``partial`` (nothing is served) until every
         tensor has come. Each bucket is one ``AsyncLLM.update_weights`` call, so the
         prefix cache is reset (and, on CUDA, the graphs recaptured) per bucket."""
-        return await self.replica.update_weights(pairs, global_steps, {})
+        loaded = await self.replica.update_weights(pairs, global_steps, {})
+        self._bucket_tensors += loaded
+        return loaded
 
     async def update_weights_from_ipc(self, address: Any, authkey: bytes,
-                                      global_steps: int | None) -> int:
+                                      global_steps: int | None, *,
+                                      path: Literal["cuda_ipc", "shared_memory"]) -> int:
         """Receive one whole push from a ``BucketSender`` on this node (shared-memory
-        or CUDA-IPC buckets, each acknowledged once copied); tensors loaded."""
+        or CUDA-IPC buckets, each acknowledged once copied; ``path`` names which, for
+        :meth:`last_weight_update`); tensors loaded."""
         loaded = await self.replica.update_weights_from_ipc(address, authkey, global_steps)
         if global_steps is not None:
             self.global_steps = global_steps
+        self._last_update = {"path": path, "loaded": loaded, "global_steps": global_steps}
         return loaded
+
+    async def last_weight_update(self) -> dict[str, Any] | None:
+        """The last push: ``path`` (``"cuda_ipc"``, ``"shared_memory"`` or
+        ``"object_store"``), tensors ``loaded``, its ``global_steps``; None before
+        any."""
+        return None if self._last_update is None else dict(self._last_update)
+
+    async def device_uuid(self) -> str | None:
+        """The UUID of this server's GPU (None on the CPU): a trainer on the same
+        card pushes by CUDA IPC."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
     async def node_id(self) -> str:
         """The Ray node this server runs on (a push from the same node goes by IPC)."""
@@ -148,6 +191,10 @@ class KvrunnerServer:
         """Report ``global_steps`` in every output from now on."""
         if global_steps is not None:
             self.global_steps = global_steps
+        if self._bucket_tensors:
+            self._last_update = {"path": "object_store", "loaded": self._bucket_tensors,
+                                 "global_steps": global_steps}
+            self._bucket_tensors = 0
 
     async def start_profile(self, **kwargs: Any) -> None:
         """No profiler: a no-op verl may call."""

@@ -16,21 +16,15 @@ import torch
 
 os.environ["VERL_USE_EXTERNAL_MODULES"] = "kvrunner_verl.register"  # before verl is imported
 
-import verl  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from verl.workers.rollout.base import get_rollout_class  # noqa: E402
 from verl.workers.rollout.llm_server import (  # noqa: E402
     FullyAsyncLLMServerClient,
     LLMServerManager,
 )
+from verl_config import GREEDY, PROMPT, compose_trainer_config, in_process  # noqa: E402
 
-from kvrunner import LLM, SamplingParams  # noqa: E402
 from kvrunner.models.loader import iter_safetensors  # noqa: E402
 from kvrunner.models.tiny import write_tiny_checkpoint  # noqa: E402
-
-ENGINE = dict(enforce_eager=True, cpu_cache_bytes=4 << 20, block_size=16)
-PROMPT = [3, 17, 29, 101]
-GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": True}
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +36,9 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def config(checkpoints):
-    conf = Path(verl.__file__).parent / "trainer" / "config"
-    kv = ",".join(f"{k}:{v}" for k, v in ENGINE.items())
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        return compose("ppo_trainer", overrides=[
-            "actor_rollout_ref.rollout.name=kvrunner",
-            f"actor_rollout_ref.model.path={checkpoints[0]}",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            "actor_rollout_ref.rollout.n_gpus_per_node=2",
-            "actor_rollout_ref.rollout.nnodes=1",
-            "actor_rollout_ref.rollout.max_num_seqs=8",
-            "actor_rollout_ref.rollout.prompt_length=64",
-            "actor_rollout_ref.rollout.response_length=400",
-            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
-            f"+actor_rollout_ref.rollout.engine_kwargs.kvrunner={{{kv}}}",
-        ])
+    return compose_trainer_config(checkpoints[0], "actor_rollout_ref.hybrid_engine=False",
+                                  "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                                  "actor_rollout_ref.rollout.nnodes=1")
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +53,12 @@ async def _create(config):
     return await LLMServerManager.create(config)
 
 
-def in_process(path: str, params: SamplingParams) -> list[int]:
-    with LLM(path, **ENGINE) as llm:
-        return llm.generate([PROMPT], params)[0].token_ids
-
-
 def test_verl_launches_kvrunner_replicas_by_name_and_generates_through_its_client(
     manager, checkpoints
 ) -> None:
     assert len(manager.get_replicas()) == 2
     client = manager.get_client()
-    expected = in_process(checkpoints[0], SamplingParams(max_tokens=6, temperature=0.0,
-                                                         ignore_eos=True))
+    expected = in_process(checkpoints[0])
 
     async def run():
         return await asyncio.gather(*(client.generate(
@@ -99,9 +75,8 @@ def test_a_push_through_the_server_adapter_then_verl_sees_the_new_weights_and_st
 ) -> None:
     served, pushed = checkpoints
     adapter_cls = get_rollout_class("kvrunner", "async")
-    expected = in_process(pushed, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert expected != in_process(served, SamplingParams(max_tokens=6, temperature=0.0,
-                                                         ignore_eos=True))
+    expected = in_process(pushed)
+    assert expected != in_process(served)
 
     async def run():
         for replica in manager.get_replicas():
