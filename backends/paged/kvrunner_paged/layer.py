@@ -55,19 +55,14 @@ class PagedAttention:
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
             from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-            from kvrunner_paged.kernels.prefill import (
-                FIXED_ORDER_DECODE_LAUNCH,
-                LAUNCH,
-                paged_prefill_attention,
-            )
+            from kvrunner_paged.kernels.prefill import FIXED_ORDER_LAUNCH, paged_prefill_attention
             from kvrunner_paged.kernels.store_kv import store_kv
 
             self._store: Callable[..., None] = store_kv
             self._decode = paged_decode_attention
             self._prefill = paged_prefill_attention
             self._choose_splits = choose_num_splits
-            self._fixed_launch = LAUNCH  # never the long-run launch: one order for all
-            self._fixed_decode_launch = FIXED_ORDER_DECODE_LAUNCH  # the same order, fewer rows
+            self._fixed_launch = FIXED_ORDER_LAUNCH  # one launch, one order for all
         else:
             self._store = torch_ops.store_kv_torch
 
@@ -150,9 +145,7 @@ class PagedAttention:
                 q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
                 self.scale, num_seqs,
             )
-        # A decode step's tiles hold one token a sequence: the small tile wastes fewer
-        # tensor-core rows; a row's bits are the same in either.
-        table = self._fixed_decode_launch if md.is_decode else self._fixed_launch
+        table = self._fixed_launch
         launch = table[q.dtype] if q.dtype in table else table[torch.float32]
         return self._prefill(
             _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,

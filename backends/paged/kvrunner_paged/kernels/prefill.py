@@ -58,15 +58,15 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     torch.float32: PrefillLaunch(32, 32, 4, 2, "tf32x3"),
 }
 
-#: Deterministic mode's launch for a step of decode rows only (one query a sequence):
-#: :data:`LAUNCH`'s key tile, stages and precision, so each row walks the same key
-#: tiles with the same online softmax, in a tile of the fewest rows a ``tl.dot`` takes.
-#: A decode row in :data:`LAUNCH`'s 128-row tile (as the default path's prefill kernel
-#: would attend it) fills one or two of the rows the tensor cores multiply; here it fills
-#: one or two of 16. A row's sums do not depend on the rows beside it in the tile, so the
-#: bits are those of the 128-row tile (tests/paged/test_fixed_order_decode_gpu.py checks
-#: it on CUDA, where the two tiles take different instructions).
-FIXED_ORDER_DECODE_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
+#: Deterministic mode's one launch, for prefill and decode rows alike: :data:`LAUNCH`'s
+#: key tile, stages and precision in a tile of the fewest rows a ``tl.dot`` takes. Every
+#: token is then attended by the same instruction in the same layout, wherever it sits.
+#: A decode step has one token a sequence: in :data:`LAUNCH`'s 128-row tile it fills two
+#: rows of 128 on the tensor cores (decode ran at half the default's speed); here two of
+#: 16. A decode row in a 16-row tile did not always keep the bits it has in a 128-row
+#: tile, so the prefill takes the small tile too (it reloads each key tile for every 8
+#: tokens of a GQA-2 model, a small part of a rollout).
+FIXED_ORDER_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     dtype: attrs.evolve(launch, block_m=16, num_warps=4) for dtype, launch in LAUNCH.items()
 }
 

@@ -1,11 +1,9 @@
-"""Deterministic mode's decode tile on CUDA: a decode row attended in the 16-row tile
-of ``FIXED_ORDER_DECODE_LAUNCH`` has the bits it has in the 128-row tile of
-``LAUNCH`` (the tile a prefill, a prompt scoring or a recompute attends it in).
+"""Deterministic mode's attention launch on CUDA: a token attended as a decode row
+(one query of its sequence), inside a whole-sequence prefill, and inside a prefill
+chunk after a cached prefix gets the same bits in all three (``FIXED_ORDER_LAUNCH``).
 
-Compiled, the two tiles take different tensor-core instructions (``mma`` for 16 rows,
-Hopper's ``wgmma`` for 128), which the interpreter cannot show: a difference in how
-either sums a product's terms would break deterministic mode's promise that a token's
-logprob is the same in prefill and in decode.
+Compiled, a row shares its tile with different neighbours, masks and key-tile splits
+in each case, which the interpreter (numpy's products) cannot show.
 """
 
 from __future__ import annotations
@@ -13,11 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrunner_paged.kernels.prefill import (
-    FIXED_ORDER_DECODE_LAUNCH,
-    LAUNCH,
-    paged_prefill_attention,
-)
+from kvrunner_paged.kernels.prefill import FIXED_ORDER_LAUNCH, paged_prefill_attention
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -26,7 +20,8 @@ CONTEXTS = [1, 17, 64, 250, 701, 1500]
 
 
 def _attend(q: torch.Tensor, pools: torch.Tensor, tables: torch.Tensor, q_lens: list[int],
-            ctx: list[int], launch) -> torch.Tensor:
+            ctx: list[int]) -> torch.Tensor:
+    launch = FIXED_ORDER_LAUNCH[q.dtype]
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return paged_prefill_attention(
         q, pools[0], pools[1], tables, starts.to(CUDA),
@@ -39,8 +34,8 @@ def _attend(q: torch.Tensor, pools: torch.Tensor, tables: torch.Tensor, q_lens: 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (8, 8)], ids=["gqa2", "gqa4", "mha"])
-def test_a_decode_row_has_the_bits_of_its_prefill_row(dtype: torch.dtype,
-                                                      heads: tuple[int, int]) -> None:
+def test_a_token_has_the_same_bits_in_decode_prefill_and_a_chunk(
+        dtype: torch.dtype, heads: tuple[int, int]) -> None:
     num_heads, num_kv_heads = heads
     gen = torch.Generator(device=CUDA).manual_seed(0)
     blocks = [-(-c // BLOCK_SIZE) for c in CONTEXTS]
@@ -52,11 +47,14 @@ def test_a_decode_row_has_the_bits_of_its_prefill_row(dtype: torch.dtype,
         tables[i, :n] = torch.tensor(order[sum(blocks[:i]):sum(blocks[:i]) + n])
     q_full = torch.randn(sum(CONTEXTS), num_heads, 128, generator=gen, device=CUDA).to(dtype)
 
-    prefill = _attend(q_full, pools, tables, CONTEXTS, CONTEXTS, LAUNCH[dtype])
-    last = torch.tensor(CONTEXTS, device=CUDA).cumsum(0) - 1
-    decode = _attend(q_full[last].contiguous(), pools, tables, [1] * len(CONTEXTS), CONTEXTS,
-                     FIXED_ORDER_DECODE_LAUNCH[dtype])
+    ends = torch.tensor(CONTEXTS, device=CUDA).cumsum(0)
+    prefill = _attend(q_full, pools, tables, CONTEXTS, CONTEXTS)
+    decode = _attend(q_full[ends - 1].contiguous(), pools, tables, [1] * len(CONTEXTS), CONTEXTS)
+    chunk = [min(c, 24) for c in CONTEXTS]  # the last 24 tokens, after a cached prefix
+    rows = torch.cat([torch.arange(e - n, e, device=CUDA)
+                      for e, n in zip(ends.tolist(), chunk, strict=True)])
+    chunked = _attend(q_full[rows].contiguous(), pools, tables, chunk, CONTEXTS)
 
-    assert FIXED_ORDER_DECODE_LAUNCH[dtype].block_m < LAUNCH[dtype].block_m
-    assert torch.equal(decode, prefill[last]), (
-        f"{(decode != prefill[last]).sum().item()} of {decode.numel()} values differ")
+    assert torch.equal(decode, prefill[ends - 1]), (
+        f"{(decode != prefill[ends - 1]).sum().item()} of {decode.numel()} values differ")
+    assert torch.equal(chunked, prefill[rows])
