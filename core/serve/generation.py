@@ -28,11 +28,17 @@ def samples_of(params: SamplingParams) -> int:
 Job = tuple[list[int], SamplingParams]
 
 
-def _rid(request_id: str, jobs: Sequence[Job], index: int) -> str:
+#: a call's request id (``<id>-<job>`` per job of several), or one id per job
+RequestIds = str | Sequence[str]
+
+
+def _rid(request_id: RequestIds, jobs: Sequence[Job], index: int) -> str:
+    if not isinstance(request_id, str):
+        return request_id[index]
     return request_id if len(jobs) == 1 else f"{request_id}-{index}"
 
 
-async def outputs(engine: Any, jobs: Sequence[Job], request_id: str,
+async def outputs(engine: Any, jobs: Sequence[Job], request_id: RequestIds,
                   request: Request) -> list[list[Any]]:
     """Every job's outputs (``n`` each), cancelled if the client disconnects.
 
@@ -72,7 +78,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def streams(engine: Any, jobs: Sequence[Job], request_id: str) -> list[AsyncIterator[Any]]:
+def streams(engine: Any, jobs: Sequence[Job], request_id: RequestIds
+            ) -> list[AsyncIterator[Any]]:
     """One delta stream per (job, sample), in choice order (job-major)."""
     out = []
     for index, (ids, params) in enumerate(jobs):
@@ -152,7 +159,7 @@ async def _close(stream: AsyncIterator[Any]) -> None:
         await close()
 
 
-async def run(engine: Any, jobs: Sequence[Job], request_id: str, request: Request, *,
+async def run(engine: Any, jobs: Sequence[Job], request_id: RequestIds, request: Request, *,
               fields: Mapping[str, str]) -> list[list[Any]]:
     """:func:`outputs`, an engine's refusal turned into the HTTP error naming the field
     (``fields``: see :func:`~kvrunner.serve.errors.engine_error`)."""
@@ -162,7 +169,7 @@ async def run(engine: Any, jobs: Sequence[Job], request_id: str, request: Reques
         raise engine_error(e, fields=fields) from None
 
 
-async def start_stream(engine: Any, jobs: Sequence[Job], request_id: str, *,
+async def start_stream(engine: Any, jobs: Sequence[Job], request_id: RequestIds, *,
                        fields: Mapping[str, str]) -> AsyncIterator[tuple[int, Any]]:
     """The merged, primed delta streams of ``jobs``: a request the engine refuses is
     an HTTP error here, before the response starts."""

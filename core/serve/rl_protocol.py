@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from kvrunner.serve.openai_protocol import NonNegativeInt, PositiveInt, StrictModel, TokenIds
 
@@ -60,6 +60,45 @@ class GenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     rid: str | None = None
     stream: bool = False
+
+
+def _one_or_list(value: object) -> str:
+    return "list" if isinstance(value, list) else "dict"
+
+
+#: a batch's sampling_params: one for every prompt, or one each (the union's members
+#: are tagged "dict" and "list", which an error's field path leaves out)
+BatchSamplingParams = Annotated[
+    Annotated[SGLangSamplingParams, Tag("dict")]
+    | Annotated[Annotated[list[SGLangSamplingParams], Field(min_length=1)], Tag("list")],
+    Discriminator(_one_or_list),
+]
+StartLen = Annotated[int, Field(ge=-1)] | None
+
+
+class BatchGenerateRequest(StrictModel):
+    """``POST /generate`` with a list of prompts (SGLang's batch form): ``text`` a list
+    of strings or ``input_ids`` a list of token-id lists. Each per-request field is one
+    value for every prompt or a list of one per prompt; ``rid``, when given, is a list."""
+
+    text: Annotated[list[str], Field(min_length=1)] | None = None
+    input_ids: Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: BatchSamplingParams = Field(default_factory=SGLangSamplingParams)
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: StartLen | list[StartLen] = -1
+    top_logprobs_num: NonNegativeInt | list[NonNegativeInt] = 0
+    return_text_in_logprobs: bool = False
+    rid: list[str] | None = None
+    stream: bool = False
+
+    @staticmethod
+    def is_batch(data: object) -> bool:
+        """Whether a /generate JSON body gives a list of prompts."""
+        if not isinstance(data, dict):
+            return False
+        text, ids = data.get("text"), data.get("input_ids")
+        return isinstance(text, list) or (isinstance(ids, list) and bool(ids)
+                                          and isinstance(ids[0], list))
 
 
 class AbortRequest(StrictModel):

@@ -13,6 +13,8 @@ Every control route answers 403 unless the server runs with ``--enable-rl-endpoi
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +26,7 @@ from kvrunner.errors import CheckpointError, KvrunnerError
 from kvrunner.serve import generation, sse
 from kvrunner.serve.app import ServerState, new_id
 from kvrunner.serve.auth import require_rl_endpoints
-from kvrunner.serve.body import parse_body
+from kvrunner.serve.body import MAX_BODY_BYTES, parse_body
 from kvrunner.serve.errors import APIError, engine_call, engine_error, error_body
 from kvrunner.serve.request_params import (
     build_params,
@@ -35,6 +37,7 @@ from kvrunner.serve.request_params import (
 )
 from kvrunner.serve.rl_protocol import (
     AbortRequest,
+    BatchGenerateRequest,
     ContinueGenerationRequest,
     GenerateRequest,
     MemoryOccupationRequest,
@@ -245,31 +248,78 @@ def _one(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
             "meta_info": _meta(state, body, out, rid, prompt=prompt, started=started)}
 
 
+#: ``/generate``'s fields that a batch gives per prompt (one value, or a list of them)
+_PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+
+
+async def _generate_body(request: Request) -> GenerateRequest | BatchGenerateRequest:
+    """The body as one request, or as a batch when its prompts are a list."""
+    raw = await request.body()  # kept by the request: parse_body reads it again
+    data = None
+    if len(raw) <= MAX_BODY_BYTES:  # a larger one is parse_body's 413
+        with contextlib.suppress(ValueError, UnicodeDecodeError):  # parse_body's 400
+            data = json.loads(raw)
+    batch = BatchGenerateRequest.is_batch(data)
+    return await parse_body(request, BatchGenerateRequest if batch else GenerateRequest)
+
+
+def _batch_items(body: BatchGenerateRequest, prompt_field: str) -> list[GenerateRequest]:
+    """A batch as one request per prompt, each with its own per-prompt fields."""
+    prompts = getattr(body, prompt_field)
+    count = len(prompts)
+    if body.rid is not None and len(body.rid) != count:
+        raise APIError(400, f"rid has {len(body.rid)} entries for {count} prompts", param="rid")
+    items = []
+    for i, prompt in enumerate(prompts):
+        fields: dict[str, Any] = {prompt_field: prompt, "stream": body.stream,
+                                  "return_text_in_logprobs": body.return_text_in_logprobs,
+                                  "rid": None if body.rid is None else body.rid[i]}
+        for name in _PER_PROMPT:
+            value = getattr(body, name)
+            if isinstance(value, list):
+                if len(value) != count:
+                    raise APIError(400, f"{name} has {len(value)} entries for {count} "
+                                   f"prompts", param=name)
+                value = value[i]
+            fields[name] = value
+        items.append(GenerateRequest.model_construct(**fields))
+    return items
+
+
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Any:
     """SGLang's native generate: ``text`` or ``input_ids``, ``sampling_params``,
-    ``return_logprob``, ``rid``, ``stream``; ``n`` > 1 answers a list."""
+    ``return_logprob`` (with ``logprob_start_len`` and ``top_logprobs_num``), ``rid``,
+    ``stream``; ``n`` > 1 answers a list, and so does a batch (a list of prompts: one
+    answer per prompt and sample, prompt-major)."""
     state = _state(request)
-    body = await parse_body(request, GenerateRequest)
+    body = await _generate_body(request)
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "give exactly one of text and input_ids",
                        param="input_ids" if body.text is None else "text")
     state.admission.require_open()
     field = "text" if body.text is not None else "input_ids"
-    ids = state.token_ids(body.text if body.text is not None else body.input_ids, param=field)
-    params = _params(state, body, len(ids), logprob_start(body, len(ids)))
-    rid = body.rid or new_id("gen")
+    batch = isinstance(body, BatchGenerateRequest)
+    items = _batch_items(body, field) if batch else [body]
+    prompts = [state.token_ids(getattr(item, field), param=f"{field}.{i}" if batch else field)
+               for i, item in enumerate(items)]
+    jobs = [(ids, _params(state, item, len(ids), logprob_start(item, len(ids))))
+            for item, ids in zip(items, prompts, strict=True)]
+    rids = [item.rid or new_id("gen") for item in items]
+    # every answer (prompt-major, then sample): its request, prompt and id
+    choices = [(item, ids, rid if item.sampling_params.n == 1 else f"{rid}-{k}")
+               for item, ids, rid in zip(items, prompts, rids, strict=True)
+               for k in range(item.sampling_params.n)]
     started = time.perf_counter()
     if body.stream:
-        items = await generation.start_stream(state.engine, [(ids, params)], rid,
-                                              fields=_fields(field))
-        return sse.response(_events(state, body, items, rid, ids, started,
-                                    many=body.sampling_params.n > 1, fields=_fields(field)))
-    outs = (await generation.run(state.engine, [(ids, params)], rid, request,
-                                 fields=_fields(field)))[0]
-    answers = [_one(state, body, out, rid if len(outs) == 1 else f"{rid}-{k}",
-                    prompt=ids, started=started) for k, out in enumerate(outs)]
-    return JSONResponse(answers[0] if len(answers) == 1 else answers)
+        events = await generation.start_stream(state.engine, jobs, rids, fields=_fields(field))
+        return sse.response(_events(state, events, choices, started,
+                                    many=len(choices) > 1, fields=_fields(field)))
+    results = await generation.run(state.engine, jobs, rids, request, fields=_fields(field))
+    outs = [out for job_outs in results for out in job_outs]
+    answers = [_one(state, item, out, rid, prompt=ids, started=started)
+               for (item, ids, rid), out in zip(choices, outs, strict=True)]
+    return JSONResponse(answers if batch or len(answers) > 1 else answers[0])
 
 
 class _Progress:
@@ -306,17 +356,16 @@ class _Progress:
             self.weight_versions = getattr(final, "weight_versions", None)
 
 
-async def _events(state: ServerState, body: GenerateRequest,
-                  items: AsyncIterator[tuple[int, Any]], rid: str, prompt: list[int],
-                  started: float, *, many: bool, fields: dict[str, str]
-                  ) -> AsyncIterator[str]:
+async def _events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
+                  choices: list[tuple[GenerateRequest, list[int], str]], started: float, *,
+                  many: bool, fields: dict[str, str]) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         progress: dict[int, _Progress] = {}
         async for index, delta in items:
             seen = progress.setdefault(index, _Progress())
             seen.add(delta)
-            chunk = _one(state, body, _OutputView(seen), f"{rid}-{index}" if many else rid,
-                         prompt=prompt, started=started)
+            item, prompt, rid = choices[index]
+            chunk = _one(state, item, _OutputView(seen), rid, prompt=prompt, started=started)
             if many:
                 chunk["index"] = index
             yield event(chunk)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_kit import API_KEY, ENGINE_KWARGS, ServeProcess, start_server
+from serve_kit import API_KEY, ENGINE_KWARGS, SETTING_FLAGS, ServeProcess, start_server
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +64,15 @@ def reference_llm(serve_home: Path) -> Iterator[object]:
     llm = LLM(**ENGINE_KWARGS)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deterministic_server(tmp_path_factory: pytest.TempPathFactory, serve_home: Path
+                         ) -> Iterator[ServeProcess]:
+    """A server with ``--deterministic`` (batch-invariant: a request's bits do not depend
+    on what shares its steps), the shared engine flags otherwise."""
+    server = start_server(tmp_path_factory.mktemp("deterministic_logs"), serve_home,
+                          "deterministic", [], api_key=API_KEY,
+                          engine_flags=[*SETTING_FLAGS, "--deterministic"]).wait_ready()
+    yield server
+    assert server.stop() == 0

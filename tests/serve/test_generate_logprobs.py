@@ -10,17 +10,9 @@ returned for the response, bit for bit (old-policy logprobs)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
-from serve_kit import (
-    API_KEY,
-    ENGINE_KWARGS,
-    SETTING_FLAGS,
-    ServeProcess,
-    start_server,
-    stream_events,
-)
+from serve_kit import ENGINE_KWARGS, ServeProcess, stream_events
 
 from kvrunner import LLM, SamplingParams
 
@@ -157,15 +149,6 @@ def test_a_bad_logprob_start_len_is_a_400_naming_it(client, start, sampling) -> 
 # ---------------------------------------------------------------------------
 
 ROLLOUTS = [[3, 4, 5, 6, 7, 8], [90, 91, 92], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-
-
-@pytest.fixture(scope="module")
-def deterministic_server(tmp_path_factory, serve_home) -> Iterator[ServeProcess]:
-    server = start_server(tmp_path_factory.mktemp("deterministic_logs"), serve_home,
-                          "deterministic", [], api_key=API_KEY,
-                          engine_flags=[*SETTING_FLAGS, "--deterministic"]).wait_ready()
-    yield server
-    assert server.stop() == 0
 
 
 def test_input_token_logprobs_are_the_in_process_prompt_logprobs_bit_for_bit(
