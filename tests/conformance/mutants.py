@@ -16,7 +16,9 @@ from kvrunner.plugin_api import (
     StepMetadata,
     hookimpl,
 )
+from kvrunner_gdn import GDNBackend
 from kvrunner_paged import PagedAttention, PagedBackend, PagedMetadata
+from kvrunner_paged.kernels.torch_ops import _gather
 
 
 class WrongScale(PagedBackend):
@@ -211,6 +213,83 @@ class ReadsBuilderSlots(PagedBackend):
         return _SlotsFromBuilder(super().make_layer(layer_index), self)
 
 
+def _attend_in_splits(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos: torch.Tensor,
+    scale: float, splits: int,
+) -> torch.Tensor:
+    """Causal attention of ``q`` ``[n, heads, dim]`` over ``keys``/``values``
+    ``[ctx, heads, dim]``, the keys cut into ``splits`` parts whose partial softmaxes
+    are merged (split-KV): exact attention, but a token's sums follow ``splits``."""
+    ctx = keys.shape[0]
+    scores = torch.einsum("qhd,khd->qhk", q, keys) * scale
+    hidden = torch.arange(ctx)[None, None, :] > query_pos[:, None, None]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    width = -(-ctx // splits)
+    maxima, sums, partials = [], [], []
+    for lo in range(0, ctx, width):
+        part = scores[..., lo : lo + width]
+        m = part.amax(-1)
+        m = m.where(m.isfinite(), torch.zeros_like(m))  # a part no query sees adds 0
+        p = torch.exp(part - m[..., None])
+        maxima.append(m)
+        sums.append(p.sum(-1))
+        partials.append(torch.einsum("qhk,khd->qhd", p, values[lo : lo + width]))
+    top = torch.stack(maxima).amax(0)
+    weights = [torch.exp(m - top) for m in maxima]
+    total = sum(w * s for w, s in zip(weights, sums, strict=True))
+    out = sum(w[..., None] * o for w, o in zip(weights, partials, strict=True))
+    return out / total[..., None]
+
+
+class _SplitsByBatch:
+    """A paged layer whose deterministic attention cuts each sequence's keys into as
+    many splits as the step has sequences."""
+
+    def __init__(self, layer: PagedAttention) -> None:
+        self.layer = layer
+
+    def forward(self, q, k, v, ctx: ForwardContext):  # noqa: ANN001, ANN201
+        layer = self.layer
+        md = ctx.for_backend(layer.backend_name, PagedMetadata)
+        k_cache, v_cache = layer.pools.kv(layer.layer_index)
+        layer._store(k, v, k_cache, v_cache, md.slot_mapping[: q.shape[0]])
+        group = layer.num_heads // layer.num_kv_heads
+        starts = md.query_start_loc[: md.num_seqs + 1].tolist()
+        lens = md.context_lens[: md.num_seqs].tolist()
+        out = torch.zeros_like(q)
+        for i in range(md.num_seqs):
+            lo, hi, length = starts[i], starts[i + 1], lens[i]
+            if hi == lo or length == 0:
+                continue
+            read = torch.arange(length)
+            keys = _gather(k_cache, md.block_tables[i], read).float()
+            values = _gather(v_cache, md.block_tables[i], read).float()
+            out[lo:hi] = _attend_in_splits(
+                q[lo:hi].float(), keys.repeat_interleave(group, dim=1),
+                values.repeat_interleave(group, dim=1), torch.arange(length - (hi - lo), length),
+                layer.scale, splits=md.num_seqs,
+            ).to(q.dtype)  # fmt: skip
+        return out
+
+
+class SplitsByBatch(PagedBackend):
+    """Declares ``batch_invariant``, but its attention's split-KV count is the number
+    of sequences in the step (exact attention, whose bits follow the batch)."""
+
+    batch_invariant = True
+
+    @hookimpl
+    def make_layer(self, layer_index: int) -> _SplitsByBatch:
+        return _SplitsByBatch(super().make_layer(layer_index))
+
+
+class GDNClaimsInvariance(GDNBackend):
+    """``gdn`` as it is, declaring ``batch_invariant``: its chunked prefill and its
+    recurrent decode sum a token's state in different orders."""
+
+    batch_invariant = True
+
+
 #: check -> (mutant name, factory)
 MUTANTS = {
     "step_matches_reference": ("mutant-wrong-scale", WrongScale),
@@ -224,6 +303,7 @@ MUTANTS = {
     "forward_reads_nothing_on_the_host": ("mutant-counts-slots-on-host", CountsSlotsOnHost),
     "release_cache_frees_the_pools": ("mutant-release-keeps-memory", ReleaseKeepsMemory),
     "metadata_carries_what_layers_read": ("mutant-reads-builder-slots", ReadsBuilderSlots),
+    "probe_bits_match_alone": ("mutant-splits-by-batch", SplitsByBatch),
 }
 #: defects the runtime audit (``LLM(..., audit=True)``) catches as the kit does:
 #: mutant name -> (factory, the kit check that catches it)

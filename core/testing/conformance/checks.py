@@ -17,13 +17,11 @@ from kvrunner.runner.capture import capture_decode_graphs
 from kvrunner.runner.capture_safety import CaptureAuditError
 from kvrunner.runner.pool_release import PoolRelease
 from kvrunner.testing.conformance import reference
+from kvrunner.testing.conformance.batch_invariance import probe_bits_match_alone
 from kvrunner.testing.conformance.cases import StepCase
+from kvrunner.testing.conformance.errors import ConformanceError
 from kvrunner.testing.conformance.rig import FULL, Rig, Rows, live_rows, run_layer
 from kvrunner.testing.host_reads import HostReadError, forbid_host_reads
-
-
-class ConformanceError(AssertionError):
-    """A backend broke a property of the plugin contract."""
 
 
 def expected(rig: Rig, rows: Rows, layer: int) -> torch.Tensor:
@@ -332,6 +330,7 @@ CHECKS = {
         release_cache_frees_the_pools,
         forward_reads_nothing_on_the_host,
         metadata_carries_what_layers_read,
+        probe_bits_match_alone,
     )
 }
 #: checks of the path a CUDA step takes: they run on targets with ``use_triton`` only
@@ -339,6 +338,12 @@ CHECKS = {
 GPU_PATH_ONLY = frozenset({"forward_reads_nothing_on_the_host"})
 #: checks of the ``supports_overlap`` promise: they run on backends that declare it
 OVERLAP_PROMISE = frozenset({"metadata_carries_what_layers_read"})
+#: checks of the ``batch_invariant`` promise: they run on backends that declare it
+BATCH_INVARIANCE_PROMISE = frozenset({"probe_bits_match_alone"})
+#: checks that drive a whole engine over the kit's tiny model, ``fn(target, case)``
+#: over :func:`~.probes.probe_cases` (the others drive a rig: ``fn(rig, case)`` over
+#: :func:`~.cases.step_cases`)
+ENGINE_CHECKS = frozenset({"probe_bits_match_alone"})
 #: checks whose final step must be a decode (they capture or pad)
 DECODE_ONLY = frozenset(
     {"pad_rows_write_nothing", "blanked_capture_writes_nothing", "replay_sees_later_fill"}

@@ -10,7 +10,7 @@ import torch
 
 from kvrunner.plugin_api.factory import declares_overlap_support
 from kvrunner.plugins import discover_backends
-from kvrunner.testing.conformance import CHECKS, GPU_PATH_ONLY, OVERLAP_PROMISE, Target, run_check
+from kvrunner.testing.conformance import CHECKS, Target, not_run_because, run_check
 
 
 def check_backend(
@@ -43,13 +43,9 @@ def check_backend(
     label = f"{name}+{overlap}" if overlap else name
     for target in Target.of(name, use_triton=use_triton, device=device, overlap=overlap):
         for check in checks or CHECKS:
-            if check in GPU_PATH_ONLY and not use_triton:
-                print(f"skip {label} {target.layer_type} {check} (the CUDA path's: --triton)")
-                skipped += 1
-                continue
-            if check in OVERLAP_PROMISE and not target.supports_overlap:
-                print(f"skip {label} {target.layer_type} {check} ({name} does not declare "
-                      f"supports_overlap)")
+            reason = not_run_because(target, check)
+            if reason is not None:
+                print(f"skip {label} {target.layer_type} {check} ({reason})")
                 skipped += 1
                 continue
             start = time.perf_counter()

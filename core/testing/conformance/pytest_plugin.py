@@ -5,7 +5,8 @@ Enable it in a ``conftest.py`` with
 kvrunner.testing.conformance.pytest_plugin``).
 
 Gives a ``backend_conformance`` fixture, a function ``(backend, check=None)`` that
-runs one check (or all) on every layer type the installed backend serves, and the
+runs one check (or all that apply, :func:`~kvrunner.testing.conformance.not_run_because`)
+on every layer type the installed backend serves, and the
 option ``--kvrunner-examples N`` (cases per check, default 8).
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvrunner.testing.conformance import CHECKS, Target, run_check
+from kvrunner.testing.conformance import CHECKS, Target, not_run_because, run_check
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,7 +31,10 @@ def backend_conformance(request: pytest.FixtureRequest) -> Callable[..., None]:
     def check(backend: str, check: str | None = None, *, use_triton: bool = False,
               device: str = "cpu") -> None:
         for target in Target.of(backend, use_triton=use_triton, device=device):
-            for name in [check] if check else list(CHECKS):
+            names = [check] if check else [
+                c for c in CHECKS if not_run_because(target, c) is None
+            ]
+            for name in names:
                 run_check(target, name, max_examples=examples)
 
     return check

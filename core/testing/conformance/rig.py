@@ -19,7 +19,11 @@ import torch
 
 from kvrunner.batch import StepInput
 from kvrunner.plugin_api.errors import BackendError
-from kvrunner.plugin_api.factory import CacheRows, declares_overlap_support
+from kvrunner.plugin_api.factory import (
+    CacheRows,
+    declares_batch_invariance,
+    declares_overlap_support,
+)
 from kvrunner.plugin_api.step_data import ForwardContext, ModelSpec, StepMetadata
 from kvrunner.plugins import discover_backends
 from kvrunner.runner.forward_vars import ForwardVars
@@ -50,6 +54,8 @@ class Target:
     overlap: str | None = None
     #: the factory declares ``supports_overlap`` (the kit then checks the promise)
     supports_overlap: bool = False
+    #: the factory declares ``batch_invariant`` (the kit then checks the promise)
+    batch_invariant: bool = False
 
     @classmethod
     def of(
@@ -64,6 +70,7 @@ class Target:
             raise BackendError(f"backend {name!r} is not installed; installed: {sorted(found)}")
         factory = found[name].load()
         supports_overlap = declares_overlap_support(factory)
+        batch_invariant = declares_batch_invariance(factory)
         if overlap is not None and not supports_overlap:
             raise BackendError(
                 f"overlap plugin {overlap!r} cannot run over backend {name!r}: {name!r} does "
@@ -72,7 +79,8 @@ class Target:
         # cache_rows is required of every layer backend, checked at load
         return [
             cls(name=name, layer_type=t, cache_rows=factory.cache_rows, use_triton=use_triton,
-                device=device, overlap=overlap, supports_overlap=supports_overlap)
+                device=device, overlap=overlap, supports_overlap=supports_overlap,
+                batch_invariant=batch_invariant)
             for t in factory.layer_types
             if t in (FULL, LINEAR)
         ]
