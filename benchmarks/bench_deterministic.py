@@ -126,11 +126,30 @@ def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int =
         print(f"  {e.self_device_time_total / total:>6.1%} {e.count:>6}x  {e.key[:90]}")
 
 
+def sweep_splits(path: Path) -> None:
+    """Deterministic decode tok/s at each decode batch under other K-split policies of
+    the invariant GEMM (``MIN_SPLIT_DEPTH``, ``MAX_SPLITS``: a policy is a function of
+    the weight's shape alone, so each keeps the products batch-invariant)."""
+    from kvrunner.layers.fused import invariant_gemm_triton as gemm
+
+    kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS
+    print(f"{'min split depth, max splits':<28}" + "".join(
+        f"{f'batch {b}':>12}" for b in DECODE_BATCHES))
+    for depth, most in ((512, 4), (256, 8), (128, 16), (1 << 30, 1)):
+        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS = depth, most
+        rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
+        label = "no split" if most == 1 else f"{depth}, {most}"
+        print(f"{label:<28}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+    gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS = kept
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="first print the kernels of eager decode steps, off and on")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="only time deterministic decode under other K-split policies")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp())
     path = root / "qwen3-0.6b-random"
@@ -138,6 +157,9 @@ def main() -> None:
     if args.profile:
         for flag in (False, True):
             profile_decode(path, flag)
+    if args.sweep_splits:
+        sweep_splits(path)
+        return
     print(f"{'case':<28}{'off':>12}{'on':>12}{'slowdown':>10}")
     for batch in DECODE_BATCHES:
         off, on = (decode_tokens_per_s(path, flag, batch) for flag in (False, True))

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from grpo import task, trainer
-from grpo.policy import write_policy
+from grpo.policy import LEARNING_RATES, write_policy
 
 
 @attrs.frozen(kw_only=True)
@@ -39,7 +39,8 @@ class Settings:
     group_size: int = 8
     #: digits to copy (the completion's length)
     length: int = 1
-    lr: float = 3e-3
+    #: Adam's learning rate; None: the shape's (:data:`grpo.policy.LEARNING_RATES`)
+    lr: float | None = None
     seed: int = 0
     device: str = "cpu"
     #: a key of :data:`grpo.policy.SHAPES`
@@ -104,8 +105,9 @@ def run(settings: Settings) -> list[StepRecord]:
                                   daemon=True)
         process.start()
         llm = None
+        lr = settings.lr if settings.lr is not None else LEARNING_RATES[settings.shape]
         try:
-            conn.send(("start", dict(path=str(path), device=settings.device, lr=settings.lr,
+            conn.send(("start", dict(path=str(path), device=settings.device, lr=lr,
                                      seed=settings.seed, group_size=settings.group_size,
                                      bucket_bytes=settings.bucket_bytes)))
             address, authkey = _expect(conn, "ready")
