@@ -44,3 +44,16 @@ class FleetCallError(KvrunnerError, RuntimeError):
         super().__init__(f"{what} failed on {len(failures)} replica(s): {listed}")
         self.failures = failures
         self.results = results
+
+
+class WeightGroupError(KvrunnerError, RuntimeError):
+    """A call about the fleet's weight-update group that cannot run now (no group, a
+    group already there, a replica of the group has died since it was built);
+    nothing was sent or changed."""
+
+
+class PartialPushError(KvrunnerError, RuntimeError):
+    """The fleet's last weight push failed on some replica, so the replicas may hold
+    different weights: generation is refused until a push reaches every live
+    replica (``update_weights``, or ``update_weights_from_distributed`` over a group
+    built again on the live replicas)."""

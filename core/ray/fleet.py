@@ -29,9 +29,19 @@ on the others. Requests are not retried on another replica: a retry would start
 the rollout again from its prompt, perhaps under other weights, and hand back tokens
 the caller did not ask to have redrawn; the caller (the RL framework) decides.
 
-Weights: :meth:`RolloutFleet.update_weights` puts the tensors into Ray's object
-store once and every replica's rank 0 loads them from there (each rank takes its
-shard).
+Weights, two ways:
+
+- :meth:`RolloutFleet.update_weights` puts the tensors into Ray's object store once
+  and every replica's rank 0 loads them from there (each rank takes its shard).
+- A weight-update group (:mod:`kvrunner.ray.weight_group`): the trainer's rank 0 and
+  every rank of every replica in one process group
+  (:meth:`RolloutFleet.init_weights_update_group`); a push is one broadcast per
+  tensor that every replica rank receives (:meth:`RolloutFleet.update_weights_from_distributed`).
+
+A push that fails on any replica (either way) leaves the fleet refusing to generate
+(:class:`~kvrunner.ray.errors.PartialPushError`) until a push reaches every live
+replica: the replicas may hold different weights, and none is served silently.
+A group push that fails also ends the group on every replica.
 """
 
 from __future__ import annotations
@@ -46,12 +56,19 @@ import attrs
 
 from kvrunner.config import ConfigError
 from kvrunner.distributed.errors import CollectiveError, WorkerError
-from kvrunner.ray.errors import FleetCallError, NoReplicaError, ReplicaError
+from kvrunner.ray.errors import (
+    FleetCallError,
+    NoReplicaError,
+    PartialPushError,
+    ReplicaError,
+    WeightGroupError,
+)
 from kvrunner.ray.rank_actor import EngineRank
 from kvrunner.ray.rank_setup import RankSpec
 from kvrunner.ray.replica_actor import EngineReplica
 from kvrunner.ray.replica_start import start_replica
 from kvrunner.ray.router import ReplicaRouter
+from kvrunner.ray.weight_group import FleetBroadcaster, FleetWeightGroup, plan_group
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +151,11 @@ class RolloutFleet:
             bundle["GPU"] = num_gpus_per_rank
         self._router = ReplicaRouter(num_replicas, sticky_capacity=sticky_capacity)
         self._num_updates = 0
+        self._on_gpus = bool(num_gpus_per_rank)
+        #: the weight-update group every replica rank is in (None: none)
+        self.weight_group: FleetWeightGroup | None = None
+        #: why the last push failed part way over the fleet (None: the last push was whole)
+        self.push_failure: str | None = None
         #: the version of the last weight push every live replica took
         self.weight_version: str | int = 0
         self.replicas: list[Replica] = []
@@ -197,10 +219,15 @@ class RolloutFleet:
         aborts the request there.
 
         Raises :class:`ReplicaError` if that replica dies or fails meanwhile (its
-        other requests fail too; the fleet serves on without it), and what
+        other requests fail too; the fleet serves on without it),
+        :class:`PartialPushError` after a weight push that failed part way, and what
         ``AsyncLLM.generate`` raises (``RequestError`` ...) as itself.
         """
         request_id = request_id or uuid.uuid4().hex
+        if self.push_failure is not None:
+            raise PartialPushError(f"cannot serve request {request_id!r}: {self.push_failure}; "
+                                   f"generation is refused until a push reaches every live "
+                                   f"replica {self.live_replicas}")
         index = self._route(request_id, replica)
         actor = self.replicas[index].actor
         try:
@@ -277,8 +304,151 @@ class RolloutFleet:
         pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
         version = self._num_updates + 1 if weight_version is None else weight_version
         ref = ray.put(pairs)
-        loaded = await self._on_all(
-            "update_weights", lambda a: a.update_weights.remote(ref, version, kwargs))
+        loaded = await self._pushed(version, self._on_all(
+            "update_weights", lambda a: a.update_weights.remote(ref, version, kwargs)))
+        return loaded
+
+    # -- the weight-update group ------------------------------------------------------------
+
+    def weight_group_plan(
+        self, master_address: str, master_port: int, *, backend: str | None = None,
+        group_name: str = "kvrunner_weights", timeout_s: float = 300.0,
+    ) -> FleetWeightGroup:
+        """The weight-update group of the trainer's rank 0 and every rank of every live
+        replica (nothing joins yet): trainer rank 0, then replica by replica its
+        tensor-parallel ranks. Hand it to the trainer's process, which makes its rank
+        0 with ``plan.broadcaster(device)``. ``backend``: unset, NCCL on GPUs, gloo on
+        the CPU."""
+        if backend is None:
+            backend = "nccl" if self._on_gpus else "gloo"
+        live = self.live_replicas
+        if not live:
+            raise NoReplicaError("weight_group_plan: every replica of the fleet has died")
+        return plan_group({r: self.tensor_parallel_size for r in live},
+                          master_address=master_address, master_port=master_port,
+                          backend=backend, group_name=group_name, timeout_s=timeout_s)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, *, backend: str | None = None,
+        group_name: str = "kvrunner_weights", timeout_s: float = 300.0,
+    ) -> FleetWeightGroup:
+        """Join every rank of every live replica, all at once, to the group
+        :meth:`weight_group_plan` describes for the same arguments; returns once the
+        whole group has formed, the trainer's rank 0 included (it joins meanwhile with
+        ``plan.broadcaster(device).connect()``, from any process). Raises
+        :class:`WeightGroupError` if the fleet is in a group already, and
+        :class:`FleetCallError` if a replica could not join (the group is then ended
+        on every replica)."""
+        if self.weight_group is not None:
+            raise WeightGroupError("the fleet is in a weight-update group already: "
+                                   "destroy_weights_update_group first")
+        plan = self.weight_group_plan(master_address, master_port, backend=backend,
+                                      group_name=group_name, timeout_s=timeout_s)
+        options = dict(backend=plan.backend, group_name=group_name, timeout_s=timeout_s)
+        try:
+            await self._on_each("init_weights_update_group", plan.replicas, lambda r: (
+                r.actor.init_weights_update_group.remote(
+                    master_address, master_port, plan.offsets[r.index], plan.world_size,
+                    options)))
+        except BaseException:
+            await self._leave_group(plan.replicas)
+            raise
+        self.weight_group = plan
+        return plan
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+        weight_version: str | int | None = None,
+    ) -> dict[int, int]:
+        """Every replica of the group receives one push over it (one broadcast per
+        tensor from the trainer's rank 0, which runs
+        ``FleetBroadcaster.broadcast(weights)`` meanwhile, with ``names, dtypes, shapes
+        = FleetBroadcaster.spec(weights)``); each rank keeps its shard. Pause first,
+        or no requests, as for :meth:`update_weights`; every replica then serves
+        ``weight_version``. Returns the tensors loaded by replica.
+
+        Raises :class:`WeightGroupError`, sending nothing, if there is no group or a
+        replica of it has died since it was built (build it again over the live
+        replicas). If the push fails on any replica (a replica dies mid-push: a
+        :class:`ReplicaError` naming it; the trainer dies: each replica's
+        ``WeightSyncError``), it raises :class:`FleetCallError` naming each replica,
+        ends the group on every replica, and the fleet refuses to generate
+        (:class:`PartialPushError`) until a push reaches every live replica."""
+        plan = self._group_to_push_over()
+        version = self._num_updates + 1 if weight_version is None else weight_version
+        names, dtypes, shapes = list(names), list(dtypes), [list(s) for s in shapes]
+        try:
+            return await self._pushed(version, self._on_each(
+                "update_weights_from_distributed", plan.replicas, lambda r: (
+                    r.actor.update_weights_from_distributed.remote(names, dtypes, shapes,
+                                                                   version))))
+        except FleetCallError:
+            # a broken broadcast leaves the group unusable on every member
+            await self.destroy_weights_update_group()
+            raise
+
+    def _group_to_push_over(self) -> FleetWeightGroup:
+        plan = self.weight_group
+        if plan is None:
+            raise WeightGroupError("no weight-update group: call init_weights_update_group "
+                                   "first (with the trainer's rank 0 connecting meanwhile)")
+        dead = [r for r in plan.replicas if not self.replicas[r].alive]
+        if dead:
+            raise WeightGroupError(
+                f"the weight-update group spans replica(s) {dead}, dead since it was built "
+                f"({'; '.join(str(self.replicas[r].error) for r in dead)}): "
+                f"destroy_weights_update_group, then init_weights_update_group over the "
+                f"live replicas {self.live_replicas}")
+        return plan
+
+    async def push_over_group(
+        self, sender: FleetBroadcaster, weights: Iterable[tuple[str, torch.Tensor]], *,
+        weight_version: str | int | None = None,
+    ) -> dict[int, int]:
+        """One push when the trainer's rank 0 lives in this process: ``sender``
+        broadcasts (on a thread) while every replica receives. Returns the tensors
+        loaded by replica; fails as :meth:`update_weights_from_distributed` (or with
+        the sender's ``WeightSyncError`` if only the trainer's side failed)."""
+        self._group_to_push_over()  # refused before the sender starts broadcasting
+        pairs = list(weights)
+        receiving = asyncio.ensure_future(self.update_weights_from_distributed(
+            *sender.spec(pairs), weight_version=weight_version))
+        sending = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, pairs))
+        await asyncio.wait([receiving, sending])
+        if receiving.exception() is None and sending.exception() is not None:
+            raise sending.exception()
+        sending.exception()  # the replicas' failure says more; the sender's is retrieved
+        return receiving.result()
+
+    async def destroy_weights_update_group(self) -> None:
+        """Leave the weight-update group on every live replica of it (idempotent); the
+        trainer's rank 0 leaves with ``FleetBroadcaster.close()``."""
+        plan, self.weight_group = self.weight_group, None
+        if plan is not None:
+            await self._leave_group(plan.replicas)
+
+    async def _leave_group(self, replicas: list[int]) -> None:
+        live = [self.replicas[r] for r in replicas if self.replicas[r].alive]
+        with contextlib.suppress(Exception):  # a replica that dies now has left it
+            await asyncio.gather(*(r.actor.destroy_weights_update_group.remote() for r in live),
+                                 return_exceptions=True)
+
+    async def weights_checksum(self) -> dict[int, dict[str, str]]:
+        """``AsyncLLM.weights_checksum()`` of each live replica, by replica: per-tensor
+        digests under HF names, shards merged (equal to the trainer's
+        ``kvrunner.weight_sync.checksum.tensor_digests`` after a whole push)."""
+        return await self._on_all("weights_checksum", lambda a: a.weights_checksum.remote())
+
+    async def _pushed(self, version: str | int,
+                      push: Awaitable[dict[int, int]]) -> dict[int, int]:
+        """Run a push to every live replica: whole, the fleet serves ``version``;
+        failed on any, the fleet refuses to generate until a whole push."""
+        try:
+            loaded = await push
+        except (FleetCallError, NoReplicaError) as e:
+            self.push_failure = f"the weight push of version {version!r} failed: {e}"
+            raise
+        self.push_failure = None
         self._num_updates += 1
         self.weight_version = version
         return loaded
@@ -305,6 +475,7 @@ class RolloutFleet:
     async def shutdown(self) -> None:
         """Abort every request, release every replica's model, end its actors and the
         placement group. Idempotent."""
+        await self.destroy_weights_update_group()
         live = [r for r in self.replicas if r.alive]
         with contextlib.suppress(Exception):  # a replica that dies now is ended below
             await asyncio.gather(*(r.actor.shutdown.remote() for r in live),
@@ -352,11 +523,17 @@ class RolloutFleet:
             raise cause from None
 
     async def _on_all(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> dict[int, Any]:
-        live = [r for r in self.replicas if r.alive]
+        return await self._on_each(what, self.live_replicas, lambda r: call(r.actor))
+
+    async def _on_each(self, what: str, indices: list[int],
+                       call: Callable[[Replica], Awaitable[Any]]) -> dict[int, Any]:
+        """``call`` on each of the replicas ``indices`` (alive) at once; answers by
+        replica, or a FleetCallError naming each that failed."""
+        live = [self.replicas[i] for i in indices]
         if not live:
             raise NoReplicaError(f"{what}: every replica of the fleet has died")
         answers = await asyncio.gather(
-            *(self._ask(r.index, what, call(r.actor)) for r in live), return_exceptions=True)
+            *(self._ask(r.index, what, call(r)) for r in live), return_exceptions=True)
         results = {r.index: a for r, a in zip(live, answers, strict=True)
                    if not isinstance(a, BaseException)}
         failures = {r.index: a for r, a in zip(live, answers, strict=True)

@@ -133,6 +133,32 @@ class EngineReplica:
         return await self._live().update_weights_from_ipc(
             address, authkey=authkey, weight_version=weight_version)  # fmt: skip
 
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """``AsyncLLM.init_weights_update_group``: every rank of this replica joins the
+        group as ``rank_offset + rank``; returns once the whole group has formed."""
+        await self._live().init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, **kwargs)  # fmt: skip
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        weight_version: str | int | None,
+    ) -> int:
+        """``AsyncLLM.update_weights_from_distributed``: receive one broadcast per
+        tensor from the group's rank 0; tensors loaded."""
+        return await self._live().update_weights_from_distributed(
+            names, dtypes, shapes, weight_version=weight_version)  # fmt: skip
+
+    async def destroy_weights_update_group(self) -> None:
+        """``AsyncLLM.destroy_weights_update_group`` (idempotent)."""
+        await self._live().destroy_weights_update_group()
+
+    async def weights_checksum(self) -> dict[str, str]:
+        """``AsyncLLM.weights_checksum()``: per-tensor digests, shards merged."""
+        return await self._live().weights_checksum()
+
     async def reset_prefix_cache(self) -> int:
         """``AsyncLLM.reset_prefix_cache()``; blocks uncached."""
         return await self._live().reset_prefix_cache()

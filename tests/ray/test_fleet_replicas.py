@@ -1,7 +1,10 @@
 """Two replicas of one rank each on a local Ray cluster: requests spread over both
 and follow their id, a push reaches every replica (each then gives an in-process
-engine's tokens for the pushed weights), control calls reach every replica, and a
-replica killed mid-rollout fails only its own requests, naming it."""
+engine's tokens for the pushed weights), a push from a trainer's process over one
+weight-update group reaches both (each then gives transformers' tokens and the
+trainer's checksum), control calls reach every replica, a replica killed
+mid-rollout fails only its own requests, naming it, and one killed mid-push fails
+the push naming it and leaves the fleet refusing to serve until a full push."""
 
 from __future__ import annotations
 
@@ -11,10 +14,27 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from fleet_cases import GREEDY, PROMPTS, SEEDED, SMALL, checkpoint_tensors
+import torch
+from fleet_cases import (
+    GREEDY,
+    PROMPTS,
+    SEEDED,
+    SMALL,
+    checkpoint_tensors,
+    join_group,
+    push_over_group,
+)
 
 from kvrunner import SamplingParams
-from kvrunner.ray import ReplicaError, RolloutFleet
+from kvrunner.ray import (
+    FleetCallError,
+    PartialPushError,
+    ReplicaError,
+    RolloutFleet,
+    WeightGroupError,
+)
+from kvrunner.weight_sync import WeightSyncError
+from kvrunner.weight_sync.checksum import tensor_digests
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
@@ -101,6 +121,80 @@ def test_pause_keep_parks_rollouts_on_every_replica_across_a_push(fleet, checkpo
         for out in outs:
             assert out.finish_reason == "length" and len(out.token_ids) == LONG.max_tokens
             assert len(out.weight_versions) == 2 and out.weight_versions[-1][0] == "again"
+
+    asyncio.run(run())
+
+
+def test_a_push_over_one_group_from_a_trainer_process_gives_each_replica_transformers_tokens(
+    fleet, checkpoints, trainer, transformers_greedy
+) -> None:
+    served, pushed = checkpoints
+    assert transformers_greedy[served] != transformers_greedy[pushed]
+
+    async def run() -> None:
+        plan = fleet.weight_group_plan("127.0.0.1", 1234)
+        assert (plan.world_size, plan.offsets) == (3, {0: 1, 1: 2})
+        loaded, digests = await push_over_group(fleet, trainer, pushed, version="g1",
+                                                order_seed=4)
+        assert loaded == {0: len(digests), 1: len(digests)}
+        assert await fleet.weight_versions() == {0: "g1", 1: "g1"}
+        for r in (0, 1):
+            assert (await replica_tokens(fleet, r))[:len(PROMPTS)] == transformers_greedy[pushed]
+        checksums = await fleet.weights_checksum()
+        assert checksums == {0: digests, 1: digests}
+        assert digests != tensor_digests(dict(checkpoint_tensors(served)), torch.float32)
+
+    asyncio.run(run())
+
+
+def test_without_a_group_a_distributed_push_is_refused_and_the_fleet_serves_on(
+    fleet, checkpoints, transformers_greedy
+) -> None:
+    async def run() -> None:
+        assert fleet.weight_group is None  # the last push's group was destroyed
+        with pytest.raises(WeightGroupError, match="no weight-update group"):
+            await fleet.update_weights_from_distributed(["lm_head.weight"], ["float32"],
+                                                        [[1, 1]])
+        out = await fleet.generate(PROMPTS[0], GREEDY)
+        assert out.token_ids == transformers_greedy[checkpoints[1]][0]
+
+    asyncio.run(run())
+
+
+def test_a_replica_killed_mid_push_fails_the_push_naming_it_and_the_fleet_refuses_until_a_full_push(
+    ray_cluster, checkpoints, trainer, transformers_greedy
+) -> None:
+    served, pushed = checkpoints
+    fleet = RolloutFleet(2, 1, served, **SMALL)
+
+    async def run() -> None:
+        names, dtypes, shapes, digests = await join_group(fleet, trainer, pushed)
+        sent = trainer.broadcast.remote(hold_after=5)
+        push = asyncio.ensure_future(
+            fleet.update_weights_from_distributed(names, dtypes, shapes, weight_version=1))
+        assert await trainer.held.remote()
+        ray.kill(fleet.replicas[1].actor, no_restart=True)
+        trainer.go.remote()
+        started = time.monotonic()
+        with pytest.raises(FleetCallError) as failed:
+            await push
+        assert time.monotonic() - started < 20  # the survivor is not left to time out
+        assert isinstance(failed.value.failures[1], ReplicaError)
+        assert failed.value.failures[1].replica == 1 and "replica 1 died" in str(failed.value)
+        assert isinstance(failed.value.failures[0], WeightSyncError)
+        kind, message = await sent
+        assert kind == "failed" and "group is released" in message
+        assert fleet.live_replicas == [0] and fleet.weight_group is None
+        assert (await fleet.cache_info())[0].weights == "partial"
+        with pytest.raises(PartialPushError, match="version 1"):
+            await fleet.generate(PROMPTS[0], GREEDY)
+        # a full push, over a group built again on the survivor, serves again
+        loaded, digests = await push_over_group(fleet, trainer, pushed, version=2)
+        assert loaded == {0: len(names)}
+        assert [(await fleet.generate(p, GREEDY)).token_ids for p in PROMPTS] == \
+            transformers_greedy[pushed]
+        assert await fleet.weights_checksum() == {0: digests}
+        await fleet.shutdown()
 
     asyncio.run(run())
 

@@ -1,6 +1,8 @@
 """One replica of two ranks on gloo, each rank a Ray actor on its own bundle (no
 torchrun): it gives a single in-process rank's tokens, takes a push (each rank its
-shard), and a rank killed mid-rollout fails the replica's requests naming the
+shard) through Ray's object store and over a weight-update group from a trainer's
+process (both ranks in the group; then transformers' tokens and the trainer's
+checksum), and a rank killed mid-rollout fails the replica's requests naming the
 replica, with the group's error naming the rank."""
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from fleet_cases import GREEDY, PROMPTS, SEEDED, SMALL, checkpoint_tensors
+from fleet_cases import GREEDY, PROMPTS, SEEDED, SMALL, checkpoint_tensors, push_over_group
 
 from kvrunner import SamplingParams
 from kvrunner.ray import NoReplicaError, ReplicaError, RolloutFleet
@@ -41,6 +43,24 @@ def test_a_tp2_replica_on_ray_gives_one_rank_s_tokens_before_and_after_a_push(
         await fleet.update_weights(checkpoint_tensors(pushed), weight_version=7)
         assert await fleet.weight_versions() == {0: 7}
         assert await tokens(fleet) == in_process[pushed]
+
+    asyncio.run(run())
+
+
+def test_both_ranks_join_one_group_with_the_trainer_and_a_push_over_it_lands_whole(
+    fleet, checkpoints, trainer, transformers_greedy
+) -> None:
+    served, pushed = checkpoints
+
+    async def run() -> None:
+        await fleet.update_weights(checkpoint_tensors(served))
+        plan = fleet.weight_group_plan("127.0.0.1", 1234)
+        assert (plan.world_size, plan.offsets) == (3, {0: 1})
+        loaded, digests = await push_over_group(fleet, trainer, pushed, version="g",
+                                                order_seed=9)
+        assert loaded == {0: len(digests)}
+        assert (await tokens(fleet))[:len(PROMPTS)] == transformers_greedy[pushed]
+        assert await fleet.weights_checksum() == {0: digests}
 
     asyncio.run(run())
 
