@@ -95,6 +95,8 @@ class LLM:
         )
         #: sleep, wake and weight pushes; it keeps the engine's one SleepState
         self._sleep_wake = SleepWakeControl(self.config, self.executor, self.engine)
+        #: trainer storages direct IPC pushes mapped, kept across pushes (weight_sync)
+        self._mapped_storages: Any = None
 
     @exclusive
     def shutdown(self) -> None:
@@ -104,6 +106,8 @@ class LLM:
         call: while another thread's call runs, this raises
         :class:`~kvrunner.errors.ConcurrentUseError` (and a call made while this
         runs does too)."""
+        if self._mapped_storages is not None:  # the trainers may free that memory now
+            self._mapped_storages.close()
         self.runner = None
         self.executor.shutdown()
 
@@ -250,11 +254,17 @@ class LLM:
         fails part way (the trainer dies, a bucket is malformed, a tensor is refused)
         raises :class:`~kvrunner.weight_sync.WeightSyncError` and leaves the weights
         ``"partial"`` (if anything loaded): generation is refused until a full push.
-        See docs/weight_sync.md."""
+        A :class:`~kvrunner.weight_sync.DirectSender`'s push reads the trainer's own
+        storages instead of buckets; they stay mapped until that sender closes or a
+        push no longer names them, or :meth:`shutdown`. See docs/weight_sync.md."""
+        from kvrunner.weight_sync.mapped_storages import MappedStorages
         from kvrunner.weight_sync.receiver import receive_push
 
+        if self._mapped_storages is None:
+            self._mapped_storages = MappedStorages()
         return receive_push(self._sleep_wake.push_session, address, authkey,
-                            check_finite_values=check_finite, timeout_s=timeout_s)
+                            check_finite_values=check_finite, timeout_s=timeout_s,
+                            storages=self._mapped_storages)
 
     @exclusive
     def init_weights_update_group(

@@ -5,11 +5,14 @@
   the engine's copy of it has completed on the device. The engine side is
   ``LLM.update_weights_from_ipc``, ``AsyncLLM.update_weights_from_ipc`` and
   ``POST /update_weights_from_tensor``.
+- :class:`DirectSender`: the same engine side, one copy: the engine reads the
+  trainer tensors' own storages (mapped once, kept across pushes) instead of buckets.
 
 The protocol and its guarantees: docs/weight_sync.md.
 """
 
+from kvrunner.weight_sync.direct_sender import DirectSender
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, gathered
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "BucketSender", "WeightSyncError", "gathered"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "BucketSender", "DirectSender", "WeightSyncError", "gathered"]

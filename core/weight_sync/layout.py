@@ -58,6 +58,37 @@ class TensorSlot:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
+    def check(self, buffer_bytes: int, *, where: str) -> int:
+        """Raise :class:`WeightSyncError` naming the first fault of this slot in a
+        buffer of ``buffer_bytes``: a field of the wrong type, an unknown dtype, a
+        negative or misaligned offset, bytes past the end. Returns the slot's end
+        offset. ``where`` names the bucket or message the slot came in."""
+        if not isinstance(self.name, str) or not self.name:
+            raise WeightSyncError(f"{where}: a tensor's name must be a non-empty string, "
+                                  f"got {self.name!r:.80}")
+        what = f"{where}, tensor {self.name!r}"
+        if self.dtype not in DTYPES:
+            raise WeightSyncError(f"{what}: dtype {self.dtype!r} is not one of "
+                                  f"{sorted(DTYPES)}")
+        if not (isinstance(self.shape, tuple)
+                and all(isinstance(d, int) and d >= 0 for d in self.shape)):
+            raise WeightSyncError(f"{what}: shape {self.shape!r} is not a tuple of "
+                                  f"non-negative ints")
+        itemsize = DTYPES[self.dtype].itemsize
+        if not isinstance(self.offset, int) or self.offset < 0 or self.offset % itemsize:
+            raise WeightSyncError(f"{what}: offset {self.offset!r} is not a non-negative "
+                                  f"multiple of {itemsize}")
+        end = self.offset + self.nbytes
+        if end > buffer_bytes:
+            raise WeightSyncError(f"{what}: bytes {self.offset}..{end} run past the end "
+                                  f"of the {buffer_bytes}-byte buffer")
+        return end
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This slot's tensor in the flat uint8 ``flat`` (checked first)."""
+        part = flat[self.offset : self.offset + self.nbytes]
+        return part.view(DTYPES[self.dtype]).view(self.shape)
+
 
 @attrs.frozen
 class BucketLayout:
@@ -78,27 +109,10 @@ class BucketLayout:
             raise WeightSyncError(f"{where}: slots must be a tuple of TensorSlot")
         spans = []
         for i, slot in enumerate(self.slots):
-            what = f"{where}, tensor {i}"
             if not isinstance(slot, TensorSlot):
-                raise WeightSyncError(f"{what} is a {type(slot).__name__}, not a TensorSlot")
-            if not isinstance(slot.name, str) or not slot.name:
-                raise WeightSyncError(f"{what}: name must be a non-empty string")
-            what = f"{where}, tensor {slot.name!r}"
-            if slot.dtype not in DTYPES:
-                raise WeightSyncError(f"{what}: dtype {slot.dtype!r} is not one of "
-                                      f"{sorted(DTYPES)}")
-            if not (isinstance(slot.shape, tuple)
-                    and all(isinstance(d, int) and d >= 0 for d in slot.shape)):
-                raise WeightSyncError(f"{what}: shape {slot.shape!r} is not a tuple of "
-                                      f"non-negative ints")
-            itemsize = DTYPES[slot.dtype].itemsize
-            if not isinstance(slot.offset, int) or slot.offset < 0 or slot.offset % itemsize:
-                raise WeightSyncError(f"{what}: offset {slot.offset!r} is not a non-negative "
-                                      f"multiple of {itemsize}")
-            end = slot.offset + slot.nbytes
-            if end > buffer_bytes:
-                raise WeightSyncError(f"{what}: bytes {slot.offset}..{end} run past the end "
-                                      f"of the {buffer_bytes}-byte buffer")
+                raise WeightSyncError(f"{where}, tensor {i} is a {type(slot).__name__}, not a "
+                                      f"TensorSlot")
+            end = slot.check(buffer_bytes, where=where)
             spans.append((slot.offset, end, slot.name))
         spans.sort()
         for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
@@ -107,11 +121,7 @@ class BucketLayout:
 
     def views(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` views into the flat uint8 ``buffer`` (checked first)."""
-        out = []
-        for slot in self.slots:
-            flat = buffer[slot.offset : slot.offset + slot.nbytes]
-            out.append((slot.name, flat.view(DTYPES[slot.dtype]).view(slot.shape)))
-        return out
+        return [(slot.name, slot.view(buffer)) for slot in self.slots]
 
 
 def plan_buckets(

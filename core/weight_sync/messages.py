@@ -13,6 +13,21 @@ One push over one connection::
     (or Abort(message) at any point: the trainer gives the push up)
                  ◄─────────────────────────   Done(loaded)    or, at any point, Refusal
 
+A direct push (:class:`~kvrunner.weight_sync.direct_sender.DirectSender`) names its
+sender in ``Begin``; the engine answers which of that sender's storages it still has
+mapped, and the tensors arrive as ``Shared`` messages naming storages instead of
+buckets::
+
+    Begin(sender=id) ─────────────────────►
+                 ◄─────────────────────────   Holding(storage ids mapped from before)
+    Shared(0, new handles, tensors) ──────►   maps the new storages, checks, copies
+    Shared(1, ...) ───────────────────────►     (not waited for: nothing is reused)
+    End(num_tensors) ─────────────────────►   waits for every copy
+                 ◄─────────────────────────   Ack(0), Ack(1), Done(loaded)
+    ... the connection stays open as the lease on the mapped storages, until
+    Release ──────────────────────────────►   unmaps them (also: sender gone, next push)
+                 ◄─────────────────────────   Released
+
 Messages are pickled plain data (no tensors) over an authenticated
 ``multiprocessing.connection``: only a peer holding the authkey can connect.
 """
@@ -26,8 +41,9 @@ from typing import Any
 import attrs
 
 from kvrunner.weight_sync.errors import WeightSyncError
-from kvrunner.weight_sync.layout import BucketLayout
+from kvrunner.weight_sync.layout import BucketLayout, TensorSlot
 from kvrunner.weight_sync.shared_buffer import BufferHandle
+from kvrunner.weight_sync.storage_share import StorageHandle
 
 #: the protocol's version; an engine refuses a Begin of another
 PROTOCOL = 1
@@ -35,10 +51,43 @@ PROTOCOL = 1
 
 @attrs.frozen
 class Begin:
-    """A push starts: the buffers its buckets will arrive in."""
+    """A push starts: the buffers its buckets will arrive in; ``sender`` (a direct
+    push) names the sender whose storages the engine may still have mapped."""
 
     buffers: tuple[BufferHandle, ...]
     protocol: int = PROTOCOL
+    sender: str = ""
+
+
+@attrs.frozen
+class Holding:
+    """The engine's answer to a direct push's Begin: the ids of that sender's storages
+    it has mapped from earlier pushes (a storage not listed comes with its handle)."""
+
+    ids: tuple[int, ...]
+
+
+@attrs.frozen
+class SharedTensor:
+    """One tensor of a direct push: ``slot`` (name, dtype, shape, byte offset) in the
+    trainer's storage numbered ``storage``."""
+
+    storage: int
+    slot: TensorSlot
+
+
+@attrs.frozen
+class Shared:
+    """Message ``index`` of a direct push: ``tensors`` read in place from trainer
+    storages, ``storages`` the handles of those the engine has not mapped yet.
+    ``reply_now``: the sender will overwrite one of them (a fallback bucket) once
+    this is acknowledged, so the engine waits for its copies and acknowledges at
+    once; otherwise the acknowledgement may wait for the end of the push."""
+
+    index: int
+    storages: tuple[StorageHandle, ...]
+    tensors: tuple[SharedTensor, ...]
+    reply_now: bool = False
 
 
 @attrs.frozen
@@ -78,6 +127,16 @@ class Done:
     """The push is complete: ``loaded`` tensors are in the engine's weights."""
 
     loaded: int
+
+
+@attrs.frozen
+class Release:
+    """The sender closes: the engine unmaps every storage of it (then Released)."""
+
+
+@attrs.frozen
+class Released:
+    """The engine holds none of the sender's storages any more."""
 
 
 @attrs.frozen

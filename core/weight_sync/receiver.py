@@ -9,6 +9,11 @@ malformed, a tensor has the wrong name, shape or dtype, or holds NaN — ends th
 session with an error, so the engine's weights are ``"partial"`` (if anything had
 loaded) and generation is refused until a full push; the trainer hears a
 :class:`~kvrunner.weight_sync.messages.Refusal` with the same message.
+
+A direct push (``Shared`` messages) reads the trainer's own storages, mapped through
+the engine's :class:`~kvrunner.weight_sync.mapped_storages.MappedStorages`, which
+keeps them across pushes; its copies are waited for once, at the end of the push
+(or before acknowledging a message whose storage the sender will overwrite).
 """
 
 from __future__ import annotations
@@ -26,7 +31,19 @@ from kvrunner.weight_push import tensor_problem
 from kvrunner.weight_sync import messages
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.layout import BucketLayout
-from kvrunner.weight_sync.messages import PROTOCOL, Abort, Ack, Begin, Bucket, Done, End, Refusal
+from kvrunner.weight_sync.mapped_storages import MappedStorages, SenderStorages
+from kvrunner.weight_sync.messages import (
+    PROTOCOL,
+    Abort,
+    Ack,
+    Begin,
+    Bucket,
+    Done,
+    End,
+    Holding,
+    Refusal,
+    Shared,
+)
 from kvrunner.weight_sync.shared_buffer import BufferHandle, OpenedBuffer, open_buffer
 
 Pairs = list[tuple[str, torch.Tensor]]
@@ -62,14 +79,19 @@ def connect(address: tuple[str, int] | str, authkey: bytes, timeout_s: float) ->
             time.sleep(0.05)
 
 
+def wait_for_copies(devices: set[torch.device]) -> None:
+    """Return once every copy queued on ``devices`` has completed (the copies read
+    the trainer's memory on the engine's streams)."""
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
 def copy_bucket(load: Load, pairs: Pairs) -> int:
     """Load ``pairs`` (views of the trainer's buffer) and return only once every copy
     out of the buffer has completed on the device: after this the buffer may be
     refilled. Returns how many tensors loaded."""
     loaded = load(pairs)
-    devices = {t.device for _, t in pairs if t.is_cuda}
-    for device in devices:  # the copies read the buffer on the engine's streams
-        torch.cuda.synchronize(device)
+    wait_for_copies({t.device for _, t in pairs if t.is_cuda})
     return loaded
 
 
@@ -90,20 +112,32 @@ def receive_push(
     *,
     check_finite_values: bool = True,
     timeout_s: float = 300.0,
+    storages: MappedStorages | None = None,
 ) -> int:
     """Receive one whole push from the sender at ``address`` into ``session``; returns
     how many tensors loaded. Raises :class:`WeightSyncError` (or the engine's
-    refusal: asleep, busy) after telling the sender why."""
+    refusal: asleep, busy) after telling the sender why.
+
+    ``storages``: the engine's mapped trainer storages, which a direct push reads and
+    which outlive the push (without it a direct push maps everything afresh and
+    unmaps it at the end)."""
     if not isinstance(authkey, bytes):
         raise WeightSyncError(f"authkey must be bytes, got {type(authkey).__name__}")
     conn = connect(address, authkey, timeout_s)
-    with conn:
-        try:
-            loaded = _receive(conn, session, check_finite_values, timeout_s)
-        except BaseException as e:
-            _refuse(conn, e)
-            raise
+    push = _Push(conn, storages, check_finite_values, timeout_s)
+    try:
+        loaded = push.receive(session)
         messages.send(conn, Done(loaded))
+    except BaseException as e:
+        push.release()
+        _refuse(conn, e)
+        conn.close()
+        raise
+    if push.sender is not None and storages is not None:
+        storages.keep(push.sender, conn)  # the connection is now the lease on them
+    else:
+        push.release()
+        conn.close()
     return loaded
 
 
@@ -112,20 +146,124 @@ def _refuse(conn: Connection, error: BaseException) -> None:
         messages.send(conn, Refusal(f"{type(error).__name__}: {error}"))
 
 
-def _receive(conn: Connection, session: Session, finite: bool, timeout_s: float) -> int:
-    begin = messages.receive(conn, timeout_s, waiting_for="the start of a push")
-    if not isinstance(begin, Begin) or not isinstance(begin.buffers, tuple):
-        raise WeightSyncError(f"a push must start with Begin, got {begin!r:.200}")
-    if begin.protocol != PROTOCOL:
-        raise WeightSyncError(f"the sender speaks weight-sync protocol {begin.protocol!r}; "
-                              f"this engine speaks {PROTOCOL}")
-    buffers = [open_buffer(h) for h in begin.buffers if _is_handle(h)]
-    try:
-        with session("update_weights_from_ipc") as load:
-            return _buckets(conn, buffers, load, finite, timeout_s)
-    finally:
-        for buffer in buffers:
-            buffer.close()
+class _Push:
+    """One push being received: its connection, buffers and (direct) storages."""
+
+    def __init__(self, conn: Connection, storages: MappedStorages | None, finite: bool,
+                 timeout_s: float) -> None:
+        self.conn = conn
+        self.cache = storages
+        self.finite = finite
+        self.timeout_s = timeout_s
+        #: a direct push's sender's storages (None: a bucket push)
+        self.sender: SenderStorages | None = None
+        self.buffers: list[OpenedBuffer] = []
+
+    def release(self) -> None:
+        """Let go of whatever this push mapped (it failed, or nothing keeps it)."""
+        if self.sender is not None:
+            self.sender.release()
+
+    def receive(self, session: Session) -> int:
+        conn = self.conn
+        begin = messages.receive(conn, self.timeout_s, waiting_for="the start of a push")
+        if not isinstance(begin, Begin) or not isinstance(begin.buffers, tuple):
+            raise WeightSyncError(f"a push must start with Begin, got {begin!r:.200}")
+        if begin.protocol != PROTOCOL:
+            raise WeightSyncError(f"the sender speaks weight-sync protocol "
+                                  f"{begin.protocol!r}; this engine speaks {PROTOCOL}")
+        if not isinstance(begin.sender, str):
+            raise WeightSyncError(f"Begin.sender must be a string, got {begin.sender!r:.80}")
+        if begin.sender:
+            cache = self.cache if self.cache is not None else MappedStorages()
+            self.sender = cache.take(begin.sender)
+            messages.send(conn, Holding(tuple(self.sender.mapped)))
+        self.buffers = [open_buffer(h) for h in begin.buffers if _is_handle(h)]
+        try:
+            with session("update_weights_from_ipc") as load:
+                return self._messages(load)
+        finally:
+            for buffer in self.buffers:
+                buffer.close()
+
+    def _messages(self, load: Load) -> int:
+        """Load every bucket and shared message up to End, acknowledging each after
+        its copy; returns how many tensors loaded."""
+        index, count, loaded, names = 0, 0, 0, set()
+        unacked: list[int] = []  # shared messages whose copies are not yet waited for
+        devices: set[torch.device] = set()
+        while True:
+            message = messages.receive(self.conn, self.timeout_s,
+                                       waiting_for=f"bucket {index} or the end of the push")
+            if isinstance(message, End):
+                self._acknowledge(unacked, devices)
+                if message.num_tensors != count:
+                    raise WeightSyncError(f"the push ended announcing "
+                                          f"{message.num_tensors!r} tensors; {count} arrived")
+                return loaded
+            if isinstance(message, Abort):
+                raise WeightSyncError(f"the trainer gave the push up before bucket {index}: "
+                                      f"{message.message}")
+            where = f"bucket {index}"
+            if not isinstance(message, Bucket | Shared):
+                raise WeightSyncError(f"{where}: expected a Bucket, Shared or End, got "
+                                      f"{message!r:.200}")
+            if message.index != index:
+                raise WeightSyncError(f"{where}: the message says it is number "
+                                      f"{message.index!r}")
+            pairs = (self._bucket(message, where) if isinstance(message, Bucket)
+                     else self._shared(message, where))
+            _note_names(names, [name for name, _ in pairs], where)
+            if self.finite:
+                check_finite(pairs, where)
+            try:
+                if isinstance(message, Shared) and not message.reply_now:
+                    loaded += load(pairs)  # waited for before the acknowledgement
+                    devices.update(t.device for _, t in pairs if t.is_cuda)
+                    unacked.append(index)
+                else:
+                    loaded += copy_bucket(load, pairs)
+                    self._acknowledge([*unacked, index], devices)
+                    unacked = []
+            except WeightUpdateError as e:  # a name or shape the model refused
+                if isinstance(e, WeightSyncError):
+                    raise
+                raise WeightSyncError(f"{where}: {e}") from e
+            count += len(pairs)
+            index += 1
+
+    def _acknowledge(self, indices: list[int], devices: set[torch.device]) -> None:
+        wait_for_copies(devices)
+        devices.clear()
+        for index in indices:
+            messages.send(self.conn, Ack(index))
+        indices.clear()
+
+    def _bucket(self, message: Bucket, where: str) -> Pairs:
+        if not (isinstance(message.buffer, int) and 0 <= message.buffer < len(self.buffers)):
+            raise WeightSyncError(f"{where}: buffer {message.buffer!r} is not one of the "
+                                  f"{len(self.buffers)} the push began with")
+        if not isinstance(message.layout, BucketLayout):
+            raise WeightSyncError(f"{where}: layout is a {type(message.layout).__name__}")
+        buffer = self.buffers[message.buffer]
+        message.layout.check(buffer.nbytes, where=where)
+        return message.layout.views(buffer.tensor)
+
+    def _shared(self, message: Shared, where: str) -> Pairs:
+        if self.sender is None:
+            raise WeightSyncError(f"{where}: shared tensors in a push whose Begin named no "
+                                  f"sender")
+        self.sender.map(message.storages, where=where)
+        return self.sender.views(message.tensors, where=where)
+
+
+def _note_names(names: set[str], new: list[str], where: str) -> None:
+    """Refuse a tensor pushed twice in one push (within ``new`` or after ``names``)."""
+    twice = sorted(names.intersection(new))
+    if twice or len(set(new)) < len(new):
+        raise WeightSyncError(f"{where}: tensor(s) {twice or 'in this bucket'} pushed "
+                              f"twice in one push")
+    names.update(new)
 
 
 def _is_handle(handle: object) -> bool:
@@ -133,50 +271,3 @@ def _is_handle(handle: object) -> bool:
         raise WeightSyncError(f"Begin.buffers holds a {type(handle).__name__}, not a "
                               f"BufferHandle")
     return True
-
-
-def _buckets(conn: Connection, buffers: list[OpenedBuffer], load: Load, finite: bool,
-             timeout_s: float) -> int:
-    """Load every bucket up to End, acknowledging each after its copy; returns how
-    many tensors loaded."""
-    index, count, loaded, names = 0, 0, 0, set()
-    while True:
-        message = messages.receive(conn, timeout_s,
-                                   waiting_for=f"bucket {index} or the end of the push")
-        if isinstance(message, End):
-            if message.num_tensors != count:
-                raise WeightSyncError(f"the push ended announcing {message.num_tensors!r} "
-                                      f"tensors; {count} arrived")
-            return loaded
-        if isinstance(message, Abort):
-            raise WeightSyncError(f"the trainer gave the push up before bucket {index}: "
-                                  f"{message.message}")
-        where = f"bucket {index}"
-        if not isinstance(message, Bucket):
-            raise WeightSyncError(f"{where}: expected a Bucket or End, got {message!r:.200}")
-        if message.index != index:
-            raise WeightSyncError(f"{where}: the bucket says it is number {message.index!r}")
-        if not (isinstance(message.buffer, int) and 0 <= message.buffer < len(buffers)):
-            raise WeightSyncError(f"{where}: buffer {message.buffer!r} is not one of the "
-                                  f"{len(buffers)} the push began with")
-        if not isinstance(message.layout, BucketLayout):
-            raise WeightSyncError(f"{where}: layout is a {type(message.layout).__name__}")
-        buffer = buffers[message.buffer]
-        message.layout.check(buffer.nbytes, where=where)
-        twice = sorted(names.intersection(s.name for s in message.layout.slots))
-        if twice or len({s.name for s in message.layout.slots}) < len(message.layout.slots):
-            raise WeightSyncError(f"{where}: tensor(s) {twice or 'in this bucket'} pushed "
-                                  f"twice in one push")
-        names.update(s.name for s in message.layout.slots)
-        pairs = message.layout.views(buffer.tensor)
-        if finite:
-            check_finite(pairs, where)
-        try:
-            loaded += copy_bucket(load, pairs)
-        except WeightUpdateError as e:  # a name or shape the model refused
-            if isinstance(e, WeightSyncError):
-                raise
-            raise WeightSyncError(f"{where}: {e}") from e
-        messages.send(conn, Ack(index))
-        count += len(pairs)
-        index += 1

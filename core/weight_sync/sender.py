@@ -25,21 +25,24 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from kvrunner.weight_sync import messages
+from kvrunner.weight_sync.endpoint import Address, SenderEndpoint
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.layout import BucketLayout, plan_buckets
-from kvrunner.weight_sync.messages import Abort, Ack, Begin, Bucket, Done, End, Refusal
+from kvrunner.weight_sync.messages import Begin, Bucket, Done, End
 from kvrunner.weight_sync.shared_buffer import SharedBuffer
 
 #: the default bucket size: 2 GiB, as verl's colocated push (two are allocated)
 DEFAULT_BUCKET_BYTES = 2048 << 20
 
-Address = tuple[str, int] | str
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor (gathered with ``full_tensor()`` to push)."""
+    return type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None))
 
 
 def gathered(
@@ -54,9 +57,8 @@ def gathered(
     if isinstance(weights, Mapping):
         weights = weights.items()
     for name, tensor in weights:
-        full = getattr(tensor, "full_tensor", None)
-        if callable(full) and type(tensor).__name__ == "DTensor":
-            tensor = full()
+        if is_dtensor(tensor):
+            tensor = tensor.full_tensor()
         yield name, tensor.detach()
 
 
@@ -103,20 +105,19 @@ class BucketSender:
         self.timeout_s = timeout_s
         #: the key the engine must present; pass ``authkey.hex()`` over HTTP
         self.authkey: bytes = authkey if authkey is not None else os.urandom(32)
-        self._listener = Listener(address, authkey=self.authkey)
+        self._endpoint = SenderEndpoint(address, self.authkey, timeout_s)
         self._buffers = [SharedBuffer(bucket_bytes, self.device) for _ in range(2)]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def address(self) -> Address:
         """Where the engine connects: ``(host, port)`` or a socket path."""
-        return self._listener.address
+        return self._endpoint.address
 
     @property
     def address_text(self) -> str:
         """:attr:`address` as ``"host:port"`` or a path (what the HTTP route takes)."""
-        address = self.address
-        return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        return self._endpoint.address_text
 
     def push(
         self,
@@ -128,56 +129,32 @@ class BucketSender:
 
         Raises :class:`WeightSyncError` if the engine refused a bucket or a tensor
         (its message), closed the connection, or did not answer in time."""
-        self._listener._listener._socket.settimeout(self.timeout_s)  # type: ignore[union-attr]
-        try:
-            conn = self._listener.accept()
-        except TimeoutError:
-            raise WeightSyncError(f"no engine connected to {self.address_text} within "
-                                  f"{self.timeout_s:g} s") from None
-        with conn:
-            try:
-                return self._stream_push(conn, weights)
-            except Exception as e:  # tell the engine why, so its error says so too
-                if not isinstance(e, WeightSyncError) or not str(e).startswith("the engine"):
-                    with contextlib.suppress(WeightSyncError):
-                        messages.send(conn, Abort(f"{type(e).__name__}: {e}"))
-                raise
+        loaded, conn = self._endpoint.push(lambda conn: self._stream_push(conn, weights))
+        conn.close()
+        return loaded
 
     def _stream_push(self, conn: Connection, weights: Any) -> int:
-        self._send(conn, Begin(tuple(b.handle for b in self._buffers)))
+        endpoint = self._endpoint
+        endpoint.send(conn, Begin(tuple(b.handle for b in self._buffers)))
         unacked: list[int] = []  # bucket indices sent and not yet acknowledged
         count = 0
         for index, bucket in enumerate(plan_buckets(self._cast(gathered(weights)),
                                                     self.bucket_bytes)):
             while len(unacked) >= len(self._buffers):  # the buffer we need is still read
-                self._expect_ack(conn, unacked.pop(0))
+                endpoint.expect_ack(conn, unacked.pop(0))
             buffer = self._buffers[index % len(self._buffers)]
             self._fill(buffer.tensor, bucket)
             layout = BucketLayout(tuple(slot for slot, _ in bucket))
-            self._send(conn, Bucket(index, index % len(self._buffers), layout))
+            endpoint.send(conn, Bucket(index, index % len(self._buffers), layout))
             unacked.append(index)
             count += len(bucket)
         for index in unacked:
-            self._expect_ack(conn, index)
-        self._send(conn, End(count))
-        answer = self._answer(conn, "the engine to finish the push")
+            endpoint.expect_ack(conn, index)
+        endpoint.send(conn, End(count))
+        answer = endpoint.answer(conn, "the engine to finish the push")
         if not isinstance(answer, Done):
             raise WeightSyncError(f"the engine answered {answer!r:.200} to the end of a push")
         return answer.loaded
-
-    def _send(self, conn: Connection, message: Any) -> None:
-        """Send; if the engine has hung up, raise its refusal (sent before it closed)
-        rather than the broken pipe."""
-        try:
-            messages.send(conn, message)
-        except WeightSyncError:
-            try:
-                answer = messages.receive(conn, 1.0, waiting_for="the engine's refusal")
-            except WeightSyncError:
-                answer = None
-            if isinstance(answer, Refusal):
-                raise WeightSyncError(f"the engine refused the push: {answer.message}") from None
-            raise
 
     def _cast(self, pairs: Iterator[tuple[str, torch.Tensor]]
               ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -186,7 +163,11 @@ class BucketSender:
 
     def _fill(self, flat: torch.Tensor, bucket: list[tuple[Any, torch.Tensor]]) -> None:
         """Copy ``bucket``'s tensors into ``flat`` and wait until the copies are done
-        (the engine reads the buffer as soon as it hears of the bucket)."""
+        (the engine reads the buffer as soon as it hears of the bucket). On CUDA the
+        copies run on a side stream that first waits for the trainer's stream, so
+        they read what the trainer's last kernels wrote."""
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), (
                 torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()):
             for slot, tensor in bucket:
@@ -195,20 +176,9 @@ class BucketSender:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _answer(self, conn: Connection, waiting_for: str) -> Any:
-        answer = messages.receive(conn, self.timeout_s, waiting_for=waiting_for)
-        if isinstance(answer, Refusal):
-            raise WeightSyncError(f"the engine refused the push: {answer.message}")
-        return answer
-
-    def _expect_ack(self, conn: Connection, index: int) -> None:
-        answer = self._answer(conn, f"the acknowledgement of bucket {index}")
-        if answer != Ack(index):
-            raise WeightSyncError(f"expected Ack({index}) from the engine, got {answer!r:.200}")
-
     def close(self) -> None:
         """Stop listening and free both buffers (idempotent)."""
-        self._listener.close()
+        self._endpoint.close()
         for buffer in self._buffers:
             buffer.close()
 

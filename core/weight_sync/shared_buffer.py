@@ -39,7 +39,9 @@ class BufferHandle:
     device_uuid: str = ""
 
 
-def _device_uuid(index: int) -> str:
+def device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` (the same GPU has the same UUID in every
+    process, whatever each process numbers it)."""
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
@@ -55,7 +57,7 @@ class SharedBuffer:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
             _, args = reduce_tensor(self.tensor)
             index = self.tensor.device.index
-            self.handle = BufferHandle("cuda", nbytes, args, _device_uuid(index))
+            self.handle = BufferHandle("cuda", nbytes, args, device_uuid(index))
         elif device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
@@ -117,12 +119,13 @@ def _open_shared_memory(handle: BufferHandle) -> OpenedBuffer:
                         mapping)
 
 
-def _local_cuda_index(uuid: str) -> int:
+def local_cuda_index(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid``; WeightSyncError if it sees none."""
     for index in range(torch.cuda.device_count()):
-        if _device_uuid(index) == uuid:
+        if device_uuid(index) == uuid:
             return index
     raise WeightSyncError(
-        f"the trainer's buffer lives on the GPU with UUID {uuid}, which this engine process "
+        f"the trainer's memory lives on the GPU with UUID {uuid}, which this engine process "
         f"cannot see (CUDA IPC works between processes on the same GPU)"
     )
 
@@ -137,7 +140,7 @@ def open_buffer(handle: BufferHandle) -> OpenedBuffer:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         args = list(handle.payload)
-        args[6] = _local_cuda_index(handle.device_uuid)  # storage_device, in our numbering
+        args[6] = local_cuda_index(handle.device_uuid)  # storage_device, in our numbering
         tensor = rebuild_cuda_tensor(*args)
         if tensor.numel() < handle.nbytes:
             raise WeightSyncError("the trainer's CUDA buffer is smaller than announced")

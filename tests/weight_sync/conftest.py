@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from push_kit import ENGINE  # noqa: E402
 from test_generate_hf_parity import hf_greedy, save_hf_qwen3  # noqa: E402
 
 from kvrunner.models.tiny import write_tiny_checkpoint  # noqa: E402
@@ -63,6 +64,16 @@ class Checkpoints:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("weight_sync"))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: Checkpoints) -> Iterator[Any]:
+    """A TP=1 engine on checkpoint seed 1, one per test module."""
+    from kvrunner import LLM
+
+    engine = LLM(model=str(checkpoints.path(1)), **ENGINE)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="session")
