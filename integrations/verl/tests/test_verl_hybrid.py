@@ -4,7 +4,9 @@ trainer workers, verl's LLMServerManager starts one kvrunner replica beside each
 (``KvrunnerReplica.init_hybrid``), verl's CheckpointEngineManager puts them to sleep
 and runs the naive weight sync, in which each trainer's ServerAdapter pushes its
 weights to the replica beside it over shared-memory IPC buckets; verl's client then
-generates the trainer's own greedy tokens. A colocated replica (a reward model's
+generates the trainer's own greedy tokens. At TP=1 that is two replicas, each fed
+by its own trainer; at TP=2 one replica over both trainers' places, fed by the
+first (the second iterates its stream). A colocated replica (a reward model's
 layout) starts beside verl's own CheckpointEngineWorker group and keeps its weights
 across a sleep.
 
@@ -44,9 +46,15 @@ def checkpoint(tmp_path_factory) -> str:
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("verl-hybrid") / "a", seed=5))
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+def tp(request) -> int:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def config(checkpoint):
-    return compose_trainer_config(checkpoint, "actor_rollout_ref.hybrid_engine=True")
+def config(checkpoint, tp):
+    return compose_trainer_config(checkpoint, "actor_rollout_ref.hybrid_engine=True",
+                                  tensor_parallel_size=tp)
 
 
 @pytest.fixture(scope="module")
@@ -60,31 +68,41 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def trainers(cluster, config, checkpoint):
+def trainers(cluster, config, checkpoint, tp):
     pool = RayResourcePool([TRAINERS], use_gpu=False, max_colocate_count=1)
     worker = RayClassWithInitArgs(cls=ray.remote(HybridTrainerWorker),
                                   config=config.actor_rollout_ref, checkpoint=checkpoint)
-    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker,
-                          name_prefix="hybrid_trainer", use_gpu=False)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker,
+                           name_prefix=f"hybrid_trainer_tp{tp}", use_gpu=False)
+    yield group
+    for worker in group.workers:
+        ray.kill(worker)
+    for pg in pool.get_placement_groups():
+        ray.util.remove_placement_group(pg)
 
 
 @pytest.fixture(scope="module")
 def manager(trainers, config):
-    return LLMServerManager.create(config=config, worker_group=trainers)
+    manager = LLMServerManager.create(config=config, worker_group=trainers)
+    yield manager
+    for replica in manager.get_replicas():  # the next layout reuses the server names
+        for actor in [*replica.servers, *replica._ranks]:
+            ray.kill(actor)
 
 
 def test_verl_starts_a_kvrunner_replica_beside_each_trainer_worker_in_hybrid_mode(
-    manager, trainers, checkpoint
+    manager, trainers, checkpoint, tp
 ) -> None:
     replicas = manager.get_replicas()
-    assert len(replicas) == TRAINERS
+    assert len(replicas) == TRAINERS // tp
     for k, replica in enumerate(replicas):
         assert replica.rollout_mode == RolloutMode.HYBRID
-        assert replica.workers == [trainers.workers[k]]
+        assert replica.workers == trainers.workers[k * tp : (k + 1) * tp]
+        assert len(replica._ranks) == tp - 1
         assert replica.server_address == f"kvrunner://kvrunner_server_{k}_0"
     nodes = ray.get([w.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
                      for w in trainers.workers])
-    assert ray.get([r.servers[0].node_id.remote() for r in replicas]) == nodes
+    assert ray.get([r.servers[0].node_id.remote() for r in replicas]) == nodes[::tp]
 
     async def run():
         client = manager.get_client()
@@ -123,8 +141,9 @@ def test_verl_s_naive_sync_pushes_each_trainer_s_weights_over_shared_memory_ipc(
 
 
 def test_a_colocated_replica_runs_beside_verl_s_workers_and_keeps_its_weights_asleep(
-    cluster, config, checkpoint
+    cluster, checkpoint
 ) -> None:
+    config = compose_trainer_config(checkpoint)
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=2)  # a shared pool
     replica = get_rollout_replica_class("kvrunner")(
         replica_rank=0, config=config.actor_rollout_ref.rollout,

@@ -11,9 +11,10 @@ PROMPT = [3, 17, 29, 101]
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": True}
 
 
-def compose_trainer_config(model: str, *overrides: str) -> Any:
+def compose_trainer_config(model: str, *overrides: str, tensor_parallel_size: int = 1) -> Any:
     """verl's ``ppo_trainer`` config (its own hydra files) with rollout ``kvrunner``
-    on ``model``, small limits, 1 MiB weight buckets and ``overrides`` on top."""
+    on ``model`` at ``tensor_parallel_size``, small limits, 1 MiB weight buckets and
+    ``overrides`` on top."""
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -23,7 +24,7 @@ def compose_trainer_config(model: str, *overrides: str) -> Any:
         return compose("ppo_trainer", overrides=[
             "actor_rollout_ref.rollout.name=kvrunner",
             f"actor_rollout_ref.model.path={model}",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size}",
             "actor_rollout_ref.rollout.max_num_seqs=8",
             "actor_rollout_ref.rollout.prompt_length=64",
             "actor_rollout_ref.rollout.response_length=400",
