@@ -1,17 +1,30 @@
-"""An IPC weight push from a trainer in a second process on the same GPU.
+"""An IPC weight push from a trainer in a second process on the same GPU: the bucket
+path beside the direct (one-copy) path, in the same run.
 
 The trainer holds Qwen3-8B-shaped bf16 tensors (random, tied embeddings, 16.4 GB)
-on the GPU and pushes them through :class:`kvrunner.weight_sync.BucketSender`; the
-engine (``load_format="dummy"``, eager, a minimal pool) receives them with
-``LLM.update_weights_from_ipc``. Timed end to end on the engine side: from the call
-to the trainer's last acknowledgement and the end of the push (trainer tensors in
-the engine's weights, every bucket's copy completed on the device), median of 3
-pushes after a warm-up push, for two bucket sizes, with and without the finiteness
-check. Printed against the device copy rate measured in the same run (bytes copied
-per second: half the read+write bandwidth ``common.copy_bandwidth_tbps`` reports).
+on the GPU; the engine (``load_format="dummy"``, eager, a minimal pool) receives
+them with ``LLM.update_weights_from_ipc``. Timed end to end on the engine side: from
+the call to the end of the push (trainer tensors in the engine's weights, every copy
+completed on the device, acknowledged), with and without the finiteness check.
+Printed against the device copy rate measured in the same run (bytes copied per
+second: half the read+write bandwidth ``common.copy_bandwidth_tbps`` reports).
 
-The bucket path copies every byte twice through the same HBM (trainer tensor ->
-bucket, bucket -> weight), so its end-to-end rate is bounded by half the copy rate.
+- ``bucket``: :class:`kvrunner.weight_sync.BucketSender`, two bucket sizes. Every
+  byte is copied twice through the same HBM (trainer tensor -> bucket -> weight), so
+  its rate is bounded by half the copy rate. Median of 3 pushes after a warm-up.
+- ``direct``: :class:`kvrunner.weight_sync.DirectSender`, two chunk sizes (bytes of
+  tensors per message), a fresh sender per row: the first push maps every trainer
+  storage (CUDA IPC handles) and is reported on its own; the steady state (the
+  engine reuses its mappings, only metadata travels) is the median of the next 3.
+  The finiteness check reads every byte once more before the copy (one min/max per
+  tensor), so with it the rate is bounded by 2/3 of the copy rate.
+
+Then a check that the direct path moves the right bytes: the trainer negates its
+tensors in place and pushes them directly (a steady-state push: no storage mapped
+anew), the engine's greedy tokens are taken, the same tensors are pushed through
+buckets and the tokens must be equal. Last, the trainer closes its sender and drops
+its tensors: the memory it still has allocated and reserved is printed (torch frees
+IPC-shared blocks only once the engine has let go of them).
 
     python benchmarks/bench_weight_push_ipc.py
 """
@@ -35,7 +48,9 @@ from kvrunner.models.tiny import write_tiny_checkpoint
 
 SHAPE = SHAPES["8B"]
 BUCKETS_MB = (512, 2048)
-PUSHES = 4  # the first is a warm-up (maps the buffers, first-touch costs)
+CHUNKS_MB = (1024, 4096)
+PUSHES = 4  # the first is a warm-up (bucket) or the push that maps the storages (direct)
+PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
 
 
 def tensors(device: str) -> list[tuple[str, torch.Tensor]]:
@@ -80,20 +95,70 @@ def write_config(path: Path) -> None:
 
 
 def trainer(conn) -> None:
-    """The second process: tensors on cuda:0, one sender per bucket size."""
-    from kvrunner.weight_sync import BucketSender
+    """The second process: tensors on cuda:0; one sender per command (see main)."""
+    from kvrunner.weight_sync import BucketSender, DirectSender
 
     weights = tensors("cuda")
     conn.send(sum(t.numel() * t.element_size() for _, t in weights))
-    while (bucket_mb := conn.recv()) is not None:
-        with BucketSender(device="cuda", bucket_bytes=bucket_mb << 20) as sender:
-            conn.send((sender.address, sender.authkey))
-            for _ in range(PUSHES):
-                sender.push(weights)
+    while (command := conn.recv()) is not None:
+        kind, size_mb = command
+        if kind == "bucket":
+            with BucketSender(device="cuda", bucket_bytes=size_mb << 20) as sender:
+                conn.send((sender.address, sender.authkey))
+                for _ in range(PUSHES):
+                    sender.push(weights)
+        elif kind == "direct":
+            with DirectSender(device="cuda", chunk_bytes=size_mb << 20) as sender:
+                conn.send((sender.address, sender.authkey))
+                stats = []
+                for _ in range(PUSHES):
+                    sender.push(weights)
+                    stats.append(sender.last_push)
+                conn.send(stats)
+        elif kind == "verify":  # direct, negate in place, direct again, then buckets
+            with DirectSender(device="cuda") as direct, \
+                    BucketSender(device="cuda", bucket_bytes=size_mb << 20) as bucket:
+                conn.send((direct.address, direct.authkey, bucket.address, bucket.authkey))
+                direct.push(weights)
+                with torch.no_grad():
+                    for _, tensor in weights:
+                        tensor.neg_()
+                direct.push(weights)
+                conn.send(direct.last_push)
+                bucket.push(weights)
+        elif kind == "free":
+            weights.clear()
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+            conn.send((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+
+
+def row(path: str, size_mb: int, check: bool, first_s: float | None, steady_s: float,
+        weight_bytes: int, copy_rate: float) -> str:
+    """One line of the table: the steady-state rate in GB/s and against the copy rate."""
+    rate = weight_bytes / steady_s
+    first = f"{first_s:>8.3f}" if first_s is not None else f"{'':>8}"
+    return (f"{path:>7} {size_mb:>6}MB {str(check):>6} {first} {steady_s:>9.4f} "
+            f"{rate / 1e9:>7.0f} {rate / copy_rate:>7.2f}")
+
+
+HEADER = (f"{'path':>7} {'size':>8} {'check':>6} {'first s':>8} {'steady s':>9} "
+          f"{'GB/s':>7} {'x copy':>7}")
+
+
+def timed_pushes(llm, address, authkey, check: bool) -> list[float]:
+    """Seconds of each of PUSHES pushes from the sender at ``address``."""
+    times = []
+    for _ in range(PUSHES):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.update_weights_from_ipc(address, authkey=authkey, check_finite=check)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
-    from kvrunner import LLM
+    from kvrunner import LLM, SamplingParams
 
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -108,24 +173,50 @@ def main() -> None:
         copy_rate = copy_bandwidth_tbps() * 1e12 / 2  # bytes copied per second
         print(f"{torch.cuda.get_device_name()}: {weight_bytes / 1e9:.1f} GB of bf16 weights "
               f"(Qwen3-8B shapes); device copy rate {copy_rate / 1e9:.0f} GB/s")
-        print(f"{'bucket':>8} {'finite check':>12} {'push s':>8} {'GB/s':>7} {'x copy':>7}")
+        print("size: bucket size (bucket) or bytes of tensors per message (direct); "
+              "steady s: median of the pushes after the first")
+        print(HEADER)
         for bucket_mb in BUCKETS_MB:
             for check in (True, False):
-                conn.send(bucket_mb)
+                conn.send(("bucket", bucket_mb))
                 address, authkey = conn.recv()
-                times = []
-                for _ in range(PUSHES):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    llm.update_weights_from_ipc(address, authkey=authkey, check_finite=check)
-                    times.append(time.perf_counter() - start)
-                seconds = statistics.median(times[1:])
-                rate = weight_bytes / seconds
-                print(f"{bucket_mb:>6}MB {str(check):>12} {seconds:>8.3f} {rate / 1e9:>7.0f} "
-                      f"{rate / copy_rate:>7.2f}", flush=True)
+                times = timed_pushes(llm, address, authkey, check)
+                print(row("bucket", bucket_mb, check, times[0], statistics.median(times[1:]),
+                          weight_bytes, copy_rate), flush=True)
+        for chunk_mb in CHUNKS_MB:
+            for check in (True, False):
+                conn.send(("direct", chunk_mb))
+                address, authkey = conn.recv()
+                times = timed_pushes(llm, address, authkey, check)
+                stats = conn.recv()
+                print(row("direct", chunk_mb, check, times[0], statistics.median(times[1:]),
+                          weight_bytes, copy_rate)
+                      + f"   storages mapped per push: {[s.new_storages for s in stats]}",
+                      flush=True)
+        greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        conn.send(("verify", BUCKETS_MB[-1]))
+        direct_address, direct_key, bucket_address, bucket_key = conn.recv()
+        llm.update_weights_from_ipc(direct_address, authkey=direct_key)
+        before = llm.generate([PROMPT], greedy)[0].token_ids
+        llm.update_weights_from_ipc(direct_address, authkey=direct_key)
+        after_direct = llm.generate([PROMPT], greedy)[0].token_ids
+        stats = conn.recv()
+        llm.update_weights_from_ipc(bucket_address, authkey=bucket_key)
+        after_bucket = llm.generate([PROMPT], greedy)[0].token_ids
+        same = after_direct == after_bucket
+        print(f"negated in place, pushed directly ({stats.new_storages} storages mapped anew) "
+              f"then through buckets: tokens {'equal' if same else 'DIFFER'} "
+              f"({after_direct[:6]}... vs {after_bucket[:6]}...; before the negation "
+              f"{before[:6]}...)", flush=True)
+        conn.send(("free", 0))
+        allocated, reserved = conn.recv()
+        print(f"trainer after close and dropping its tensors: {allocated / 2**20:.0f} MiB "
+              f"allocated, {reserved / 2**20:.0f} MiB reserved", flush=True)
         llm.shutdown()
     conn.send(None)
     process.join(30)
+    if not same:
+        raise SystemExit("the direct push did not land the trainer's tensors")
 
 
 if __name__ == "__main__":
