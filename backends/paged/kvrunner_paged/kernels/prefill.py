@@ -59,13 +59,11 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
 }
 
 #: Deterministic mode's one launch, for prefill and decode rows alike: :data:`LAUNCH`'s
-#: key tile, stages and precision in a tile of the fewest rows a ``tl.dot`` takes. Every
-#: token is then attended by the same instruction in the same layout, wherever it sits.
-#: A decode step has one token a sequence: in :data:`LAUNCH`'s 128-row tile it fills two
-#: rows of 128 on the tensor cores (decode ran at half the default's speed); here two of
-#: 16. A decode row in a 16-row tile did not always keep the bits it has in a 128-row
-#: tile, so the prefill takes the small tile too (it reloads each key tile for every 8
-#: tokens of a GQA-2 model, a small part of a rollout).
+#: key tile, stages and precision in a tile of the fewest rows a ``tl.dot`` takes, so
+#: every token is attended by the same instruction in the same layout wherever it sits.
+#: A decode step has one token a sequence, which fills two of the tile's 16 rows (two
+#: of 128 in :data:`LAUNCH`'s); the prefill reloads each key tile for every 8 tokens of
+#: a GQA-2 model, a small part of a rollout.
 FIXED_ORDER_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     dtype: attrs.evolve(launch, block_m=16, num_warps=4) for dtype, launch in LAUNCH.items()
 }
