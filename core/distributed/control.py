@@ -2,7 +2,7 @@
 
 Under torchrun every rank is its own process from the start and rank 0 runs the
 engine, so commands travel as pickled objects over a torch.distributed broadcast
-(``broadcast_object_list``) on a gloo group of their own. That group has a long
+(a length, then the bytes) on a gloo group of their own. That group has a long
 timeout on purpose: ranks > 0 wait on it while rank 0 is idle between
 ``generate`` calls, which is not a failure; a rank 0 that dies closes its sockets
 and wakes them at once. Collectives of the model itself keep the short timeout.
@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from kvrunner.distributed.errors import CollectiveError, RankFailure
@@ -32,6 +33,8 @@ from kvrunner.distributed.group import DistGroup
 #: ranks > 0 may wait this long for rank 0's next command (idle is not failure)
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 _FAILURE_KEY = "kvrunner/failure/"
+#: how long a broadcast waits for gloo's worker to drop the tensor (it takes microseconds)
+_RELEASE_WAIT_S = 5.0
 
 
 class BroadcastChannel:
@@ -48,14 +51,37 @@ class BroadcastChannel:
     def send(self, command: Any) -> None:
         """Rank 0: deliver ``command`` to every rank."""
         assert self.rank == 0, "only rank 0 sends commands"
+        data = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
         with _as_collective_error("sending a command"):
-            dist.broadcast_object_list([command], src=0, group=self._pg)
+            self._broadcast(torch.tensor([data.numel()], dtype=torch.int64))
+            self._broadcast(data)
 
     def receive(self) -> Any:
         """Ranks > 0: the next command from rank 0 (blocks while rank 0 is idle)."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        return box[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(data)
+        return pickle.loads(data.numpy().tobytes())
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` into every rank's, in place; returns once gloo's worker
+        thread has let go of it too.
+
+        That thread drops its references after the wait returns, and dropping a
+        tensor Python knows takes the GIL. After the last command ("stop") the
+        process exits; a worker still holding the tensor then meets a finalizing
+        interpreter and the process aborts ("terminate called without an active
+        exception"). Waiting here for the tensor's use count keeps that drop inside
+        the call, where the GIL is there to take.
+        """
+        held = tensor._use_count()
+        work = dist.broadcast(tensor, src=0, group=self._pg, async_op=True)
+        work.wait()
+        del work
+        deadline = time.monotonic() + _RELEASE_WAIT_S
+        while tensor._use_count() > held and time.monotonic() < deadline:
+            time.sleep(0.0005)  # lets the worker thread take the GIL
 
     def gather(self, answer: Any) -> list[Any] | None:
         """Every rank's ``answer`` in rank order on rank 0; ``None`` elsewhere."""

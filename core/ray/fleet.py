@@ -88,6 +88,9 @@ class Replica:
     :ivar actor: rank 0's actor (the replica's ``AsyncLLM``).
     :ivar ranks: the actors of ranks 1 to ``tp - 1``.
     :ivar error: why the fleet marked it dead; None while alive.
+    :ivar verdict: the task that works out ``error`` once the replica is found dead;
+        every caller that saw it fail awaits the same one, so none reads ``error``
+        before it names the ranks that are gone.
     """
 
     index: int
@@ -95,6 +98,7 @@ class Replica:
     ranks: list[Any]
     alive: bool = True
     error: str | None = None
+    verdict: asyncio.Task[str] | None = None
 
 
 class RolloutFleet:
@@ -546,23 +550,33 @@ class RolloutFleet:
         """Mark replica ``index`` dead (once), end its actors, and say why: the
         cause's first line, and which of its rank actors no longer answer (a rank
         killed without a word leaves rank 0 only a failed collective)."""
-        import ray
-
         replica = self.replicas[index]
         if replica.alive:
             replica.alive = False
             self._router.mark_dead(index)
             lines = str(cause).strip().splitlines()
             replica.error = f"{type(cause).__name__}: {lines[0] if lines else ''}"
-            gone = await _unanswering(replica.ranks)
-            if gone:
-                replica.error += f" (the actors of rank(s) {[k + 1 for k in gone]} are gone)"
-            for actor in [replica.actor, *replica.ranks]:  # free its bundles' processes
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
+            replica.verdict = asyncio.ensure_future(self._autopsy(replica, replica.error))
+        if replica.verdict is not None:
+            # shielded: a caller cancelled while it waits must not cancel the others'
+            replica.error = await asyncio.shield(replica.verdict)
         return ReplicaError(f"replica {index} died or failed while {doing}: {replica.error}; "
                             f"the fleet serves on replicas {self.live_replicas}",
                             replica=index)
+
+    @staticmethod
+    async def _autopsy(replica: Replica, error: str) -> str:
+        """``error`` with the rank actors of ``replica`` that no longer answer named;
+        then end its actors to free its bundles' processes."""
+        import ray
+
+        gone = await _unanswering(replica.ranks)
+        if gone:
+            error += f" (the actors of rank(s) {[k + 1 for k in gone]} are gone)"
+        for actor in [replica.actor, *replica.ranks]:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        return error
 
 
 async def _unanswering(actors: list[Any], timeout_s: float = 2.0) -> list[int]:
