@@ -20,8 +20,8 @@ Random checkpoint of the Qwen3-0.6B shape (bench_e2e_decode's), bf16, on one GPU
 
 ``--small`` runs the same on the CPU with the embedded tiny model in a few seconds
 (tests/benchmarks/test_bench_serving.py); its figures say nothing about speed.
-The HTTP parts need fastapi, uvicorn, prometheus-client and httpx (``kvrunner[serve]``
-and httpx); without them they are skipped, saying so.
+The HTTP parts need fastapi, uvicorn, prometheus-client and aiohttp (``kvrunner[serve]``
+and aiohttp, the client); without them they are skipped, saying so.
 
     python benchmarks/bench_serving.py [--small] [--rates 4,16,64] [--skip-latency]
 """
@@ -44,7 +44,7 @@ import torch
 
 from kvrunner import LLM, AsyncLLM, SamplingParams
 
-HTTP_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+HTTP_MODULES = ("fastapi", "uvicorn", "prometheus_client", "aiohttp")
 SERVED_NAME = "served"
 BF16_TFLOPS = 790.0
 
@@ -99,6 +99,8 @@ class Row:
     way: str
     tokens: int
     seconds: float
+    #: HTTP rows: from the first request's arrival at the server to its last answer sent
+    server_s: float | None = None
 
 
 def llm_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Row:
@@ -134,12 +136,36 @@ class LocalServer:
 
         settings = ServeSettings(port=0, enable_rl_endpoints=True,
                                  served_model_name=SERVED_NAME, max_n=1)
-        config = uvicorn.Config(build_app(engine, settings), host="127.0.0.1", port=0,
+        self.exchanges: list[tuple[float, float]] = []
+        config = uvicorn.Config(self._timed(build_app(engine, settings)), host="127.0.0.1",
+                                port=0,
                                 log_level="warning", access_log=False, lifespan="off",
                                 backlog=4096)
         self.server = uvicorn.Server(config)
         self.task: asyncio.Task | None = None
         self.url = ""
+
+    def _timed(self, app: Any) -> Any:
+        """``app``, noting each HTTP exchange's (arrival, last body byte sent) times."""
+        async def timed(scope: dict, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            arrived = time.perf_counter()
+
+            async def noted_send(message: dict) -> None:
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    self.exchanges.append((arrived, time.perf_counter()))
+
+            await app(scope, receive, noted_send)
+
+        return timed
+
+    def window(self, count: int) -> float:
+        """Seconds from the first arrival to the last answer of the last ``count``
+        exchanges to arrive."""
+        last = sorted(self.exchanges)[-count:]
+        return max(end for _, end in last) - last[0][0]
 
     async def start(self) -> str:
         self.task = asyncio.create_task(self.server.serve())
@@ -158,7 +184,7 @@ class LocalServer:
             await self.task
 
 
-async def http_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, url: str,
+async def http_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, server: LocalServer,
                     prompts: list[list[int]], new: int) -> list[Row]:
     import serving_client
 
@@ -167,8 +193,8 @@ async def http_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, url: st
     for route in ("/generate", "/v1/completions"):
         await engine.reset_prefix_cache()
         seconds, tokens = await loop.run_in_executor(
-            pool, serving_client.rollout, url, route, prompts, new)
-        rows.append(Row(f"HTTP {route}", tokens, seconds))
+            pool, serving_client.rollout, server.url, route, prompts, new)
+        rows.append(Row(f"HTTP {route}", tokens, seconds, server.window(len(prompts))))
     return rows
 
 
@@ -191,11 +217,13 @@ async def latency_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, url:
 def print_rollout(rows: list[Row], floor_s: float) -> None:
     base = rows[0].tokens / rows[0].seconds
     print(f"{'way':>26} {'tokens':>8} {'s':>8} {'tok/s':>9} {'vs LLM.generate':>16} "
-          f"{'floor s':>8} {'s/floor':>8}")
+          f"{'floor s':>8} {'s/floor':>8} {'server s':>9} {'server vs LLM':>14}")
     for r in rows:
         tps = r.tokens / r.seconds
+        server = ("" if r.server_s is None else
+                  f" {r.server_s:>9.3f} {r.tokens / r.server_s / base:>14.3f}")
         print(f"{r.way:>26} {r.tokens:>8} {r.seconds:>8.3f} {tps:>9.0f} {tps / base:>16.3f} "
-              f"{floor_s:>8.3f} {r.seconds / floor_s:>8.2f}")
+              f"{floor_s:>8.3f} {r.seconds / floor_s:>8.2f}{server}")
 
 
 def print_latency(rows: list[dict[str, Any]], new: int) -> None:
@@ -261,7 +289,7 @@ async def served(llm: LLM, path: str, shape: Shape, prompts: list[list[int]],
     missing = missing_http_modules()
     if missing:
         print(f"bench_serving: {', '.join(missing)} not installed: the HTTP rows, the "
-              f"latency and the wake cycle are skipped (pip install 'kvrunner[serve]' httpx)")
+              f"latency and the wake cycle are skipped (pip install 'kvrunner[serve]' aiohttp)")
         await engine.shutdown()
         return rows, latency, wake
     import serving_client
@@ -274,7 +302,7 @@ async def served(llm: LLM, path: str, shape: Shape, prompts: list[list[int]],
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(pool, serving_client.rollout, url, "/generate",
                                    prompts[:2], 2)
-        rows += await http_rows(engine, pool, url, prompts, shape.new)
+        rows += await http_rows(engine, pool, server, prompts, shape.new)
         if not args.skip_latency:
             latency = await latency_rows(engine, pool, url, shape, vocab)
         wake = await loop.run_in_executor(pool, serving_client.wake_cycle, url, path,

@@ -47,7 +47,7 @@ from common import copy_bandwidth_tbps
 from kvrunner.models.tiny import write_tiny_checkpoint
 
 SHAPE = SHAPES["8B"]
-BUCKETS_MB = (512, 2048)
+BUCKETS_MB = (2048, 4096)
 CHUNKS_MB = (1024, 4096)
 PUSHES = 4  # the first is a warm-up (bucket) or the push that maps the storages (direct)
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]

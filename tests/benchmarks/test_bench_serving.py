@@ -24,6 +24,9 @@ def test_the_small_serving_benchmark_drives_one_engine_every_way(capsys) -> None
                     "HTTP /v1/completions", "LLM.generate, again"]
     for row in got["rows"]:
         assert row.tokens == shape.batch * shape.new and row.seconds > 0, row
+        # the server's own window of an HTTP batch lies inside the client's
+        assert (row.server_s is None) == (not row.way.startswith("HTTP")), row
+        assert row.server_s is None or 0 < row.server_s <= row.seconds, row
     assert [r["rate"] for r in got["latency"]] == list(shape.rates)
     for r in got["latency"]:
         assert len(r["ttft"]) == r["requests"] and min(r["ttft"]) > 0
