@@ -28,6 +28,7 @@ from kvrunner.testing.conformance.probes import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_SEQS,
+    POOL,
     ProbeCase,
 )
 from kvrunner.testing.conformance.rig import FULL, Target
@@ -53,7 +54,8 @@ def engine_settings(target: Target) -> dict:
     """``LLM`` keyword arguments that put ``target`` in a deterministic tiny engine."""
     settings = dict(
         deterministic=True, dtype="float32", device=target.device, block_size=BLOCK_SIZE,
-        max_num_seqs=MAX_SEQS, max_model_len=MAX_MODEL_LEN, **{target.layer_type: target.name},
+        max_num_seqs=MAX_SEQS, max_model_len=MAX_MODEL_LEN, num_blocks=POOL,
+        **{target.layer_type: target.name},
     )  # fmt: skip
     if target.layer_type != FULL:
         settings[FULL] = "paged"
@@ -71,7 +73,7 @@ def engine(target: Target, **extra: object) -> Iterator[object]:
     from kvrunner.llm import LLM
 
     llm = LLM(str(tiny_checkpoint(MODEL_KIND[target.layer_type])),
-              **engine_settings(target), **extra)
+              **{**engine_settings(target), **extra})
     try:
         yield llm
     finally:

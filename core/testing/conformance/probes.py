@@ -21,6 +21,10 @@ BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
 #: token ids the probes draw (the tiny models' vocabularies are larger)
 VOCAB = 400
+#: every engine's pool unless it is the small one: four full-length requests and room
+#: for the prefix cache, a fixed count so that no engine depends on the device's free
+#: memory (on a GPU other engines of the same process may still hold theirs)
+POOL = 128
 #: a pool of 22 blocks (88 tokens) cannot hold four long requests: the scheduler
 #: preempts one and recomputes it later
 SMALL_POOL = 22
