@@ -2,7 +2,8 @@
 
 Both senders (:class:`~kvrunner.weight_sync.sender.BucketSender` and
 :class:`~kvrunner.weight_sync.direct_sender.DirectSender`) listen from construction
-on an authenticated ``multiprocessing.connection.Listener``; each push accepts one
+on an authenticated ``multiprocessing.connection.Listener``
+(:mod:`kvrunner.weight_sync.connection`); each push accepts one
 engine connection, runs its exchange over it, and on a failure tells the engine why
 (``Abort``) unless the engine was the one that refused.
 """
@@ -11,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvrunner.weight_sync import messages
+from kvrunner.weight_sync.connection import Address, listen
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.messages import Abort, Ack, Refusal
-
-Address = tuple[str, int] | str
 
 
 class SenderEndpoint:
@@ -33,7 +33,7 @@ class SenderEndpoint:
     def __init__(self, address: Address, authkey: bytes, timeout_s: float) -> None:
         self.authkey = authkey
         self.timeout_s = timeout_s
-        self._listener = Listener(address, authkey=authkey)
+        self._listener = listen(address, authkey)
 
     @property
     def address(self) -> Address:

@@ -19,16 +19,16 @@ keeps them across pushes; its copies are waited for once, at the end of the push
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from multiprocessing.connection import AuthenticationError, Client, Connection
+from multiprocessing.connection import Connection
 
 import torch
 
 from kvrunner.sleep_state import WeightUpdateError
 from kvrunner.weight_push import tensor_problem
 from kvrunner.weight_sync import messages
+from kvrunner.weight_sync.connection import connect
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.layout import BucketLayout
 from kvrunner.weight_sync.mapped_storages import MappedStorages, SenderStorages
@@ -51,32 +51,6 @@ Pairs = list[tuple[str, torch.Tensor]]
 Load = Callable[[Pairs], int]
 #: the engine's push session: ``session(what)`` is a context that yields a Load
 Session = Callable[[str], AbstractContextManager[Load]]
-
-
-def parse_address(text: str | tuple[str, int]) -> tuple[str, int] | str:
-    """``"host:port"`` -> ``(host, port)``; a tuple as it is; anything else is a Unix
-    socket path."""
-    if isinstance(text, tuple):
-        return text
-    host, sep, port = text.rpartition(":")
-    if sep and port.isdigit() and "/" not in text:
-        return host, int(port)
-    return text
-
-
-def connect(address: tuple[str, int] | str, authkey: bytes, timeout_s: float) -> Connection:
-    """A connection to the sender at ``address``, retried until it listens (at most
-    ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return Client(parse_address(address), authkey=authkey)
-        except AuthenticationError:
-            raise WeightSyncError(f"the sender at {address} refused the authkey") from None
-        except (ConnectionRefusedError, FileNotFoundError) as e:
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"no sender listens at {address} ({e})") from None
-            time.sleep(0.05)
 
 
 def wait_for_copies(devices: set[torch.device]) -> None:
