@@ -18,6 +18,7 @@ from kvrunner.ray.rank_setup import RankSpec, node_address, prepare_process
 if TYPE_CHECKING:
     import torch
 
+    from kvrunner.async_engine.stats import EngineStats
     from kvrunner.async_llm import AsyncLLM, Prompt
     from kvrunner.llm import LLM
     from kvrunner.outputs import RequestOutput
@@ -166,6 +167,10 @@ class EngineReplica:
     async def cache_info(self) -> CacheInfo:
         """``AsyncLLM.cache_info()``."""
         return await self._live().cache_info()
+
+    async def stats(self) -> EngineStats:
+        """``AsyncLLM.stats()``: requests running and waiting, blocks, steps."""
+        return self._live().stats()
 
     async def weight_version(self) -> str | int:
         """The version of the weights this replica serves."""

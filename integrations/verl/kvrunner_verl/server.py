@@ -141,6 +141,11 @@ class KvrunnerServer:
         """Forget every cached prefix."""
         await self.replica.reset_prefix_cache()
 
+    async def engine_stats(self) -> Any:
+        """The engine's counters (``kvrunner.AsyncLLM.stats()``: requests running and
+        waiting, KV blocks, steps), for a caller that watches the replica's load."""
+        return await self.replica.stats()
+
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 

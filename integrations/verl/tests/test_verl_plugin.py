@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,17 @@ def test_a_push_through_the_server_adapter_then_verl_sees_the_new_weights_and_st
         assert out.extra_fields["global_steps"] == 3
 
 
+async def in_an_engine(replicas, timeout_s: float = 30.0) -> None:
+    """Return once some replica's engine holds a request."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = await asyncio.gather(*(r.servers[0].engine_stats.remote() for r in replicas))
+        if any(s.num_running + s.num_waiting for s in stats):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"no replica received the request within {timeout_s} s")
+
+
 def test_an_abort_mid_rollout_is_resumed_by_verl_s_client_across_a_weight_update(
     manager, config, checkpoints
 ) -> None:
@@ -104,10 +116,10 @@ def test_an_abort_mid_rollout_is_resumed_by_verl_s_client_across_a_weight_update
         client = manager.get_client(FullyAsyncLLMServerClient)
         task = asyncio.ensure_future(client.generate("partial", prompt_ids=PROMPT,
                                                      sampling_params=dict(long)))
-        await asyncio.sleep(0.5)
         replicas = manager.get_replicas()
+        await in_an_engine(replicas)
         aborted = await asyncio.gather(*(r.abort_all_requests() for r in replicas))
-        assert sum(a["aborted_count"] for a in aborted) == 1
+        assert sum(a["aborted_count"] for a in aborted) == 1, (aborted, task.done())
         for replica in replicas:
             adapter = adapter_cls(config=config.actor_rollout_ref.rollout,
                                   model_config=config.actor_rollout_ref.model,
