@@ -59,7 +59,8 @@ class WeightSetError(ValueError):
 
 
 def expected_weight_names(
-    module: nn.Module, stacked: Sequence[tuple[str, str, str | int]] = ()
+    module: nn.Module, stacked: Sequence[tuple[str, str, str | int]] = (),
+    *, named: Sequence[tuple[str, nn.Parameter]] | None = None,
 ) -> dict[str, tuple[str, Any]]:
     """Checkpoint name -> ``(parameter name, shard id)`` for every tensor ``module`` loads.
 
@@ -70,9 +71,12 @@ def expected_weight_names(
     A parameter may also carry ``checkpoint_shards``, ``{name relative to its module:
     shard id}``: it is filled from exactly those tensors (the stacked experts of a
     mixture-of-experts layer, one checkpoint tensor per expert and projection).
+
+    :param named: ``module.named_parameters()`` already listed (a caller that needs
+        them too walks the module once).
     """
     expected: dict[str, tuple[str, Any]] = {}
-    for pname, param in module.named_parameters():
+    for pname, param in module.named_parameters() if named is None else named:
         shards = getattr(param, "checkpoint_shards", None)
         if shards is not None:
             prefix = pname.rpartition(".")[0]
@@ -87,7 +91,9 @@ def expected_weight_names(
     return expected
 
 
-def alias_weight_names(module: nn.Module) -> dict[str, tuple[str, Any, list[str]]]:
+def alias_weight_names(
+    module: nn.Module, *, named: Sequence[tuple[str, nn.Parameter]] | None = None
+) -> dict[str, tuple[str, Any, list[str]]]:
     """Alternative name -> ``(parameter name, shard id, expected names it stands for)``.
 
     A parameter's ``checkpoint_aliases``, ``{name relative to its module: (shard id,
@@ -96,7 +102,7 @@ def alias_weight_names(module: nn.Module) -> dict[str, tuple[str, Any, list[str]
     (``mlp.experts.gate_up_proj``), and a trainer built on it pushes them so.
     """
     aliases: dict[str, tuple[str, Any, list[str]]] = {}
-    for pname, param in module.named_parameters():
+    for pname, param in module.named_parameters() if named is None else named:
         prefix = pname.rpartition(".")[0]
         for suffix, (shard, covers) in getattr(param, "checkpoint_aliases", {}).items():
             aliases[f"{prefix}.{suffix}"] = (pname, shard, [f"{prefix}.{c}" for c in covers])
@@ -130,9 +136,11 @@ def load_weights_into(
     :raises WeightShapeError: naming the tensor whose shape does not fit.
     :raises WeightSetError: ``require_all`` and the names do not match.
     """
-    params = dict(module.named_parameters())
-    expected = expected_weight_names(module, stacked)
-    aliases = alias_weight_names(module)
+    # one walk of the module per call: a trainer's push calls this once a bucket
+    named = list(module.named_parameters())
+    params = dict(named)
+    expected = expected_weight_names(module, stacked, named=named)
+    aliases = alias_weight_names(module, named=named)
     seen: set[str] = set() if loaded is None else loaded
     unexpected: list[str] = []
     for name, tensor in weights:
