@@ -138,9 +138,8 @@ class LocalServer:
                                  served_model_name=SERVED_NAME, max_n=1)
         self.exchanges: list[tuple[float, float]] = []
         config = uvicorn.Config(self._timed(build_app(engine, settings)), host="127.0.0.1",
-                                port=0,
-                                log_level="warning", access_log=False, lifespan="off",
-                                backlog=4096)
+                                port=0, log_level="warning", access_log=False,
+                                lifespan="off", backlog=4096)
         self.server = uvicorn.Server(config)
         self.task: asyncio.Task | None = None
         self.url = ""

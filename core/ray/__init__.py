@@ -13,8 +13,9 @@ from kvrunner.ray.errors import (
     ReplicaError,
     WeightGroupError,
 )
-from kvrunner.ray.fleet import Replica, RolloutFleet
+from kvrunner.ray.fleet import RolloutFleet
 from kvrunner.ray.rank_actor import EngineRank
+from kvrunner.ray.replica import Replica
 from kvrunner.ray.replica_actor import EngineReplica
 from kvrunner.ray.replica_start import start_replica
 from kvrunner.ray.weight_group import FleetBroadcaster, FleetWeightGroup

@@ -52,8 +52,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-import attrs
-
 from kvrunner.config import ConfigError
 from kvrunner.distributed.errors import CollectiveError, WorkerError
 from kvrunner.ray.errors import (
@@ -65,6 +63,7 @@ from kvrunner.ray.errors import (
 )
 from kvrunner.ray.rank_actor import EngineRank
 from kvrunner.ray.rank_setup import RankSpec
+from kvrunner.ray.replica import Replica
 from kvrunner.ray.replica_actor import EngineReplica
 from kvrunner.ray.replica_start import start_replica
 from kvrunner.ray.router import ReplicaRouter
@@ -79,26 +78,6 @@ if TYPE_CHECKING:
 
 #: concurrent calls one replica actor takes (requests and control calls together)
 MAX_CONCURRENCY = 100_000
-
-
-@attrs.define(kw_only=True)
-class Replica:
-    """One replica as the fleet sees it.
-
-    :ivar actor: rank 0's actor (the replica's ``AsyncLLM``).
-    :ivar ranks: the actors of ranks 1 to ``tp - 1``.
-    :ivar error: why the fleet marked it dead; None while alive.
-    :ivar verdict: the task that works out ``error`` once the replica is found dead;
-        every caller that saw it fail awaits the same one, so none reads ``error``
-        before it names the ranks that are gone.
-    """
-
-    index: int
-    actor: Any
-    ranks: list[Any]
-    alive: bool = True
-    error: str | None = None
-    verdict: asyncio.Task[str] | None = None
 
 
 class RolloutFleet:
@@ -485,7 +464,7 @@ class RolloutFleet:
             await asyncio.gather(*(r.actor.shutdown.remote() for r in live),
                                  return_exceptions=True)
         for r in live:
-            r.alive, r.error = False, "the fleet was shut down"
+            r.end("the fleet was shut down")
             self._router.mark_dead(r.index)
         self._release()
 
@@ -496,13 +475,10 @@ class RolloutFleet:
         await self.shutdown()
 
     def _release(self) -> None:
-        import ray
         from ray.util.placement_group import remove_placement_group
 
         for replica in self.replicas:
-            for actor in [replica.actor, *replica.ranks]:
-                with contextlib.suppress(Exception):  # already gone
-                    ray.kill(actor, no_restart=True)
+            replica.kill()
         if self._pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
@@ -547,46 +523,12 @@ class RolloutFleet:
         return results
 
     async def _dead(self, index: int, doing: str, cause: BaseException) -> ReplicaError:
-        """Mark replica ``index`` dead (once), end its actors, and say why: the
-        cause's first line, and which of its rank actors no longer answer (a rank
-        killed without a word leaves rank 0 only a failed collective)."""
+        """Replica ``index`` failed: it stops getting requests, and the error says why
+        (see :class:`~kvrunner.ray.replica.Replica`)."""
         replica = self.replicas[index]
         if replica.alive:
-            replica.alive = False
             self._router.mark_dead(index)
-            lines = str(cause).strip().splitlines()
-            replica.error = f"{type(cause).__name__}: {lines[0] if lines else ''}"
-            replica.verdict = asyncio.ensure_future(self._autopsy(replica, replica.error))
-        if replica.verdict is not None:
-            # shielded: a caller cancelled while it waits must not cancel the others'
-            replica.error = await asyncio.shield(replica.verdict)
-        return ReplicaError(f"replica {index} died or failed while {doing}: {replica.error}; "
+        error = await replica.fail(cause)
+        return ReplicaError(f"replica {index} died or failed while {doing}: {error}; "
                             f"the fleet serves on replicas {self.live_replicas}",
                             replica=index)
-
-    @staticmethod
-    async def _autopsy(replica: Replica, error: str) -> str:
-        """``error`` with the rank actors of ``replica`` that no longer answer named;
-        then end its actors to free its bundles' processes."""
-        import ray
-
-        gone = await _unanswering(replica.ranks)
-        if gone:
-            error += f" (the actors of rank(s) {[k + 1 for k in gone]} are gone)"
-        for actor in [replica.actor, *replica.ranks]:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        return error
-
-
-async def _unanswering(actors: list[Any], timeout_s: float = 2.0) -> list[int]:
-    """The positions of the actors that do not answer a ping within ``timeout_s``."""
-    async def answers(actor: Any) -> bool:
-        try:
-            await asyncio.wait_for(actor.node_address.remote(), timeout_s)
-        except Exception:  # noqa: BLE001 - dead, unreachable or stuck: it does not answer
-            return False
-        return True
-
-    alive = await asyncio.gather(*(answers(a) for a in actors))
-    return [k for k, ok in enumerate(alive) if not ok]

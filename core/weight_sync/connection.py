@@ -50,7 +50,7 @@ def listen(address: Address, authkey: bytes) -> Listener:
     return listener
 
 
-def connect(address: Address | str, authkey: bytes, timeout_s: float) -> Connection:
+def connect(address: Address, authkey: bytes, timeout_s: float) -> Connection:
     """A connection to the sender at ``address``, retried until it listens (at most
     ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
