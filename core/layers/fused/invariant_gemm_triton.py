@@ -1,38 +1,104 @@
 """Triton kernel: ``x @ W.T`` computed the same way for every row count.
 
 cuBLAS (and the skinny-GEMM kernel) pick tiles, split-K and even the instruction by
-the row count M, so a row's product changes with the batch it shares. This kernel's
-launch depends on ``(N, K)`` only: ``[BLOCK_M, BLOCK_N]`` output tiles, K walked in
-``BLOCK_K`` steps from its start, and K cut into a number of splits chosen from the
-weight's shape (a decode-sized product needs them to keep the machine reading). Each
-split's partial sums (float32) land in a workspace that a second kernel adds in split
-order. An output element is therefore always the same chain of the same ``tl.dot``
-instructions over the same K slices, whichever tile row it lands in and however
-many rows share the launch: its value depends on its own row and the weight alone.
+the row count M, so a row's product changes with the batch it shares. Here an output
+element's value is fixed by its **reduction**, which depends on the weight's shape
+``(N, K)`` only (:func:`invariant_reduction`): K is cut into ``splits`` slices of
+whole ``BLOCK_K`` steps; each slice is one chain of ``tl.dot`` steps from its start
+into a float32 accumulator, and the slices' sums are added in slice order.
+
+How that work is spread over programs may follow the row count, since it does not
+change any element's chain of operations (:func:`invariant_launch`):
+
+* a program per (row tile, column tile, slice), each slice's partial sums in a
+  float32 workspace that a second kernel adds in slice order: decode-sized products,
+  where the slices keep the machine reading the weight;
+* or one program per (row tile, column tile) walking every slice and adding each
+  slice's sum in registers, in the same order from the same zero: long prefills,
+  with no workspace (``splits x M x N`` float32) and no second launch.
+
+The row tile (``block_m``), column tile and warps are the layout's too; on the GPU
+they are fixed to one tensor-core instruction per warp group, so a row's bits are the
+same in every layout (``tests/core/determinism/test_deterministic_gpu.py`` and
+``benchmarks/bench_invariant_kernels.py`` check it on the H200).
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 
 from kvrunner.layers.fused.skinny_gemm_triton import _sum_splits_kernel
 
-#: the fixed tile: rows, output columns, reduction depth (bf16: 8 KB of x, 8 KB of W)
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
-#: output tiles x splits wanted in flight (two per SM of an H200), and the most splits
+#: the reduction's step: K walked ``BLOCK_K`` at a time from each slice's start
+BLOCK_K = 64
+#: output tiles x slices wanted in flight for a decode-sized product (two per SM of
+#: an H200), and the most slices
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 4
-#: the shallowest split worth its partial write
+#: the shallowest slice worth its partial write
 MIN_SPLIT_DEPTH = 512
+#: from this many rows a product walks its slices inside one program
+IN_PROGRAM_ROWS = 512
+
+
+@attrs.frozen
+class InvariantLaunch:
+    """One product's launch. ``block_k`` and ``splits`` are its reduction (an output
+    element's bits); the other fields only spread the work."""
+
+    block_k: int  #: the depth of one ``tl.dot`` step
+    splits: int  #: K slices, summed in slice order in float32
+    block_m: int  #: rows of a program's tile
+    block_n: int  #: output columns of a program's tile
+    num_warps: int
+    num_stages: int  #: software-pipeline depth of the K walk
+    in_program: bool  #: one program walks every slice (else a program per slice)
+
+
+def invariant_reduction(n: int, k: int) -> tuple[int, int]:
+    """``(block_k, splits)`` for a ``[k] -> [n]`` product: from the weight's shape
+    alone, never the row count, so every batch reduces each output over the same K
+    slices in the same steps."""
+    tiles = triton.cdiv(n, 64)
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // MIN_SPLIT_DEPTH, MAX_SPLITS))
+    per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    return BLOCK_K, triton.cdiv(k, per_split)  # no empty slice after rounding up
 
 
 def invariant_splits(n: int, k: int) -> int:
-    """K splits for a ``[k] -> [n]`` product: from the weight's shape alone, never the
-    row count, so every batch reduces each output over the same K slices."""
-    tiles = triton.cdiv(n, BLOCK_N)
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // MIN_SPLIT_DEPTH, MAX_SPLITS))
+    """The K slices of a ``[k] -> [n]`` product (:func:`invariant_reduction`)."""
+    return invariant_reduction(n, k)[1]
+
+
+def invariant_launch(m: int, n: int, k: int) -> InvariantLaunch:
+    """The launch :func:`invariant_gemm` takes for ``m`` rows: the reduction of
+    :func:`invariant_reduction` and a layout by row count (the module doc says why
+    the layout may follow it)."""
+    block_k, splits = invariant_reduction(n, k)
+    in_program = m >= IN_PROGRAM_ROWS or splits == 1
+    return InvariantLaunch(block_k, splits, block_m=64, block_n=64, num_warps=4,
+                           num_stages=3, in_program=in_program)
+
+
+@triton.jit
+def _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start, k_end, stride_xm, stride_wn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One K slice's partial sums: ``tl.dot`` steps of ``BLOCK_K`` from ``k_start``."""
+    depth = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        ks = k + depth
+        in_k = ks < k_end
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                    mask=(rows < M)[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                    mask=(cols < N)[:, None] & in_k[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -41,34 +107,44 @@ def _invariant_gemm_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_os, stride_om,
     K_PER_SPLIT,
+    SPLITS: tl.constexpr, IN_PROGRAM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    depth = tl.arange(0, BLOCK_K)
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        ks = k + depth
-        in_k = ks < k_end
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(rows < M)[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                    mask=(cols < N)[:, None] & in_k[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    out = out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    if IN_PROGRAM and SPLITS > 1:
+        # The slices' sums added in slice order from zero: the second kernel's sum.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            k_start = split * K_PER_SPLIT
+            acc += _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start,
+                              tl.minimum(k_start + K_PER_SPLIT, K), stride_xm, stride_wn,
+                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+        target = out_ptr
+    else:
+        # One slice: the whole K (SPLITS == 1, written as it is, as the second kernel
+        # never touches it) or this program's slice (a partial for the second kernel).
+        split = 0 if IN_PROGRAM else tl.program_id(2)
+        k_start = split * K_PER_SPLIT
+        acc = _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start,
+                         tl.minimum(k_start + K_PER_SPLIT, K), stride_xm, stride_wn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+        target = out_ptr + split * stride_os
+    dst = target + rows[:, None] * stride_om + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-def invariant_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
+                   launch: InvariantLaunch | None = None) -> torch.Tensor:
     """``x @ weight.T`` (``x`` ``[..., K]``, ``weight`` ``[N, K]`` contiguous along K),
     float32 accumulation, the result in ``x``'s dtype; each row's result is the same
-    whatever the other rows. No host sync: capturable in a CUDA graph."""
+    whatever the other rows. No host sync: capturable in a CUDA graph.
+
+    ``launch`` overrides :func:`invariant_launch` (benchmarks sweep it); launches
+    with the same ``block_k`` and ``splits`` give the same bits."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -82,21 +158,27 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out.reshape(*lead, n)
     if k == 0:
         return out.zero_().reshape(*lead, n)
-    splits = invariant_splits(n, k)
-    per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    splits = triton.cdiv(k, per_split)  # no empty split after rounding up
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
-                                                  device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
+    launch = launch or invariant_launch(m, n, k)
+    splits = launch.splits
+    per_split = triton.cdiv(triton.cdiv(k, splits), launch.block_k) * launch.block_k
+    assert triton.cdiv(k, per_split) == splits, f"{splits} slices of K = {k} leave one empty"
+    partials = splits > 1 and not launch.in_program
+    target = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partials
+              else out)
+    grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n),
+            splits if partials else 1)
     _invariant_gemm_kernel[grid](
         rows, weight, target, m, n, k,
-        rows.stride(0), weight.stride(0), target.stride(0) if splits > 1 else 0, n,
+        rows.stride(0), weight.stride(0), target.stride(0) if partials else 0, n,
         per_split,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        SPLITS=splits, IN_PROGRAM=not partials,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        NUM_STAGES=launch.num_stages,
         # fp32 stays fp32 (tl.dot would round it to TF32); 16-bit inputs ignore it
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps,
     )  # fmt: skip
-    if splits > 1:
+    if partials:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits,
                                                          BLOCK=block)

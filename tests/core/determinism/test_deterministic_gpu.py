@@ -2,7 +2,8 @@
 request's tokens and logprobs are bit for bit those it gets alone, in crowds of other
 requests, at the Qwen3-0.6B shape (greedy and seeded) and on the tiny MoE; scoring
 its prompt and output reproduces generation's logprobs; a sleep/wake in between
-changes nothing; the hybrid model is refused."""
+changes nothing; the hybrid model is refused. Under them: the invariant products give
+a row the same bits at every row count and in every layout of one reduction."""
 
 from __future__ import annotations
 
@@ -83,3 +84,26 @@ def test_the_hybrid_model_is_refused(tmp_path) -> None:
     hybrid = write_tiny_checkpoint(tmp_path / "next", kind="qwen3-next")
     with pytest.raises(BackendError, match="batch_invariant"):
         LLM(str(hybrid), **ENGINE)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],
+                         ids=["qkv", "o", "gate_up", "down"])
+def test_the_invariant_products_keep_a_rows_bits_at_every_row_count(n, k) -> None:
+    """Decode-sized products run a program per K slice, long prefills one program
+    walking the slices: a row's bits are the same either way, on the tensor cores."""
+    from kvrunner.layers.fused.invariant_gemm_triton import (
+        IN_PROGRAM_ROWS,
+        invariant_gemm,
+        invariant_launch,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    weight = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    rows = torch.randn(IN_PROGRAM_ROWS + 88, k, device="cuda", generator=g).to(torch.bfloat16)
+    assert invariant_launch(len(rows), n, k).in_program
+    whole = invariant_gemm(rows, weight)
+    last = len(rows) - 1
+    for lo, hi in ((0, 1), (5, 6), (0, 64), (100, 356), (last, last + 1)):
+        assert torch.equal(invariant_gemm(rows[lo:hi], weight), whole[lo:hi]), (lo, hi)
+    sliced = invariant_launch(1, n, k)
+    assert torch.equal(invariant_gemm(rows, weight, sliced), whole)

@@ -38,3 +38,21 @@ def test_the_rowwise_torch_product_gives_a_row_the_same_bits_in_any_batch() -> N
     for lo, hi in ((0, 1), (7, 8), (2, 31)):
         assert torch.equal(rowwise_linear(rows[lo:hi], weight), whole[lo:hi])
 
+
+def test_the_invariant_gemm_layouts_of_one_reduction_give_the_same_bits() -> None:
+    """A product's layout follows the row count (a program per K slice for decode, one
+    program walking every slice for long prefills); its bits follow the reduction only."""
+    from kvrunner.layers.fused.invariant_gemm_triton import (
+        IN_PROGRAM_ROWS,
+        invariant_gemm,
+        invariant_launch,
+    )
+
+    torch.manual_seed(2)
+    # Three slices: two would add the same whichever came first.
+    weight, rows = torch.randn(40, 1600), torch.randn(70, 1600)
+    sliced = invariant_launch(1, 40, 1600)
+    walked = invariant_launch(IN_PROGRAM_ROWS, 40, 1600)
+    assert sliced.splits == walked.splits == 3
+    assert not sliced.in_program and walked.in_program
+    assert torch.equal(invariant_gemm(rows, weight, sliced), invariant_gemm(rows, weight, walked))

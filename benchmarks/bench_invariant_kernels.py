@@ -1,0 +1,229 @@
+"""Deterministic mode's two kernels on the Qwen3-0.6B shape (H200, bf16): launch
+candidates timed, and which of them give the same bits.
+
+**Invariant GEMM** (``layers/fused/invariant_gemm_triton.py``). Per projection (fused
+QKV, o_proj, fused gate/up, down, lm_head) and row count: cuBLAS, the default launch
+(:func:`invariant_launch`) and candidate launches, each in a CUDA graph of calls on
+distinct weights (the weights are read from HBM, as in a decode step). Every
+candidate's output at every row count is compared bit for bit with the default's:
+``same`` marks launches that share its bits, so any of them may serve any row count.
+
+**Fixed-order attention** (the paged prefill kernel, which deterministic mode runs for
+every token). Candidate launches ``block_m/block_n/warps/stages`` timed on decode
+steps (batch 1, 64, 256 at contexts of 384 and 1,280) and on a prefill of 16 x 1,024,
+beside the default mode's kernels (the split-KV decode kernel, the prefill launch).
+Then, for each candidate run on decode rows, the candidates whose prefill gives those
+rows the same bits (a whole prompt and a chunk after a cached prefix): deterministic
+mode may attend decode rows with one launch and prompts with another only where they
+agree.
+
+    python benchmarks/bench_invariant_kernels.py [--gemm-only | --attention-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from kvrunner.layers.fused.invariant_gemm_triton import (
+    InvariantLaunch,
+    invariant_gemm,
+    invariant_launch,
+    invariant_reduction,
+)
+from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
+from kvrunner_paged.kernels.prefill import paged_prefill_attention
+
+#: (projection, N, K) of one Qwen3-0.6B layer, and its LM head
+GEMM_SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
+               ("down", 1024, 3072), ("lm_head", 151936, 1024)]
+GEMM_ROWS = (1, 64, 256, 2048)
+CALLS = 8
+#: layouts ``(block_m, block_n, warps, stages)`` timed with the default reduction
+LAYOUTS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3),
+           (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+           (64, 32, 4, 3), (16, 64, 4, 3)]
+
+HQ, HKV, D, BLOCK = 16, 8, 128, 16
+DECODE = [(1, 384), (64, 384), (256, 384), (1, 1280), (64, 1280), (256, 1280)]
+PREFILL_SEQS, PREFILL_LEN = 16, 1024
+#: attention launches ``(block_m, block_n, warps, stages)``; the first is the one
+#: deterministic mode runs for every token, the last the default prefill launch
+ATTENTION = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3),
+             (64, 64, 4, 2), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)]
+
+
+def graphed_us(fn: Callable[[int], object], calls: int) -> float:
+    """µs per call of ``fn(i)``, ``i < calls``, captured back to back in one graph."""
+    for i in range(calls):
+        fn(i)  # compile, settle workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
+    return ms * 1e3 / calls
+
+
+def describe(launch: InvariantLaunch) -> str:
+    walk = "walk" if launch.in_program else "slices"
+    return (f"k{launch.block_k}x{launch.splits} {launch.block_m}x{launch.block_n} "
+            f"w{launch.num_warps} s{launch.num_stages} {walk}")
+
+
+def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
+    """Layouts of the default reduction, each with its slices in programs of their own
+    and walked in one; then other reductions (deeper steps, no slicing)."""
+    block_k, splits = invariant_reduction(n, k)
+    out = []
+    for bm, bn, warps, stages in LAYOUTS:
+        for walk in ((False, True) if splits > 1 else (True,)):
+            out.append(InvariantLaunch(block_k, splits, bm, bn, warps, stages, walk))
+    for reduction in ((128, splits), (64, 1), (128, 1)):
+        for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)):
+            out.append(InvariantLaunch(*reduction, bm, bn, warps, stages, True))
+    return list(dict.fromkeys(out))
+
+
+def gemm_table() -> None:
+    print(f"invariant GEMM, bf16, {CALLS} calls per graph on distinct weights; "
+          "'same' = the default launch's bits at every row count")
+    for name, n, k in GEMM_SHAPES:
+        gemm_shape(name, n, k)
+        torch.cuda.empty_cache()
+
+
+def gemm_shape(name: str, n: int, k: int) -> None:
+    """One projection's lines: cuBLAS and the default launch, then each candidate."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    calls = CALLS if name != "lm_head" else 2  # two LM heads already exceed L2
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+          for _ in range(calls)]
+    rows = [r for r in GEMM_ROWS if name != "lm_head" or r <= 256]
+    xs = {m: [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+              for _ in range(calls)] for m in rows}
+
+    def timed(m: int, fn: Callable[..., torch.Tensor]) -> float:
+        return graphed_us(lambda i: fn(xs[m][i], ws[i]), calls)
+
+    default = {m: invariant_gemm(xs[m][0], ws[0]) for m in rows}
+    blas = {m: timed(m, F.linear) for m in rows}
+    print(f"{name} N={n} K={k}: " + "  ".join(
+        f"M={m} cuBLAS {blas[m]:.1f} default {timed(m, invariant_gemm):.1f} us "
+        f"({describe(invariant_launch(m, n, k))})" for m in rows))
+    for launch in gemm_candidates(n, k):
+        same = all(torch.equal(invariant_gemm(xs[m][0], ws[0], launch), default[m])
+                   for m in rows)
+        times = [timed(m, lambda x, w, lc=launch: invariant_gemm(x, w, lc)) for m in rows]
+        print(f"  {describe(launch):<32} {'same' if same else 'DIFF':<5}" + "".join(
+            f" M={m} {t:7.1f} us ({t / blas[m]:4.2f}x)" for m, t in zip(rows, times, strict=True)))
+
+
+def paged(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A shuffled pool of ``seqs`` sequences of ``ctx`` keys: tables, k, v."""
+    per_seq = -(-ctx // BLOCK)
+    tables = torch.randperm(seqs * per_seq, device="cuda", generator=g).view(seqs, per_seq)
+    k = torch.randn(seqs * per_seq, BLOCK, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+    return tables.to(torch.int32), k, torch.randn_like(k)
+
+
+def attend(q, k, v, tables, starts, lens, seqs, longest, launch):
+    bm, bn, warps, stages = launch
+    return paged_prefill_attention(q, k, v, tables, starts, lens, D**-0.5, num_seqs=seqs,
+                                   max_query_len=longest, block_m=bm, block_n=bn,
+                                   num_warps=warps, num_stages=stages)
+
+
+def attention_table() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    head = "".join(f"{f'b{b} c{c}':>11}" for b, c in DECODE)
+    print(f"fixed-order attention, bf16, Hq {HQ} Hkv {HKV} D {D}: us per layer "
+          f"(graphs of 4 calls over distinct sequences)\n{'launch':<16}{head}"
+          f"{f'prefill {PREFILL_SEQS}x{PREFILL_LEN}':>20}")
+    cases = []
+    for batch, ctx in DECODE:
+        pools = [paged(batch, ctx, g) for _ in range(4)]
+        q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
+        starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        cases.append((pools, q, starts, lens, batch, 1))
+    pools = [paged(PREFILL_SEQS, PREFILL_LEN, g) for _ in range(2)]
+    q = torch.randn(PREFILL_SEQS * PREFILL_LEN, HQ, D, device="cuda", generator=g)
+    starts = torch.arange(PREFILL_SEQS + 1, device="cuda", dtype=torch.int32) * PREFILL_LEN
+    lens = torch.full((PREFILL_SEQS,), PREFILL_LEN, device="cuda", dtype=torch.int32)
+    cases.append((pools, q.to(torch.bfloat16), starts, lens, PREFILL_SEQS, PREFILL_LEN))
+
+    def timed(case, launch) -> float:
+        pools, q, starts, lens, seqs, longest = case
+        return graphed_us(lambda i: attend(q, pools[i][1], pools[i][2], pools[i][0], starts,
+                                           lens, seqs, longest, launch), len(pools))
+
+    def default(case) -> float:
+        pools, q, starts, lens, seqs, longest = case
+        if longest > 1:
+            return timed(case, (None, None, None, None))
+        splits = choose_num_splits(seqs, HKV, 1552, sms)
+        return graphed_us(lambda i: paged_decode_attention(
+            q, pools[i][1], pools[i][2], pools[i][0], lens, D**-0.5, num_splits=splits),
+            len(pools))
+
+    print(f"{'default mode':<16}" + "".join(f"{default(c):>11.1f}" for c in cases[:-1])
+          + f"{default(cases[-1]):>20.1f}")
+    for launch in ATTENTION:
+        times = [timed(c, launch) for c in cases]
+        print(f"{'/'.join(map(str, launch)):<16}" + "".join(f"{t:>11.1f}" for t in times[:-1])
+              + f"{times[-1]:>20.1f}")
+    agreement()
+
+
+def agreement() -> None:
+    """Per launch run on decode rows: the launches whose prefill (whole, and a chunk
+    after a cached prefix) gives those rows the same bits."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    length, cut = 700, 333
+    tables, k, v = paged(1, length, g)
+    q = torch.randn(length, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
+    whole = {lc: attend(q, k, v, tables, torch.tensor([0, length], device="cuda",
+                        dtype=torch.int32), torch.tensor([length], device="cuda",
+                        dtype=torch.int32), 1, length, lc) for lc in ATTENTION}
+    chunk = {lc: attend(q[cut:], k, v, tables, torch.tensor([0, length - cut], device="cuda",
+                        dtype=torch.int32), torch.tensor([length], device="cuda",
+                        dtype=torch.int32), 1, length - cut, lc) for lc in ATTENTION}
+    positions = torch.tensor([length - 1, 500, cut, 64, 63, 1, 0], device="cuda")
+    rows = len(positions)
+    starts = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    print("decode rows' bits (positions " + ", ".join(map(str, positions.tolist()))
+          + ") against each launch's prefill: whole / chunk after a cached prefix of "
+          f"{cut}")
+    for lc in ATTENTION:
+        decoded = attend(q[positions], k, v, tables.expand(rows, -1), starts,
+                         (positions + 1).to(torch.int32), rows, 1, lc)
+        agree = [p for p in ATTENTION if torch.equal(decoded, whole[p][positions])]
+        late = positions >= cut
+        agree_chunk = [p for p in ATTENTION
+                       if torch.equal(decoded[late], chunk[p][positions[late] - cut])]
+        print(f"  {'/'.join(map(str, lc)):<14} whole: "
+              + (" ".join("/".join(map(str, p)) for p in agree) or "none")
+              + "  chunk: " + (" ".join("/".join(map(str, p)) for p in agree_chunk) or "none"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--gemm-only", action="store_true")
+    only.add_argument("--attention-only", action="store_true")
+    args = ap.parse_args()
+    if not args.gemm_only:
+        attention_table()
+    if not args.attention_only:
+        gemm_table()
+
+
+if __name__ == "__main__":
+    main()
