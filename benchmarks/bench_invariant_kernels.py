@@ -8,14 +8,16 @@ distinct weights (the weights are read from HBM, as in a decode step). Every
 candidate's output at every row count is compared bit for bit with the default's:
 ``same`` marks launches that share its bits, so any of them may serve any row count.
 
-**Fixed-order attention** (the paged prefill kernel, which deterministic mode runs for
-every token). Candidate launches ``block_m/block_n/warps/stages`` timed on decode
-steps (batch 1, 64, 256 at contexts of 384 and 1,280) and on a prefill of 16 x 1,024,
-beside the default mode's kernels (the split-KV decode kernel, the prefill launch).
-Then, for each candidate run on decode rows, the candidates whose prefill gives those
-rows the same bits (a whole prompt and a chunk after a cached prefix): deterministic
-mode may attend decode rows with one launch and prompts with another only where they
-agree.
+**Fixed-order attention** (``kernels/fixed_order.py``, deterministic mode's attention
+for every token). Candidate launches ``block_m/block_n/warps/stages`` timed in the walk
+layout on decode steps (batch 1, 64, 256 at contexts of 384 and 1,280; batch 1 and 8 at
+8,192) and on a prefill of 16 x 1,024, beside the default mode's kernels (the split-KV
+decode kernel, the prefill launch), and the mode's launch in the split-programs
+layout on the decode steps. Then whether the two layouts give decode rows the same
+bits, and, for each candidate run on decode rows, the candidates whose prefill gives
+those rows the same bits (a whole prompt and a chunk after a cached prefix, across a
+split's end): deterministic mode may attend decode rows with one launch and prompts
+with another only where they agree.
 
     python benchmarks/bench_invariant_kernels.py [--gemm-only | --attention-only]
 """
@@ -36,7 +38,12 @@ from kvrunner.layers.fused.invariant_gemm_triton import (
     invariant_reduction,
 )
 from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-from kvrunner_paged.kernels.prefill import paged_prefill_attention
+from kvrunner_paged.kernels.fixed_order import (
+    KEY_SPLIT,
+    fixed_order_attention,
+    use_split_programs,
+)
+from kvrunner_paged.kernels.prefill import PrefillLaunch, paged_prefill_attention
 
 #: (projection, N, K) of one Qwen3-0.6B layer, and its LM head
 GEMM_SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
@@ -49,10 +56,13 @@ LAYOUTS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64
            (64, 32, 4, 3), (16, 64, 4, 3)]
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
-DECODE = [(1, 384), (64, 384), (256, 384), (1, 1280), (64, 1280), (256, 1280)]
+DECODE = [(1, 384), (64, 384), (256, 384), (1, 1280), (64, 1280), (256, 1280), (1, 8192),
+          (8, 8192)]
 PREFILL_SEQS, PREFILL_LEN = 16, 1024
+#: the engine's longest context in the timed cases (sizes the split programs' grid)
+MAX_CONTEXT = 8192 + 16
 #: attention launches ``(block_m, block_n, warps, stages)``; the first is the one
-#: deterministic mode runs for every token, the last the default prefill launch
+#: deterministic mode runs (``fixed_order.LAUNCH``), the last the prefill kernel's own
 ATTENTION = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3),
              (64, 64, 4, 2), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)]
 
@@ -132,23 +142,26 @@ def paged(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     return tables.to(torch.int32), k, torch.randn_like(k)
 
 
-def attend(q, k, v, tables, starts, lens, seqs, longest, launch):
+def attend(q, k, v, tables, starts, lens, seqs, longest, launch, split=False) -> torch.Tensor:
+    """Deterministic mode's attention under ``launch`` in the walk layout, or in the
+    split-programs layout (decode rows)."""
     bm, bn, warps, stages = launch
-    return paged_prefill_attention(q, k, v, tables, starts, lens, D**-0.5, num_seqs=seqs,
-                                   max_query_len=longest, block_m=bm, block_n=bn,
-                                   num_warps=warps, num_stages=stages)
+    return fixed_order_attention(q, k, v, tables, starts, lens, D**-0.5, num_seqs=seqs,
+                                 max_query_len=longest, max_context_len=MAX_CONTEXT,
+                                 split_programs=split,
+                                 launch=PrefillLaunch(bm, bn, warps, stages, "tf32"))
 
 
 def attention_table() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     head = "".join(f"{f'b{b} c{c}':>11}" for b, c in DECODE)
-    print(f"fixed-order attention, bf16, Hq {HQ} Hkv {HKV} D {D}: us per layer "
-          f"(graphs of 4 calls over distinct sequences)\n{'launch':<16}{head}"
+    print(f"fixed-order attention, bf16, Hq {HQ} Hkv {HKV} D {D}, splits of {KEY_SPLIT} keys: "
+          f"us per layer (graphs of calls over distinct sequences)\n{'launch':<20}{head}"
           f"{f'prefill {PREFILL_SEQS}x{PREFILL_LEN}':>20}")
     cases = []
     for batch, ctx in DECODE:
-        pools = [paged(batch, ctx, g) for _ in range(4)]
+        pools = [paged(batch, ctx, g) for _ in range(4 if batch * ctx < 2**20 else 2)]
         q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
         starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
         lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
@@ -159,26 +172,36 @@ def attention_table() -> None:
     lens = torch.full((PREFILL_SEQS,), PREFILL_LEN, device="cuda", dtype=torch.int32)
     cases.append((pools, q.to(torch.bfloat16), starts, lens, PREFILL_SEQS, PREFILL_LEN))
 
-    def timed(case, launch) -> float:
+    def timed(case, launch, split=False) -> float:
         pools, q, starts, lens, seqs, longest = case
         return graphed_us(lambda i: attend(q, pools[i][1], pools[i][2], pools[i][0], starts,
-                                           lens, seqs, longest, launch), len(pools))
+                                           lens, seqs, longest, launch, split), len(pools))
 
     def default(case) -> float:
         pools, q, starts, lens, seqs, longest = case
         if longest > 1:
-            return timed(case, (None, None, None, None))
-        splits = choose_num_splits(seqs, HKV, 1552, sms)
+            return graphed_us(lambda i: paged_prefill_attention(
+                q, pools[i][1], pools[i][2], pools[i][0], starts, lens, D**-0.5,
+                num_seqs=seqs, max_query_len=longest), len(pools))
+        splits = choose_num_splits(seqs, HKV, MAX_CONTEXT, sms)
         return graphed_us(lambda i: paged_decode_attention(
             q, pools[i][1], pools[i][2], pools[i][0], lens, D**-0.5, num_splits=splits),
             len(pools))
 
-    print(f"{'default mode':<16}" + "".join(f"{default(c):>11.1f}" for c in cases[:-1])
-          + f"{default(cases[-1]):>20.1f}")
+    def line(label: str, times: list[float | None]) -> None:
+        cells = [f"{t:>11.1f}" if t is not None else f"{'-':>11}" for t in times[:-1]]
+        last = f"{times[-1]:>20.1f}" if times[-1] is not None else f"{'-':>20}"
+        print(f"{label:<20}" + "".join(cells) + last, flush=True)
+
+    line("default mode", [default(c) for c in cases])
     for launch in ATTENTION:
-        times = [timed(c, launch) for c in cases]
-        print(f"{'/'.join(map(str, launch)):<16}" + "".join(f"{t:>11.1f}" for t in times[:-1])
-              + f"{times[-1]:>20.1f}")
+        line("/".join(map(str, launch)), [timed(c, launch) for c in cases])
+    line(f"{'/'.join(map(str, ATTENTION[0]))} split", [
+        timed(c, ATTENTION[0], split=True) if c[-1] == 1 else None for c in cases])
+    chosen = [f"b{b}" for b in sorted({b for b, _ in DECODE})
+              if use_split_programs(1, b, HKV, MAX_CONTEXT, sms)]
+    print(f"(an engine of max_model_len {MAX_CONTEXT} takes split programs at "
+          f"{', '.join(chosen) or 'no batch'} of these)")
     agreement()
 
 
@@ -186,24 +209,32 @@ def agreement() -> None:
     """Per launch run on decode rows: the launches whose prefill (whole, and a chunk
     after a cached prefix) gives those rows the same bits."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    length, cut = 700, 333
+    length, cut = KEY_SPLIT + 700, KEY_SPLIT - 20
     tables, k, v = paged(1, length, g)
     q = torch.randn(length, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
-    whole = {lc: attend(q, k, v, tables, torch.tensor([0, length], device="cuda",
-                        dtype=torch.int32), torch.tensor([length], device="cuda",
-                        dtype=torch.int32), 1, length, lc) for lc in ATTENTION}
-    chunk = {lc: attend(q[cut:], k, v, tables, torch.tensor([0, length - cut], device="cuda",
-                        dtype=torch.int32), torch.tensor([length], device="cuda",
-                        dtype=torch.int32), 1, length - cut, lc) for lc in ATTENTION}
-    positions = torch.tensor([length - 1, 500, cut, 64, 63, 1, 0], device="cuda")
+
+    def run(rows: torch.Tensor, prefix: int, launch) -> torch.Tensor:
+        starts = torch.tensor([0, len(rows)], device="cuda", dtype=torch.int32)
+        lens = torch.tensor([prefix + len(rows)], device="cuda", dtype=torch.int32)
+        return attend(rows, k, v, tables, starts, lens, 1, len(rows), launch)
+
+    whole = {lc: run(q, 0, lc) for lc in ATTENTION}
+    chunk = {lc: run(q[cut:], cut, lc) for lc in ATTENTION}
+    positions = torch.tensor([length - 1, KEY_SPLIT + 1, KEY_SPLIT, KEY_SPLIT - 1, cut, 500, 64,
+                              63, 1, 0], device="cuda")
     rows = len(positions)
     starts = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    lens = (positions + 1).to(torch.int32)
     print("decode rows' bits (positions " + ", ".join(map(str, positions.tolist()))
           + ") against each launch's prefill: whole / chunk after a cached prefix of "
-          f"{cut}")
+          f"{cut}; walk and split layouts of the decode rows agree: ", end="")
+    walked = attend(q[positions], k, v, tables.expand(rows, -1), starts, lens, rows, 1,
+                    ATTENTION[0])
+    split = attend(q[positions], k, v, tables.expand(rows, -1), starts, lens, rows, 1,
+                   ATTENTION[0], split=True)
+    print("yes" if torch.equal(walked, split) else "NO")
     for lc in ATTENTION:
-        decoded = attend(q[positions], k, v, tables.expand(rows, -1), starts,
-                         (positions + 1).to(torch.int32), rows, 1, lc)
+        decoded = attend(q[positions], k, v, tables.expand(rows, -1), starts, lens, rows, 1, lc)
         agree = [p for p in ATTENTION if torch.equal(decoded, whole[p][positions])]
         late = positions >= cut
         agree_chunk = [p for p in ATTENTION

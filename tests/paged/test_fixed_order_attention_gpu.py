@@ -1,6 +1,7 @@
-"""Deterministic mode's attention launch on CUDA: a token attended as a decode row
-(one query of its sequence), inside a whole-sequence prefill, and inside a prefill
-chunk after a cached prefix gets the same bits in all three (``FIXED_ORDER_LAUNCH``).
+"""Deterministic mode's attention on CUDA (``kernels/fixed_order.py``): a token
+attended as a decode row (one query of its sequence, in either layout), inside a
+whole-sequence prefill, and inside a prefill chunk after a cached prefix gets the same
+bits in all four, over contexts of one to three key splits.
 
 Compiled, a row shares its tile with different neighbours, masks and key-tile splits
 in each case, which the interpreter (numpy's products) cannot show.
@@ -11,24 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrunner_paged.kernels.prefill import FIXED_ORDER_LAUNCH, paged_prefill_attention
+from kvrunner_paged.kernels.fixed_order import KEY_SPLIT, fixed_order_attention
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 BLOCK_SIZE = 16
-CONTEXTS = [1, 17, 64, 250, 701, 1500]
+CONTEXTS = [1, 17, 64, 250, 701, KEY_SPLIT, KEY_SPLIT + 1, 1500, 2 * KEY_SPLIT + 600]
 
 
 def _attend(q: torch.Tensor, pools: torch.Tensor, tables: torch.Tensor, q_lens: list[int],
-            ctx: list[int]) -> torch.Tensor:
-    launch = FIXED_ORDER_LAUNCH[q.dtype]
+            ctx: list[int], split_programs: bool = False) -> torch.Tensor:
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return paged_prefill_attention(
+    return fixed_order_attention(
         q, pools[0], pools[1], tables, starts.to(CUDA),
         torch.tensor(ctx, dtype=torch.int32, device=CUDA), q.shape[-1] ** -0.5,
-        num_seqs=len(ctx), max_query_len=max(q_lens), block_m=launch.block_m,
-        block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        dot_precision=launch.dot_precision,
+        num_seqs=len(ctx), max_query_len=max(q_lens), max_context_len=max(ctx),
+        split_programs=split_programs,
     )
 
 
@@ -49,7 +48,9 @@ def test_a_token_has_the_same_bits_in_decode_prefill_and_a_chunk(
 
     ends = torch.tensor(CONTEXTS, device=CUDA).cumsum(0)
     prefill = _attend(q_full, pools, tables, CONTEXTS, CONTEXTS)
-    decode = _attend(q_full[ends - 1].contiguous(), pools, tables, [1] * len(CONTEXTS), CONTEXTS)
+    last = q_full[ends - 1].contiguous()
+    decode = _attend(last, pools, tables, [1] * len(CONTEXTS), CONTEXTS)
+    split = _attend(last, pools, tables, [1] * len(CONTEXTS), CONTEXTS, split_programs=True)
     chunk = [min(c, 24) for c in CONTEXTS]  # the last 24 tokens, after a cached prefix
     rows = torch.cat([torch.arange(e - n, e, device=CUDA)
                       for e, n in zip(ends.tolist(), chunk, strict=True)])
@@ -57,4 +58,5 @@ def test_a_token_has_the_same_bits_in_decode_prefill_and_a_chunk(
 
     assert torch.equal(decode, prefill[ends - 1]), (
         f"{(decode != prefill[ends - 1]).sum().item()} of {decode.numel()} values differ")
+    assert torch.equal(split, decode)
     assert torch.equal(chunked, prefill[rows])

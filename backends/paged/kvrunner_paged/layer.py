@@ -55,14 +55,19 @@ class PagedAttention:
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
             from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-            from kvrunner_paged.kernels.prefill import FIXED_ORDER_LAUNCH, paged_prefill_attention
+            from kvrunner_paged.kernels.fixed_order import (
+                fixed_order_attention,
+                use_split_programs,
+            )
+            from kvrunner_paged.kernels.prefill import paged_prefill_attention
             from kvrunner_paged.kernels.store_kv import store_kv
 
             self._store: Callable[..., None] = store_kv
             self._decode = paged_decode_attention
             self._prefill = paged_prefill_attention
             self._choose_splits = choose_num_splits
-            self._fixed_launch = FIXED_ORDER_LAUNCH  # one launch, one order for all
+            self._fixed_order = fixed_order_attention
+            self._use_split_programs = use_split_programs
         else:
             self._store = torch_ops.store_kv_torch
 
@@ -133,11 +138,11 @@ class PagedAttention:
     def _fixed_order_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
     ) -> torch.Tensor:
-        """Deterministic mode: decode and prefill through one path with one launch (no
-        split count chosen by batch, no launch chosen by query length), so a token's
-        reduction order is its own (``kernels/invariant_torch.py`` says why the torch
-        path is; the Triton prefill kernel walks each query's keys in fixed tiles from
-        position 0, and tiles past a query are exact no-ops for it)."""
+        """Deterministic mode: decode and prefill rows attended in one order (keys in
+        splits of a fixed number, each walked in fixed tiles from its start, the
+        splits folded in order), so a token's reduction order is its own
+        (``kernels/fixed_order.py``; ``kernels/invariant_torch.py`` says why the
+        torch path is)."""
         # A replayed graph's padded rows are empty sequences: they attend nothing.
         num_seqs = md.num_padded_seqs if md.is_decode else md.num_seqs
         if not self.use_triton:
@@ -145,13 +150,13 @@ class PagedAttention:
                 q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
                 self.scale, num_seqs,
             )
-        table = self._fixed_launch
-        launch = table[q.dtype] if q.dtype in table else table[torch.float32]
-        return self._prefill(
+        # From static shapes only, like the default decode's split count.
+        split = self._use_split_programs(md.max_query_len, num_seqs, self.num_kv_heads,
+                                         self.max_model_len, self._num_sms)
+        return self._fixed_order(
             _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
             md.context_lens, self.scale, num_seqs=num_seqs, max_query_len=md.max_query_len,
-            block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
-            num_stages=launch.num_stages, dot_precision=launch.dot_precision,
+            max_context_len=self.max_model_len, split_programs=split,
         )
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
+from kvrunner_paged.kernels.tile import LOG2_E, query_tile, walk_keys
 
 
 @attrs.frozen
@@ -56,16 +56,6 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     # diagonal. Against 128/32/8/2 per case (H200, ours / SDPA): 8B 1024 x 1 1.40 ->
     # 1.08, 0.6B 1024 x 1 1.42 -> 1.25; 64/32/4/2 and 64/32/4/3 were slower everywhere.
     torch.float32: PrefillLaunch(32, 32, 4, 2, "tf32x3"),
-}
-
-#: Deterministic mode's one launch, for prefill and decode rows alike: :data:`LAUNCH`'s
-#: key tile, stages and precision in a tile of the fewest rows a ``tl.dot`` takes, so
-#: every token is attended by the same instruction in the same layout wherever it sits.
-#: A decode step has one token a sequence, which fills two of the tile's 16 rows (two
-#: of 128 in :data:`LAUNCH`'s); the prefill reloads each key tile for every 8 tokens of
-#: a GQA-2 model, a small part of a rollout.
-FIXED_ORDER_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
-    dtype: attrs.evolve(launch, block_m=16, num_warps=4) for dtype, launch in LAUNCH.items()
 }
 
 #: From this many queries in one sequence, a run takes :data:`LONG_RUN_LAUNCH`
@@ -144,47 +134,23 @@ def _prefill_kernel(
     if tile * BLOCK_Q < q_len:
         ctx_len = tl.load(context_lens_ptr + seq)
         prefix = ctx_len - q_len  # position of the sequence's first query
-        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
-        query = tile * BLOCK_Q + rows // GROUP_PAD  # the row's query within the sequence
-        member = rows % GROUP_PAD  # the row's head within the group
-        row_mask = (query < q_len) & (member < GROUP)
-        query_pos = prefix + query
-        dims = tl.arange(0, BLOCK_D)
-        q_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
-        tokens = (q_start + query).to(tl.int64)
-        heads = kv_head * GROUP + member
-        # Token-major rows: a token's group heads are adjacent in q, one contiguous run.
-        q_offsets = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-
-        m_i = tl.full([BLOCK_Q * GROUP_PAD], NEG_BIG, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        table = block_tables_ptr + seq * stride_bt
+        q, query_pos, tokens, heads, dims, row_mask, q_mask = query_tile(
+            q_ptr, stride_qt, stride_qh, q_start, q_len, prefix, tile, kv_head,
+            GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D,
+        )  # fmt: skip
         # Causality bounds the keys this tile needs: up to its last real query.
         kv_end = tl.minimum(ctx_len, prefix + tl.minimum((tile + 1) * BLOCK_Q, q_len))
         # Key tiles ending at or before the first query's position: every row sees all
         # of them (and they lie inside the context), so neither mask is compiled in.
         # kv_end > first query's position, so full_end <= kv_end.
         full_end = ((prefix + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
-        for start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_tile(
-                q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                kv_head, block_size, scale_log2,
-                MASK_KEYS=False, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-        # The diagonal: at most cdiv(BLOCK_Q, BLOCK_N) + 1 tiles, not worth the shared
-        # memory of a pipeline (one stage keeps the two loops' buffers small together).
-        for start in tl.range(full_end, kv_end, BLOCK_N, num_stages=1):
-            m_i, l_i, acc = attend_tile(
-                q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                kv_head, block_size, scale_log2,
-                MASK_KEYS=True, CAUSAL=True, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
+        m_i, l_i, acc = walk_keys(
+            q, query_pos, 0, kv_end, full_end, kv_end,
+            block_tables_ptr + seq * stride_bt, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            kv_head, block_size, scale_log2,
+            BLOCK_Q * GROUP_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PRECISION,
+        )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]

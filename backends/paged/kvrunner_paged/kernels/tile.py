@@ -1,4 +1,4 @@
-"""The online-softmax tile loop both paged attention kernels run (Triton, base 2).
+"""The online-softmax tile loop every paged attention kernel runs (Triton, base 2).
 
 One call attends a block of query rows to ``BLOCK_N`` key positions of one sequence:
 it looks each position's block up in the block table, loads keys and values, and
@@ -13,6 +13,9 @@ Two masks, each compiled in or out (``tl.constexpr``), so the tiles that need no
   slot is ever touched) nor seen (their score is ``-inf``, unless ``CAUSAL`` masks
   them already, see below);
 * ``CAUSAL``: a row sees keys at positions ``<= query_pos`` of the row.
+
+:func:`walk_keys` walks a range of key positions with it for a tile of query rows,
+and :func:`query_tile` loads such a tile (the prefill and fixed-order kernels).
 
 The running max ``m_i`` is kept in scaled units (``scores * scale_log2``) while the
 raw scores are scaled only inside ``exp2``: ``max`` commutes with a positive scale,
@@ -87,3 +90,65 @@ def attend_tile(
                       MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def walk_keys(
+    q, query_pos, lo, hi, full_end, kv_end,
+    table, k_cache_ptr, v_cache_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    kv_head, block_size, scale_log2,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The state ``(m_i, l_i, acc)`` of causal query rows over keys ``[lo, hi)``, from
+    a fresh start. Key tiles before ``full_end`` (at or before the tile's first
+    query, so every row sees them whole, inside the context) run without any mask,
+    pipelined ``NUM_STAGES`` deep; the rest are masked by position (the diagonal: at
+    most a couple of tiles, not worth a pipeline's shared memory). ``lo`` and
+    ``full_end`` are multiples of ``BLOCK_N``; ``kv_end`` is past every real row's
+    position."""
+    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for start in tl.range(lo, tl.minimum(hi, full_end), BLOCK_N, num_stages=NUM_STAGES):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            kv_head, block_size, scale_log2,
+            MASK_KEYS=False, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    for start in tl.range(tl.maximum(lo, full_end), hi, BLOCK_N, num_stages=1):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            kv_head, block_size, scale_log2,
+            MASK_KEYS=True, CAUSAL=True, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def query_tile(
+    q_ptr, stride_qt, stride_qh, q_start, q_len, prefix, tile, kv_head,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Query tile ``tile`` of a sequence for one KV head: ``BLOCK_Q`` tokens times the
+    group's query heads (padded to ``GROUP_PAD``), token-major (row ``r`` is token
+    ``r // GROUP_PAD``, head ``r % GROUP_PAD``: a token's group heads are adjacent in
+    ``q``, one contiguous run). Returns the rows ``q`` (0 where masked), each row's
+    position, token and head, the dims, and the row and element masks."""
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    query = tile * BLOCK_Q + rows // GROUP_PAD  # the row's query within the sequence
+    member = rows % GROUP_PAD  # the row's head within the group
+    row_mask = (query < q_len) & (member < GROUP)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    tokens = (q_start + query).to(tl.int64)
+    heads = kv_head * GROUP + member
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=q_mask, other=0.0)
+    return q, prefix + query, tokens, heads, dims, row_mask, q_mask
