@@ -71,21 +71,27 @@ def test_verl_launches_kvrunner_replicas_by_name_and_generates_through_its_clien
         assert len(out.log_probs) == 6 and all(lp <= 0 for lp in out.log_probs)
 
 
+async def push(manager, config, checkpoint: str, global_steps: int) -> None:
+    """Every replica takes ``checkpoint`` through verl's server adapter for kvrunner, as
+    verl's trainer pushes a step's weights."""
+    adapter_cls = get_rollout_class("kvrunner", "async")
+    for replica in manager.get_replicas():
+        adapter = adapter_cls(config=config.actor_rollout_ref.rollout,
+                              model_config=config.actor_rollout_ref.model,
+                              device_mesh=None, replica_rank=replica.replica_rank)
+        await adapter.update_weights(iter(iter_safetensors(Path(checkpoint), torch.float32)),
+                                     global_steps=global_steps)
+
+
 def test_a_push_through_the_server_adapter_then_verl_sees_the_new_weights_and_steps(
     manager, config, checkpoints
 ) -> None:
     served, pushed = checkpoints
-    adapter_cls = get_rollout_class("kvrunner", "async")
     expected = in_process(pushed)
     assert expected != in_process(served)
 
     async def run():
-        for replica in manager.get_replicas():
-            adapter = adapter_cls(config=config.actor_rollout_ref.rollout,
-                                  model_config=config.actor_rollout_ref.model,
-                                  device_mesh=None, replica_rank=replica.replica_rank)
-            await adapter.update_weights(iter(iter_safetensors(Path(pushed), torch.float32)),
-                                         global_steps=3)
+        await push(manager, config, pushed, global_steps=3)
         client = manager.get_client()
         return await asyncio.gather(*(client.generate(
             f"after-{i}", prompt_ids=PROMPT, sampling_params=dict(GREEDY)) for i in range(4)))
@@ -110,9 +116,9 @@ def test_an_abort_mid_rollout_is_resumed_by_verl_s_client_across_a_weight_update
     manager, config, checkpoints
 ) -> None:
     long = {"temperature": 0.0, "max_tokens": 300, "ignore_eos": True}
-    adapter_cls = get_rollout_class("kvrunner", "async")
 
     async def run():
+        await push(manager, config, checkpoints[0], global_steps=3)
         client = manager.get_client(FullyAsyncLLMServerClient)
         task = asyncio.ensure_future(client.generate("partial", prompt_ids=PROMPT,
                                                      sampling_params=dict(long)))
@@ -120,12 +126,7 @@ def test_an_abort_mid_rollout_is_resumed_by_verl_s_client_across_a_weight_update
         await in_an_engine(replicas)
         aborted = await asyncio.gather(*(r.abort_all_requests() for r in replicas))
         assert sum(a["aborted_count"] for a in aborted) == 1, (aborted, task.done())
-        for replica in replicas:
-            adapter = adapter_cls(config=config.actor_rollout_ref.rollout,
-                                  model_config=config.actor_rollout_ref.model,
-                                  device_mesh=None, replica_rank=replica.replica_rank)
-            await adapter.update_weights(iter(iter_safetensors(Path(checkpoints[0]),
-                                                               torch.float32)), global_steps=4)
+        await push(manager, config, checkpoints[0], global_steps=4)
         await asyncio.gather(*(r.resume_generation() for r in replicas))
         return await task
 
