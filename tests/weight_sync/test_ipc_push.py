@@ -12,6 +12,7 @@ import concurrent.futures
 import time
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from push_kit import assert_refusing, tokens
@@ -81,6 +82,8 @@ def test_a_trainer_killed_mid_push_leaves_the_engine_refusing_until_a_full_push(
     ("wrong_name", "no parameter 'model.nope.weight'"),
     ("overlap", "overlap"),
     ("not_a_bucket", "expected a Bucket, Shared or End"),
+    ("nan", "bucket 1: tensor '.+' holds NaN or inf values"),
+    ("inf", "bucket 1: tensor '.+' holds NaN or inf values"),
 ])
 def test_a_malformed_bucket_is_refused_by_name_and_the_engine_refuses_until_a_full_push(
     llm, trainer, checkpoints, fault, message
@@ -109,3 +112,17 @@ def test_the_trainer_hears_the_engines_refusal_when_the_engine_is_asleep(
         assert kind == "failed" and "refused" in said
     finally:
         llm.wake_up()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bucket_check_names_a_non_finite_tensor_and_passes_huge_finite_ones(dtype) -> None:
+    """One pass over the whole bucket finds a NaN or an infinity anywhere, and the
+    per-tensor check then names it; values whose sum overflows, all finite, pass."""
+    pairs = [(f"t{i}", torch.randn(50).to(dtype)) for i in range(6)] + [("empty", torch.ones(0))]
+    receiver.check_finite(pairs, "bucket 0")
+    receiver.check_finite([("huge", torch.full((4,), 3e38).to(dtype)), *pairs], "bucket 0")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        spoiled = [(name, t.clone()) for name, t in pairs]
+        spoiled[3][1][17] = bad
+        with pytest.raises(WeightSyncError, match="bucket 0: tensor 't3' holds NaN or inf"):
+            receiver.check_finite(spoiled, "bucket 0")

@@ -63,7 +63,8 @@ def push(conn: Connection, job: dict[str, Any]) -> None:
 
 
 def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
-    """One good bucket, then bucket 1 with the fault ``job["fault"]`` names."""
+    """One good bucket, then bucket 1 with the fault ``job["fault"]`` names (its layout,
+    or for ``nan`` / ``inf`` one such value in a well-formed bucket)."""
     from multiprocessing.connection import Listener
 
     pairs = checkpoint_tensors(job["path"], 0)
@@ -80,6 +81,10 @@ def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
         name, tensor = pairs[1]
         good = TensorSlot(name, "float32", tuple(tensor.shape), 0)
         fault = job["fault"]
+        if fault in ("nan", "inf"):  # a well-formed bucket whose values are not finite
+            bad_value = tensor.flatten().clone()
+            bad_value[tensor.numel() // 2] = float(fault)
+            buffer.tensor[: tensor.numel() * 4].view(torch.float32).copy_(bad_value)
         bad: Any = {
             "past_the_end": m.Bucket(1, 0, BucketLayout((TensorSlot(name, "float32",
                                                                      (1 << 20,), 0),))),
@@ -93,6 +98,8 @@ def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
                                                                      tuple(pairs[2][1].shape),
                                                                      0)))),
             "not_a_bucket": "hello",
+            "nan": m.Bucket(1, 0, BucketLayout((good,))),
+            "inf": m.Bucket(1, 0, BucketLayout((good,))),
         }[fault]
         m.send(engine, bad)
         answer = m.receive(engine, 60, waiting_for="the refusal")
