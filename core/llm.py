@@ -227,12 +227,13 @@ class LLM:
 
         Each rank takes its tensor-parallel shard in the model's dtype; fused
         projections are filled part by part. A wrong name or shape, a value that is
-        not a floating-point tensor, or (``check_finite``, one reduction per tensor)
-        NaN or inf raises :class:`~kvrunner.sleep_state.WeightUpdateError` naming it,
-        with nothing of that tensor loaded. If tensors before it were, the weights are
-        ``"partial"`` (``cache_info().weights``) and generation is refused until every
-        tensor this call did not load has been pushed. After a call completes the
-        prefix cache is reset and, if the engine is awake, the graphs are recaptured.
+        not a floating-point tensor, or (``check_finite``: a list or Mapping in one
+        pass, a generator tensor by tensor as it is drawn) NaN or inf raises
+        :class:`~kvrunner.sleep_state.WeightUpdateError` naming it, with nothing of
+        that tensor loaded. If tensors before it were, the weights are ``"partial"``
+        (``cache_info().weights``) and generation is refused until every tensor this
+        call did not load has been pushed. After a call completes the prefix cache is
+        reset and, if the engine is awake, the graphs are recaptured.
         """
         return self._sleep_wake.update_weights(weights, check_finite=check_finite)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils import get_total_norm
 
 from kvrunner.sleep_state import WeightUpdateError
 
@@ -35,20 +36,37 @@ def tensor_problem(value: Any, *, check_finite: bool) -> str | None:
     return None
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite, in one pass over all of them: the
+    sum of their L1 norms (torch's multi-tensor norm, a few launches for the lot and
+    one wait), which a NaN or an infinity anywhere makes non-finite. ``False`` may
+    also mean finite values so large that their sum overflows: a caller naming the
+    culprit then checks each tensor (:func:`tensor_problem`)."""
+    tensors = [t for t in tensors if t.numel()]
+    return not tensors or bool(torch.isfinite(get_total_norm(tensors, norm_type=1.0)))
+
+
 def checked_pairs(
     weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     *,
     check_finite: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` as ``(name, tensor)`` pairs, each checked as it is drawn (a generator
-    stays lazy); raises WeightUpdateError naming the first value refused."""
+    stays lazy: it may refill one buffer for every pair); raises WeightUpdateError
+    naming the first value refused. A list, tuple or Mapping is in memory already:
+    its finiteness is checked in one pass over all of it (:func:`all_finite`), and
+    tensor by tensor (a wait each) only when that pass finds something to name."""
     if isinstance(weights, Mapping):
-        weights = weights.items()
+        weights = list(weights.items())
     if isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
         raise WeightUpdateError(
             f"update_weights takes (name, tensor) pairs or a Mapping of them; got a "
             f"{type(weights).__name__}"
         )
+    if check_finite and isinstance(weights, list | tuple):
+        floats = [pair[1] for pair in weights if isinstance(pair, tuple | list) and len(pair) == 2
+                  and isinstance(pair[1], torch.Tensor) and pair[1].is_floating_point()]
+        check_finite = not all_finite(floats)
     for index, pair in enumerate(weights):
         if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
             raise WeightUpdateError(

@@ -31,7 +31,11 @@ from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.loader import rope_theta_of
 from kvrunner.models.moe_config import MoeConfig
-from kvrunner.models.weight_names import expected_weight_names, load_weights_into
+from kvrunner.models.weight_names import (
+    WeightTargets,
+    expected_weight_names,
+    load_weights_into,
+)
 from kvrunner.plugin_api.layers import FullAttentionImpl
 from kvrunner.plugin_api.step_data import ForwardContext, ModelSpec
 
@@ -286,13 +290,19 @@ class Qwen3ForCausalLM(nn.Module):
         *,
         require_all: bool = True,
         loaded: set[str] | None = None,
+        targets: WeightTargets | None = None,
     ) -> set[str]:
         """Load Hugging Face-named tensors; returns the names loaded.
 
         ``require_all``: a whole checkpoint (raises naming every missing/unexpected
         tensor); ``False`` for a partial update (an unknown name raises at once).
+        ``targets``: :meth:`weight_targets`, built once for the parts of one update.
         """
         return load_weights_into(
             self, weights, stacked=self.STACKED, ignore=self._ignored_weights(),
-            require_all=require_all, loaded=loaded,
+            require_all=require_all, loaded=loaded, targets=targets,
         )
+
+    def weight_targets(self) -> WeightTargets:
+        """Where each tensor name this model loads goes (one walk of the module)."""
+        return WeightTargets(self, self.STACKED)

@@ -29,7 +29,11 @@ from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.gated_deltanet import GatedDeltaNet
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
-from kvrunner.models.weight_names import expected_weight_names, load_weights_into
+from kvrunner.models.weight_names import (
+    WeightTargets,
+    expected_weight_names,
+    load_weights_into,
+)
 from kvrunner.plugin_api.step_data import ForwardContext
 
 
@@ -198,10 +202,12 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         *,
         require_all: bool = True,
         loaded: set[str] | None = None,
+        targets: WeightTargets | None = None,
     ) -> set[str]:
         """HF names; ``conv1d.weight`` ``[C, 1, K]`` is stored as ``conv_weight`` ``[C, K]``.
 
-        Returns the names loaded (after that renaming); ``require_all`` as for Qwen3.
+        Returns the names loaded (after that renaming); ``require_all`` and
+        ``targets`` as for Qwen3.
         """
 
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
@@ -214,5 +220,9 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         ignore = [*self._ignored_weights(), "mtp."]
         return load_weights_into(
             self, renamed(), stacked=self.NEXT_STACKED, ignore=ignore, require_all=require_all,
-            loaded=loaded,
+            loaded=loaded, targets=targets,
         )
+
+    def weight_targets(self) -> WeightTargets:
+        """Where each tensor name this model loads goes (one walk of the module)."""
+        return WeightTargets(self, self.NEXT_STACKED)

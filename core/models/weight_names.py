@@ -109,6 +109,24 @@ def alias_weight_names(
     return aliases
 
 
+class WeightTargets:
+    """Where every checkpoint name of a module loads, from one walk of its parameters:
+    the parameters by name, :func:`expected_weight_names` and
+    :func:`alias_weight_names`. Walking a deep module costs about a millisecond of
+    host time, so a push arriving in buckets builds this once for all of them; it
+    stays right while the module keeps its parameter objects (a weight update never
+    replaces them)."""
+
+    def __init__(self, module: nn.Module, stacked: Sequence[tuple[str, str, str | int]] = ()):
+        named = list(module.named_parameters())
+        #: parameter name -> parameter
+        self.params: dict[str, nn.Parameter] = dict(named)
+        #: checkpoint name -> (parameter name, shard id)
+        self.expected = expected_weight_names(module, stacked, named=named)
+        #: alternative name -> (parameter name, shard id, expected names it stands for)
+        self.aliases = alias_weight_names(module, named=named)
+
+
 def load_weights_into(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -117,6 +135,7 @@ def load_weights_into(
     ignore: Sequence[str] = (),
     require_all: bool = True,
     loaded: set[str] | None = None,
+    targets: WeightTargets | None = None,
 ) -> set[str]:
     """Copy checkpoint tensors into ``module``'s parameters by name; returns the names
     loaded (ignored names excluded).
@@ -133,14 +152,13 @@ def load_weights_into(
         them): a name the model does not have raises :class:`WeightNameError` at once.
     :param loaded: filled with each name as it loads (the returned set), so a caller
         still knows what was loaded when a later tensor raises.
+    :param targets: ``module``'s :class:`WeightTargets` for ``stacked``, built once by
+        a caller loading several parts of one update (else built here).
     :raises WeightShapeError: naming the tensor whose shape does not fit.
     :raises WeightSetError: ``require_all`` and the names do not match.
     """
-    # one walk of the module per call: a trainer's push calls this once a bucket
-    named = list(module.named_parameters())
-    params = dict(named)
-    expected = expected_weight_names(module, stacked, named=named)
-    aliases = alias_weight_names(module, named=named)
+    targets = targets or WeightTargets(module, stacked)
+    expected, aliases, params = targets.expected, targets.aliases, targets.params
     seen: set[str] = set() if loaded is None else loaded
     unexpected: list[str] = []
     for name, tensor in weights:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvrunner.models.checkpoint_tensors import CheckpointTensors
+from kvrunner.models.weight_names import WeightTargets
 from kvrunner.runner.rank_reports import PushReport
 from kvrunner.runner.weight_residency import WeightResidency
 from kvrunner.sleep_state import SleepStateError, WeightUpdateError
@@ -40,6 +41,8 @@ class WeightStore:
         self.pending: set[str] = set()
         #: names the driver's current push has loaded (see begin_update)
         self._update_loaded: set[str] = set()
+        #: where the current push's names load: one walk of the model for all its parts
+        self._targets: WeightTargets | None = None
 
     @property
     def state(self) -> str:
@@ -71,15 +74,19 @@ class WeightStore:
     def begin_update(self) -> None:
         """Start counting what one driver call loads (it may arrive in several buckets)."""
         self._update_loaded = set()
+        self._targets = None
 
     def update(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load Hugging Face-named full tensors (this rank takes its shard, in its dtype);
         returns how many were loaded. Raises ``WeightUpdateError`` naming a bad one,
         after :meth:`fail_update`."""
         self._require_resident()
+        if self._targets is None:
+            self._targets = self.model.weight_targets()
         loaded: set[str] = set()
         try:
-            self.model.load_weights(weights, require_all=False, loaded=loaded)
+            self.model.load_weights(weights, require_all=False, loaded=loaded,
+                                    targets=self._targets)
         except BaseException as e:
             self._fail_after(loaded)
             if isinstance(e, ValueError) and not isinstance(e, WeightUpdateError):
@@ -119,6 +126,7 @@ class WeightStore:
         """After the last tensor of a push: ``recapture`` (which captures only if the
         engine is whole) and report what is still missing."""
         self._update_loaded = set()
+        self._targets = None
         return self.report(recapture_s=recapture())
 
     def report(self, *, partial: bool = False, recapture_s: float = 0.0) -> PushReport:

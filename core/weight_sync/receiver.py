@@ -24,10 +24,9 @@ from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
 
 import torch
-from torch.nn.utils import get_total_norm
 
 from kvrunner.sleep_state import WeightUpdateError
-from kvrunner.weight_push import tensor_problem
+from kvrunner.weight_push import all_finite, tensor_problem
 from kvrunner.weight_sync import messages
 from kvrunner.weight_sync.connection import connect
 from kvrunner.weight_sync.errors import WeightSyncError
@@ -71,15 +70,10 @@ def copy_bucket(load: Load, pairs: Pairs) -> int:
 
 
 def check_finite(pairs: Pairs, where: str) -> None:
-    """Refuse a bucket holding NaN or inf, naming the tensor.
-
-    First one pass over the whole bucket: the sum of every tensor's L1 norm, which
-    torch's multi-tensor norm computes in a few launches for the lot (no
-    tensor-sized temporary) with one wait, and which a NaN or an infinity anywhere
-    makes non-finite. Only when it is (a bad value, or finite values so large that
-    their sum overflows) does each tensor get the min/max check that names it."""
-    tensors = [t for _, t in pairs if t.numel()]
-    if not tensors or bool(torch.isfinite(get_total_norm(tensors, norm_type=1.0))):
+    """Refuse a bucket holding NaN or inf, naming the tensor: one pass over the whole
+    bucket (:func:`~kvrunner.weight_push.all_finite`), and the per-tensor min/max that
+    names it only when that pass finds something."""
+    if all_finite([t for _, t in pairs]):
         return
     for name, tensor in pairs:
         if tensor_problem(tensor, check_finite=True):

@@ -214,3 +214,43 @@ def test_the_cli_prints_a_mismatched_checkpoint_as_one_line(checkpoints, tmp_pat
     assert message.count("\n") == 1 and "Traceback" not in err
     assert message.startswith("kvrunner: error: ")
     assert str(bad / "model.safetensors") in message and VICTIM in message
+
+
+def test_a_generator_refilling_one_buffer_for_every_tensor_loads_each_value(
+    checkpoints, expected
+) -> None:
+    """A generator is drawn one pair at a time, each loaded before the next is drawn
+    (a trainer may gather every parameter into the same buffer)."""
+    served, pushed = checkpoints
+    llm = LLM(model=str(served), **SETTINGS)
+    state_dict = dict(iter_safetensors(pushed, torch.float32))
+    buffer = torch.empty(max(t.numel() for t in state_dict.values()))
+
+    def refilled():
+        for name, tensor in state_dict.items():
+            view = buffer[: tensor.numel()].view(tensor.shape)
+            view.copy_(tensor)
+            yield name, view
+
+    assert llm.update_weights(refilled()) == len(state_dict)
+    assert tokens(llm) == expected[pushed]
+
+
+def test_a_list_is_checked_in_one_pass_and_still_names_the_first_value_refused(
+    checkpoints, expected
+) -> None:
+    """A list or Mapping is checked for NaN and inf in one pass over all of it; the
+    first value refused in order is named (a wrong type before a NaN), values whose
+    sum overflows but are each finite load, and nothing of a refused value loads."""
+    served, pushed = checkpoints
+    llm = LLM(model=str(served), **SETTINGS)
+    good = list(iter_safetensors(pushed, torch.float32))
+    nan = (good[3][0], good[3][1].clone().index_fill_(0, torch.tensor([0]), float("nan")))
+    with pytest.raises(WeightUpdateError, match=rf"{good[1][0].replace('.', '[.]')}.*int64"):
+        llm.update_weights([good[0], (good[1][0], good[1][1].long()), good[2], nan])
+    with pytest.raises(WeightUpdateError, match=rf"{good[3][0].replace('.', '[.]')}.*NaN"):
+        llm.update_weights(dict([*good[:3], nan, *good[4:]]))
+    huge = (VICTIM, torch.full_like(dict(good)[VICTIM], 3e38))
+    assert llm.update_weights([huge]) == 1  # the one pass overflows: each value is checked
+    llm.update_weights(good)
+    assert tokens(llm) == expected[pushed]
