@@ -56,7 +56,7 @@ Ticket = dict[int, int]
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
+def sigint_held() -> Iterator[None]:
     """Hold a Ctrl-C that lands inside the block, and deliver it when the block ends."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
@@ -174,7 +174,7 @@ class WorkerProcesses:
         """
         self.check_usable()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with _sigint_held():  # a rank given a step its peers never get hangs in it
+        with sigint_held():  # a rank given a step its peers never get hangs in it
             for rank, conn in enumerate(self._conns):
                 try:
                     conn.send_bytes(payload)
@@ -286,7 +286,7 @@ class WorkerProcesses:
             return
         conn = self._conns[rank]
         try:
-            with _sigint_held():  # a reply read off the pipe must reach the inbox
+            with sigint_held():  # a reply read off the pipe must reach the inbox
                 while conn.poll():
                     kind, payload = pickle.loads(conn.recv_bytes())
                     if kind == "error":

@@ -33,7 +33,12 @@ from kvrunner.batch import PackedSampled, SampledTokens, StepInput, unpack_sampl
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.heartbeat import HeartbeatMonitor
-from kvrunner.distributed.supervisor import FAILURE_GRACE_S, Ticket, WorkerProcesses
+from kvrunner.distributed.supervisor import (
+    FAILURE_GRACE_S,
+    Ticket,
+    WorkerProcesses,
+    sigint_held,
+)
 from kvrunner.runner.launched_step import SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import ModelLen, agreed_model_len
@@ -190,9 +195,13 @@ class MultiprocExecutor:
     def submit(self, step: StepInput) -> SubmittedStep:
         """Send the step to every rank; ``result()`` waits for rank 0's answer. Rank 0
         answers its steps in order, so results must be asked for in order too."""
-        ticket = self.procs.send_all(("step", step), during="a step", replies_from=(0,))
-        index = self._steps_sent
-        self._steps_sent += 1
+        # A Ctrl-C during the send is held until the step is counted as sent too: a
+        # step the ranks have but the count lacks is one whose held answer (deferred
+        # answers) settle() would never ask for, and would wait for forever.
+        with sigint_held():
+            ticket = self.procs.send_all(("step", step), during="a step", replies_from=(0,))
+            index = self._steps_sent
+            self._steps_sent += 1
         return SubmittedStep(lambda: self._answer(index, ticket))
 
     def _answer(self, index: int, ticket: Ticket) -> PackedSampled:
@@ -203,8 +212,9 @@ class MultiprocExecutor:
         """Rank 0 answers a step once it has the next (or a call); for the last step
         sent there is none: ask for it, once."""
         if self._deferred and index == self._steps_sent - 1 and self._asked_for < index:
-            self.procs.send_all(("answer",), during="a step")
-            self._asked_for = index
+            with sigint_held():  # asked for and noted as asked together
+                self.procs.send_all(("answer",), during="a step")
+                self._asked_for = index
 
     def call(self, name: str, *args: Any) -> list[Any]:
         """Run worker method ``name`` on every rank; the answers in rank order."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -223,12 +224,42 @@ def interrupt_a_wait(llm: LLM, wait: int = 4) -> Callable[[], None]:
     return lambda: vars(procs).pop("_wait_round")
 
 
-@pytest.mark.parametrize("site", ["launch", "result", "wait"])
+def interrupt_a_send(llm: LLM) -> Callable[[], None]:
+    """Make a Ctrl-C land while a step is being sent (after rank 0's copy went out):
+    the driver holds it until every rank has the step, then raises. It lands on the
+    first step sent after one whose answer the driver asked rank 0 for by itself
+    (rank 0 then holds the new step's answer until asked: the case where losing
+    count of the step hangs the driver). Returns what undoes it."""
+    executor = llm.executor
+    conn = executor.procs._conns[0]
+    real = conn.send_bytes
+
+    def send_bytes(payload: bytes) -> None:
+        real(payload)
+        after_asked = executor._asked_for == executor._steps_sent - 1 >= 0
+        if pickle.loads(payload)[0] == "step" and after_asked:
+            vars(conn).pop("send_bytes")  # once
+            signal.raise_signal(signal.SIGINT)
+
+    conn.send_bytes = send_bytes
+    return lambda: vars(conn).pop("send_bytes", None)
+
+
+INTERRUPTS = {"launch": lambda llm: interrupt_at(llm, "launch"),
+              "result": lambda llm: interrupt_at(llm, "result"),
+              "wait": interrupt_a_wait, "send": interrupt_a_send}
+
+
+@pytest.mark.parametrize("site", sorted(INTERRUPTS))
 def test_at_tp2_a_keyboard_interrupt_inside_a_step_leaves_the_group_serving(
     tp2: LLM, qwen3_tokens: list[list[int]], site: str
 ) -> None:
+    """Wherever the interrupt lands, among them a real Ctrl-C while a step is sent
+    (the step is counted as sent with the send itself: its held answer is asked for
+    when the driver settles)."""
     pids = tp2.executor.procs.pids
-    undo = interrupt_a_wait(tp2) if site == "wait" else interrupt_at(tp2, site)
+    assert tokens(tp2) == qwen3_tokens  # a whole call first: its last answer was asked for
+    undo = INTERRUPTS[site](tp2)
     with pytest.raises(KeyboardInterrupt):
         tp2.generate(PROMPTS, LONG)
     undo()
