@@ -3,9 +3,10 @@
 Deterministic mode (``EngineConfig.deterministic``) routes every projection of the
 model (attention, MLP, experts, router, LM head) through :func:`invariant_linear`:
 
-* Triton (CUDA, or ``[kernels] triton_on_cpu``): one kernel whose tiling, split-K and
-  reduction order depend on the weight's shape only
-  (``layers/fused/invariant_gemm_triton.py``), where cuBLAS chooses them by row count.
+* Triton (CUDA, or ``[kernels] triton_on_cpu``): one kernel whose reduction (its K
+  step, the K slices and their order) depends on the weight's shape only, however the
+  work is spread (``layers/fused/invariant_gemm_triton.py``), where cuBLAS chooses
+  tiles, split-K and instruction by row count.
 * The CPU's torch path: one ``[1, K] x [K, N]`` product per row, so the BLAS library
   sees the same shape for every row of every batch and cannot pick another algorithm
   for another row count. Slow for long prompts; the CPU serves tests and tiny models.
