@@ -86,8 +86,7 @@ class PagedAttention:
         k_cache, v_cache = self.pools.kv(self.layer_index)
         slots = md.slot_mapping[:rows]
         if self.deterministic:
-            self._store(k, v, k_cache, v_cache, slots)
-            return self._fixed_order_attention(q, k_cache, v_cache, md)
+            return self._fixed_order_attention(q, k, v, k_cache, v_cache, slots, md)
         if md.is_decode:
             return self._decode_attention(q, k, v, k_cache, v_cache, slots, md)
         self._store(k, v, k_cache, v_cache, slots)
@@ -136,7 +135,14 @@ class PagedAttention:
 
 
     def _fixed_order_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        md: PagedMetadata,
     ) -> torch.Tensor:
         """Deterministic mode: decode and prefill rows attended in one order (keys in
         splits of a fixed number, each walked in fixed tiles from its start, the
@@ -145,6 +151,8 @@ class PagedAttention:
         torch path is)."""
         # A replayed graph's padded rows are empty sequences: they attend nothing.
         num_seqs = md.num_padded_seqs if md.is_decode else md.num_seqs
+        if not (self.use_triton and md.is_decode):
+            self._store(k, v, k_cache, v_cache, slots)
         if not self.use_triton:
             return fixed_order_attention_torch(
                 q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
@@ -157,6 +165,9 @@ class PagedAttention:
             _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
             md.context_lens, self.scale, num_seqs=num_seqs, max_query_len=md.max_query_len,
             max_context_len=self.max_model_len, split_programs=split,
+            # A decode step stores its keys in the same launch (one launch a layer fewer).
+            new_kv=((_contiguous_rows(k), _contiguous_rows(v), slots) if md.is_decode
+                    else None),
         )
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_paged.kernels.store_kv import store_newest_kv
+from kvrunner_paged.kernels.store_kv import newest_kv_args, store_newest_kv
 from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
 
 
@@ -235,12 +235,7 @@ def paged_decode_attention(
         )
     else:  # never dereferenced: the single-pass kernel writes ``out`` directly
         part_out = part_lse = out
-    if new_kv is not None:
-        k_new, v_new, slots = new_kv
-        assert k_new.shape == v_new.shape == (num_rows, num_kv_heads, head_dim)
-        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
-    else:  # never dereferenced: FUSE_STORE is off
-        k_new = v_new = slots = q
+    k_new, v_new, slots = newest_kv_args(new_kv, q, num_kv_heads)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse,

@@ -22,6 +22,10 @@ Two layouts of that one order, chosen from static shapes by :func:`use_split_pro
 A row's bits are the same in both: the same tile loop, the same fold (its
 multiply-adds written as ``tl.fma``, so the compiler cannot contract them one way in
 one kernel and another way in the other) and the same division.
+
+A decode step may also store its keys and values in the same launch (``new_kv``, as
+the default decode kernel does): the program whose keys hold a row's newest position
+writes them before it walks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import triton.language as tl
 
 from kvrunner_paged.kernels.prefill import LAUNCH as PREFILL_LAUNCH
 from kvrunner_paged.kernels.prefill import PrefillLaunch, prefill_grid
+from kvrunner_paged.kernels.store_kv import newest_kv_args, store_newest_kv
 from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, query_tile, walk_keys
 
 #: keys per split: positions ``[s * KEY_SPLIT, (s + 1) * KEY_SPLIT)`` are split ``s``
@@ -80,8 +85,10 @@ def _finish(acc, l_i):
 def _fixed_order_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
+    k_new_ptr, v_new_ptr, slot_ptr,
     scale_log2,
     stride_qt, stride_qh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -99,6 +106,7 @@ def _fixed_order_kernel(
     DOT_PRECISION: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr,
     TILES_OUTER: tl.constexpr,
+    FUSE_STORE: tl.constexpr,
 ):
     # Walk: the last (longest) query tiles first, as the prefill kernel orders them.
     # Split programs: one query tile (decode), axis 2 is the split.
@@ -135,6 +143,22 @@ def _fixed_order_kernel(
         dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         # Splits end at multiples of BLOCK_N (or at kv_end): no key tile crosses one.
         lo = split * KEY_SPLIT
+        if FUSE_STORE:
+            # Decode rows: the program whose keys hold the row's newest position writes
+            # its key and value first; after the barrier its walk reads them back like
+            # any other key. No other program reads that slot.
+            if SPLIT_PROGRAMS:
+                keys_end = tl.minimum(lo + KEY_SPLIT, kv_end)
+            else:
+                keys_end = kv_end
+            store_newest_kv(
+                q_start, kv_head, ctx_len - 1, lo, keys_end,
+                k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                stride_knt, stride_knh, stride_vnt, stride_vnh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+            )  # fmt: skip
+            tl.debug_barrier()
         m_i, l_i, acc = walk_keys(
             q, query_pos, lo, tl.minimum(lo + KEY_SPLIT, kv_end), full_end, kv_end,
             table, k_cache_ptr, v_cache_ptr,
@@ -227,6 +251,7 @@ def fixed_order_attention(
     split_programs: bool = False,
     key_split: int = KEY_SPLIT,
     launch: PrefillLaunch | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged pool (decode rows are sequences of one
     query), every row in the order of the module doc.
@@ -242,6 +267,11 @@ def fixed_order_attention(
     :param key_split: keys per split, a multiple of the launch's ``block_n``; a row's
         bits follow it, so one engine keeps one value.
     :param launch: defaults to :data:`LAUNCH` for ``q``'s dtype (fp32's for others).
+    :param new_kv: decode steps only: ``(k, v, slot_mapping)`` of this step (``k``/``v``
+        ``[num_rows, num_kv_heads, head_dim]``), each row's key and value for position
+        ``context_lens - 1``, stored by this launch (a slot < 0 stores nothing) before
+        it is attended, as the default decode kernel does. Without it the pool must
+        already hold every position.
     :returns: a new tensor like ``q``; rows owned by no sequence are 0.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -252,6 +282,7 @@ def fixed_order_attention(
     launch = launch or LAUNCH.get(q.dtype, LAUNCH[torch.float32])
     assert key_split % launch.block_n == 0, f"key_split {key_split} not whole key tiles"
     assert not split_programs or max_query_len <= 1, "split programs attend decode rows only"
+    assert new_kv is None or max_query_len <= 1, "new_kv stores decode rows only"
     out = torch.zeros_like(q)
     if num_seqs == 0 or max_query_len == 0:
         return out
@@ -270,11 +301,14 @@ def fixed_order_attention(
         grid, tiles_outer = prefill_grid(num_kv_heads, num_seqs,
                                          triton.cdiv(max_query_len, block_q), True)
         part_acc = part_ml = out  # never dereferenced: the walk folds in registers
+    k_new, v_new, slots = newest_kv_args(new_kv, q, num_kv_heads)
     _fixed_order_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         out, part_acc, part_ml,
+        k_new, v_new, slots,
         scale * LOG2_E,
         q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -292,6 +326,7 @@ def fixed_order_attention(
         DOT_PRECISION=launch.dot_precision,
         SPLIT_PROGRAMS=split_programs,
         TILES_OUTER=tiles_outer,
+        FUSE_STORE=new_kv is not None,
         num_warps=launch.num_warps,
     )  # fmt: skip
     if split_programs:

@@ -92,6 +92,21 @@ def store_newest_kv(
     tl.store(v_dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
 
 
+def newest_kv_args(
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``(k, v, slot_mapping)`` a launch that stores as it attends passes to
+    :func:`store_newest_kv`, checked against ``q``'s rows; without ``new_kv``,
+    placeholders the kernel never dereferences (its store is compiled out)."""
+    if new_kv is None:
+        return q, q, q
+    k_new, v_new, slots = new_kv
+    assert k_new.shape == v_new.shape == (q.shape[0], num_kv_heads, q.shape[2])
+    assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+    return k_new, v_new, slots
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
