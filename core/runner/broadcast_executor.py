@@ -15,7 +15,7 @@ import torch
 from kvrunner.batch import PackedSampled, SampledTokens, StepInput
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
-from kvrunner.distributed.supervisor import FAILURE_GRACE_S
+from kvrunner.distributed.supervisor import FAILURE_GRACE_S, sigint_held
 from kvrunner.runner.launched_step import LaunchedStep, SubmittedStep
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import agreed_model_len
@@ -55,8 +55,11 @@ class BroadcastExecutor:
         """Broadcast the step and launch rank 0's share; ``result()`` reads its tokens."""
         self.check()
         try:
-            self.channel.send(("step", step))
-            launched = self.worker.launch(step)
+            # Rank 0 launches what it broadcast, or the peers wait in the step's
+            # collectives for a rank 0 that never joins: a Ctrl-C waits for both.
+            with sigint_held():
+                self.channel.send(("step", step))
+                launched = self.worker.launch(step)
         except CollectiveError as e:
             raise self._peer_error("a step", e) from e
         return SubmittedStep(lambda: self._read(launched))
@@ -70,8 +73,9 @@ class BroadcastExecutor:
     def _all(self, name: str, *args: Any) -> list[Any]:
         self.check()
         try:
-            self.channel.send(("call", name, args))
-            answers = self.channel.gather(self.worker.handle(("call", name, args)))
+            with sigint_held():  # sent, run and gathered on every rank, or not at all
+                self.channel.send(("call", name, args))
+                answers = self.channel.gather(self.worker.handle(("call", name, args)))
         except CollectiveError as e:
             raise self._peer_error(f"a call of {name}", e) from e
         assert answers is not None

@@ -397,6 +397,23 @@ def test_under_torchrun_an_llm_used_after_shutdown_says_so(checkpoint: str) -> N
     )
 
 
+def test_under_torchrun_a_ctrl_c_after_a_step_is_broadcast_leaves_the_group_in_step(
+    checkpoint: str,
+) -> None:
+    """Rank 0 launches every step it broadcast (a Ctrl-C waits for the launch): the
+    peers never wait in a step's collectives for a rank 0 that left it, and the next
+    call's tokens are the first call's."""
+    script = Path(__file__).with_name("interrupt_under_torchrun.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), checkpoint]
+    env = {k: v for k, v in os.environ.items() if k != TEST_HOOKS_ENV}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert report["interrupted"]
+    assert report["again"] == report["first"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize(("all_reduce", "impl"), [("auto", "symm_mem"), ("nccl", "nccl")])
