@@ -383,14 +383,19 @@ def test_under_torchrun_a_failed_rank_exits_cleanly_so_rank_0_can_name_it(
     assert "[rank 1] failed; rank 0 raises this as a WorkerError:" in done.stderr
 
 
-def test_under_torchrun_an_llm_used_after_shutdown_says_so(checkpoint: str) -> None:
-    script = Path(__file__).with_name("shutdown_under_torchrun.py")
+def script_report(script: str, *args: str) -> dict:
+    """Run ``script`` (next to this file) under ``torchrun --nproc-per-node 2``; it must
+    exit 0. Returns the JSON line rank 0 printed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(script), checkpoint]
+           "2", str(Path(__file__).with_name(script)), *args]
     env = {k: v for k, v in os.environ.items() if k != TEST_HOOKS_ENV}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+
+
+def test_under_torchrun_an_llm_used_after_shutdown_says_so(checkpoint: str) -> None:
+    report = script_report("shutdown_under_torchrun.py", checkpoint)
     assert len(report["first"]) == 3
     assert report["after_shutdown"] == (
         "RuntimeError: this LLM was shut down; the other ranks have left"
@@ -403,13 +408,7 @@ def test_under_torchrun_a_ctrl_c_after_a_step_is_broadcast_leaves_the_group_in_s
     """Rank 0 launches every step it broadcast (a Ctrl-C waits for the launch): the
     peers never wait in a step's collectives for a rank 0 that left it, and the next
     call's tokens are the first call's."""
-    script = Path(__file__).with_name("interrupt_under_torchrun.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(script), checkpoint]
-    env = {k: v for k, v in os.environ.items() if k != TEST_HOOKS_ENV}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    report = script_report("interrupt_under_torchrun.py", checkpoint)
     assert report["interrupted"]
     assert report["again"] == report["first"]
 
