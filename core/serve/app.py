@@ -81,10 +81,11 @@ def build_app(engine: Any, settings: ServeSettings, *, model_path: Path | None =
               ) -> FastAPI:
     """The HTTP app serving ``engine`` (an ``AsyncLLM``) with ``settings``."""
     from kvrunner.serve import (
+        control_routes,
+        generate_routes,
         info_routes,
         metrics,
         openai_routes,
-        rl_routes,
         vllm_routes,
         weight_routes,
     )
@@ -104,7 +105,8 @@ def build_app(engine: Any, settings: ServeSettings, *, model_path: Path | None =
         chat_template=load_chat_template(path) if path is not None else None,
     )
     install_error_handlers(app)
-    for module in (openai_routes, rl_routes, vllm_routes, weight_routes, info_routes, metrics):
+    for module in (openai_routes, generate_routes, control_routes, vllm_routes, weight_routes,
+                   info_routes, metrics):
         app.include_router(module.router)
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
