@@ -33,7 +33,6 @@ from kvrunner.models.loader import rope_theta_of
 from kvrunner.models.moe_config import MoeConfig
 from kvrunner.models.weight_names import (
     WeightTargets,
-    expected_weight_names,
     load_weights_into,
 )
 from kvrunner.plugin_api.layers import FullAttentionImpl
@@ -282,7 +281,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         """Every Hugging Face tensor name this model loads."""
-        return set(expected_weight_names(self, self.STACKED))
+        return set(self.weight_targets().expected)
 
     def load_weights(
         self,

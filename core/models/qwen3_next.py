@@ -31,7 +31,6 @@ from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 from kvrunner.models.weight_names import (
     WeightTargets,
-    expected_weight_names,
     load_weights_into,
 )
 from kvrunner.plugin_api.step_data import ForwardContext
@@ -194,7 +193,7 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
 
     def expected_weight_names(self) -> set[str]:
         """Every tensor name this model loads (``conv1d.weight`` as ``conv_weight``)."""
-        return set(expected_weight_names(self, self.NEXT_STACKED))
+        return set(self.weight_targets().expected)
 
     def load_weights(
         self,

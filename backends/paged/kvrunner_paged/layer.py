@@ -151,23 +151,23 @@ class PagedAttention:
         torch path is)."""
         # A replayed graph's padded rows are empty sequences: they attend nothing.
         num_seqs = md.num_padded_seqs if md.is_decode else md.num_seqs
-        if not (self.use_triton and md.is_decode):
-            self._store(k, v, k_cache, v_cache, slots)
         if not self.use_triton:
+            self._store(k, v, k_cache, v_cache, slots)
             return fixed_order_attention_torch(
                 q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
                 self.scale, num_seqs,
             )
+        # A decode step stores its keys in the attending launch (one launch a layer fewer).
+        new_kv = (_contiguous_rows(k), _contiguous_rows(v), slots) if md.is_decode else None
+        if new_kv is None:
+            self._store(k, v, k_cache, v_cache, slots)
         # From static shapes only, like the default decode's split count.
         split = self._use_split_programs(md.max_query_len, num_seqs, self.num_kv_heads,
                                          self.max_model_len, self._num_sms)
         return self._fixed_order(
             _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
             md.context_lens, self.scale, num_seqs=num_seqs, max_query_len=md.max_query_len,
-            max_context_len=self.max_model_len, split_programs=split,
-            # A decode step stores its keys in the same launch (one launch a layer fewer).
-            new_kv=((_contiguous_rows(k), _contiguous_rows(v), slots) if md.is_decode
-                    else None),
+            max_context_len=self.max_model_len, split_programs=split, new_kv=new_kv,
         )
 
 

@@ -35,8 +35,10 @@ from kvrunner.layers.fused.skinny_gemm_triton import _sum_splits_kernel
 #: the reduction's step: K walked ``BLOCK_K`` at a time from each slice's start
 BLOCK_K = 64
 #: output tiles x slices wanted in flight for a decode-sized product (two per SM of
-#: an H200), and the most slices
+#: an H200), counting tiles of ``SLICING_TILE_N`` columns (a constant, not the
+#: layout's tile: the slices must not follow the layout), and the most slices
 TARGET_PROGRAMS = 264
+SLICING_TILE_N = 64
 MAX_SPLITS = 4
 #: the shallowest slice worth its partial write
 MIN_SPLIT_DEPTH = 512
@@ -62,15 +64,10 @@ def invariant_reduction(n: int, k: int) -> tuple[int, int]:
     """``(block_k, splits)`` for a ``[k] -> [n]`` product: from the weight's shape
     alone, never the row count, so every batch reduces each output over the same K
     slices in the same steps."""
-    tiles = triton.cdiv(n, 64)
+    tiles = triton.cdiv(n, SLICING_TILE_N)
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // MIN_SPLIT_DEPTH, MAX_SPLITS))
     per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     return BLOCK_K, triton.cdiv(k, per_split)  # no empty slice after rounding up
-
-
-def invariant_splits(n: int, k: int) -> int:
-    """The K slices of a ``[k] -> [n]`` product (:func:`invariant_reduction`)."""
-    return invariant_reduction(n, k)[1]
 
 
 def invariant_launch(m: int, n: int, k: int) -> InvariantLaunch:

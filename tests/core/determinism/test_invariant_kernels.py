@@ -14,11 +14,11 @@ triton = pytest.importorskip("triton")
 
 
 def test_the_invariant_gemm_gives_a_row_the_same_bits_in_any_batch() -> None:
-    from kvrunner.layers.fused.invariant_gemm_triton import invariant_gemm, invariant_splits
+    from kvrunner.layers.fused.invariant_gemm_triton import invariant_gemm, invariant_reduction
 
     torch.manual_seed(0)
     weight = torch.randn(40, 1100)  # K split in two: the split sum is exercised
-    assert invariant_splits(40, 1100) == 2
+    assert invariant_reduction(40, 1100)[1] == 2
     rows = torch.randn(70, 1100)
     whole = invariant_gemm(rows, weight)  # two row tiles
     torch.testing.assert_close(whole, rows @ weight.T, atol=1e-3, rtol=1e-4)

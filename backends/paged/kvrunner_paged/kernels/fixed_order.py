@@ -258,7 +258,7 @@ def fixed_order_attention(
 
     :param q: ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns rows
         ``query_start_loc[i]:query_start_loc[i+1]``. The pool must already hold this
-        step's keys and values.
+        step's keys and values, but for those ``new_kv`` stores.
     :param max_query_len: the longest ``q_len`` (sizes the grid; host-known).
     :param max_context_len: the longest context a row may have (the engine's
         ``max_model_len``): the split-programs layout's grid and workspace.
@@ -270,8 +270,7 @@ def fixed_order_attention(
     :param new_kv: decode steps only: ``(k, v, slot_mapping)`` of this step (``k``/``v``
         ``[num_rows, num_kv_heads, head_dim]``), each row's key and value for position
         ``context_lens - 1``, stored by this launch (a slot < 0 stores nothing) before
-        it is attended, as the default decode kernel does. Without it the pool must
-        already hold every position.
+        it is attended, as the default decode kernel does.
     :returns: a new tensor like ``q``; rows owned by no sequence are 0.
     """
     num_tokens, num_heads, head_dim = q.shape
