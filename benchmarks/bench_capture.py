@@ -24,7 +24,7 @@ from bench_e2e_decode import BATCHES, decode_engine, write_checkpoint
 def capture_once(path: Path, end: str) -> None:
     """This process's engine: its cold capture and a recapture, on one line."""
     llm = decode_engine(path, BATCHES, decode_graph_ends_at=end)
-    cold, graphs = llm.runner.capture_seconds, len(llm.runner.graphs)
+    cold, graphs = llm.runner.graph_capture.capture_seconds, len(llm.runner.graph_capture.graphs)
     warm = llm.recapture()
     print(f"{end:>13} {graphs:>6} {cold:>16.2f} {warm:>11.2f}", flush=True)
 

@@ -174,7 +174,8 @@ def main() -> None:
                   f"host busy {host[b]:.3f} ms ({launch[b]:.3f} in graph launches)", flush=True)
 
     llm = engine(BATCHES)
-    capture_s, num_graphs = llm.runner.capture_seconds, len(llm.runner.graphs)
+    graphs = llm.runner.graph_capture
+    capture_s, num_graphs = graphs.capture_seconds, len(graphs.graphs)
     recapture_s = llm.recapture()
     measure(llm, BATCHES)
     del llm

@@ -28,7 +28,7 @@ from bench_e2e_decode import decode_engine, release_memory, step_floor_ms, write
 from common import copy_bandwidth_tbps
 from decode_timing import ours_step_ms
 
-from kvrunner.cli_help import choices_of
+from kvrunner.cli.help import choices_of
 from kvrunner.config import CaptureConfig
 from kvrunner.layers.sampler import Sampler, sample_step_rows
 from kvrunner.runner.step_launch import StepLauncher
@@ -72,7 +72,7 @@ def main() -> None:
     ms: dict[tuple[str, str, int], float] = {}
     for end in reversed(GRAPH_ENDS):  # hidden first: the reference
         llm = decode_engine(path, BATCHES, decode_graph_ends_at=end)
-        assert llm.runner.graph_end == end
+        assert llm.runner.graph_capture.graph_end == end
         for b in BATCHES:
             for sampling in SAMPLINGS:
                 with shared_generator_draws() if sampling == "shared" else nullcontext():

@@ -26,7 +26,7 @@ import torch
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner.graph_sampling import DecodeOutputs
+from kvrunner.runner.capture.graph_sampling import DecodeOutputs
 
 PROMPT, NEW = 64, 64
 
@@ -45,7 +45,7 @@ def host_ms_per_step(batch: int, *, profile: bool = False) -> float:
     runner._forward_rows = lambda n, ctx: hidden[:n]  # no model compute
     # A replayed graph ends with its logits and greedy tokens (runner/graph_sampling.py)
     tokens, row_max = torch.full((batch,), 7), torch.ones(batch)
-    for graph in runner.graphs.values():
+    for graph in runner.graph_capture.graphs.values():
         b = graph.batch_size
         graph.replay = lambda b=b: DecodeOutputs(None, logits[:b], tokens[:b], row_max[:b])
     runner.model.compute_logits = lambda x, **_: logits[: x.shape[0]]

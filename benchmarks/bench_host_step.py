@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from kvrunner.batch import SampledToken, StepInput, unpack_sampled
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
-from kvrunner.runner.launched_step import DeviceTokens, feed_placeholders
-from kvrunner.runner.step_batch import prepare_step
+from kvrunner.engine.step_io import SampledToken, StepInput, unpack_sampled
+from kvrunner.runner.step.launched_step import DeviceTokens, feed_placeholders
+from kvrunner.runner.step.step_batch import prepare_step
 from kvrunner.sampling_params import SamplingParams
 
 BATCHES = (64, 256, 1024)

@@ -199,7 +199,8 @@ def bench_e2e(bw: float, layers: int, skip_hf: bool) -> None:
               gpu_memory_utilization=0.75)
     start_s = time.perf_counter() - start
     weight_gb = sum(p.nbytes for p in llm.runner.model.parameters()) / 1e9
-    capture_s, num_graphs = llm.runner.capture_seconds, len(llm.runner.graphs)
+    graphs = llm.runner.graph_capture
+    capture_s, num_graphs = graphs.capture_seconds, len(graphs.graphs)
     print(f"\nQwen3-30B-A3B shape, {layers} layers: {weight_gb:.1f} GB of weights; start-up "
           f"{start_s:.1f} s, capture of {num_graphs} buckets {capture_s:.1f} s", flush=True)
     ours = {}

@@ -36,13 +36,13 @@ def main() -> None:
     # One graph per timed batch: a recapture per placement costs seconds, not minutes.
     llm = decode_engine(path, BATCHES, capture_sizes=list(BATCHES))
     launcher = llm.runner.launcher
-    assert llm.runner.graph_end == "tokens" and llm.runner.graph_sampling.draws
+    assert llm.runner.graph_capture.graph_end == "tokens" and llm.runner.graph_sampling.draws
     runs: dict[tuple[str, str, int], list[float]] = {}
     for round_ in range(ROUNDS):
         for placement in PLACEMENTS if round_ % 2 == 0 else reversed(PLACEMENTS):
             launcher.nonfinite_check = placement
             llm.recapture()
-            graph = llm.runner.graphs[BATCHES[0]]
+            graph = llm.runner.graph_capture.graphs[BATCHES[0]]
             assert (graph.output.coded is not None) == (placement == "graph")
             for b in BATCHES:
                 for sampling in SAMPLINGS:
@@ -50,7 +50,7 @@ def main() -> None:
                     runs.setdefault((placement, sampling, b), []).append(ms)
                     print(f"round {round_} {placement:>12} {sampling:>6} batch {b:>3}: "
                           f"{ms:.3f} ms/step", flush=True)
-    assert llm.runner.nan_rows == 0, "random weights gave a non-finite row"
+    assert llm.runner.launcher.nan_rows == 0, "random weights gave a non-finite row"
     ms = {key: statistics.median(v) for key, v in runs.items()}
     print(f"\nmedians of {ROUNDS} rounds, ms per decode step\n"
           f"{'sampling':>8} {'batch':>5} {'floor':>7} "

@@ -43,7 +43,7 @@ from common import copy_bandwidth_tbps
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers import weight_copy
 from kvrunner.models.loader import iter_safetensors
-from kvrunner.runner.capture_safety import PoolSnapshot
+from kvrunner.runner.capture.capture_safety import PoolSnapshot
 
 MiB = 1 << 20
 OURS = str(Path(__file__).resolve().parents[1])  # frames of this repository's files
@@ -114,7 +114,7 @@ def bench(name: str, root: Path, push_only: bool, kept: bool = False) -> None:
     reference = [o.token_ids for o in llm.generate(prompts(32), GREEDY)]
     info = llm.cache_info()
     pool_bytes = info.pool_bytes
-    graphs = len(llm.runner.graphs)
+    graphs = len(llm.runner.graph_capture.graphs)
     print(f"\n== {name}: weights {weight_bytes / 1e9:.2f} GB, pool {pool_bytes / 1e9:.1f} GB "
           f"({info.num_blocks} blocks), {graphs} decode graphs", flush=True)
     device_push = [(n, t.cuda()) for n, t in iter_safetensors(path, torch.bfloat16)]
@@ -144,7 +144,7 @@ def bench(name: str, root: Path, push_only: bool, kept: bool = False) -> None:
     del device_push
     copy_bw = copy_bandwidth_tbps() * 1e12
     # the capture audit: one checksum pass over every pool, and a capture with it on
-    pools = llm.runner.pools
+    pools = llm.runner.cache.pools
     PoolSnapshot(pools)
     pass_s, _ = synced(lambda pools=pools: PoolSnapshot(pools))
     floor_s = pool_bytes / copy_bw

@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.runner.launched_step import LaunchedStep
+from kvrunner.runner.step.launched_step import LaunchedStep
 
 #: prompt tokens, and new tokens a timed run generates
 PROMPT, NEW = 128, 256
@@ -65,7 +65,7 @@ def host_busy_ms(llm: LLM, batch: int, new: int = NEW) -> tuple[float, float]:
     """
     waited, launching = [0.0], [0.0]
     original = LaunchedStep.result
-    graphs = list(llm.runner.graphs.values())
+    graphs = list(llm.runner.graph_capture.graphs.values())
 
     def timed_result(self):
         if self._event is not None:
@@ -111,7 +111,7 @@ def graph_replay_ms(llm: LLM, batch: int, new: int = NEW) -> float:
     again afterwards would read whatever metadata the last step left.) Where the
     device waits for the host, the graph's launch latency falls inside the events.
     """
-    graphs = list(llm.runner.graphs.values())
+    graphs = list(llm.runner.graph_capture.graphs.values())
     pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def timed(replay):

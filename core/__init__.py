@@ -12,11 +12,14 @@ from kvrunner.errors import (
     KvrunnerError,
     NonFiniteLogitsError,
     RequestError,
+    SleepStateError,
+    WakeError,
+    WeightUpdateError,
 )
 from kvrunner.outputs import RequestOutput
 from kvrunner.plugin_api.errors import BackendError
+from kvrunner.rl.sleep_state import CacheInfo
 from kvrunner.sampling_params import SamplingParams
-from kvrunner.sleep_state import CacheInfo, SleepStateError, WakeError, WeightUpdateError
 
 __version__ = "0.1.0"
 __all__ = [

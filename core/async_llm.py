@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from kvrunner.llm import LLM
     from kvrunner.outputs import RequestOutput
-    from kvrunner.sleep_state import CacheInfo
+    from kvrunner.rl.sleep_state import CacheInfo
 
 Prompt = str | Seq[int]
 
@@ -267,7 +267,7 @@ class AsyncLLM:
 
     async def resume(self) -> None:
         """Continue parked requests and admit the held ones. Raises
-        :class:`~kvrunner.sleep_state.SleepStateError` (still paused) if there are any
+        :class:`~kvrunner.errors.SleepStateError` (still paused) if there are any
         and the engine cannot serve them (asleep, weights not all pushed)."""
         await self._call(self._engine.resume())
 

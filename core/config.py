@@ -103,7 +103,7 @@ class ParallelConfig:
     #: seconds the driver waits for every rank to load, size its pools and capture
     startup_timeout_s: float = attrs.field(default=3600.0, validator=_in_range(1, 1 << 20))
     #: how ranks > 0 are run: "mp" spawns one process per rank from the driver;
-    #: "torchrun" means every rank was launched externally (kvrunner.distributed.launch)
+    #: "torchrun" means every rank was launched externally (kvrunner.launch)
     distributed_executor: str = attrs.field(
         default="mp", validator=_one_of("mp", "torchrun")
     )

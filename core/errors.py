@@ -4,9 +4,9 @@ types that belong to no one subsystem.
 Every error kvrunner raises for such a fault derives from :class:`KvrunnerError`, so
 a caller (the command line among them) can tell "you asked for something that cannot
 work" from a bug. A subsystem's own errors live with it (a backend's in
-:mod:`kvrunner.plugin_api.errors`, a rank's in :mod:`kvrunner.distributed.errors`,
-sleep and wake's in :mod:`kvrunner.sleep_state`); the ones here are raised from
-several places.
+:mod:`kvrunner.plugin_api.errors`, a rank's in :mod:`kvrunner.distributed.errors`);
+the ones here are raised from several places: sleep, wake and weight pushes' among
+them (the ranks raise them, the driver and the servers catch them).
 
 Each keeps the built-in base its callers already catch (``ValueError`` for bad
 values, ``RuntimeError`` for failures at run time). This module imports nothing
@@ -70,3 +70,36 @@ class NonFiniteLogitsError(KvrunnerError, RuntimeError):
             f"NaN or inf (check the checkpoint or the last push)"
         )
         self.errors = dict(errors)
+
+
+class SleepStateError(KvrunnerError, RuntimeError):
+    """A call that the engine's sleep state does not allow now; nothing was changed."""
+
+
+class WakeError(KvrunnerError, RuntimeError):
+    """A wake that could not allocate on every rank; nothing stays allocated and the
+    engine stays asleep, so the same call can be retried once memory is back.
+
+    :ivar short: ``{rank: bytes short}`` for each rank that could not fit its share.
+    """
+
+    def __init__(self, message: str, *, short: dict[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.short = dict(short or {})
+
+    def __reduce__(self) -> tuple:  # keeps ``short`` across a pipe
+        return (_rebuild_wake_error, (str(self), self.short))
+
+
+def _rebuild_wake_error(message: str, short: dict[int, int]) -> WakeError:
+    return WakeError(message, short=short)
+
+
+class WeightUpdateError(KvrunnerError, ValueError):
+    """A pushed tensor was refused (unknown name, wrong shape, not a floating-point
+    tensor, not finite); the message names it.
+
+    Nothing of the refused tensor was loaded. If tensors before it in the same call
+    were, the weights are ``"partial"`` and the engine refuses to generate until every
+    tensor not loaded since has been pushed.
+    """

@@ -15,14 +15,14 @@ from tqdm.auto import tqdm
 from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
 from kvrunner.engine.llm_engine import LLMEngine
-from kvrunner.llm_sleep import SleepWakeControl
 from kvrunner.outputs import RequestOutput
 from kvrunner.prompts import normalize_requests, prompt_token_ids
+from kvrunner.rl.sleep import SleepWakeControl
+from kvrunner.rl.sleep_state import CacheInfo, SleepState
 from kvrunner.sampling_params import SamplingParams
-from kvrunner.sleep_state import CacheInfo, SleepState
 
 if TYPE_CHECKING:
-    from kvrunner.runner.executor import DriverExecutor
+    from kvrunner.runner.ranks.executor import DriverExecutor
 
 Prompt = str | Seq[int]
 
@@ -50,7 +50,7 @@ class LLM:
         progress: bool = False,
         **config: Any,
     ) -> None:
-        from kvrunner.runner.executor import make_executor
+        from kvrunner.runner.ranks.executor import make_executor
 
         loaded = EngineConfig.load(config_file, model=model, dtype=dtype, **config)
         # tensor_parallel_size > 1 spawns one process per rank here; shutdown() (or
@@ -60,7 +60,7 @@ class LLM:
     @classmethod
     def from_executor(cls, config: EngineConfig, executor: DriverExecutor) -> LLM:
         """An LLM over an executor built elsewhere (torchrun's rank 0: see
-        ``kvrunner.distributed.launch``)."""
+        ``kvrunner.launch``)."""
         llm = cls.__new__(cls)
         llm._start(config, executor)
         return llm
@@ -184,7 +184,7 @@ class LLM:
             # else the error that ended the call is the one to see; a group that
             # failed says so again at the next call
 
-    # -- sleep, wake and weights (the RL loop's half: kvrunner.llm_sleep) ---------------
+    # -- sleep, wake and weights (the RL loop's half: kvrunner.rl.sleep) ---------------
 
     @property
     def sleep_state(self) -> SleepState:
@@ -207,7 +207,7 @@ class LLM:
     def wake_up(self, tags: Iterable[str] | str | None = None) -> float:
         """Bring back ``"weights"`` and/or ``"kv_cache"`` (both when ``None``), in either
         order; returns seconds. The KV pool comes back at exactly its start-up size
-        on every rank, or :class:`~kvrunner.sleep_state.WakeError` is raised on every
+        on every rank, or :class:`~kvrunner.errors.WakeError` is raised on every
         rank with nothing allocated (retry once memory is free). The prefix cache is
         empty afterwards; the decode graphs are recaptured, blanked, once every part
         is back and the weights are whole."""
@@ -229,7 +229,7 @@ class LLM:
         projections are filled part by part. A wrong name or shape, a value that is
         not a floating-point tensor, or (``check_finite``: a list or Mapping in one
         pass, a generator tensor by tensor as it is drawn) NaN or inf raises
-        :class:`~kvrunner.sleep_state.WeightUpdateError` naming it, with nothing of
+        :class:`~kvrunner.errors.WeightUpdateError` naming it, with nothing of
         that tensor loaded. If tensors before it were, the weights are ``"partial"``
         (``cache_info().weights``) and generation is refused until every tensor this
         call did not load has been pushed. After a call completes the prefix cache is

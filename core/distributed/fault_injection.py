@@ -30,8 +30,8 @@ from typing import Any
 
 import attrs
 
-from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.config import EngineConfig
+from kvrunner.engine.step_io import PackedSampled, StepInput
 
 TEST_HOOKS_ENV = "KVRUNNER_TP_TEST_HOOKS"
 

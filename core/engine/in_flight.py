@@ -15,8 +15,8 @@ from collections import deque
 
 import numpy as np
 
-from kvrunner.batch import SampledTokens
 from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.step_io import SampledTokens
 
 #: steps that may be in flight at once: the one running and the one being prepared
 MAX_IN_FLIGHT = 2

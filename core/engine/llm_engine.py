@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 import attrs
 
-from kvrunner.batch import SampledToken, SampledTokens, StepInput
 from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.step_io import SampledToken, SampledTokens, StepInput
 from kvrunner.engine.stop_strings import StopStringWatch
 from kvrunner.errors import NonFiniteLogitsError, RequestError
 from kvrunner.sampling_params import SamplingParams

@@ -40,13 +40,6 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvrunner.batch import (
-    NONFINITE_CAUSES,
-    PromptScores,
-    SampledToken,
-    SampledTokens,
-    StepInput,
-)
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.admission import check_request
 from kvrunner.engine.block_manager import BlockManager
@@ -54,6 +47,13 @@ from kvrunner.engine.in_flight import InFlight, StepChunks, check_step_result
 from kvrunner.engine.running_batch import RunningBatch
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrunner.engine.step_columns import step_columns
+from kvrunner.engine.step_io import (
+    NONFINITE_CAUSES,
+    PromptScores,
+    SampledToken,
+    SampledTokens,
+    StepInput,
+)
 
 _token_ids = attrgetter("token_ids")
 _logprobs = attrgetter("logprobs")
@@ -433,7 +433,7 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, code: int, finished: list[Sequence]) -> None:
         """End ``seq`` with ``"error"``: its row in the step just applied was non-finite
-        (``code``, one of :data:`~kvrunner.batch.NONFINITE_CAUSES`)."""
+        (``code``, one of :data:`~kvrunner.engine.step_io.NONFINITE_CAUSES`)."""
         position = len(seq.token_ids) - seq.num_prompt_tokens
         seq.error = (
             f"step {self.num_steps_applied} (output token {position}): {NONFINITE_CAUSES[code]}"

@@ -13,9 +13,9 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvrunner.batch import PLACEHOLDER_CHUNK, StepInput
 from kvrunner.engine.running_batch import RunningBatch
 from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.step_io import PLACEHOLDER_CHUNK, StepInput
 from kvrunner.engine.table_rows import TableRows
 
 _token_ids = attrgetter("token_ids")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvrunner.batch import BlockTables
+from kvrunner.engine.step_io import BlockTables
 
 #: rows and columns the array starts with; both double when outgrown
 _INITIAL_ROWS, _INITIAL_WIDTH = 64, 16

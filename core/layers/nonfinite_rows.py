@@ -9,7 +9,7 @@ logit is -inf (nothing can be drawn). A -inf logit among finite ones is a mask (
 filtered or impossible token) and is fine.
 
 The host learns which rows they are with the tokens themselves: such a row's token is
-replaced by the cause's code (:data:`~kvrunner.batch.NONFINITE_CAUSES`) in the copy
+replaced by the cause's code (:data:`~kvrunner.engine.step_io.NONFINITE_CAUSES`) in the copy
 the host reads, while the device keeps the drawn token for the next step's
 placeholder feed (that request ends, so what it feeds is never used).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner.batch import NONFINITE_CAUSES
+from kvrunner.engine.step_io import NONFINITE_CAUSES
 
 _CODE = {cause: code for code, cause in NONFINITE_CAUSES.items()}
 _NAN = _CODE["logits hold NaN"]

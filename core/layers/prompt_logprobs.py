@@ -20,7 +20,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from kvrunner.batch import PromptScores, StepInput
+from kvrunner.engine.step_io import PromptScores, StepInput
 from kvrunner.plugin_api.buffers import on_device
 
 #: logits rows widened to float32 at once while scoring a prompt chunk

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kvrunner.batch import PackedSampled, StepInput
+from kvrunner.engine.step_io import PackedSampled, StepInput
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.plugin_api.buffers import on_device

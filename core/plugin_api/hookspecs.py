@@ -7,9 +7,10 @@ implements the hooks below with ``@kvrunner.plugin_api.hookimpl``; unimplemented
 simply not called on it.
 
 Hooks are always called with keyword arguments (pluggy refuses positional ones) and
-the core never calls ``pm.hook.*`` directly: :class:`kvrunner.backend_manager.BackendManager`
-is the typed facade. It calls each backend on its own and keys the answers by
-backend name, so no answer carries the name.
+the core never calls ``pm.hook.*`` directly:
+:class:`kvrunner.plugin_host.backend_manager.BackendManager` is the typed facade. It
+calls each backend on its own and keys the answers by backend name, so no answer
+carries the name.
 
 Lifecycle (enforced by the manager, documented in docs/plugins.md): construction;
 ``make_layer`` per layer while the model loads; ``persistent_buffers`` once;

@@ -2,7 +2,7 @@
 
 It joins the group rank 0 serves the store of and then runs rank 0's commands
 (steps and calls, broadcast over the group as under torchrun: see
-:mod:`kvrunner.runner.broadcast_executor`) on a thread of its own, until rank 0
+:mod:`kvrunner.runner.ranks.broadcast_executor`) on a thread of its own, until rank 0
 shuts down. A rank that fails reports it in the store for rank 0 to raise as a
 ``WorkerError`` naming it, and its process ends, so Ray sees the actor die.
 """
@@ -31,7 +31,7 @@ class EngineRank:
         """Join rank 0's group at ``host:port`` and serve it, on a thread; returns at
         once (the group forms when every rank has joined)."""
         from kvrunner.distributed.group import connect_store
-        from kvrunner.distributed.launch import join_group
+        from kvrunner.launch import join_group
 
         if self._thread is not None:
             raise RuntimeError(f"rank {self.rank} was started already")

@@ -3,7 +3,7 @@
 The actor is asynchronous (its methods run on one asyncio loop), so it serves many
 requests at once; the engine itself runs on the ``AsyncLLM``'s engine thread. With
 ``tensor_parallel_size > 1`` it also serves its group's rendezvous store and runs
-the engine over a :class:`~kvrunner.runner.broadcast_executor.BroadcastExecutor`,
+the engine over a :class:`~kvrunner.runner.ranks.broadcast_executor.BroadcastExecutor`,
 the other ranks being :class:`~kvrunner.ray.rank_actor.EngineRank` actors.
 """
 
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from kvrunner.async_llm import AsyncLLM, Prompt
     from kvrunner.llm import LLM
     from kvrunner.outputs import RequestOutput
+    from kvrunner.rl.sleep_state import CacheInfo
     from kvrunner.sampling_params import SamplingParams
-    from kvrunner.sleep_state import CacheInfo
 
 
 class EngineReplica:
@@ -61,7 +61,7 @@ class EngineReplica:
 
     def _build(self, loopback: bool) -> None:
         from kvrunner.async_llm import AsyncLLM
-        from kvrunner.distributed.launch import join_group
+        from kvrunner.launch import join_group
         from kvrunner.llm import LLM
 
         prepare_process(self.spec, loopback=loopback)

@@ -5,60 +5,59 @@ tensor-parallel rank, assembled from parts that own their state:
 
 - :class:`~kvrunner.runner.weight_store.WeightStore`: the weights, where they are,
   and what is still to push;
-- :class:`~kvrunner.runner.cache_pools.CachePools`: every backend's pools, at the
+- :class:`~kvrunner.runner.pools.cache_pools.CachePools`: every backend's pools, at the
   group's one size;
-- :class:`~kvrunner.runner.graph_capture.GraphCapture`: the decode graphs;
+- :class:`~kvrunner.runner.capture.graph_capture.GraphCapture`: the decode graphs;
 - :class:`~kvrunner.runner.step_launch.StepLauncher`: one step, up to its samples;
 - :class:`~kvrunner.runner.sleep_wake.SleepWake`: sleep and wake of the three above.
 
 The runner itself loads the model, builds the backends (:func:`build_backends`) and
-the persistent buffers, and sizes the pools; its methods are what the rank calls ask of it.
+the persistent buffers, and sizes the pools once (:attr:`ModelRunner.pool_size`). It
+runs steps and captures; the rank calls reach every other part directly
+(``runner.sleep_wake``, ``runner.weights``, ``runner.cache``, ``runner.graph_capture``,
+``runner.launcher``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 
 import attrs
 import torch
 
-from kvrunner.backend_manager import BackendManager
-from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.config import ConfigError, EngineConfig
-from kvrunner.distributed.agreement import agree_pool_size
 from kvrunner.distributed.group import DistGroup
+from kvrunner.engine.step_io import PackedSampled, StepInput
+from kvrunner.errors import SleepStateError
 from kvrunner.layers.determinism import choose_determinism
 from kvrunner.layers.fused.dispatch import choose_kernels
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.sampler import Sampler
 from kvrunner.plugin_api.overlap import LayerStack, OverlapContext
 from kvrunner.plugin_api.step_data import BackendContext, ForwardContext, ModelSpec
-from kvrunner.runner.cache_pools import CachePools
-from kvrunner.runner.forward_vars import ForwardVars
-from kvrunner.runner.graph_capture import GraphCapture
-from kvrunner.runner.graph_sampling import GraphSampling
-from kvrunner.runner.graphs import DecodeGraph
-from kvrunner.runner.launched_step import LaunchedStep
+from kvrunner.plugin_host.backend_manager import BackendManager
+from kvrunner.runner.capture.graph_capture import GraphCapture
 from kvrunner.runner.model_len import fit_model_len, min_pool_blocks, model_len_bound
-from kvrunner.runner.rank_reports import PushReport, SleepReport, WakeReport
+from kvrunner.runner.pools.cache_pools import CachePools
+from kvrunner.runner.pools.pool_size import OwnSize, PoolSize, agree_pool_size
+from kvrunner.runner.pools.sizing import (
+    cache_budget_bytes,
+    num_blocks_for_budget,
+    release_unreachable_memory,
+)
 from kvrunner.runner.setup import (
     resolve_device,
     resolve_dtype,
     resolve_max_num_batched_tokens,
     resolve_model_path,
 )
-from kvrunner.runner.sizing import (
-    cache_budget_bytes,
-    num_blocks_for_budget,
-    release_unreachable_memory,
-)
 from kvrunner.runner.sleep_wake import SleepWake
-from kvrunner.runner.step_batch import profile_step
+from kvrunner.runner.step.forward_vars import ForwardVars
+from kvrunner.runner.step.launched_step import LaunchedStep
+from kvrunner.runner.step.step_batch import profile_step
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.runner.step_launch import StepLauncher
-from kvrunner.runner.step_metadata import StepMetadataBuilder
 from kvrunner.runner.weight_store import WeightStore
-from kvrunner.sleep_state import RankCacheInfo, SleepStateError
 
 
 def _create_library_workspaces(device: torch.device, dtype: torch.dtype) -> None:
@@ -154,7 +153,7 @@ class ModelRunner:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} but the runner was given a group of "
                 f"{group.size if group is not None else 1}; build it through an executor "
-                f"(kvrunner.runner.executor.make_executor)"
+                f"(kvrunner.runner.ranks.executor.make_executor)"
             )
         self.progress = progress
         self.group = group
@@ -250,25 +249,23 @@ class ModelRunner:
             ),
             max_num_seqs=sched.max_num_seqs, vocab_size=self.model_config.vocab_size,
         )
-        #: the profiled activation peak (CUDA sizing): a wake leaves room for it again
-        self.activation_peak_bytes = 0
-        # own_num_blocks: what this rank could hold; num_blocks: the group's minimum,
-        # the one number every rank allocates and the engine's block manager uses.
-        self.own_num_blocks, self.num_blocks = agree_pool_size(self._derive_num_blocks, group)
+        #: the group's one pool size: every rank allocates it, the engine's block
+        #: manager holds it, a wake restores it
+        self.pool_size: PoolSize = agree_pool_size(self._own_pool_size, group,
+                                                   num_slots=self.num_slots)
         #: the max_model_len the engine serves, and why (the group's one pool size
         #: fixes it, so every rank resolves the same)
         self.model_len = fit_model_len(
             self._asked_model_len, self._max_positions,
-            num_blocks=self.num_blocks, block_size=config.cache.block_size,
+            num_blocks=self.pool_size.num_blocks, block_size=config.cache.block_size,
         )
         self.config = attrs.evolve(config, scheduler=attrs.evolve(
             config.scheduler, max_model_len=self.model_len.value
         ))
-        self.cache = CachePools(self.backends, num_blocks=self.num_blocks, num_slots=self.num_slots)
+        self.cache = CachePools(self.backends, self.pool_size)
         self.sleep_wake = SleepWake(
             config=self.config, device=self.device, group=group, cache=self.cache,
             weights=self.weights, graphs=self.graph_capture, capture=self.capture,
-            activation_peak_bytes=self.activation_peak_bytes,
         )
         if not config.capture.enforce_eager:
             self.capture()
@@ -276,21 +273,23 @@ class ModelRunner:
 
     # -- sizing ------------------------------------------------------------------------
 
-    def _derive_num_blocks(self) -> int:
+    def _own_pool_size(self) -> OwnSize:
+        """What this rank alone can hold: the configured count, or its budget after the
+        profiled activation peak (CUDA)."""
         cache = self.config.cache
-        min_blocks = min_pool_blocks(self._asked_model_len, cache.block_size)
         if cache.num_blocks is not None:
-            return cache.num_blocks
+            return OwnSize(num_blocks=cache.num_blocks)
+        peak = 0
         if self.device.type == "cuda":
             release_unreachable_memory(self.device)  # before the profile and the budget
-            self.activation_peak_bytes = self._profile_peak_bytes()
-        budget = cache_budget_bytes(cache, self.device, peak_bytes=self.activation_peak_bytes)
-        return num_blocks_for_budget(
+            peak = self._profile_peak_bytes()
+        blocks = num_blocks_for_budget(
             list(self.backends.cache_specs().values()),
-            budget_bytes=budget,
+            budget_bytes=cache_budget_bytes(cache, self.device, peak_bytes=peak),
             num_slots=self.num_slots,
-            min_blocks=min_blocks,
+            min_blocks=min_pool_blocks(self._asked_model_len, cache.block_size),
         )
+        return OwnSize(num_blocks=blocks, activation_peak_bytes=peak)
 
     def _profile_peak_bytes(self) -> int:
         """Activation peak of the largest prefill this config allows.
@@ -301,60 +300,16 @@ class ModelRunner:
         # The profile's longest row is min(max_model_len - 1, max_tokens) tokens long.
         longest = min(self.config.scheduler.max_model_len, self.max_tokens)
         min_blocks = math.ceil(longest / self.config.cache.block_size)
-        self.backends.allocate_cache(num_blocks=min_blocks, num_slots=self.num_slots)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self.execute(
-            profile_step(self.config, num_tokens=self.max_tokens, scratch_slot=self.num_slots - 1)
-        )
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.backends.release_cache()
+        with CachePools.profile(self.backends, num_blocks=min_blocks, num_slots=self.num_slots):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            self.execute(profile_step(self.config, num_tokens=self.max_tokens,
+                                      scratch_slot=self.num_slots - 1))
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         return peak
-
-    # -- the parts, as the rank calls and the tests see them ----------------------------
-
-    @property
-    def pools(self) -> dict:
-        """Every backend's pools (empty while asleep)."""
-        return self.cache.pools
-
-    @property
-    def kv_resident(self) -> bool:
-        return self.cache.resident
-
-    @property
-    def graphs(self) -> dict[int, DecodeGraph]:
-        return self.graph_capture.graphs
-
-    @property
-    def capture_seconds(self) -> float:
-        return self.graph_capture.capture_seconds
-
-    @property
-    def graph_end(self) -> str:
-        return self.graph_capture.graph_end
-
-    @property
-    def graph_sampling(self) -> GraphSampling | None:
-        return self.launcher.graph_sampling
-
-    @property
-    def nan_rows(self) -> int:
-        """Sampled rows whose logits were non-finite, since start (see
-        :attr:`StepLauncher.nan_rows`)."""
-        return self.launcher.nan_rows
-
-    @property
-    def wake_pressure(self) -> Callable[[], int]:
-        """Test hook: bytes a wake treats as taken by someone else."""
-        return self.sleep_wake.wake_pressure
-
-    @wake_pressure.setter
-    def wake_pressure(self, pressure: Callable[[], int]) -> None:
-        self.sleep_wake.wake_pressure = pressure
 
     # -- steps -------------------------------------------------------------------------
 
@@ -376,10 +331,7 @@ class ModelRunner:
             )
         return self.model(fv["input_ids"][:num_rows], fv["positions"][:num_rows], ctx)
 
-    # -- capture, sleep, wake, weights -------------------------------------------------
-
-    def capture_sizes(self) -> list[int]:
-        return self.graph_capture.sizes()
+    # -- capture ---------------------------------------------------------------------
 
     def capture(self) -> float:
         """(Re)capture every decode graph; safe whatever forward_vars hold now."""
@@ -389,33 +341,5 @@ class ModelRunner:
         return self.graph_capture.capture(
             self.launcher.decode_outputs, pools=self.cache.pools,
             # valid as a KV block, a KV slot and a state slot alike
-            index_bound=min(self.num_blocks, self.num_slots), progress=self.progress,
+            index_bound=min(self.pool_size.num_blocks, self.num_slots), progress=self.progress,
         )
-
-    def pool_bytes_by_backend(self) -> dict[str, int]:
-        """Each backend's pool bytes at the saved counts (resident or not)."""
-        return self.cache.bytes_by_backend()
-
-    def sleep(self, level: int, discard_weights: bool = False) -> SleepReport:
-        return self.sleep_wake.sleep(level, discard_weights)
-
-    def wake_up(self, tags: tuple[str, ...]) -> WakeReport:
-        return self.sleep_wake.wake_up(tags)
-
-    def begin_weight_update(self) -> None:
-        self.weights.begin_update()
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        return self.weights.update(weights)
-
-    def load_weights(self, path: str, check_finite: bool = True) -> int:
-        return self.weights.load(path, check_finite)
-
-    def fail_weight_update(self) -> PushReport:
-        return self.weights.fail_update()
-
-    def finish_weight_update(self) -> PushReport:
-        return self.weights.finish_update(self.sleep_wake.recapture_if_whole)
-
-    def cache_info(self, rank: int) -> RankCacheInfo:
-        return self.sleep_wake.cache_info(rank)

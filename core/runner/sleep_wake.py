@@ -2,17 +2,17 @@
 
 ``sleep(level)`` drops the decode graphs and their memory pool, releases every
 backend's pools through ``release_cache`` (and checks that their storage is gone:
-:mod:`~kvrunner.runner.pool_release`) and, at level 2, the weights (kept in
+:mod:`~kvrunner.runner.pools.pool_release`) and, at level 2, the weights (kept in
 host memory or discarded); then it returns the memory to the device. ``wake_up``
 allocates exactly the saved block and slot counts through ``allocate_cache``
-after a cross-rank preflight (:mod:`~kvrunner.runner.wake_preflight`); sizing never
+after a cross-rank preflight (:mod:`~kvrunner.runner.pools.wake_preflight`); sizing never
 runs again. Once every part is back (and the weights are whole) the decode graphs
 are recaptured, through the same blanked capture as at start-up.
 
-What is resident is the parts' own state (:class:`~kvrunner.runner.cache_pools.CachePools`,
+What is resident is the parts' own state (:class:`~kvrunner.runner.pools.cache_pools.CachePools`,
 :class:`~kvrunner.runner.weight_store.WeightStore`); :class:`SleepWake` moves them and
 measures what each move did. The driver decides which calls are legal
-(:class:`~kvrunner.sleep_state.SleepState`); the checks here only keep a rank from
+(:class:`~kvrunner.rl.sleep_state.SleepState`); the checks here only keep a rank from
 being driven into a state it cannot serve.
 """
 
@@ -26,21 +26,19 @@ import torch
 
 from kvrunner.config import EngineConfig
 from kvrunner.distributed.group import DistGroup
+from kvrunner.errors import SleepStateError
 from kvrunner.plugin_api.errors import BackendError
-from kvrunner.runner.cache_pools import CachePools
-from kvrunner.runner.graph_capture import GraphCapture
-from kvrunner.runner.rank_reports import SleepReport, WakeReport
-from kvrunner.runner.wake_preflight import agree_allocated, available_bytes, preflight
+from kvrunner.runner.capture.graph_capture import GraphCapture
+from kvrunner.runner.pools.cache_pools import CachePools
+from kvrunner.runner.pools.wake_preflight import agree_allocated, available_bytes, preflight
+from kvrunner.runner.ranks.rank_reports import RankCacheInfo, SleepReport, WakeReport
 from kvrunner.runner.weight_store import WeightStore
-from kvrunner.sleep_state import RankCacheInfo, SleepStateError
 
 
 class SleepWake:
     """Sleep and wake of one rank's pools, weights and graphs.
 
     :param capture: the runner's (re)capture of every decode graph.
-    :param activation_peak_bytes: the profiled activation peak (CUDA sizing); a wake
-        leaves room for it again.
     """
 
     def __init__(
@@ -53,7 +51,6 @@ class SleepWake:
         weights: WeightStore,
         graphs: GraphCapture,
         capture: Callable[[], float],
-        activation_peak_bytes: int,
     ) -> None:
         self.config = config
         self.device = device
@@ -62,7 +59,6 @@ class SleepWake:
         self.weights = weights
         self.graphs = graphs
         self._capture = capture
-        self.activation_peak_bytes = activation_peak_bytes
         #: test hook: bytes to treat as taken by someone else when a wake checks memory
         self.wake_pressure: Callable[[], int] = lambda: 0
         self.device_bytes_before_sleep = 0
@@ -127,7 +123,8 @@ class SleepWake:
             pool_bytes = sum(cache.bytes_by_backend().values())
             need = weights.nbytes if wake_weights and on_cuda else 0
             if wake_kv:
-                need += pool_bytes + self.activation_peak_bytes
+                # the pool, and room for the activation peak the pool was sized after
+                need += pool_bytes + cache.size.activation_peak_bytes
             held = pool_bytes if cache.resident else 0
             room = available_bytes(self.config.cache, self.device, held_bytes=held)
             preflight(need=need, available=room - self.wake_pressure(), what=what,

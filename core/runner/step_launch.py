@@ -4,7 +4,7 @@
 the device, replays the decode graph (which ends with the logits, and on rank 0 with
 the tokens where it can draw them, checked for non-finite rows: ``graph_sampling.py``)
 or runs eagerly, samples and checks what the graph did not on rank 0, and returns
-a :class:`~kvrunner.runner.launched_step.LaunchedStep` without waiting for the
+a :class:`~kvrunner.runner.step.launched_step.LaunchedStep` without waiting for the
 device: with asynchronous steps the host schedules the next step meanwhile.
 ``execute`` is ``launch`` followed by ``result()``.
 
@@ -20,22 +20,22 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from kvrunner.backend_manager import BackendManager
-from kvrunner.batch import PackedSampled, StepInput
 from kvrunner.distributed.group import DistGroup
+from kvrunner.engine.step_io import PackedSampled, StepInput
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
 from kvrunner.layers.prompt_logprobs import PromptRows, ScoredPrompts, prompt_rows, score_prompts
 from kvrunner.layers.sampler import Sampler
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.plugin_api.buffers import on_device
 from kvrunner.plugin_api.step_data import ForwardContext
-from kvrunner.runner.forward_vars import ForwardVars
-from kvrunner.runner.graph_capture import GraphCapture
-from kvrunner.runner.graph_sampling import DecodeOutputs, GraphSampling
-from kvrunner.runner.graphs import DecodeGraph
-from kvrunner.runner.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
-from kvrunner.runner.step_batch import prepare_step
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.backend_manager import BackendManager
+from kvrunner.runner.capture.graph_capture import GraphCapture
+from kvrunner.runner.capture.graph_sampling import DecodeOutputs, GraphSampling
+from kvrunner.runner.capture.graphs import DecodeGraph
+from kvrunner.runner.step.forward_vars import ForwardVars
+from kvrunner.runner.step.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
+from kvrunner.runner.step.step_batch import prepare_step
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 
 #: the model's forward over the first ``num_rows`` rows of the persistent buffers
 ForwardRows = Callable[[int, ForwardContext], torch.Tensor]

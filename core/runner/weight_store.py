@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from kvrunner.errors import SleepStateError, WeightUpdateError
 from kvrunner.models.checkpoint_tensors import CheckpointTensors
+from kvrunner.models.tensor_checks import tensor_problem
 from kvrunner.models.weight_names import WeightTargets
-from kvrunner.runner.rank_reports import PushReport
+from kvrunner.runner.ranks.rank_reports import PushReport
 from kvrunner.runner.weight_residency import WeightResidency
-from kvrunner.sleep_state import SleepStateError, WeightUpdateError
-from kvrunner.weight_push import tensor_problem
 
 #: how many of the tensors still to push an error names
 MISSING_SHOWN = 8

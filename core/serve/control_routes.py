@@ -18,7 +18,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from kvrunner.errors import CheckpointError, KvrunnerError
-from kvrunner.serve.app import ServerState
 from kvrunner.serve.auth import require_rl_endpoints
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.errors import APIError, engine_call, engine_error, error_body
@@ -29,6 +28,7 @@ from kvrunner.serve.rl_protocol import (
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
 )
+from kvrunner.serve.state import ServerState
 
 router = APIRouter(dependencies=[Depends(require_rl_endpoints)])
 

@@ -20,8 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrunner.async_engine.errors import EngineBusyError
-from kvrunner.errors import KvrunnerError, RequestError
-from kvrunner.sleep_state import SleepStateError, WakeError
+from kvrunner.errors import KvrunnerError, RequestError, SleepStateError, WakeError
 
 _TYPES = {
     400: "invalid_request_error",

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvrunner.serve import generation, sse
-from kvrunner.serve.app import ServerState, new_id
 from kvrunner.serve.body import MAX_BODY_BYTES, parse_body
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.request_params import (
@@ -34,6 +33,7 @@ from kvrunner.serve.rl_protocol import (
     SGLangSamplingParams,
 )
 from kvrunner.serve.sse import event
+from kvrunner.serve.state import ServerState, new_id
 
 router = APIRouter()
 

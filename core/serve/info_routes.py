@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 
 from kvrunner import __version__
 from kvrunner.sampling_params import SamplingParams
-from kvrunner.serve.app import ServerState, new_id
 from kvrunner.serve.errors import APIError
+from kvrunner.serve.state import ServerState, new_id
 from kvrunner.serve.vllm_routes import is_sleeping
 
 router = APIRouter()

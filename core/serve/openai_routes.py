@@ -17,7 +17,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvrunner.serve import generation, sse
-from kvrunner.serve.app import ServerState, new_id
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.openai_protocol import (
@@ -33,6 +32,7 @@ from kvrunner.serve.request_params import (
     top_k,
 )
 from kvrunner.serve.sse import event
+from kvrunner.serve.state import ServerState, new_id
 
 router = APIRouter()
 

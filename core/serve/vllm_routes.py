@@ -17,9 +17,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from kvrunner.serve.app import ServerState
 from kvrunner.serve.auth import require_rl_endpoints
 from kvrunner.serve.errors import APIError, engine_call
+from kvrunner.serve.state import ServerState
 
 router = APIRouter()
 control = APIRouter(dependencies=[Depends(require_rl_endpoints)])

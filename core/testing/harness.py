@@ -6,9 +6,9 @@ from collections.abc import Mapping
 
 import torch
 
-from kvrunner.backend_manager import BackendManager
 from kvrunner.plugin_api.overlap import OverlapContext
 from kvrunner.plugin_api.step_data import BackendContext, ModelSpec
+from kvrunner.plugin_host.backend_manager import BackendManager
 
 
 def small_model_spec(

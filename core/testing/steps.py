@@ -1,4 +1,4 @@
-"""Build a :class:`~kvrunner.batch.StepInput` row by row, for tests and benchmarks.
+"""Build a :class:`~kvrunner.engine.step_io.StepInput` row by row, for tests and benchmarks.
 
 The engine builds steps as columns directly; tests read better one sequence at a
 time. ``Row`` has the step's fields in its order.
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import attrs
 
-from kvrunner.batch import StepInput
+from kvrunner.engine.step_io import StepInput
 from kvrunner.sampling_params import SamplingParams
 
 

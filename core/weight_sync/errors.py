@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrunner.sleep_state import WeightUpdateError
+from kvrunner.errors import WeightUpdateError
 
 
 class WeightSyncError(WeightUpdateError):
@@ -10,7 +10,7 @@ class WeightSyncError(WeightUpdateError):
     malformed, a message came late, or the engine refused a tensor. The message says
     which bucket and which field.
 
-    On the engine this is a :class:`~kvrunner.sleep_state.WeightUpdateError`: if the
+    On the engine this is a :class:`~kvrunner.errors.WeightUpdateError`: if the
     push had loaded anything, the weights are ``"partial"`` and generation is refused
     until a full push. On the trainer, :meth:`BucketSender.push` raises it with the
     engine's reason.

@@ -25,8 +25,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kvrunner.sleep_state import WeightUpdateError
-from kvrunner.weight_push import all_finite, tensor_problem
+from kvrunner.errors import WeightUpdateError
+from kvrunner.models.tensor_checks import all_finite, tensor_problem
 from kvrunner.weight_sync import messages
 from kvrunner.weight_sync.connection import connect
 from kvrunner.weight_sync.errors import WeightSyncError
@@ -71,7 +71,7 @@ def copy_bucket(load: Load, pairs: Pairs) -> int:
 
 def check_finite(pairs: Pairs, where: str) -> None:
     """Refuse a bucket holding NaN or inf, naming the tensor: one pass over the whole
-    bucket (:func:`~kvrunner.weight_push.all_finite`), and the per-tensor min/max that
+    bucket (:func:`~kvrunner.rl.weight_push.all_finite`), and the per-tensor min/max that
     names it only when that pass finds something."""
     if all_finite([t for _, t in pairs]):
         return

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from mutants import GDNClaimsInvariance
 
-from kvrunner.cli import main
-from kvrunner.plugins import register_backend, unregister_backend
+from kvrunner.cli.main import main
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.conformance import ConformanceError, Target, run_check
 from kvrunner.testing.conformance.batch_invariance import probe_bits_match_alone

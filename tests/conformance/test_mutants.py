@@ -10,7 +10,7 @@ import pytest
 from mutants import AUDIT_MUTANTS, MUTANTS, NoReleaseCache
 
 from kvrunner.plugin_api import BackendError
-from kvrunner.plugins import discover_backends, register_backend, unregister_backend
+from kvrunner.plugin_host.plugins import discover_backends, register_backend, unregister_backend
 from kvrunner.testing.conformance import (
     CHECKS,
     GPU_PATH_ONLY,

@@ -9,7 +9,7 @@ from mutants import NoReleaseCache, ReleaseKeepsMemory
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.plugin_api import PLUGIN_API_VERSION, BackendContext, BackendError
-from kvrunner.plugins import register_backend, unregister_backend
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

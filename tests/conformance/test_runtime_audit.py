@@ -13,10 +13,10 @@ import pytest
 from mutants import AUDIT_MUTANTS
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.cli import main
+from kvrunner.cli.main import main
 from kvrunner.plugin_api import BackendError
-from kvrunner.plugins import register_backend, unregister_backend
-from kvrunner.runner.capture_safety import CaptureAuditError
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
+from kvrunner.runner.capture.capture_safety import CaptureAuditError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def module_name(path: Path, package_root: Path, package: str) -> str:
-    """``core/runner/capture.py`` -> ``kvrunner.runner.capture``; a package's
+    """``core/runner/capture/capture.py`` -> ``kvrunner.runner.capture.capture``; a package's
     ``__init__.py`` is the package itself."""
     parts = list(path.relative_to(package_root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -26,32 +26,39 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _executed_at_import(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """The statements of ``body`` that run when the module is imported: into ``if``
-    (not ``if TYPE_CHECKING``), ``try``, ``with`` and class bodies; never into a
-    function, whose imports run only when it is called."""
+def _executed(body: list[ast.stmt], *, into_functions: bool) -> Iterator[ast.stmt]:
+    """The statements of ``body`` that can run: into ``if`` (not ``if TYPE_CHECKING``,
+    which never runs), ``try``, ``with``, loops and class bodies, and into functions
+    when ``into_functions`` (their imports run when they are called, not when the
+    module is imported)."""
     for node in body:
         yield node
         if isinstance(node, ast.If):
             if not _is_type_checking(node.test):
-                yield from _executed_at_import(node.body)
-            yield from _executed_at_import(node.orelse)
+                yield from _executed(node.body, into_functions=into_functions)
+            yield from _executed(node.orelse, into_functions=into_functions)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody):
-                yield from _executed_at_import(block)
+                yield from _executed(block, into_functions=into_functions)
             for handler in node.handlers:
-                yield from _executed_at_import(handler.body)
-        elif isinstance(node, (ast.With, ast.ClassDef)):
-            yield from _executed_at_import(node.body)
+                yield from _executed(handler.body, into_functions=into_functions)
+        elif isinstance(node, (ast.With, ast.ClassDef, ast.For, ast.While)) or (
+                into_functions and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            yield from _executed(node.body, into_functions=into_functions)
 
 
-def imports(source: str, this_module: str, is_package: bool, *, top_level_only: bool
-            ) -> Iterator[tuple[str, tuple[str, ...], int]]:
+def imports(source: str, this_module: str, is_package: bool, *, top_level_only: bool,
+            runnable_only: bool = False) -> Iterator[tuple[str, tuple[str, ...], int]]:
     """``(module, names, line)`` per import statement: ``names`` is empty for
     ``import a.b``, else the names of ``from a.b import x, y``. Relative imports are
-    resolved against ``this_module``."""
+    resolved against ``this_module``. ``top_level_only``: those that run when the
+    module is imported; ``runnable_only``: those that can ever run (functions'
+    included, ``if TYPE_CHECKING`` blocks not); neither: every import statement."""
     tree = ast.parse(source)
-    nodes = _executed_at_import(tree.body) if top_level_only else ast.walk(tree)
+    if top_level_only or runnable_only:
+        nodes = _executed(tree.body, into_functions=not top_level_only)
+    else:
+        nodes = ast.walk(tree)
     for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:

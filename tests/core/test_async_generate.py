@@ -24,10 +24,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.batch import PLACEHOLDER_TOKEN
 from kvrunner.config import EngineConfig
+from kvrunner.engine.step_io import PLACEHOLDER_TOKEN
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner.launched_step import DeviceTokens, feed_placeholders, placeholder_rows
+from kvrunner.runner.step.launched_step import DeviceTokens, feed_placeholders, placeholder_rows
 from kvrunner.testing.steps import Row, step_of
 
 #: 3 seats, chunked prefill, and a pool of 14 blocks of 4 tokens: any one request fits

@@ -11,8 +11,8 @@ import pytest
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner import capture_audit
-from kvrunner.runner.capture_safety import CaptureAuditError, PoolSnapshot
+from kvrunner.runner.capture import capture_audit
+from kvrunner.runner.capture.capture_safety import CaptureAuditError, PoolSnapshot
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -40,7 +40,7 @@ def test_recapture_after_serving_leaves_every_pool_byte_identical(tiny_qwen3) ->
     llm = make_llm(tiny_qwen3)
     llm.generate(PROMPTS, GREEDY)
     assert live_write_rows(llm) > 0, "precondition: write targets still point at live slots"
-    snapshot = PoolSnapshot(llm.runner.pools)
+    snapshot = PoolSnapshot(llm.runner.cache.pools)
     llm.recapture()
     assert snapshot.changed_pools() == []
     assert live_write_rows(llm) == 0
@@ -49,7 +49,7 @@ def test_recapture_after_serving_leaves_every_pool_byte_identical(tiny_qwen3) ->
 def test_without_blanking_the_same_recapture_corrupts_the_cache(tiny_qwen3) -> None:
     llm = make_llm(tiny_qwen3, blank_write_targets=False)
     llm.generate(PROMPTS, GREEDY)
-    snapshot = PoolSnapshot(llm.runner.pools)
+    snapshot = PoolSnapshot(llm.runner.cache.pools)
     llm.recapture()
     assert snapshot.changed_pools() != []
 
@@ -96,4 +96,4 @@ def test_outputs_after_recapture_match_before_and_match_eager(tiny_qwen3) -> Non
         o.token_ids for o in make_llm(tiny_qwen3, enforce_eager=True).generate(PROMPTS, GREEDY)
     ]
     assert before == after == eager
-    assert llm.runner.nan_rows == 0
+    assert llm.runner.launcher.nan_rows == 0

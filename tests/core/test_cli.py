@@ -6,7 +6,7 @@ import json
 import re
 
 from kvrunner import plugin_api
-from kvrunner.cli import main
+from kvrunner.cli.main import main
 
 
 def test_backends_lists_paged_from_its_distribution_with_its_plugin_api(capsys) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvrunner import plugin_api
-from kvrunner.cli import main
-from kvrunner.plugins import register_backend, unregister_backend
+from kvrunner.cli.main import main
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
 from kvrunner_paged import PagedBackend
 
 ARGS = ["generate", "hi", "--model", "tiny-qwen3", "--max-tokens", "2", "--enforce-eager",

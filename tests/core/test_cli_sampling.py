@@ -9,7 +9,7 @@ import re
 import pytest
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.cli import main
+from kvrunner.cli.main import main
 
 SMALL = ["--max-num-seqs", "4", "--num-blocks", "32", "--max-model-len", "64", "--enforce-eager"]
 ENGINE = dict(max_num_seqs=4, num_blocks=32, max_model_len=64, enforce_eager=True)

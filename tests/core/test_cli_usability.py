@@ -14,8 +14,8 @@ import attrs
 import pytest
 
 import kvrunner
-from kvrunner.cli import build_parser, main
-from kvrunner.cli_help import FIELD_HELP
+from kvrunner.cli.help import FIELD_HELP
+from kvrunner.cli.main import build_parser, main
 from kvrunner.config import _SECTIONS, EngineConfig
 
 SMALL = ["--max-num-seqs", "2", "--num-blocks", "16", "--max-model-len", "64", "--enforce-eager"]
@@ -129,7 +129,7 @@ def test_make_tiny_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_ctrl_c_exits_130_without_a_traceback(tp) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""
-    cmd = [sys.executable, "-m", "kvrunner.cli", "generate", "a", "b", "--max-tokens", "2000",
+    cmd = [sys.executable, "-m", "kvrunner.cli.main", "generate", "a", "b", "--max-tokens", "2000",
            "--max-model-len", "2048", "--ignore-eos", "--enforce-eager", "--max-num-seqs", "2",
            "--tensor-parallel-size", str(tp)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -151,7 +151,7 @@ def test_a_crashed_rank_leaves_nothing_behind_for_the_resource_tracker() -> None
     """A rank that dies without cleaning up (os._exit, as a segfault or the OOM killer)
     must not own a named semaphore: the driver's exit would then warn of a leak."""
     hooks = '{"fail": {"rank": 0, "at": "step", "step": 2, "mode": "exit"}}'
-    cmd = [sys.executable, "-m", "kvrunner.cli", "generate", "a", "b", "--max-tokens", "20",
+    cmd = [sys.executable, "-m", "kvrunner.cli.main", "generate", "a", "b", "--max-tokens", "20",
            "--max-model-len", "2048", "--ignore-eos", "--enforce-eager", "--max-num-seqs", "2",
            "--tensor-parallel-size", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120,

@@ -13,10 +13,10 @@ import attrs
 import pytest
 import torch
 
-from kvrunner.batch import StepInput
+from kvrunner.engine.step_io import StepInput
 from kvrunner.plugin_api import overlap, step_data
-from kvrunner.runner.step_batch import prepare_step
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.runner.step.step_batch import prepare_step
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
 
 DOCS = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
@@ -113,7 +113,7 @@ def _table_after(heading: str, first_column: str) -> list[list[str]]:
 
 def test_the_hook_table_names_every_hook_and_what_is_required() -> None:
     from kvrunner.plugin_api import hookspecs
-    from kvrunner.plugins import hook_names
+    from kvrunner.plugin_host.plugins import hook_names
 
     rows = {hook: (layer, plugin) for hook, layer, plugin in _table_after("## Hooks", "hook")}
     assert set(rows) == hook_names()

@@ -15,7 +15,7 @@ import torch
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.plugin_api import ForwardContext
-from kvrunner.runner.graphs import DecodeGraph
+from kvrunner.runner.capture.graphs import DecodeGraph
 
 pytestmark = pytest.mark.gpu
 
@@ -40,13 +40,14 @@ def test_every_bucket_replays_what_eager_computes(tiny_qwen3) -> None:
     graphs = LLM(model=tiny_qwen3, **SETTINGS)
     eager = LLM(model=tiny_qwen3, enforce_eager=True, **SETTINGS)
     assert graphs.runner.device.type == "cuda"
-    assert all(g._graph is not None for g in graphs.runner.graphs.values()), "real CUDA graphs"
+    captured = graphs.runner.graph_capture.graphs
+    assert all(g._graph is not None for g in captured.values()), "real CUDA graphs"
     for batch in (1, 2, 3, 4, 7, 8, 9, 16, 17, 31, 32):  # every bucket, exact and padded
         ps = prompts(batch)
         assert [o.token_ids for o in graphs.generate(ps, GREEDY)] == [
             o.token_ids for o in eager.generate(ps, GREEDY)
         ], f"batch {batch}"
-    assert graphs.runner.nan_rows == 0
+    assert graphs.runner.launcher.nan_rows == 0
 
 
 def test_seeded_draws_in_the_graph_are_the_eager_engines(tiny_qwen3) -> None:
@@ -100,7 +101,7 @@ def test_bf16_generation_has_no_nan_rows(tiny_qwen3) -> None:
     )
     outs = llm.generate(prompts(16), GREEDY)
     assert all(len(o.token_ids) == 12 for o in outs)
-    assert llm.runner.nan_rows == 0
+    assert llm.runner.launcher.nan_rows == 0
 
 
 def test_no_garbage_collection_runs_inside_a_capture() -> None:

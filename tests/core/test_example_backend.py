@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.cli import main
+from kvrunner.cli.main import main
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.testing.conformance import (
     BATCH_INVARIANCE_PROMISE,

@@ -20,7 +20,7 @@ from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.sampler import Sampler, sample
 from kvrunner.layers.sampling_seeds import row_keys
-from kvrunner.runner.graph_sampling import GraphSampling
+from kvrunner.runner.capture.graph_sampling import GraphSampling
 
 pytest.importorskip("triton")
 VOCAB = 300

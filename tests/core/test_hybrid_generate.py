@@ -14,10 +14,15 @@ import shutil
 import pytest
 import torch
 
-from kvrunner import LLM, SamplingParams, cli
+from kvrunner import LLM, SamplingParams
+from kvrunner.cli import main as cli
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.plugin_api import PAD_SLOT_ID
-from kvrunner.runner.capture_safety import CaptureAuditError, PoolSnapshot, blank_write_targets
+from kvrunner.runner.capture.capture_safety import (
+    CaptureAuditError,
+    PoolSnapshot,
+    blank_write_targets,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,7 +118,7 @@ def test_batched_greedy_matches_transformers(hf_dir, hf_expected, settings) -> N
     assert llm.engine.block_manager.enable_prefix_caching is False
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_expected
-    assert llm.runner.nan_rows == 0
+    assert llm.runner.launcher.nan_rows == 0
     if settings.get("num_blocks") == PREEMPTING_BLOCKS:
         assert llm.engine.scheduler.num_preemptions > 0, "precondition: something was preempted"
 
@@ -154,7 +159,7 @@ def test_recapture_after_serving_leaves_kv_and_state_pools_byte_identical(hf_dir
     )
     outside = gdn_builder_only_target(llm)
     assert (outside.buffer != outside.pad_value).any(), "precondition: it holds live slots"
-    pools = llm.runner.pools
+    pools = llm.runner.cache.pools
     assert any(n.startswith("gdn.ssm.") for n in pools) and any(
         n.startswith("gdn.conv.") for n in pools
     )
@@ -169,7 +174,7 @@ def test_recapture_after_serving_leaves_kv_and_state_pools_byte_identical(hf_dir
 def test_without_blanking_the_same_recapture_corrupts_a_gdn_state_pool(hf_dir) -> None:
     llm = make_llm(hf_dir, blank_write_targets=False)
     llm.generate(SERVE, SHORT)
-    snapshot = PoolSnapshot(llm.runner.pools)
+    snapshot = PoolSnapshot(llm.runner.cache.pools)
     llm.recapture()
     changed = snapshot.changed_pools()
     assert any(n.startswith(("gdn.ssm.", "gdn.conv.")) for n in changed), changed

@@ -33,12 +33,13 @@ def prompts() -> list[list[int]]:
 def test_cuda_graphs_and_triton_kernels_match_the_cpu_path(tiny_next) -> None:
     cpu = LLM(model=tiny_next, device="cpu", enforce_eager=True, **SETTINGS)
     gpu = LLM(model=tiny_next, device="cuda", **SETTINGS)
-    assert gpu.runner.graphs and all(g._graph is not None for g in gpu.runner.graphs.values())
+    captured = gpu.runner.graph_capture.graphs
+    assert captured and all(g._graph is not None for g in captured.values())
     expected = [o.token_ids for o in cpu.generate(prompts(), GREEDY)]
     assert [o.token_ids for o in gpu.generate(prompts(), GREEDY)] == expected
     gpu.recapture()  # after serving: audit raises if a KV or state pool changed
     assert [o.token_ids for o in gpu.generate(prompts(), GREEDY)] == expected
-    assert gpu.runner.nan_rows == 0
+    assert gpu.runner.launcher.nan_rows == 0
 
 
 def test_chunked_prefill_on_cuda_matches(tiny_next) -> None:

@@ -9,8 +9,8 @@ import pytest
 import safetensors.torch
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.errors import SleepStateError
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.sleep_state import SleepStateError
 
 SMALL = dict(max_num_seqs=4, max_model_len=64, block_size=4, num_blocks=64, enforce_eager=True)
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.runner.launched_step import SubmittedStep
+from kvrunner.runner.step.launched_step import SubmittedStep
 
 PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 201]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

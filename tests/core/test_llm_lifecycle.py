@@ -17,7 +17,7 @@ def test_shutdown_releases_the_runner_and_its_pools() -> None:
     llm = LLM("tiny-qwen3", max_num_seqs=2, max_model_len=64, enforce_eager=True)
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
     runner = weakref.ref(llm.runner)
-    pool = weakref.ref(next(iter(llm.runner.pools.values())))
+    pool = weakref.ref(next(iter(llm.runner.cache.pools.values())))
     llm.shutdown()
     gc.collect()
     assert runner() is None, "the runner outlived shutdown()"

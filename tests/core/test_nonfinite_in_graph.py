@@ -25,13 +25,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.batch import NONFINITE_CAUSES
+from kvrunner.engine.step_io import NONFINITE_CAUSES
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
 from kvrunner.layers.sampler import sample
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner.graph_sampling import GraphSampling
+from kvrunner.runner.capture.graph_sampling import GraphSampling
 
 VOCAB = 64
 MAX_BATCH = 8
@@ -149,8 +149,8 @@ def engines(checkpoint) -> Iterator[tuple[LLM, LLM]]:
     after = LLM(str(checkpoint), **SMALL)
     after.runner.launcher.nonfinite_check = "after_replay"
     after.recapture()
-    assert in_graph.runner.graphs[4].output.coded is not None  # checked in the graph
-    assert after.runner.graphs[4].output.coded is None  # checked after the replay
+    assert in_graph.runner.graph_capture.graphs[4].output.coded is not None  # checked in the graph
+    assert after.runner.graph_capture.graphs[4].output.coded is None  # checked after the replay
     yield in_graph, after
     in_graph.shutdown()
     after.shutdown()
@@ -169,15 +169,15 @@ def push(llm: LLM, name: str, tensor: torch.Tensor) -> None:
 def generate_poisoned(llm: LLM, clean, name: str, poisoned: torch.Tensor, batch):
     """``llm``'s outputs for ``batch`` with ``poisoned`` pushed as ``name``, the rows
     the engine ended for it (the host's count, ``cache_info``) and the rows the device
-    counted (``runner.nan_rows``: also a row of a step launched before the host knew
+    counted (``runner.launcher.nan_rows``: also a row of a step launched before the host knew
     its request had ended, never a padded row)."""
-    ended, counted = llm.cache_info().nonfinite_rows, llm.runner.nan_rows
+    ended, counted = llm.cache_info().nonfinite_rows, llm.runner.launcher.nan_rows
     push(llm, name, poisoned)
     try:
         outs = llm.generate(batch, GREEDY)
     finally:
         push(llm, name, clean[name])
-    return outs, llm.cache_info().nonfinite_rows - ended, llm.runner.nan_rows - counted
+    return outs, llm.cache_info().nonfinite_rows - ended, llm.runner.launcher.nan_rows - counted
 
 
 def summary(outs) -> list[tuple]:

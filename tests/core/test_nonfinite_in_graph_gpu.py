@@ -38,10 +38,11 @@ def engines(checkpoint):
     after.runner.launcher.nonfinite_check = "after_replay"
     after.recapture()
     for llm in (in_graph, after):
-        assert all(g._graph is not None for g in llm.runner.graphs.values()), "real CUDA graphs"
+        captured = llm.runner.graph_capture.graphs
+        assert all(g._graph is not None for g in captured.values()), "real CUDA graphs"
         assert llm.runner.graph_sampling.draws
-    assert all(g.output.coded is not None for g in in_graph.runner.graphs.values())
-    assert all(g.output.coded is None for g in after.runner.graphs.values())
+    assert all(g.output.coded is not None for g in in_graph.runner.graph_capture.graphs.values())
+    assert all(g.output.coded is None for g in after.runner.graph_capture.graphs.values())
     yield in_graph, after
     in_graph.shutdown()
     after.shutdown()
@@ -53,13 +54,13 @@ def params(n: int) -> list[SamplingParams]:
 
 
 def run_poisoned(llm: LLM, clean, poisoned, prompts):
-    counted = llm.runner.nan_rows
+    counted = llm.runner.launcher.nan_rows
     llm.update_weights([(EMBED, poisoned)], check_finite=False)
     try:
         outs = llm.generate(prompts, params(len(prompts)))
     finally:
         llm.update_weights([(EMBED, clean)])
-    return outs, llm.runner.nan_rows - counted
+    return outs, llm.runner.launcher.nan_rows - counted
 
 
 def summary(outs) -> list[tuple]:

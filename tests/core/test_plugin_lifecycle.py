@@ -9,8 +9,8 @@ import kvrunner
 from kvrunner import plugin_api
 from kvrunner.layers.backend_layer import BackendLayer, BackendLayerError
 from kvrunner.plugin_api import BackendError, CacheWriteTarget, ForwardContext
-from kvrunner.plugins import register_backend, unregister_backend
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager, small_model_spec
 
 FULL = "full_attention"

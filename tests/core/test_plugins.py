@@ -7,8 +7,13 @@ import torch
 
 from kvrunner import plugin_api
 from kvrunner.plugin_api import BackendError, CacheWriteTarget
-from kvrunner.plugins import BLOCK_ENV, discover_backends, register_backend, unregister_backend
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.plugins import (
+    BLOCK_ENV,
+    discover_backends,
+    register_backend,
+    unregister_backend,
+)
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager, small_model_spec
 
 ATTN = {"full_attention": "flatkv"}

@@ -9,9 +9,9 @@ import pytest
 
 from kvrunner import LLM
 from kvrunner.runner.model_runner import ModelRunner
-from kvrunner.runner.rank_calls import CALLS, RankCalls, call_name
-from kvrunner.runner.rank_client import RankClient
-from kvrunner.runner.worker import RankWorker
+from kvrunner.runner.ranks.rank_calls import CALLS, RankCalls, call_name
+from kvrunner.runner.ranks.rank_client import RankClient
+from kvrunner.runner.ranks.worker import RankWorker
 
 
 def test_the_rank_client_has_one_typed_method_for_every_rank_call() -> None:

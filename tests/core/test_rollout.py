@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrunner import cli
+from kvrunner.cli import main as cli
 from kvrunner.runner.weight_residency import WeightResidency
 
 ARGS = ["rollout", "--model", "tiny-qwen3", "--rounds", "3", "--batch", "3", "--max-tokens", "6",
@@ -91,7 +91,7 @@ def test_token_id_prompts_roll_out_on_a_checkpoint_without_a_tokenizer(
 
 
 def test_token_id_prompts_are_the_seeds_and_fit_the_vocabulary() -> None:
-    from kvrunner.rollout import rollout_token_prompts
+    from kvrunner.cli.rollout import rollout_token_prompts
 
     a = rollout_token_prompts(3, 7, 50, seed=1)
     assert a == rollout_token_prompts(3, 7, 50, seed=1) != rollout_token_prompts(3, 7, 50, seed=2)

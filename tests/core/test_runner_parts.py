@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import gc
 
+import attrs
 import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from kvrunner import LLM
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.plugin_api import CacheSpec, CacheWriteTarget
-from kvrunner.runner import capture_safety
-from kvrunner.runner.capture_safety import (
+from kvrunner.runner.capture import capture_safety
+from kvrunner.runner.capture.capture_safety import (
     CaptureAuditError,
     PoolSnapshot,
     blank_write_targets,
     seed_undeclared_index_buffers,
 )
-from kvrunner.runner.forward_vars import ForwardVars
-from kvrunner.runner.graphs import default_capture_sizes, garbage_collection_paused
-from kvrunner.runner.sizing import CacheSizingError, num_blocks_for_budget
+from kvrunner.runner.capture.graphs import default_capture_sizes, garbage_collection_paused
+from kvrunner.runner.pools.cache_pools import CachePools
+from kvrunner.runner.pools.pool_size import PoolSize
+from kvrunner.runner.pools.sizing import CacheSizingError, num_blocks_for_budget
+from kvrunner.runner.step.forward_vars import ForwardVars
 
 
 def test_forward_vars_refuses_to_replace_a_buffer() -> None:
@@ -149,3 +153,30 @@ def test_garbage_collection_pauses_inside_and_comes_back_as_it_was() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_one_pool_size_is_shared_by_the_pools_the_reports_and_the_engine() -> None:
+    with LLM("tiny-qwen3", max_num_seqs=2, max_model_len=64, enforce_eager=True) as llm:
+        runner = llm.runner
+        assert isinstance(runner.pool_size, PoolSize)
+        assert runner.cache.size is runner.pool_size  # the one record, not a copy
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            runner.pool_size.num_blocks += 1
+        info = llm.cache_info()
+        assert info.num_blocks == runner.pool_size.num_blocks
+        assert llm.engine.block_manager.num_blocks == runner.pool_size.num_blocks
+        assert runner.pool_size.own_num_blocks >= runner.pool_size.num_blocks
+
+
+def test_the_start_up_profile_pool_goes_through_cache_pools_and_is_released() -> None:
+    with LLM("tiny-qwen3", max_num_seqs=2, max_model_len=64, enforce_eager=True) as llm:
+        backends = llm.runner.backends
+        llm.runner.cache.release()
+        with pytest.raises(RuntimeError, match="profile failed"), \
+                CachePools.profile(backends, num_blocks=3, num_slots=2) as pools:
+            held = sum(pool.nbytes for pool in pools.pools.values())
+            assert held == sum(pools.bytes_by_backend().values())
+            assert held < sum(llm.runner.cache.bytes_by_backend().values())
+            raise RuntimeError("profile failed")
+        assert not pools.resident and pools.pools == {}
+        llm.runner.cache.allocate()  # the agreed size again, for the close

@@ -24,12 +24,12 @@ def test_an_engine_dropped_without_shutdown_leaves_its_memory_to_the_next(tmp_pa
     path = str(write_tiny_checkpoint(tmp_path / "q", kind="qwen3"))
     first = LLM(model=path, **SETTINGS)
     first.generate([[3, 4, 5]], SamplingParams(max_tokens=4))
-    blocks = first.runner.num_blocks
+    blocks = first.runner.pool_size.num_blocks
     gc.disable()  # as between two tests: no collection happens on its own
     try:
         del first
         second = LLM(model=path, **SETTINGS)
-        assert second.runner.num_blocks >= blocks * 0.95
+        assert second.runner.pool_size.num_blocks >= blocks * 0.95
         second.shutdown()
     finally:
         gc.enable()

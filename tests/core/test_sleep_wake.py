@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.errors import SleepStateError, WakeError, WeightUpdateError
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.runner import graph_capture
-from kvrunner.runner.capture_safety import PoolSnapshot
+from kvrunner.runner.capture import graph_capture
+from kvrunner.runner.capture.capture_safety import PoolSnapshot
 from kvrunner.runner.model_runner import ModelRunner
-from kvrunner.sleep_state import SleepStateError, WakeError, WeightUpdateError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -69,7 +69,7 @@ def test_many_cycles_serve_what_a_never_slept_engine_serves(
     for cycle in range(CYCLES):
         llm.sleep(level, discard_weights=discard)
         asleep = llm.cache_info()
-        assert not asleep.ranks[0].kv_resident and llm.runner.pools == {}
+        assert not asleep.ranks[0].kv_resident and llm.runner.cache.pools == {}
         assert asleep.weights == ("discarded" if discard else "offloaded" if level == 2 else
                                   "resident")
         if discard:
@@ -82,10 +82,10 @@ def test_many_cycles_serve_what_a_never_slept_engine_serves(
         assert (info.num_blocks, info.num_state_slots, info.pool_bytes) == (
             start.num_blocks, start.num_state_slots, start.pool_bytes
         ), f"cycle {cycle}: the pool changed size"
-        assert info.pool_bytes == sum(t.nbytes for t in llm.runner.pools.values())
+        assert info.pool_bytes == sum(t.nbytes for t in llm.runner.cache.pools.values())
         assert (info.num_sleeps, info.last_sleep_level) == (cycle + 1, level)
         assert tokens(llm) == expected[path], f"cycle {cycle}"
-    assert llm.runner.nan_rows == 0
+    assert llm.runner.launcher.nan_rows == 0
 
 
 def test_a_wake_never_sizes_the_pool_again(checkpoints, monkeypatch) -> None:
@@ -94,15 +94,15 @@ def test_a_wake_never_sizes_the_pool_again(checkpoints, monkeypatch) -> None:
     def sizing_after_start_up(self) -> int:
         raise AssertionError("pool sizing ran after start-up")
 
-    monkeypatch.setattr(ModelRunner, "_derive_num_blocks", sizing_after_start_up)
+    monkeypatch.setattr(ModelRunner, "_own_pool_size", sizing_after_start_up)
     monkeypatch.setattr(ModelRunner, "_profile_peak_bytes", sizing_after_start_up)
     blocks = llm.engine.block_manager.num_blocks
-    shapes = {name: pool.shape for name, pool in llm.runner.pools.items()}
+    shapes = {name: pool.shape for name, pool in llm.runner.cache.pools.items()}
     for level in (1, 2):
         llm.sleep(level)
         llm.wake_up()
-    assert llm.engine.block_manager.num_blocks == blocks == llm.runner.num_blocks
-    assert {name: pool.shape for name, pool in llm.runner.pools.items()} == shapes
+    assert llm.engine.block_manager.num_blocks == blocks == llm.runner.pool_size.num_blocks
+    assert {name: pool.shape for name, pool in llm.runner.cache.pools.items()} == shapes
 
 
 def test_update_weights_equals_a_fresh_engine_on_the_pushed_checkpoint(
@@ -198,14 +198,14 @@ def test_a_wake_that_cannot_fit_raises_allocates_nothing_and_can_be_retried(chec
     before = tokens(llm)
     blocks = llm.cache_info().num_blocks
     llm.sleep(1)
-    llm.runner.wake_pressure = lambda: 3 << 20  # someone else holds 3 of the 4 MiB budget
+    llm.runner.sleep_wake.wake_pressure = lambda: 3 << 20  # someone else holds 3 of 4 MiB
     with pytest.raises(WakeError, match=r"rank 0 needs .* MiB short") as refused:
         llm.wake_up()
     assert refused.value.short[0] > 0
-    assert llm.runner.pools == {} and llm.cache_info().kv_cache == "released"
+    assert llm.runner.cache.pools == {} and llm.cache_info().kv_cache == "released"
     with pytest.raises(SleepStateError, match="asleep"):
         llm.generate(PROMPTS, GREEDY)
-    llm.runner.wake_pressure = lambda: 0
+    llm.runner.sleep_wake.wake_pressure = lambda: 0
     llm.wake_up()
     assert llm.cache_info().num_blocks == blocks
     assert tokens(llm) == before
@@ -220,10 +220,10 @@ def test_reused_state_and_kv_memory_holding_garbage_after_a_wake_changes_nothing
     llm = LLM(model=path, **SETTINGS)
     llm.sleep(1)
     llm.wake_up()
-    for pool in llm.runner.pools.values():
+    for pool in llm.runner.cache.pools.values():
         pool.fill_(math.nan)
     assert tokens(llm) == expected[path]
-    assert llm.runner.nan_rows == 0
+    assert llm.runner.launcher.nan_rows == 0
 
 
 @pytest.mark.parametrize("blank", [True, False], ids=["blanked", "not-blanked"])

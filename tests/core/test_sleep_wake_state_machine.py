@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.errors import SleepStateError, WeightUpdateError
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.sleep_state import SleepStateError, WeightUpdateError
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -143,7 +143,7 @@ class SleepWakeMachine(RuleBasedStateMachine):
         if self.weights == "resident" and (self.torn or self.pending):
             status = "partial" if self.torn else "discarded"
         assert (info.weights, info.kv_cache) == (status, self.kv)
-        assert info.num_blocks == self.blocks == self.llm.runner.num_blocks
+        assert info.num_blocks == self.blocks == self.llm.runner.pool_size.num_blocks
         assert info.ranks[0].kv_resident == (self.kv == "resident")
 
 

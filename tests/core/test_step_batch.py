@@ -14,8 +14,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import StepInput
-from kvrunner.runner.step_batch import prepare_step
+from kvrunner.engine.step_io import StepInput
+from kvrunner.runner.step.step_batch import prepare_step
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.steps import Row, rows_of, step_of
 

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner.plugin_api import StepMetadata
-from kvrunner.runner.step_batch import prepare_step
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.runner.step.step_batch import prepare_step
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.steps import Row, step_of
 

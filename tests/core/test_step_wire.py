@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import (
+from kvrunner.engine.step_io import (
     BlockTables,
     SampledToken,
     SampledTokens,

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvrunner import LLM, CheckpointError, SamplingParams
+from kvrunner.errors import SleepStateError, WeightUpdateError
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.plugin_api import KvrunnerError
-from kvrunner.sleep_state import SleepStateError, WeightUpdateError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -203,7 +203,7 @@ def test_cache_info_says_discarded_until_every_tensor_is_pushed(checkpoints, exp
 
 
 def test_the_cli_prints_a_mismatched_checkpoint_as_one_line(checkpoints, tmp_path, capsys) -> None:
-    from kvrunner.cli import main
+    from kvrunner.cli.main import main
 
     bad = altered(checkpoints[0], tmp_path / "bad", wrong_shape)
     code = main(["generate", "hello", "--model", str(bad), "--max-tokens", "2"])

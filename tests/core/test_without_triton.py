@@ -27,7 +27,7 @@ def test_rollout_of_the_hybrid_tiny_model_runs_without_triton(tmp_path: Path) ->
                            capture_output=True, text=True)
     assert probe.returncode != 0 and "blocked by the test" in probe.stderr  # the stand-in works
     run = subprocess.run(
-        [sys.executable, "-m", "kvrunner.cli", "rollout", "--model", "tiny-qwen3-next",
+        [sys.executable, "-m", "kvrunner.cli.main", "rollout", "--model", "tiny-qwen3-next",
          "--rounds", "2", "--batch", "2", "--max-tokens", "4", "--max-num-seqs", "2",
          "--capture-sizes", "1,2", "-v"],
         env=env, capture_output=True, text=True, timeout=600,

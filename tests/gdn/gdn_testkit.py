@@ -15,11 +15,11 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from kvrunner.backend_manager import BackendManager
 from kvrunner.config import KernelsConfig
 from kvrunner.plugin_api import BackendContext, ModelSpec, StepBatch, StepMetadata
 from kvrunner.plugin_api.step_data import pad_block_tables
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.backend_manager import BackendManager
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.host_reads import allow_host_reads
 from kvrunner_gdn.ops.gated_delta_rule.inputs import GatedDeltaRuleInputs
 from kvrunner_gdn.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule

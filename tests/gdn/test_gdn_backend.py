@@ -1,5 +1,5 @@
 """The ``gdn`` backend's own hooks, called through a real
-:class:`kvrunner.backend_manager.BackendManager`.
+:class:`kvrunner.plugin_host.backend_manager.BackendManager`.
 
 What every backend must do (steps equal the reference, PAD rows and captures write
 nothing, replays see later fills) is proved by the conformance kit

@@ -342,7 +342,7 @@ def serve(path: str, mode: str, dtype: str, **settings) -> tuple[str, list[list[
              max_model_len=192, gdn_prefill=mode, **settings) as llm:
         kernel = llm.runner.backends.pm.get_plugin("gdn").prefill_kernel
         tokens = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
-        assert llm.runner.nan_rows == 0
+        assert llm.runner.launcher.nan_rows == 0
     return kernel, tokens
 
 

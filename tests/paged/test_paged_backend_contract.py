@@ -7,9 +7,9 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from kvrunner.backend_manager import BackendManager
 from kvrunner.plugin_api import PAD_SLOT_ID, BackendError, CacheSpec, ForwardContext, ModelSpec
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.backend_manager import BackendManager
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged import PagedAttention, PagedBackend
 

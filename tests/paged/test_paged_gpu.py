@@ -13,7 +13,7 @@ import torch
 from paged_cases import PagedCase
 
 from kvrunner.plugin_api import ModelSpec
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
 from kvrunner_paged.kernels.decode import paged_decode_attention
 from kvrunner_paged.kernels.prefill import (

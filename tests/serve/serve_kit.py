@@ -1,6 +1,6 @@
 """Live ``kvrunner serve`` processes for the HTTP tests (the fixtures are in conftest.py).
 
-Each server is a real subprocess (``python -m kvrunner.cli serve --port 0``) serving
+Each server is a real subprocess (``python -m kvrunner.cli.main serve --port 0``) serving
 the embedded ``tiny-qwen3`` on 127.0.0.1; the fixture reads the URL it prints, waits
 for ``/health``, and at teardown sends SIGTERM and checks that the process exited 0
 with every process it started (tensor-parallel ranks included) gone.
@@ -81,7 +81,7 @@ class ServeProcess:
     def start(self) -> ServeProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrunner.cli", "serve", "--port", "0", *self.flags],
+            [sys.executable, "-m", "kvrunner.cli.main", "serve", "--port", "0", *self.flags],
             stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env,
         )
         threading.Thread(target=self._read, daemon=True).start()

@@ -50,7 +50,7 @@ def test_kvrunner_llm_and_asyncllm_import_without_the_serve_extra() -> None:
 
 
 def test_kvrunner_serve_names_the_extra_to_install() -> None:
-    done = _run("from kvrunner.cli import main\n"
+    done = _run("from kvrunner.cli.main import main\n"
                 "sys.exit(main(['serve', '--model', 'tiny-qwen3', '--port', '0']))\n")
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert "pip install 'kvrunner[serve]'" in done.stderr

@@ -21,7 +21,7 @@ from kvrunner.plugin_api import (
     map_tensors,
     unwalked_tensors,
 )
-from kvrunner.plugins import register_backend, unregister_backend
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
 from kvrunner.testing.harness import backend_manager, small_model_spec
 from kvrunner_paged import PagedBackend
 

@@ -11,11 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvrunner_tbo import TwoBatchOverlap
 
-from kvrunner.backend_manager import BackendManager
 from kvrunner.plugin_api import BackendError, StepMetadata, hookimpl
-from kvrunner.plugins import register_backend, unregister_backend
-from kvrunner.runner.step_batch import prepare_step
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.backend_manager import BackendManager
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
+from kvrunner.runner.step.step_batch import prepare_step
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.harness import backend_manager, small_model_spec
 from kvrunner.testing.steps import Row, step_of

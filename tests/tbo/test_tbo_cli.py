@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrunner.cli import main
+from kvrunner.cli.main import main
 
 
 def test_backends_lists_tbo_as_an_overlap_plugin(capsys) -> None:

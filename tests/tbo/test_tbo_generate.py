@@ -15,8 +15,8 @@ from kvrunner_tbo import TwoBatchOverlap
 from kvrunner import LLM, SamplingParams
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.plugin_api import CacheWriteTarget, hookimpl
-from kvrunner.plugins import register_backend, unregister_backend
-from kvrunner.runner.capture_safety import CaptureAuditError
+from kvrunner.plugin_host.plugins import register_backend, unregister_backend
+from kvrunner.runner.capture.capture_safety import CaptureAuditError
 
 #: cut every step with two or more rows, so even tiny batches take the overlap path
 EAGER_SPLIT = dict(overlap_min_tokens=2, overlap_min_decode_seqs=2)

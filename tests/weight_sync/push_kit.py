@@ -8,7 +8,7 @@ import pytest
 from test_generate_hf_parity import NEW_TOKENS, PROMPTS
 
 from kvrunner import SamplingParams
-from kvrunner.sleep_state import SleepStateError
+from kvrunner.errors import SleepStateError
 
 #: the TP=1 engine of the push tests (small: the embedded test model)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from push_kit import assert_refusing, tokens
 
 from kvrunner import LLM
-from kvrunner.sleep_state import SleepStateError
+from kvrunner.errors import SleepStateError
 from kvrunner.weight_sync import WeightSyncError, receiver
 
 #: the largest tensor of the test model (the 512 x 64 float32 embedding) fits exactly

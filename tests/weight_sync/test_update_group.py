@@ -12,7 +12,7 @@ from test_generate_hf_parity import NEW_TOKENS, PROMPTS
 from trainer_process import checkpoint_tensors
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.sleep_state import SleepStateError
+from kvrunner.errors import SleepStateError
 from kvrunner.weight_sync import WeightSyncError
 from kvrunner.weight_sync.broadcaster import WeightBroadcaster
 

@@ -13,9 +13,9 @@ from kvrunner.config import CaptureConfig
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.plugin_api.mirroring import map_tensors, unwalked_tensors
 from kvrunner.plugin_api.step_data import ForwardContext
-from kvrunner.runner.capture import capture_decode_graphs
-from kvrunner.runner.capture_safety import CaptureAuditError
-from kvrunner.runner.pool_release import PoolRelease
+from kvrunner.runner.capture.capture import capture_decode_graphs
+from kvrunner.runner.capture.capture_safety import CaptureAuditError
+from kvrunner.runner.pools.pool_release import PoolRelease
 from kvrunner.testing.conformance import reference
 from kvrunner.testing.conformance.batch_invariance import probe_bits_match_alone
 from kvrunner.testing.conformance.cases import StepCase

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrunner.plugin_api.factory import declares_overlap_support
-from kvrunner.plugins import discover_backends
+from kvrunner.plugin_host.plugins import discover_backends
 from kvrunner.testing.conformance import CHECKS, Target, not_run_because, run_check
 
 

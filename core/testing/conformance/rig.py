@@ -1,6 +1,6 @@
 """A backend set up the way a runner sets it up, driven one step at a time.
 
-The rig builds a real :class:`~kvrunner.backend_manager.BackendManager` for one backend
+The rig builds a real :class:`~kvrunner.plugin_host.backend_manager.BackendManager` for one backend
 over a small model whose other layers it does not serve, the core's step builder
 and forward_vars, allocates the pools (NaN-poisoned, so a read of anything never
 written shows), and runs the served layers for a step with deterministic inputs:
@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvrunner.batch import StepInput
+from kvrunner.engine.step_io import StepInput
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.plugin_api.factory import (
     CacheRows,
@@ -25,10 +25,10 @@ from kvrunner.plugin_api.factory import (
     declares_overlap_support,
 )
 from kvrunner.plugin_api.step_data import ForwardContext, ModelSpec, StepMetadata
-from kvrunner.plugins import discover_backends
-from kvrunner.runner.forward_vars import ForwardVars
-from kvrunner.runner.step_batch import prepare_step
-from kvrunner.runner.step_metadata import StepMetadataBuilder
+from kvrunner.plugin_host.plugins import discover_backends
+from kvrunner.runner.step.forward_vars import ForwardVars
+from kvrunner.runner.step.step_batch import prepare_step
+from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.conformance import cases
 from kvrunner.testing.conformance.cases import Seq, StepCase

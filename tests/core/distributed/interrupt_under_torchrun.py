@@ -9,7 +9,7 @@ import signal
 import sys
 
 from kvrunner import SamplingParams
-from kvrunner.distributed.launch import launch
+from kvrunner.launch import launch
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
 

@@ -10,7 +10,7 @@ import time
 
 from kvrunner import SamplingParams
 from kvrunner.distributed.errors import WorkerError
-from kvrunner.distributed.launch import launch
+from kvrunner.launch import launch
 
 
 def attempt(llm: object, params: SamplingParams) -> dict[str, object]:

@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvrunner import SamplingParams
-from kvrunner.distributed.launch import launch
+from kvrunner.launch import launch
 
 
 def main() -> None:

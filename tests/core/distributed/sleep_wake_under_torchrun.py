@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kvrunner import SamplingParams
-from kvrunner.distributed.launch import launch
+from kvrunner.launch import launch
 from kvrunner.models.loader import iter_safetensors
 
 

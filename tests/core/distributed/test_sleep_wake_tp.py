@@ -19,9 +19,9 @@ from test_tensor_parallel import test_hooks
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.distributed.fault_injection import TEST_HOOKS_ENV
+from kvrunner.errors import SleepStateError, WakeError
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
-from kvrunner.sleep_state import SleepStateError, WakeError
 
 PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 201]]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -315,10 +315,10 @@ def test_a_rank_failing_in_a_step_stops_the_group_with_an_error_naming_it(
 def run_torchrun(
     checkpoint: str, plan: dict | None, *, model_args: list[str] | None = None
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 -m kvrunner.distributed.launch`` over PROMPTS."""
+    """``torchrun --nproc-per-node 2 -m kvrunner.launch`` over PROMPTS."""
     model_args = model_args if model_args is not None else ["--model", checkpoint]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "kvrunner.distributed.launch", *model_args, "--enforce-eager",
+           "2", "-m", "kvrunner.launch", *model_args, "--enforce-eager",
            "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos", "--max-num-seqs", "4"]
     for prompt in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, prompt))]
@@ -422,7 +422,7 @@ def test_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoint: str, all_reduce: str, 
     gpu = dict(SMALL, device="cuda", dtype="float32")
     with LLM(checkpoint, enforce_eager=False, gpu_memory_utilization=0.3, **gpu) as llm:
         expected = token_ids(llm)
-        assert llm.runner.graphs, "the TP=1 reference should decode through CUDA graphs"
+        assert llm.runner.graph_capture.graphs, "the TP=1 reference should decode in graphs"
     del llm
     gc.collect()
     torch.cuda.empty_cache()

@@ -16,12 +16,12 @@ from collections.abc import Iterable, Sequence
 import attrs
 from hypothesis import strategies as st
 
-from kvrunner.batch import PLACEHOLDER_TOKEN, SampledToken, StepInput
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence as Seq
 from kvrunner.engine.sequence import SequenceStatus
+from kvrunner.engine.step_io import PLACEHOLDER_TOKEN, SampledToken, StepInput
 from kvrunner.testing.steps import rows_of
 
 VOCAB = 1000

@@ -28,12 +28,12 @@ from engine_sim import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SampledToken, StepInput
 from kvrunner.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
+from kvrunner.engine.step_io import SampledToken, StepInput
 from kvrunner.sampling_params import SamplingParams
 
 EOS = fake_next_token([])

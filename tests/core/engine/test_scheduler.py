@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from engine_sim import FakeRunner, check_step, drive, reference_outputs
 
-from kvrunner.batch import SampledToken
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
+from kvrunner.engine.step_io import SampledToken
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.steps import rows_of
 

@@ -22,11 +22,11 @@ from engine_sim import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import SampledTokens, StepInput, unpack_sampled
 from kvrunner.config import SchedulerConfig
 from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
+from kvrunner.engine.step_io import SampledTokens, StepInput, unpack_sampled
 from kvrunner.sampling_params import SamplingParams
 
 

@@ -13,7 +13,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrunner.batch import BlockTables
+from kvrunner.engine.step_io import BlockTables
 from kvrunner.engine.table_rows import TableRows
 
 blocks = st.lists(st.integers(0, 10_000), max_size=40)

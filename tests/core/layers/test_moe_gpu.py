@@ -99,12 +99,12 @@ def test_a_graph_captured_sparse_model_equals_eager_and_the_cpu_path(tmp_path, k
     with LLM(model=path, device="cuda", enforce_eager=True, **SETTINGS) as eager:
         assert [o.token_ids for o in eager.generate(prompts(), GREEDY)] == expected
     with LLM(model=path, device="cuda", **SETTINGS) as graphs:
-        assert graphs.runner.graphs
-        assert all(g._graph is not None for g in graphs.runner.graphs.values())
+        assert graphs.runner.graph_capture.graphs
+        assert all(g._graph is not None for g in graphs.runner.graph_capture.graphs.values())
         assert [o.token_ids for o in graphs.generate(prompts(), GREEDY)] == expected
         graphs.recapture()  # after serving: audit raises if a pool changed
         assert [o.token_ids for o in graphs.generate(prompts(), GREEDY)] == expected
-        assert graphs.runner.nan_rows == 0
+        assert graphs.runner.launcher.nan_rows == 0
 
 
 def test_bf16_sparse_hybrid_serves_through_graphs(tmp_path) -> None:
@@ -114,7 +114,7 @@ def test_bf16_sparse_hybrid_serves_through_graphs(tmp_path) -> None:
         want = [o.token_ids for o in eager.generate(prompts(), GREEDY)]
     with LLM(model=path, device="cuda", **settings) as graphs:
         got = [o.token_ids for o in graphs.generate(prompts(), GREEDY)]
-        assert graphs.runner.nan_rows == 0
+        assert graphs.runner.launcher.nan_rows == 0
     # bf16 eager and replay run the same kernels on the same shapes only for decode
     # batches of a captured size; allow a late near-tie flip but not a wrong model.
     agree = sum(a == b for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvrunner.batch import unpack_sampled
+from kvrunner.engine.step_io import unpack_sampled
 from kvrunner.layers.sampler import Sampler, sample
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.steps import Row, step_of

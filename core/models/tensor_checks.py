@@ -1,0 +1,41 @@
+"""Whether a tensor can be loaded into a floating-point parameter.
+
+The one check of a pushed or loaded value, shared by the driver's push
+(:mod:`kvrunner.rl.weight_push`), a rank's weight store and the IPC receiver: a
+value that is not a tensor, is not floating point (an int, bool or complex tensor
+would be cast silently and wrongly), or holds NaN or inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.utils import get_total_norm
+
+
+def tensor_problem(value: Any, *, check_finite: bool) -> str | None:
+    """Why ``value`` cannot be loaded into a floating-point parameter (None: it can).
+
+    ``check_finite`` costs one reduction over the tensor (on its own device): its
+    minimum and maximum, where NaN propagates to both and an infinity is one of them,
+    with no tensor-sized temporary (a weight push may sit beside a trainer's memory)."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a torch.Tensor"
+    if not value.is_floating_point():
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"has dtype {dtype}; weights must be floating point"
+    if check_finite and value.numel() and not bool(torch.isfinite(torch.stack(
+        torch.aminmax(value))).all()):
+        return "holds NaN or inf values"
+    return None
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite, in one pass over all of them: the
+    sum of their L1 norms (torch's multi-tensor norm, a few launches for the lot and
+    one wait), which a NaN or an infinity anywhere makes non-finite. ``False`` may
+    also mean finite values so large that their sum overflows: a caller naming the
+    culprit then checks each tensor (:func:`tensor_problem`)."""
+    tensors = [t for t in tensors if t.numel()]
+    return not tensors or bool(torch.isfinite(get_total_norm(tensors, norm_type=1.0)))

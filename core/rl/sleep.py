@@ -1,0 +1,270 @@
+"""The RL loop's half of the public API: sleep, wake, weight updates, cache info.
+
+Shaped as vLLM / verl users call it. A training step with a colocated trainer::
+
+    outs = llm.generate(prompt_ids, params)
+    llm.sleep(level=2, discard_weights=True)   # the trainer gets the memory
+    ...trainer step...
+    llm.wake_up(["weights"])
+    llm.update_weights(model.named_parameters())  # HF names, full tensors, any dtype
+    llm.wake_up(["kv_cache"])                  # same pool, graphs recaptured, blanked
+    outs = llm.generate(prompt_ids, params)
+
+:class:`SleepWakeControl` is the part of an ``LLM`` that does it: it owns the one
+:class:`~kvrunner.rl.sleep_state.SleepState` of the engine (the ranks only hold what
+they were told to hold) and checks every call against it before a rank is asked
+anything, so an illegal order raises and changes nothing. The ranks answer through
+the typed :class:`~kvrunner.runner.ranks.rank_client.RankClient`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from kvrunner.errors import SleepStateError
+from kvrunner.plugin_api.errors import BackendError
+from kvrunner.rl.sleep_state import CacheInfo, SleepState, parse_tags
+from kvrunner.rl.weight_push import checked_pairs
+from kvrunner.runner.ranks.rank_calls import weight_buckets
+from kvrunner.runner.ranks.rank_client import RankClient
+from kvrunner.runner.ranks.rank_reports import PushReport
+
+if TYPE_CHECKING:
+    from kvrunner.config import EngineConfig
+    from kvrunner.engine.llm_engine import LLMEngine
+    from kvrunner.runner.ranks.executor import DriverExecutor
+
+
+#: why each call that needs an idle engine needs it
+_WHY_IDLE = {
+    "sleep": "a sleep frees the KV cache an unfinished request holds",
+    "update_weights": "an unfinished request's KV was computed under the weights it replaces",
+    "load_weights": "an unfinished request's KV was computed under the weights it replaces",
+    "reset_prefix_cache": "an unfinished request holds blocks of the cache it resets",
+}
+
+
+@attrs.define
+class SleepTimings:
+    """The last sleep, wake and recapture, as ``cache_info()`` reports them."""
+
+    sleep_level: int = 0
+    sleep_s: float = 0.0
+    wake_s: float = 0.0
+    recapture_s: float = 0.0
+    freed_bytes: int = 0
+    sleeps: int = 0
+    wakes: int = 0
+
+
+class SleepWakeControl:
+    """Sleep, wake and weight pushes of one engine, driven from the driver.
+
+    The public methods of :class:`kvrunner.LLM` of the same names call these (one at
+    a time: the LLM guards them); see there for what each does.
+    """
+
+    def __init__(self, config: EngineConfig, executor: DriverExecutor, engine: LLMEngine) -> None:
+        self.config = config
+        self.executor = executor
+        self.engine = engine
+        self.ranks: RankClient = executor.ranks
+        #: what is resident and what may be called: the one record of it
+        self.state = SleepState()
+        self.timings = SleepTimings()
+
+    def _require_idle(self, what: str, *, parked_ok: bool = False) -> None:
+        """Refuse ``what`` (a method's name) while a request is unfinished or a step
+        launched, naming the call, the requests, why and what to do instead."""
+        # Parked requests (``LLMEngine.park``: nothing in flight, their blocks and slots
+        # held) survive a weight change or a prefix-cache reset; a sleep frees their KV.
+        if parked_ok and self.engine.parked:
+            return
+        if not self.engine.has_unfinished():
+            return
+        ids = self.engine.scheduler.unfinished_ids()
+        if not ids:
+            held = "a launched step is not applied yet"
+            remedy = "let the engine settle first (LLMEngine.settle)"
+        else:
+            named = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+            held = (f"request {named} is unfinished" if len(ids) == 1
+                    else f"{len(ids)} requests are unfinished ({named})")
+            remedy = "finish or abort the requests first (LLMEngine.abort_request)"
+            if parked_ok:
+                remedy += ", or park them with their KV (AsyncLLM.pause(mode='keep'))"
+        raise SleepStateError(f"{what}() refused: {held}, and {_WHY_IDLE[what]}; {remedy}")
+
+    def sleep(self, level: int = 1, *, discard_weights: bool = False) -> float:
+        """See :meth:`kvrunner.LLM.sleep`."""
+        self.executor.check()
+        self.state.require_can_sleep(level, discard_weights)
+        self._require_idle("sleep")
+        reports = self.ranks.sleep(level, discard_weights)
+        state = self.state
+        state.level, state.kv_cache = level, "released"
+        if level == 2:
+            state.weights = "discarded" if discard_weights else "offloaded"
+            state.weights_pending = reports[0].pending
+            state.weights_missing = ()  # every tensor: none is named
+        seconds = max(r.seconds for r in reports)
+        t = self.timings
+        t.sleep_level, t.sleep_s = level, seconds
+        t.freed_bytes, t.sleeps = reports[0].freed_bytes, t.sleeps + 1
+        kept = [f"rank {rank}: {r.kept}" for rank, r in enumerate(reports) if r.kept]
+        if kept:  # the engine is asleep all the same: wake_up() allocates new pools
+            raise BackendError("; ".join(kept) if len(reports) > 1 else reports[0].kept)
+        return seconds
+
+    def wake_up(self, tags: Iterable[str] | str | None = None) -> float:
+        """See :meth:`kvrunner.LLM.wake_up`."""
+        self.executor.check()
+        wanted = parse_tags(tags)
+        state = self.state
+        todo = tuple(t for t in wanted if getattr(state, t) != "resident")
+        if not todo:
+            return 0.0
+        reports = self.ranks.wake_up(todo)
+        if "weights" in todo:
+            state.weights = "resident"
+        if "kv_cache" in todo:
+            state.kv_cache = "resident"
+            self.engine.block_manager.reset_prefix_cache()  # the KV it indexed is gone
+        if state.awake:
+            state.level = 0
+        seconds = max(r.seconds for r in reports)
+        recapture = max(r.recapture_s for r in reports)
+        self.timings.wake_s, self.timings.wakes = seconds, self.timings.wakes + 1
+        if recapture:
+            self.timings.recapture_s = recapture
+        return seconds
+
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        check_finite: bool = True,
+    ) -> int:
+        """See :meth:`kvrunner.LLM.update_weights`."""
+        self.executor.check()
+        self.state.require_weights_resident("update_weights")
+        self._require_idle("update_weights", parked_ok=True)
+        pairs = checked_pairs(weights, check_finite=check_finite)
+        with self._weight_change():
+            return self._load_pairs(pairs)
+
+    @contextlib.contextmanager
+    def push_session(self, what: str) -> Iterator[Callable[[Iterable[tuple[str, torch.Tensor]]],
+                                                          int]]:
+        """One weight update arriving in parts (``kvrunner.weight_sync``'s buckets):
+        checked as :meth:`update_weights` is, then yields a function loading one
+        part (already checked: no finiteness pass here) and returning how many
+        tensors it loaded. The parts count as one push: a failure in any part, or in
+        the caller between parts, leaves the weights ``"partial"`` (if any part
+        loaded) until a full push; the end resets the prefix cache and recaptures.
+        When a part's call returns, every rank has copied it (in process: the copies
+        are queued on the device; the caller waits for them)."""
+        self.executor.check()
+        self.state.require_weights_resident(what)
+        self._require_idle(what, parked_ok=True)
+        with self._weight_change():
+            yield self._load_pairs
+
+    def _load_pairs(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.config.parallel.tensor_parallel_size == 1:
+            return self.ranks.update_weights(pairs)[0]
+        loaded = 0
+        for bucket in weight_buckets(pairs):
+            loaded = loaded + self.ranks.update_weights(bucket)[0]
+        return loaded
+
+    def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
+        """See :meth:`kvrunner.LLM.load_weights`."""
+        self.executor.check()
+        self.state.require_weights_resident("load_weights")
+        self._require_idle("load_weights", parked_ok=True)
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
+        with self._weight_change():
+            return self.ranks.load_weights(str(path), check_finite)[0]
+
+    @contextlib.contextmanager
+    def _weight_change(self) -> Iterator[None]:
+        """Around one push: the ranks count what it loads; a failure leaves the state
+        saying which tensors are still to push; success resets and recaptures."""
+        self.ranks.begin_weight_update()
+        try:
+            yield
+        except BaseException:
+            self._note_failed_push()
+            raise
+        finished = self.ranks.finish_weight_update()
+        self._note_pending(finished[0])
+        self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        recapture = max(f.recapture_s for f in finished)
+        if recapture:
+            self.timings.recapture_s = recapture
+
+    def _note_failed_push(self) -> None:
+        state = self.state
+        try:
+            report = self.ranks.fail_weight_update()[0]
+        except Exception:  # the ranks cannot say (one died): assume the worst
+            state.weights_partial = True
+            return
+        # a refusal before anything loaded leaves the weights (and the state) as they were
+        state.weights_partial = state.weights_partial or report.partial
+        self._note_pending(report)
+        if report.partial:
+            self.engine.block_manager.reset_prefix_cache()
+
+    def _note_pending(self, report: PushReport) -> None:
+        state = self.state
+        state.weights_pending, state.weights_missing = report.pending, report.missing
+        if not state.weights_pending:
+            state.weights_partial = False
+
+    def reset_prefix_cache(self) -> int:
+        """See :meth:`kvrunner.LLM.reset_prefix_cache`."""
+        self._require_idle("reset_prefix_cache", parked_ok=True)
+        return self.engine.block_manager.reset_prefix_cache()
+
+    def recapture(self) -> float:
+        """See :meth:`kvrunner.LLM.recapture`."""
+        self.state.require_weights_resident("recapture")
+        self.state.require_kv_resident("recapture")
+        seconds = self.executor.capture()
+        self.timings.recapture_s = seconds
+        return seconds
+
+    def cache_info(self) -> CacheInfo:
+        """See :meth:`kvrunner.LLM.cache_info`."""
+        ranks = tuple(self.ranks.cache_info())
+        manager = self.engine.block_manager
+        t = self.timings
+        return CacheInfo(
+            num_blocks=manager.num_blocks,
+            block_size=self.config.cache.block_size,
+            num_state_slots=manager.num_state_slots,
+            prefix_cached_blocks=manager.pool.num_cached,
+            weights=self.state.weights_status,
+            kv_cache=self.state.kv_cache,
+            ranks=ranks,
+            last_sleep_level=t.sleep_level,
+            last_sleep_s=t.sleep_s,
+            last_wake_s=t.wake_s,
+            last_recapture_s=t.recapture_s,
+            last_freed_bytes=t.freed_bytes,
+            num_sleeps=t.sleeps,
+            num_wakes=t.wakes,
+            nonfinite_rows=self.engine.scheduler.nonfinite_rows,
+            prefix_hit_tokens=manager.prefix_hit_tokens,
+            num_free_blocks=manager.num_free_blocks,
+            num_free_state_slots=manager.num_free_state_slots,
+        )
