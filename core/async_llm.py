@@ -105,6 +105,8 @@ class AsyncLLM:
         self.tokenizer = llm.tokenizer
         self.default_sampling_params: SamplingParams = llm.default_sampling_params
         self.model_name: str = str(llm.config.model)
+        #: the dtype the ranks resolved (``bfloat16``, ``float32`` ...), read once
+        self.dtype: str = llm.executor.describe_ranks()[0]["dtype"]
         self._engine = EngineLoop(llm, owns_llm=owns_llm)
 
     # -- requests ------------------------------------------------------------------------

@@ -1,5 +1,8 @@
-"""Shared test set-up: hypothesis profiles, the ``gpu`` marker, the Triton interpreter,
-and test backends installed as real packages.
+"""Shared test set-up: hypothesis profiles, the ``gpu`` and ``slow`` markers, the Triton
+interpreter, and test backends installed as real packages.
+
+The fast tier is ``-m "not gpu and not slow"`` (a few minutes on two cores): every
+test but those :data:`SLOW` names. CI runs both tiers (``-m "not gpu"``).
 
 Profiles: ``ci`` (default, few examples, keeps CI fast) and ``thorough`` (many
 examples): ``HYPOTHESIS_PROFILE=thorough pytest``.
@@ -73,7 +76,64 @@ def minimal_installed(tmp_path_factory: pytest.TempPathFactory) -> str:
     yield from _installed(tmp_path_factory, ROOT / "examples" / "minimal_backend")
 
 
+#: The slow tier: node-id prefixes (relative to tests/) of the tests that take seconds
+#: each on two cores, by why. Each has a faster sibling in the fast tier that holds
+#: the same invariant at a smaller size, or is one of the whole-system runs below.
+SLOW: dict[str, tuple[str, ...]] = {
+    # random orders of many calls (the 50-cycle runs of test_sleep_wake.py are marked
+    # where they are parametrized; the fast tier runs 3 cycles of each level)
+    "long cycles": ("core/test_sleep_wake_state_machine.py",),
+    # several processes: spawned ranks, torchrun, a Ray cluster, signals
+    "TP, torchrun, Ray": (
+        "core/distributed/test_sleep_wake_tp.py", "core/distributed/test_tensor_parallel.py",
+        "core/distributed/test_heartbeat.py", "core/distributed/test_supervisor_interrupts.py",
+        "core/async/test_async_llm_tp.py", "core/test_interrupted_generate.py",
+        "core/test_moe_generate.py::test_two_ranks", "tbo/test_tbo_generate.py::test_two_ranks",
+        "serve/test_shutdown.py::test_tp2", "core/test_cli_usability.py::test_ctrl_c", "ray/",
+    ),
+    # whole engines on the Triton interpreter, and the kernels' interpreted sweeps
+    "interpreted kernels": (
+        "conformance/test_backends.py::test_triton_path",
+        "conformance/test_backends.py::test_with_tbo_on_top_of_the_triton_path",
+        "core/test_graph_sampling.py::test_an_engine_with_graphs_draws_what_an_eager_one_draws",
+        "core/test_graph_sampling.py::test_unseeded_draws_are_drawn_in_the_graph",
+        "paged/test_fixed_order_attention.py::test_an_engine_on_the_triton_path",
+        "paged/test_paged_decode_attention.py::test_every_split",
+        "core/layers/test_seeded_uniform.py::test_seeded_draws_follow_the_filtered_distribution",
+        "core/layers/test_skinny_gemm.py::test_a_model_decodes_the_same_greedy_tokens",
+        "core/layers/test_skinny_swiglu.py::test_a_single_sequence_decodes_the_same_greedy",
+        "gdn/test_gdn_conv.py::test_every_tile_of_the_triton_conv_prefill",
+    ),
+    # the kit against every planted defect, run whole; the fast tier keeps each check's
+    # own mutant
+    "whole-kit runs": (
+        "conformance/test_mutants.py::test_the_kit_catches_each_defect_the_runtime_audit",
+        "conformance/test_runtime_audit.py::test_an_audit_failure_is_a_backend_error_printed",
+        "tbo/test_tbo_generate.py::test_an_undeclared_mirror_is_caught_by_the_audit",
+    ),
+    # end-to-end jobs: transformers parity at batch, load, the GRPO example, the CLI job
+    "end-to-end jobs": (
+        "core/test_moe_generate.py::test_batched_greedy_matches_transformers",
+        "serve/test_load.py", "examples/test_grpo_example.py",
+        "core/test_without_triton.py::test_rollout_of_the_hybrid",
+        "core/test_rollout.py::test_perturbed_rounds_alternate",
+        "core/test_rollout.py::test_token_id_prompts_roll_out",
+        "weight_sync/test_direct_push.py::test_closing_the_sender_unmaps",
+        "weight_sync/test_direct_push.py::test_a_malformed_direct_message",
+    ),
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    prefixes = tuple(p for group in SLOW.values() for p in group)
+    tests = ROOT / "tests"
+    for item in items:
+        node = item.nodeid
+        path = item.path
+        if path.is_relative_to(tests):
+            node = str(path.relative_to(tests)) + node[len(node.split("::")[0]):]
+        if node.startswith(prefixes):
+            item.add_marker(pytest.mark.slow)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -84,6 +84,38 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+#: The tiny checkpoints' chat template: ChatML turns (``<|im_start|>role ... <|im_end|>``,
+#: written as plain text: the tiny tokenizer has no such special tokens), tools listed
+#: as JSON in a system turn, an assistant's tool calls as ``<tool_call>`` JSON lines, a
+#: tool's answer as a ``tool`` turn, and ``enable_thinking=False`` closing an empty
+#: ``<think>`` block after the generation prompt, as Qwen3's template does. Enough for
+#: every chat feature of the server to run end to end on the embedded models.
+CHAT_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Tools:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if not (tools and loop.first and message.role == 'system') %}
+<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
 # ---------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------
@@ -107,8 +139,8 @@ def _write_json(path: Path, data: dict) -> None:
 def write_tiny_checkpoint(path: str | Path, *, kind: str = "qwen3", seed: int = 0) -> Path:
     """Write a tiny random HF-format checkpoint of ``kind`` into directory ``path``.
 
-    Files: config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-    generation_config.json. The vocabulary is the tokenizer's, rounded up to a
+    Files: config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with
+    :data:`CHAT_TEMPLATE`), generation_config.json. The vocabulary is the tokenizer's, rounded up to a
     multiple of 64 (as real checkpoints pad theirs).
     """
     if kind not in TINY_KINDS:
@@ -127,7 +159,8 @@ def write_tiny_checkpoint(path: str | Path, *, kind: str = "qwen3", seed: int = 
     _write_json(
         path / "tokenizer_config.json",
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
-         "model_max_length": config.get("max_position_embeddings", 4096)},
+         "model_max_length": config.get("max_position_embeddings", 4096),
+         "chat_template": CHAT_TEMPLATE},
     )
     (path / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
     return path

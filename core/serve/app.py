@@ -19,6 +19,7 @@ from kvrunner.serve import (
     info_routes,
     metrics,
     openai_routes,
+    token_routes,
     vllm_routes,
     weight_routes,
 )
@@ -52,8 +53,8 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, *, model_path: Path | N
         chat_template=load_chat_template(path) if path is not None else None,
     )
     install_error_handlers(app)
-    for module in (openai_routes, generate_routes, control_routes, vllm_routes, weight_routes,
-                   info_routes, metrics):
+    for module in (openai_routes, token_routes, generate_routes, control_routes, vllm_routes,
+                   weight_routes, info_routes, metrics):
         app.include_router(module.router)
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)

@@ -40,18 +40,22 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except TemplateError as e:
             raise CheckpointError(origin, f"the chat template does not compile: {e}") from e
-        self._special = special
+        #: the special tokens' texts the template may name (``eos_token`` ...)
+        self.special = special
         self.origin = origin
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+               **variables: Any) -> str:
         """The prompt text; ValueError (the template's own ``raise_exception``, or a
-        template fault) when the messages do not fit it."""
+        template fault) when the messages do not fit it. ``variables`` are the
+        template's other inputs: ``tools``, and a request's ``chat_template_kwargs``
+        (Qwen3's ``enable_thinking``)."""
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self._special)
+            return self._template.render(**{**variables, **self.special},
+                                         messages=messages,
+                                         add_generation_prompt=add_generation_prompt)
         except TemplateError as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
 

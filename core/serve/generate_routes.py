@@ -21,11 +21,10 @@ from kvrunner.serve import generation, sse
 from kvrunner.serve.body import MAX_BODY_BYTES, parse_body
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.request_params import (
-    build_params,
+    Asked,
     max_new_tokens,
     refuse_unsupported,
-    stops,
-    top_k,
+    sampling_params,
 )
 from kvrunner.serve.rl_protocol import (
     BatchGenerateRequest,
@@ -37,13 +36,19 @@ from kvrunner.serve.state import ServerState, new_id
 
 router = APIRouter()
 
+#: SGLang's sampling fields kvrunner accepts at their neutral value only
 _NEUTRAL = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,
             "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None,
-            "json_schema": None, "ebnf": None, "logit_bias": None}
-_NAMES = {"max_tokens": "sampling_params.max_new_tokens", "seed": "sampling_params.sampling_seed",
-          "logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num"} | {
-    f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "stop",
-                                        "stop_token_ids", "ignore_eos", "n")}
+            "json_schema": None, "ebnf": None, "logit_bias": None,
+            "custom_params": None, "stop_regex": None, "structural_tag": None}
+#: GenerateReqInput's fields kvrunner accepts empty (or off) only: multimodal inputs,
+#: LoRA, hidden states, custom logit processors, disaggregation
+_NEUTRAL_REQUEST = {"image_data": None, "video_data": None, "audio_data": None,
+                    "lora_path": None, "lora_id": None, "return_hidden_states": False,
+                    "custom_logit_processor": None, "bootstrap_host": None,
+                    "bootstrap_port": None, "bootstrap_room": None, "input_embeds": None,
+                    "token_ids_logprob": None, "return_routed_experts": False,
+                    "data_parallel_rank": None}
 
 
 def _fields(prompt_field: str) -> dict[str, str]:
@@ -88,37 +93,29 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
             start: int | None) -> Any:
     sp: SGLangSamplingParams = body.sampling_params
     refuse_unsupported(sp, _NEUTRAL, prefix="sampling_params.")
-    settings = state.settings
-    if sp.n > settings.max_n:
-        raise APIError(400, f"sampling_params.n={sp.n} is above this server's limit of "
-                       f"{settings.max_n} samples per request (--max-n)",
-                       param="sampling_params.n")
-    if body.top_logprobs_num > settings.max_logprobs:
-        raise APIError(400, f"top_logprobs_num={body.top_logprobs_num} is above this "
-                       f"server's limit of {settings.max_logprobs} (--max-logprobs)",
-                       param="top_logprobs_num")
+    refuse_unsupported(body, _NEUTRAL_REQUEST)
     given = sp.model_fields_set
     # the engine scores a prompt position p > 0 from the logits at p - 1; SGLang's first
     # entry (at ``start``) has no logprob, so only a start before the last token needs
     # the prompt scored (which costs the prefix-cache hit: see SamplingParams)
     scored = start is not None and start < prompt_len - 1
-    values: dict[str, Any] = {
-        "max_tokens": 1 if score_only(body)
-        else max_new_tokens(sp.max_new_tokens, prompt_len, state.max_model_len),
-        "seed": sp.sampling_seed,
-        "stop": stops(sp.stop),
-        "stop_token_ids": tuple(sp.stop_token_ids) if sp.stop_token_ids else None,
-        "ignore_eos": sp.ignore_eos if "ignore_eos" in given else None,
-        "logprobs": body.top_logprobs_num if body.return_logprob else None,
-        "prompt_logprobs": body.top_logprobs_num if scored else None,
-        "n": sp.n if sp.n != 1 else None,
+    top = Asked("top_logprobs_num", body.top_logprobs_num)
+    asked = {
+        "max_tokens": Asked("sampling_params.max_new_tokens", 1 if score_only(body)
+                            else max_new_tokens(sp.max_new_tokens, prompt_len,
+                                                state.max_model_len)),
+        "seed": Asked("sampling_params.sampling_seed", sp.sampling_seed),
+        "logprobs": top if body.return_logprob else Asked(top.name),
+        "prompt_logprobs": top if scored else Asked(top.name),
+        "ignore_eos": Asked("sampling_params.ignore_eos",
+                            sp.ignore_eos if "ignore_eos" in given else None),
     }
-    for name in ("temperature", "top_p"):
-        if name in given:
-            values[name] = getattr(sp, name)
-    if "top_k" in given:
-        values["top_k"] = top_k(sp.top_k)
-    return build_params(values, _NAMES, state.engine.default_sampling_params)
+    for name in ("stop", "stop_token_ids", "n"):
+        asked[name] = Asked(f"sampling_params.{name}", getattr(sp, name))
+    for name in ("temperature", "top_p", "top_k"):
+        asked[name] = Asked(f"sampling_params.{name}",
+                            getattr(sp, name) if name in given else None)
+    return sampling_params(state, asked)
 
 
 #: the message of an abort a client or a pause asked for

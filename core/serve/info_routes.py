@@ -1,6 +1,7 @@
 """Health and what the server serves, at SGLang's paths: ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_weight_version``, ``/server_info``
-(also ``/get_server_info``). Open to every client holding the API key."""
+(also ``/get_server_info``, with vLLM's ``vllm_config`` beside SGLang's keys). Open
+to every client holding the API key."""
 
 from __future__ import annotations
 
@@ -73,12 +74,20 @@ async def get_weight_version(request: Request) -> dict[str, Any]:
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def server_info(request: Request) -> dict[str, Any]:
-    """The server's settings (not the key), the engine's and its live figures."""
+    """The server's settings (not the key), the engine's and its live figures; the
+    engine's settings again as vLLM's ``vllm_config`` (``?config_format=json`` for the
+    object, else its text, as vLLM answers)."""
     state = _state(request)
     config = state.engine.config
     stats = state.engine.stats()
     settings = state.settings
+    vllm_config = _vllm_config(state)
+    if request.query_params.get("config_format", "text") != "json":
+        vllm_config = ", ".join(f"{section}.{key}={value}"
+                                for section, values in vllm_config.items()
+                                for key, value in values.items())
     return {
+        "vllm_config": vllm_config,
         "version": __version__,
         "model_path": str(state.model_path) if state.model_path else state.model_name,
         "served_model_name": state.model_name,
@@ -100,4 +109,20 @@ async def server_info(request: Request) -> dict[str, Any]:
             "paused": bool(stats.paused), "sleep_state": stats.sleep_state,
             "last_step_s": stats.last_step_s,
         }],
+    }
+
+
+def _vllm_config(state: ServerState) -> dict[str, dict[str, Any]]:
+    """The engine's settings under the names of vLLM's config sections."""
+    config = state.engine.config
+    tp = int(config.parallel.tensor_parallel_size)
+    return {
+        "model_config": {"model": str(state.model_path or state.model_name),
+                         "served_model_name": state.model_name,
+                         "dtype": state.engine.dtype,
+                         "max_model_len": state.max_model_len, "seed": config.seed},
+        "parallel_config": {"tensor_parallel_size": tp, "pipeline_parallel_size": 1,
+                            "data_parallel_size": 1, "world_size": tp},
+        "scheduler_config": {"max_num_seqs": int(config.scheduler.max_num_seqs)},
+        "cache_config": {"block_size": int(config.cache.block_size)},
     }

@@ -2,17 +2,19 @@
 
 Strict on purpose: an unknown field, a string where a number belongs, a float
 ``max_tokens`` or a bool ``n`` is a 400 naming the field, not a silent coercion. The
-fields are OpenAI's, plus the vLLM extras RL clients send (``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``return_tokens_as_token_ids``). ``echo`` (without ``stream``) puts the
-prompt in front of the text and, with ``logprobs``, its logprobs in front of the
-completion's. Fields OpenAI defines but kvrunner
-does not implement (penalties, ``logit_bias``, ``suffix``, ``best_of``) are
-accepted at their neutral value only; see :func:`kvrunner.serve.request_params.refuse_unsupported`.
+fields are OpenAI's, plus the vLLM extras RL clients send (TRL's ``VLLMClient``,
+verifiers, prime-rl, SkyRL): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``return_tokens_as_token_ids``, ``return_token_ids``, ``prompt_logprobs``,
+``truncate_prompt_tokens``, ``chat_template_kwargs`` and the rest below. ``echo``
+(without ``stream``) puts the prompt in front of the text and, with ``logprobs``, its
+logprobs in front of the completion's. A documented field asking for what kvrunner
+does not do is accepted at its neutral value only, and otherwise a 400 naming it
+(:data:`kvrunner.serve.request_params.VLLM_NEUTRAL`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +54,30 @@ class SamplingFields(StrictModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    #: OpenAI's: key-value tags for the caller's own records; no effect on generation
+    metadata: dict[str, str] | None = None
+    # vLLM's sampling extras (neutral values only: see request_params.VLLM_NEUTRAL)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: NonNegativeInt = 0
+    allowed_token_ids: list[NonNegativeInt] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured_outputs: dict[str, Any] | None = None
+    #: vLLM's: keep only the last k prompt tokens (-1: as many as the model's length
+    #: leaves room for)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    #: vLLM's: ``prompt_token_ids`` and each choice's ``token_ids`` in the answer
+    return_token_ids: bool = False
+    #: vLLM's: each prompt token's logprob and the top-N there (``prompt_logprobs`` of
+    #: the choice, in vLLM's shape)
+    prompt_logprobs: NonNegativeInt | None = None
+    #: vLLM's request id (the answer's ``id`` keeps kvrunner's)
+    request_id: str | None = None
+    #: vLLM's scheduling priority: 0 only (kvrunner schedules first come, first served)
+    priority: int = 0
 
 
 class CompletionRequest(SamplingFields):
@@ -73,10 +99,58 @@ class TextPart(StrictModel):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An image, audio or video part: refused by name (kvrunner serves text models)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "audio_url", "video_url", "image", "file"]
+
+
+class FunctionCall(StrictModel):
+    name: str
+    #: the call's arguments as a JSON text, as OpenAI writes them
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
+    #: null for an assistant turn that only calls tools
+    content: str | list[TextPart | MediaPart] | None = None
     name: str | None = None
+    #: an assistant turn's tool calls
+    tool_calls: list[ToolCall] | None = None
+    #: a tool turn: the call it answers
+    tool_call_id: str | None = None
+    #: an assistant turn's reasoning, for templates that render it (Qwen3's)
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -90,3 +164,18 @@ class ChatCompletionRequest(SamplingFields):
     #: vLLM's extra: end the rendered prompt with the assistant's turn opening
     add_generation_prompt: bool = True
     return_tokens_as_token_ids: bool = False
+    #: rendered into the prompt by the chat template (``tools`` in the template)
+    tools: list[Tool] | None = None
+    #: "none": the tools are rendered and the caller parses any call from the text;
+    #: "auto", "required" or a named function need a server-side parser (refused)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    #: extra variables for the chat template (Qwen3's ``enable_thinking``)
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: a template for this request instead of the checkpoint's (compiled sandboxed)
+    chat_template: str | None = None
+    response_format: ResponseFormat | None = None
+    #: vLLM's: continue the last (assistant) message instead of opening a new turn
+    continue_final_message: bool = False
+    #: vLLM's: let the tokenizer add its special tokens around the rendered text
+    add_special_tokens: bool = False

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from kvrunner.serve import generation, sse
 from kvrunner.serve.body import parse_body
+from kvrunner.serve.chat_messages import render_messages
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -25,24 +26,17 @@ from kvrunner.serve.openai_protocol import (
     SamplingFields,
 )
 from kvrunner.serve.request_params import (
-    build_params,
+    Asked,
     max_new_tokens,
     refuse_unsupported,
-    stops,
-    top_k,
+    sampling_params,
+    truncated,
+    vllm_asked,
 )
 from kvrunner.serve.sse import event
 from kvrunner.serve.state import ServerState, new_id
 
 router = APIRouter()
-
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
-#: SamplingParams field -> the OpenAI body's name for it
-_NAMES = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-          "top_k": "top_k", "seed": "seed", "stop": "stop", "n": "n",
-          "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-          "logprobs": "logprobs", "prompt_logprobs": "logprobs"}
-
 
 #: words of an engine's refusal -> the field it is about (see errors.engine_error)
 _FIELDS = {"stop_token_ids": "stop_token_ids", "token id": "prompt", "prompt": "prompt"}
@@ -58,34 +52,13 @@ def _params(state: ServerState, body: SamplingFields, *, max_tokens: int | None,
             prompt_len: int, logprobs: int | None, logprobs_name: str,
             prompt_logprobs: int | None = None) -> Any:
     """The SamplingParams of one prompt of ``body`` (``prompt_logprobs``: the prompt's
-    own logprobs and top-N, for ``echo``)."""
-    settings = state.settings
-    refuse_unsupported(body, _NEUTRAL)
-    if body.n > settings.max_n:
-        raise APIError(400, f"n={body.n} is above this server's limit of {settings.max_n} "
-                       f"samples per request (--max-n)", param="n")
-    if logprobs is not None and logprobs > settings.max_logprobs:
-        raise APIError(400, f"{logprobs_name}={logprobs} is above this server's limit of "
-                       f"{settings.max_logprobs} (--max-logprobs)", param=logprobs_name)
-    given = body.model_fields_set
-    values: dict[str, Any] = {
-        "max_tokens": max_new_tokens(max_tokens, prompt_len, state.max_model_len),
-        "seed": body.seed,
-        "stop": stops(body.stop),
-        "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
-        "ignore_eos": body.ignore_eos if "ignore_eos" in given else None,
-        "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs,
-        "n": body.n if body.n != 1 else None,
-    }
-    # unset sampling fields keep the engine's defaults (the checkpoint's generation_config)
-    for name in ("temperature", "top_p"):
-        if name in given:
-            values[name] = getattr(body, name)
-    if "top_k" in given:
-        values["top_k"] = top_k(body.top_k)
-    names = dict(_NAMES, logprobs=logprobs_name)
-    return build_params(values, names, state.engine.default_sampling_params)
+    own logprobs and top-N, for ``echo``; else the body's own ``prompt_logprobs``)."""
+    asked = vllm_asked(
+        body, max_tokens=max_new_tokens(max_tokens, prompt_len, state.max_model_len),
+        logprobs=Asked(logprobs_name, logprobs),
+        prompt_logprobs=None if prompt_logprobs is None
+        else Asked("logprobs", prompt_logprobs))
+    return sampling_params(state, asked)
 
 
 def _token_text(state: ServerState, token_id: int, as_ids: bool) -> str:
@@ -105,15 +78,53 @@ def _completion_logprobs(state: ServerState, token_ids: list[int],
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
+    # vLLM's shape: at every scored position the sampled token's own entry, then the
+    # top-N (up to N + 1 entries; ``logprobs=0`` gives the sampled token's alone)
+    top_logprobs = []
+    for i, (token, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        if lp is None:
+            top_logprobs.append(None)
+            continue
+        entry = {tokens[i]: _finite(lp)}
+        for t, value in ((tops[i] if tops else None) or {}).items():
+            if t != token:
+                entry[_token_text(state, t, as_ids)] = _finite(value)
+        top_logprobs.append(entry)
     return {
         "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": None if tops is None else [
-            None if top is None else {_token_text(state, t, as_ids): lp for t, lp in top.items()}
-            for top in tops
-        ],
+        "token_logprobs": [None if lp is None else _finite(lp) for lp in logprobs],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def _finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf is vLLM's (and OpenAI's) -9999.0."""
+    return max(logprob, -9999.0)
+
+
+def _prompt_logprobs(state: ServerState, prompt: list[int], out: Any) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per position a
+    ``{token_id: {logprob, rank, decoded_token}}`` of the prompt token and the top-N
+    there (rank 1 is the likeliest)."""
+    scored = getattr(out, "prompt_logprobs", None)
+    if scored is None:
+        return None
+    tops = getattr(out, "prompt_top_logprobs", None) or [None] * len(scored)
+    ranks = getattr(out, "prompt_ranks", None) or [None] * len(scored)
+    answer: list[Any] = [None]
+    for p in range(1, min(len(prompt), len(scored))):
+        token, lp = prompt[p], scored[p]
+        top = list((tops[p] or {}).items())
+        rank = ranks[p] if ranks[p] is not None else next(
+            (r for r, (t, _) in enumerate(top, start=1) if t == token), None)
+        entry = {str(token): {"logprob": _finite(lp), "rank": rank,
+                              "decoded_token": state.decode([token])}}
+        for r, (t, value) in enumerate(top, start=1):
+            entry.setdefault(str(t), {"logprob": _finite(value), "rank": r,
+                                      "decoded_token": state.decode([t])})
+        answer.append(entry)
+    return answer
 
 
 def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list[float] | None,
@@ -124,7 +135,7 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list[floa
 
     def entry(token_id: int, lp: float) -> dict[str, Any]:
         text = _token_text(state, token_id, as_ids)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode())}
 
     content = []
     for i, (t, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
@@ -139,13 +150,18 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
-    """The completion body's prompt as a list of token-id prompts."""
+def _prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    """The completion body's prompt as a list of token-id prompts, each truncated as
+    ``truncate_prompt_tokens`` asks."""
+    prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [state.token_ids(prompt, param="prompt")]
-    if not prompt:
+        prompts = [state.token_ids(prompt, param="prompt")]
+    elif not prompt:
         raise APIError(400, "prompt is an empty list", param="prompt")
-    return [state.token_ids(p, param=f"prompt.{i}") for i, p in enumerate(prompt)]
+    else:
+        prompts = [state.token_ids(p, param=f"prompt.{i}") for i, p in enumerate(prompt)]
+    return [truncated(ids, body.truncate_prompt_tokens, state.max_model_len)
+            for ids in prompts]
 
 
 @router.post("/v1/completions")
@@ -164,10 +180,10 @@ async def completions(request: Request) -> Any:
         raise APIError(400, "echo needs the prompt's text, and the model has no tokenizer",
                        param="echo")
     state.admission.require_open()
-    prompts = _prompts(state, body.prompt)
+    prompts = _prompts(state, body)
     # echo with logprobs scores the prompt too (SamplingParams.prompt_logprobs, computed in
     # the prefill; such a request recomputes its prompt instead of taking a prefix hit)
-    scored = body.logprobs if body.echo else None
+    scored = body.logprobs if body.echo and body.logprobs is not None else None
     jobs = [(ids, _params(state, body, max_tokens=body.max_tokens, prompt_len=len(ids),
                           logprobs=body.logprobs, logprobs_name="logprobs",
                           prompt_logprobs=scored))
@@ -192,13 +208,19 @@ async def completions(request: Request) -> Any:
                                             offset=len(echoed))
             if body.echo and logprobs is not None:
                 logprobs = _echoed_logprobs(state, ids, out, logprobs, as_ids=as_ids)
-            choices.append({
+            choice = {
                 "index": len(choices),
                 "text": echoed + out.text,
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason,
                 "stop_reason": getattr(out, "stop_reason", None),
-            })
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs(state, ids, out)
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = list(ids)
+                choice["token_ids"] = list(out.token_ids)
+            choices.append(choice)
             completion_tokens += len(out.token_ids)
     return JSONResponse(dict(head, choices=choices,
                              usage=_usage(sum(len(p) for p in prompts), completion_tokens)))
@@ -241,28 +263,34 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
         yield item
 
 
+def _check_chat_features(body: ChatCompletionRequest) -> None:
+    """A 400 naming what the request asks that needs a server-side parser or grammar."""
+    choice = body.tool_choice
+    if body.tools and choice is None:
+        choice = "auto"  # OpenAI's default when tools are given
+    if choice is not None and choice != "none":
+        asked = choice if isinstance(choice, str) else f"the function {choice.function}"
+        raise APIError(400, f"tool_choice={asked!r} needs a server-side tool-call parser, which "
+                       f"kvrunner does not have yet; send tool_choice='none' to render the "
+                       f"tools into the prompt and parse the calls from the text",
+                       param="tool_choice")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"response_format {body.response_format.type!r} (structured "
+                       f"output) is not supported by kvrunner", param="response_format")
+    if body.continue_final_message:
+        raise APIError(400, "continue_final_message is not supported by kvrunner",
+                       param="continue_final_message")
+
+
 def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    template = state.chat_template
-    if template is None:
-        raise APIError(400, f"the model {state.model_name!r} has no chat template (no "
-                       f"chat_template in its tokenizer_config.json, no chat_template.jinja); "
-                       f"use /v1/completions with a prompt instead", param="messages")
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "the model has no tokenizer, so chat messages cannot be "
-                       "tokenized; use /v1/completions with token ids", param="messages")
-    messages = []
-    for m in body.messages:
-        content = m.content if isinstance(m.content, str) else "".join(
-            p.text for p in m.content)
-        messages.append({"role": m.role, "content": content}
-                        | ({"name": m.name} if m.name else {}))
-    try:
-        text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    # the template writes the special tokens itself: none are added again
-    ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+    _check_chat_features(body)
+    text = render_messages(state, body.messages, tools=body.tools,
+                           add_generation_prompt=body.add_generation_prompt,
+                           template_kwargs=body.chat_template_kwargs,
+                           template_source=body.chat_template)
+    # the template writes the special tokens itself: none are added again unless asked
+    ids = list(state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids)
+    ids = truncated(ids, body.truncate_prompt_tokens, state.max_model_len)
     if not ids:
         raise APIError(400, "the messages render to an empty prompt", param="messages")
     return ids
@@ -299,12 +327,18 @@ async def chat_completions(request: Request) -> Any:
                                    as_ids=as_ids),
         "finish_reason": out.finish_reason,
         "stop_reason": getattr(out, "stop_reason", None),
-    } for k, out in enumerate(outs)]
-    return JSONResponse({
+    } | ({"token_ids": list(out.token_ids)} if body.return_token_ids else {})
+        for k, out in enumerate(outs)]
+    answer = {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
         "choices": choices,
         "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs)),
-    })
+    }
+    if body.return_token_ids:
+        answer["prompt_token_ids"] = list(ids)
+    if body.prompt_logprobs is not None:
+        answer["prompt_logprobs"] = _prompt_logprobs(state, ids, outs[0])
+    return JSONResponse(answer)
 
 
 async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],

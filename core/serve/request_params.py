@@ -1,9 +1,14 @@
-"""From a route's body to the engine's :class:`~kvrunner.SamplingParams`.
+"""From a route's body to the engine's :class:`~kvrunner.SamplingParams`: one mapper for
+every route family.
 
-A field the body leaves out takes the engine's default (the checkpoint's
-``generation_config.json``, as vLLM does), not the protocol's; a field the body sets is
-checked by ``SamplingParams`` itself, and its error is re-labelled with the name the
-client used (``sampling_params.max_new_tokens``, not ``SamplingParams.max_tokens``).
+Each family names the engine's fields its own way (vLLM's ``max_tokens``, SGLang's
+``sampling_params.max_new_tokens``); a route hands :func:`sampling_params` each
+engine field as a :class:`Asked` (the client's name and value), and gets one
+``SamplingParams`` checked once, by ``SamplingParams`` itself, with its error
+re-labelled with the name the client used. A field the body leaves out takes the
+engine's default (the checkpoint's ``generation_config.json``, as vLLM does), not the
+protocol's. A documented field asking for what kvrunner does not do is refused by
+name unless it holds its neutral value (:func:`refuse_unsupported`).
 """
 
 from __future__ import annotations
@@ -13,19 +18,41 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from pydantic import BaseModel
 
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.serve.errors import APIError
+from kvrunner.serve.state import ServerState
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
+#: the vLLM family's fields kvrunner accepts at their neutral value only (completions,
+#: chat completions, /inference/v1/generate): field -> the one value it may hold
+VLLM_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "min_tokens": 0, "logit_bias": None, "allowed_token_ids": None,
+    "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "structured_outputs": None, "priority": 0,
+}
 
-def refuse_unsupported(body: BaseModel, neutral: Mapping[str, Any], *, prefix: str = "") -> None:
+
+@attrs.frozen
+class Asked:
+    """One engine sampling field as the client gave it: its name in the client's
+    protocol (errors name it) and its value (None: not set, the engine's default
+    stands)."""
+
+    name: str
+    value: Any = None
+
+
+def refuse_unsupported(body: Any, neutral: Mapping[str, Any], *, prefix: str = "") -> None:
     """A 400 for the first field of ``neutral`` the body sets to anything else: a client
-    asking for a repetition penalty must not silently get none."""
+    asking for a repetition penalty must not silently get none. An empty list or dict
+    is the neutral value of a field whose neutral value is None."""
     for name, value in neutral.items():
+        if not hasattr(body, name):
+            continue
         got = getattr(body, name)
         if got != value and not (value is None and got in ({}, [])):
             raise APIError(
@@ -34,23 +61,57 @@ def refuse_unsupported(body: BaseModel, neutral: Mapping[str, Any], *, prefix: s
             )
 
 
+def sampling_params(state: ServerState, asked: Mapping[str, Asked]) -> SamplingParams:
+    """The ``SamplingParams`` of one request: ``asked`` maps each engine field the route
+    speaks of to what the client gave, over the engine's defaults.
+
+    Applies the server's limits (``--max-n``, ``--max-logprobs``) and the protocols'
+    shared spellings: a negative ``top_k`` is off (0), a ``stop`` string is one stop,
+    an empty stop list or ``stop_token_ids`` list is none, ``n`` 1 is the default.
+    """
+    settings = state.settings
+    values: dict[str, Any] = {}
+    for field, given in asked.items():
+        value = given.value
+        if value is None:
+            continue
+        if field == "n":
+            if value > settings.max_n:
+                raise APIError(400, f"{given.name}={value} is above this server's limit of "
+                               f"{settings.max_n} samples per request (--max-n)",
+                               param=given.name)
+            if value == 1:
+                continue
+        elif field in ("logprobs", "prompt_logprobs") and value > settings.max_logprobs:
+            raise APIError(400, f"{given.name}={value} is above this server's limit of "
+                           f"{settings.max_logprobs} (--max-logprobs)", param=given.name)
+        elif field == "top_k":
+            value = max(0, value)
+        elif field == "stop":
+            if value in ("", []):
+                continue
+            value = (value,) if isinstance(value, str) else tuple(value)
+        elif field == "stop_token_ids":
+            if not value:
+                continue
+            value = tuple(value)
+        values[field] = value
+    names = {field: given.name for field, given in asked.items()}
+    return build_params(values, names, state.engine.default_sampling_params)
+
+
 def build_params(
     values: Mapping[str, Any], names: Mapping[str, str], defaults: SamplingParams
 ) -> SamplingParams:
     """``SamplingParams(**values)`` over ``defaults``; ``names`` maps each of its fields to
-    the client's name for it, for the error.
-
-    ``values`` holds only what the client set (None entries are dropped). ``n`` and
-    ``stop`` need a ``SamplingParams`` that has them.
-    """
+    the client's name for it, for the error."""
     known = attrs.fields_dict(SamplingParams)
-    given = {k: v for k, v in values.items() if v is not None}
-    for name in given:
+    for name in values:
         if name not in known:
             raise APIError(400, f"{names.get(name, name)} is not supported by this kvrunner",
                            param=names.get(name, name))
     try:
-        return attrs.evolve(defaults, **given)
+        return attrs.evolve(defaults, **values)
     except RequestError as e:
         match = _FIELD.search(str(e))
         field = names.get(match.group(1), match.group(1)) if match else None
@@ -65,17 +126,32 @@ def max_new_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> in
     return max(1, max_model_len - prompt_len)
 
 
-def top_k(value: int) -> int:
-    """OpenAI/vLLM's -1 and SGLang's -1 are kvrunner's 0 (off)."""
-    return 0 if value < 0 else value
+def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked,
+               prompt_logprobs: Asked | None = None) -> dict[str, Asked]:
+    """The engine fields of a vLLM-family body (completions, chat completions, the
+    ``sampling_params`` of ``/inference/v1/generate``): every shared field by its vLLM
+    name, the sampling fields only where the client set them."""
+    refuse_unsupported(body, VLLM_NEUTRAL)
+    given = body.model_fields_set
+    asked = {
+        "max_tokens": Asked("max_tokens", max_tokens),
+        "seed": Asked("seed", body.seed),
+        "stop": Asked("stop", body.stop),
+        "stop_token_ids": Asked("stop_token_ids", body.stop_token_ids),
+        "ignore_eos": Asked("ignore_eos", body.ignore_eos if "ignore_eos" in given else None),
+        "n": Asked("n", body.n),
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs or Asked("prompt_logprobs", body.prompt_logprobs),
+    }
+    for name in ("temperature", "top_p", "top_k"):
+        asked[name] = Asked(name, getattr(body, name) if name in given else None)
+    return asked
 
 
-def stops(value: str | list[str] | None) -> tuple[str, ...] | None:
-    if value is None or value == []:
-        return None
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def set_fields(body: BaseModel) -> set[str]:
-    """The fields the client's JSON set (defaults left out)."""
-    return set(body.model_fields_set)
+def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the
+    most the model's length holds with one token to generate); None keeps it whole."""
+    if keep is None:
+        return prompt
+    keep = max_model_len - 1 if keep == -1 else keep
+    return prompt[-keep:] if keep else []

@@ -2,12 +2,13 @@
 
 A slime- or AReaL-style client sends these unchanged. Fields SGLang has that kvrunner
 does not implement are accepted at their neutral value only (a grammar, a penalty, a
-minimum length); anything unknown is a 400 naming it.
+minimum length, empty multimodal inputs such as AReaL's ``image_data: []``, no LoRA);
+anything unknown is a 400 naming it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
@@ -39,7 +40,10 @@ class SGLangSamplingParams(StrictModel):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
+    stop_regex: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
 
 
 class GenerateRequest(StrictModel):
@@ -60,6 +64,25 @@ class GenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     rid: str | None = None
     stream: bool = False
+    # GenerateReqInput's other fields: accepted empty or off only (see generate_routes)
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    input_embeds: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: bool = False
+    return_routed_experts: bool = False
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    data_parallel_rank: int | None = None
+    #: SGLang's scheduling priority and log options: no effect here
+    priority: int | None = None
+    log_metrics: bool = True
+    background: bool = False
 
 
 def _one_or_list(value: object) -> str:

@@ -5,7 +5,7 @@
     POST /sleep?level=1
     POST /wake_up?tags=weights&tags=kv_cache
     POST /reset_prefix_cache
-    GET  /is_sleeping, GET /is_paused
+    GET  /is_sleeping, GET /is_paused, GET /get_world_size
 
 The state-changing ones answer 403 unless ``--enable-rl-endpoints``; the two reads
 are open.
@@ -130,6 +130,14 @@ async def is_sleeping_route(request: Request) -> dict[str, bool]:
 @router.get("/is_paused")
 async def is_paused(request: Request) -> dict[str, bool]:
     return {"is_paused": bool(_state(request).engine.is_paused)}
+
+
+@router.get("/get_world_size")
+async def get_world_size(request: Request) -> dict[str, int]:
+    """The engine's ranks (tensor parallel; kvrunner has no data or pipeline parallelism,
+    so vLLM's ``include_dp`` changes nothing)."""
+    _query(request, ("include_dp",))
+    return {"world_size": int(_state(request).engine.config.parallel.tensor_parallel_size)}
 
 
 router.include_router(control)

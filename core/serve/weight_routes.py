@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from kvrunner.errors import KvrunnerError
 from kvrunner.serve.auth import require_rl_endpoints
@@ -93,11 +93,20 @@ async def weights_checksum(request: Request) -> JSONResponse:
     return JSONResponse({"success": True, "checksums": digests})
 
 
+def _port_number(value: Any) -> Any:
+    """A port given as decimal text is the number (other values pass unchanged, for the
+    field's own checks to name)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
+
+
 class InitWeightsUpdateGroupRequest(StrictModel):
     """``POST /init_weights_update_group`` (SGLang's fields)."""
 
     master_address: Annotated[str, Field(min_length=1)]
-    master_port: Annotated[int, Field(gt=0, lt=65536)]
+    #: an int, or its decimal text (SGLang coerces it: AReaL and slime send a string)
+    master_port: Annotated[int, BeforeValidator(_port_number), Field(gt=0, lt=65536)]
     rank_offset: Annotated[int, Field(ge=1)]
     world_size: Annotated[int, Field(ge=2)]
     group_name: str = "kvrunner_weights"

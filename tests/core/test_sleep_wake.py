@@ -57,16 +57,17 @@ def expected(checkpoints) -> dict[str, list[list[int]]]:
     return {path: tokens(LLM(model=path, **SETTINGS)) for path in checkpoints}
 
 
+@pytest.mark.parametrize("cycles", [3, pytest.param(CYCLES, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "level, discard", [(1, False), (2, False), (2, True)], ids=["level1", "level2", "discard"]
 )
 def test_many_cycles_serve_what_a_never_slept_engine_serves(
-    checkpoints, expected, level, discard
+    checkpoints, expected, level, discard, cycles
 ) -> None:
     path = checkpoints[0]
     llm = LLM(model=path, **SETTINGS)
     start = llm.cache_info()
-    for cycle in range(CYCLES):
+    for cycle in range(cycles):
         llm.sleep(level, discard_weights=discard)
         asleep = llm.cache_info()
         assert not asleep.ranks[0].kv_resident and llm.runner.cache.pools == {}

@@ -124,3 +124,27 @@ def test_messages_the_template_refuses_are_a_400_naming_messages(chat_server,
     error = response.json()["error"]
     assert error["param"] == "messages"
     assert "only user and assistant turns, got tool" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory, serve_home) -> Iterator[ServeProcess]:
+    """A server of a checkpoint whose tokenizer_config.json has no chat template."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("plain") / "m", seed=0)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    server = start_server(tmp_path_factory.mktemp("plain_logs"), serve_home, "plain", [],
+                          api_key=API_KEY, model=str(path)).wait_ready()
+    yield server
+    assert server.stop() == 0
+
+
+def test_chat_on_a_checkpoint_without_a_template_is_a_clear_400(plain_server) -> None:
+    with plain_server.client() as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        response = client.post("/v1/chat/completions", json={
+            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "chat template" in error["message"]

@@ -18,6 +18,16 @@ def client(server) -> openai.OpenAI:
                          timeout=120)
 
 
+def _vllm_top(token: int, logprob: float, top: dict[int, float]) -> dict[int, float]:
+    """vLLM's ``top_logprobs`` entry at a position: the token's own logprob first, then
+    the top-N (the token once, where it is among them)."""
+    return {token: logprob} | {t: v for t, v in top.items() if t != token}
+
+
+def _keyed(entry: dict[str, float]) -> dict[int, float]:
+    return {int(k.split(":")[1]): v for k, v in entry.items()}
+
+
 def _ids(tokens: list[str]) -> list[int]:
     assert all(t.startswith("token_id:") for t in tokens), tokens
     return [int(t.split(":", 1)[1]) for t in tokens]
@@ -37,8 +47,10 @@ def test_completion_equals_in_process_generate(client, reference_llm, prompt) ->
     assert _ids(choice.logprobs.tokens) == ref.token_ids
     assert choice.text == ref.text
     assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5)
-    for got, want in zip(choice.logprobs.top_logprobs, ref.top_logprobs, strict=True):
-        assert {int(k.split(":")[1]): v for k, v in got.items()} == pytest.approx(want, abs=1e-5)
+    for got, token, lp, want in zip(choice.logprobs.top_logprobs, ref.token_ids, ref.logprobs,
+                                    ref.top_logprobs, strict=True):
+        assert list(_keyed(got)) == list(_vllm_top(token, lp, want))  # the token first
+        assert _keyed(got) == pytest.approx(_vllm_top(token, lp, want), abs=1e-5)
     assert choice.finish_reason == ref.finish_reason == "length"
     assert response.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert response.usage.completion_tokens == len(ref.token_ids) == 6
@@ -84,12 +96,15 @@ def test_models_lists_the_served_model(client) -> None:
         client.models.retrieve("no-such-model")
 
 
-def test_chat_without_a_template_is_a_clear_400(client) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                                                "content": "hi"}])
-    error = caught.value.body
-    assert error["param"] == "messages" and "chat template" in error["message"]
+def test_the_embedded_model_chats_out_of_the_box(client, reference_llm) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0.0, extra_body={"return_token_ids": True})
+    prompt = response.model_extra["prompt_token_ids"]
+    text = reference_llm.tokenizer.decode(prompt, skip_special_tokens=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ref = reference_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert response.choices[0].message.content == ref.text
 
 
 def test_a_wrong_model_name_is_404_naming_model(client) -> None:
@@ -118,8 +133,9 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front(client, reference_llm) -
     assert choice.logprobs.token_logprobs[n:] == pytest.approx(ref.logprobs, abs=1e-5)
     tops = choice.logprobs.top_logprobs
     assert tops[0] is None and len(tops) == n + 4
-    for got, want in zip(tops[1:n], ref.prompt_top_logprobs[1:], strict=True):
-        assert {int(k.split(":")[1]): v for k, v in got.items()} == pytest.approx(want, abs=1e-5)
+    for got, token, lp, want in zip(tops[1:n], ref.prompt_token_ids[1:], ref.prompt_logprobs[1:],
+                                    ref.prompt_top_logprobs[1:], strict=True):
+        assert _keyed(got) == pytest.approx(_vllm_top(token, lp, want), abs=1e-5)
     assert response.usage.completion_tokens == 4
 
 
