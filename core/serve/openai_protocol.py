@@ -132,6 +132,10 @@ class ChatMessage(StrictModel):
 
 
 class FunctionDefinition(StrictModel):
+    """A tool's function, as the template renders it: other keys a client's schema
+    writer adds (transformers' ``get_json_schema`` adds ``return``) are kept for it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None

@@ -41,12 +41,12 @@ def registered():
 def test_paged_keeps_its_batch_invariance_promise() -> None:
     (target,) = Target.of("paged")
     assert target.batch_invariant
-    run_check(target, CHECK, max_examples=6)
+    assert 1 <= run_check(target, CHECK, max_examples=6) <= 6
 
 
 def test_paged_keeps_it_with_tbo_cutting_every_step() -> None:
     (target,) = Target.of("paged", overlap="tbo")
-    run_check(target, CHECK, max_examples=3)
+    assert 1 <= run_check(target, CHECK, max_examples=3) <= 3
 
 
 def test_a_crowded_small_pool_mix_preempts_and_hits_the_prefix_cache() -> None:
@@ -89,4 +89,4 @@ def test_a_backend_that_does_not_claim_it_is_not_held_to_it(capsys) -> None:
 @pytest.mark.gpu
 def test_paged_keeps_it_on_the_cuda_path() -> None:
     (target,) = Target.of("paged", use_triton=True, device="cuda")
-    run_check(target, CHECK, max_examples=12)
+    assert 1 <= run_check(target, CHECK, max_examples=12) <= 12

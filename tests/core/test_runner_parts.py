@@ -78,7 +78,11 @@ def test_blanking_fills_every_target_with_its_own_pad() -> None:
 def test_audit_passes_untouched_pools_even_holding_nan() -> None:
     pool = torch.randn(3, 4)
     pool[1, 2] = float("nan")
-    PoolSnapshot({"p": pool}).require_unchanged(batch_size=1, blanked=[])
+    snapshot = PoolSnapshot({"p": pool})
+    assert snapshot.require_unchanged(batch_size=1, blanked=[]) is None  # no error raised
+    pool[1, 2] = 0.0  # the same snapshot sees a change: the pass above was not vacuous
+    with pytest.raises(CaptureAuditError):
+        snapshot.require_unchanged(batch_size=1, blanked=[])
 
 
 @pytest.mark.parametrize("change", ["value", "nan", "negative_zero"])

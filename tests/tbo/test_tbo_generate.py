@@ -98,16 +98,18 @@ def test_sleep_and_wake_with_overlap_lose_nothing() -> None:
         assert sum(splits) > 0
 
 
-def _serve_then_recapture(**capture) -> None:
+def _serve_then_recapture(**capture) -> int:
+    """Serve a batch, then recapture under the audit; the graphs captured."""
     prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14], [15, 16]]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with LLM("tiny-qwen3", overlap="tbo", audit=True, **EAGER_SPLIT, **SMALL, **capture) as llm:
         llm.generate(prompts, params)  # the mirrors now hold a served batch's slots
-        llm.recapture()
+        llm.recapture()  # raises CaptureAuditError if any capture wrote a pool byte
+        return len(llm.runner.graph_capture.graphs)
 
 
 def test_a_capture_after_serving_writes_nothing_through_the_mirrors() -> None:
-    _serve_then_recapture()  # the audit passes
+    assert _serve_then_recapture() == 2  # sizes 2 and 4 recaptured, the audit passed
 
 
 def test_without_blanking_the_mirrors_a_served_batch_is_overwritten() -> None:

@@ -71,10 +71,12 @@ def not_run_because(target: Target, check: str) -> str | None:
     return None
 
 
-def run_check(target: Target, check: str, *, max_examples: int = 8) -> None:
-    """Run one check over ``max_examples`` hypothesis cases; raises on the first failure
-    (shrunk to a minimal case). ``ValueError`` when the check does not apply to the
-    target (:func:`not_run_because` says why)."""
+def run_check(target: Target, check: str, *, max_examples: int = 8) -> int:
+    """Run one check over up to ``max_examples`` hypothesis cases; raises on the first
+    failure (shrunk to a minimal case). Returns the number of cases that ran and
+    passed (at least one: a check that ran none proves nothing, and raises).
+    ``ValueError`` when the check does not apply to the target (:func:`not_run_because`
+    says why)."""
     fn = CHECKS[check]
     reason = not_run_because(target, check)
     if reason is not None:
@@ -86,22 +88,30 @@ def run_check(target: Target, check: str, *, max_examples: int = 8) -> None:
         max_examples=max_examples, deadline=None, database=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], phases=phases,
     )  # fmt: skip
+    passed = 0
     if check in ENGINE_CHECKS:
 
         @checked
         @given(case=probe_cases())
         def run_engine(case: ProbeCase) -> None:
+            nonlocal passed
             fn(target, case)
+            passed += 1
 
         run_engine()
-        return
+    else:
 
-    @checked
-    @given(case=step_cases(decode=True if check in DECODE_ONLY else None))
-    def run(case: StepCase) -> None:
-        fn(Rig(target, seed=case.seed), case)
+        @checked
+        @given(case=step_cases(decode=True if check in DECODE_ONLY else None))
+        def run(case: StepCase) -> None:
+            nonlocal passed
+            fn(Rig(target, seed=case.seed), case)
+            passed += 1
 
-    run()
+        run()
+    if passed == 0:
+        raise RuntimeError(f"the check {check!r} ran no case on {target.name!r}")
+    return passed
 
 
 def conformance_suite(
