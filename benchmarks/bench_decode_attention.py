@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
-from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-from kvrunner_paged.kernels.store_kv import store_kv
+from kvrunner_paged.ops.paged_attention.decode import choose_num_splits, paged_decode_attention
+from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
+from kvrunner_paged.ops.store_kv.store import store_kv
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 CASES = [(64, 4096, 1.10), (256, 1024, 1.10), (8, 32768, 1.20)]
@@ -63,11 +65,13 @@ def small_batch_us(batch: int, ctx: int, splits: int) -> float:
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(CALLS, batch, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    inputs = [PagedAttentionInputs(q=q[i], k_cache=k_cache, v_cache=v_cache,
+                                   block_tables=tables[i * batch:(i + 1) * batch],
+                                   context_lens=lens, scale=D**-0.5) for i in range(CALLS)]
 
     def calls() -> None:
         for i in range(CALLS):
-            paged_decode_attention(q[i], k_cache, v_cache, tables[i * batch:(i + 1) * batch],
-                                   lens, D**-0.5, num_splits=splits, out=out[i])
+            paged_decode_attention(inputs=inputs[i], num_splits=splits, out=out[i])
 
     return graphed_us(calls)
 
@@ -98,14 +102,14 @@ def store_and_attend_us(batch: int, ctx: int, fused: bool, num_sms: int) -> floa
     def calls() -> None:
         for i in range(CALLS):
             k, v = kv[i, :, :HKV], kv[i, :, HKV:]
-            table = tables[i * batch:(i + 1) * batch]
+            inputs = PagedAttentionInputs(q=q[i], k_cache=k_cache, v_cache=v_cache,
+                                          block_tables=tables[i * batch:(i + 1) * batch],
+                                          context_lens=lens, scale=D**-0.5)
             if fused:
-                paged_decode_attention(q[i], k_cache, v_cache, table, lens, D**-0.5,
-                                       num_splits=splits, out=out[i], new_kv=(k, v, slots[i]))
+                inputs = attrs.evolve(inputs, new_kv=NewKV(k=k, v=v, slot_mapping=slots[i]))
             else:
-                store_kv(k, v, k_cache, v_cache, slots[i])
-                paged_decode_attention(q[i], k_cache, v_cache, table, lens, D**-0.5,
-                                       num_splits=splits, out=out[i])
+                store_kv(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots[i])
+            paged_decode_attention(inputs=inputs, num_splits=splits, out=out[i])
 
     return graphed_us(calls)
 
@@ -139,11 +143,11 @@ def run_case(batch: int, ctx: int, num_sms: int) -> dict:
     scale = D**-0.5
     splits = choose_num_splits(batch, HKV, ctx, num_sms)
     out = torch.empty_like(q)
+    inputs = PagedAttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                                  context_lens=lens, scale=scale)
 
     def ours() -> torch.Tensor:
-        return paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, scale, num_splits=splits, out=out
-        )
+        return paged_decode_attention(inputs=inputs, num_splits=splits, out=out)
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)

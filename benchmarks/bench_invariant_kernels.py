@@ -8,16 +8,16 @@ distinct weights (the weights are read from HBM, as in a decode step). Every
 candidate's output at every row count is compared bit for bit with the default's:
 ``same`` marks launches that share its bits, so any of them may serve any row count.
 
-**Fixed-order attention** (``kernels/fixed_order.py``, deterministic mode's attention
-for every token). Candidate launches ``block_m/block_n/warps/stages`` timed in the walk
-layout on decode steps (batch 1, 64, 256 at contexts of 384 and 1,280; batch 1 and 8 at
-8,192) and on a prefill of 16 x 1,024, beside the default mode's kernels (the split-KV
-decode kernel, the prefill launch), and the mode's launch in the split-programs
-layout on the decode steps. Then whether the two layouts give decode rows the same
-bits, and, for each candidate run on decode rows, the candidates whose prefill gives
-those rows the same bits (a whole prompt and a chunk after a cached prefix, across a
-split's end): deterministic mode may attend decode rows with one launch and prompts
-with another only where they agree.
+**Fixed-order attention** (``ops/paged_attention/fixed_order.py``, deterministic mode's
+attention for every token). Candidate launches ``block_m/block_n/warps/stages`` timed in
+the walk layout on decode steps (batch 1, 64, 256 at contexts of 384 and 1,280; batch 1
+and 8 at 8,192) and on a prefill of 16 x 1,024, beside the default mode's kernels (the
+split-KV decode kernel, the prefill launch), and the mode's launch in the split-programs
+layout on the decode steps. Then whether the two layouts give decode rows the same bits,
+and, for each candidate run on decode rows, the candidates whose prefill gives those
+rows the same bits (a whole prompt and a chunk after a cached prefix, across a split's
+end): deterministic mode may attend decode rows with one launch and prompts with another
+only where they agree.
 
     python benchmarks/bench_invariant_kernels.py [--gemm-only | --attention-only]
 """
@@ -37,13 +37,14 @@ from kvrunner.layers.fused.invariant_gemm_triton import (
     invariant_launch,
     invariant_reduction,
 )
-from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-from kvrunner_paged.kernels.fixed_order import (
+from kvrunner_paged.ops.paged_attention.decode import choose_num_splits, paged_decode_attention
+from kvrunner_paged.ops.paged_attention.fixed_order import (
     KEY_SPLIT,
     fixed_order_attention,
     use_split_programs,
 )
-from kvrunner_paged.kernels.prefill import PrefillLaunch, paged_prefill_attention
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.prefill import PrefillLaunch, paged_prefill_attention
 
 #: (projection, N, K) of one Qwen3-0.6B layer, and its LM head
 GEMM_SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
@@ -146,8 +147,10 @@ def attend(q, k, v, tables, starts, lens, seqs, longest, launch, split=False) ->
     """Deterministic mode's attention under ``launch`` in the walk layout, or in the
     split-programs layout (decode rows)."""
     bm, bn, warps, stages = launch
-    return fixed_order_attention(q, k, v, tables, starts, lens, D**-0.5, num_seqs=seqs,
-                                 max_query_len=longest, max_context_len=MAX_CONTEXT,
+    inputs = PagedAttentionInputs(q=q, k_cache=k, v_cache=v, block_tables=tables,
+                                  query_start_loc=starts, context_lens=lens, scale=D**-0.5,
+                                  num_seqs=seqs, max_query_len=longest)
+    return fixed_order_attention(inputs=inputs, max_context_len=MAX_CONTEXT,
                                  split_programs=split,
                                  launch=PrefillLaunch(bm, bn, warps, stages, "tf32"))
 
@@ -179,14 +182,15 @@ def attention_table() -> None:
 
     def default(case) -> float:
         pools, q, starts, lens, seqs, longest = case
+        inputs = [PagedAttentionInputs(q=q, k_cache=k, v_cache=v, block_tables=tables,
+                                       query_start_loc=starts, context_lens=lens, scale=D**-0.5,
+                                       num_seqs=seqs, max_query_len=longest)
+                  for tables, k, v in pools]
         if longest > 1:
-            return graphed_us(lambda i: paged_prefill_attention(
-                q, pools[i][1], pools[i][2], pools[i][0], starts, lens, D**-0.5,
-                num_seqs=seqs, max_query_len=longest), len(pools))
+            return graphed_us(lambda i: paged_prefill_attention(inputs=inputs[i]), len(pools))
         splits = choose_num_splits(seqs, HKV, MAX_CONTEXT, sms)
-        return graphed_us(lambda i: paged_decode_attention(
-            q, pools[i][1], pools[i][2], pools[i][0], lens, D**-0.5, num_splits=splits),
-            len(pools))
+        return graphed_us(lambda i: paged_decode_attention(inputs=inputs[i], num_splits=splits),
+                          len(pools))
 
     def line(label: str, times: list[float | None]) -> None:
         cells = [f"{t:>11.1f}" if t is not None else f"{'-':>11}" for t in times[:-1]]

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from common import graph_ms, median_ms, rel_err
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvrunner_paged.kernels.prefill import paged_prefill_attention
-from kvrunner_paged.kernels.torch_ops import paged_prefill_attention_torch
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.prefill import paged_prefill_attention
+from kvrunner_paged.ops.paged_attention.prefill_torch import paged_prefill_attention_torch
 
 SHAPES = {"0.6B": (16, 8, 128), "8B": (32, 8, 128)}  # query heads, kv heads, head_dim
 TOKENS = (1024, 4096, 8192)
@@ -69,6 +70,15 @@ class Case:
     @property
     def scale(self) -> float:
         return self.q.shape[-1] ** -0.5
+
+    def inputs(self, seqs: int, max_query_len: int | None = None) -> PagedAttentionInputs:
+        """The paged layout as the attention entries take it."""
+        return PagedAttentionInputs(
+            q=self.q_tokens, k_cache=self.k_cache, v_cache=self.v_cache,
+            block_tables=self.block_tables, query_start_loc=self.query_start_loc,
+            context_lens=self.context_lens, scale=self.scale, num_seqs=seqs,
+            max_query_len=max_query_len,
+        )
 
 
 def causal_flops(seqs: int, seq_len: int, num_heads: int, head_dim: int) -> float:
@@ -139,13 +149,10 @@ def run_case(name: str, tokens: int, seqs: int, dtype: torch.dtype, launch: dict
     shape = SHAPES[name]
     case = build_case(shape, tokens, seqs, dtype, torch.device("cuda"))
     out = torch.empty_like(case.q_tokens)
+    inputs = case.inputs(seqs, max_query_len=tokens // seqs)
 
     def ours() -> torch.Tensor:
-        return paged_prefill_attention(
-            case.q_tokens, case.k_cache, case.v_cache, case.block_tables,
-            case.query_start_loc, case.context_lens, case.scale,
-            num_seqs=seqs, max_query_len=tokens // seqs, out=out, **launch,
-        )  # fmt: skip
+        return paged_prefill_attention(inputs=inputs, out=out, **launch)
 
     sdpa, variant = pick_sdpa(case, dtype)
     err = rel_err(ours(), as_tokens(sdpa()))
@@ -171,10 +178,7 @@ def dry_run() -> None:
     for name, shape in SHAPES.items():
         for seqs in SEQS:
             case = build_case(shape, 128, seqs, torch.float32, torch.device("cpu"))
-            paged = paged_prefill_attention_torch(
-                case.q_tokens, case.k_cache, case.v_cache, case.block_tables,
-                case.query_start_loc, case.context_lens, case.scale, num_seqs=seqs,
-            )  # fmt: skip
+            paged = paged_prefill_attention_torch(inputs=case.inputs(seqs))
             sdpa = F.scaled_dot_product_attention(
                 case.q, case.k, case.v, is_causal=True, scale=case.scale, enable_gqa=True
             )

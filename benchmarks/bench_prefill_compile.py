@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvrunner_paged.kernels.prefill import LAUNCH, LONG_RUN_LAUNCH, _prefill_kernel
+from kvrunner_paged.ops.paged_attention.prefill import LAUNCH, LONG_RUN_LAUNCH, _prefill_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HEAD_DIM = 128

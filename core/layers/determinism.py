@@ -4,7 +4,8 @@ The layers read the choice per op (``layers/fused/dispatch.py``,
 :func:`~kvrunner.layers.fused.dispatch.batch_invariant`): projections, experts and
 the LM head take the batch-invariant products (``layers/batch_invariant.py``), the
 experts one tiling, and each backend built with ``context.deterministic`` its own
-invariant path (paged: ``kernels/invariant_torch.py``, ``kernels/fixed_order.py``). Under
+invariant path (paged: ``ops/paged_attention/fixed_order_torch.py`` and
+``fixed_order.py``). Under
 tensor parallelism the all-reduce is an all-gather and a local sum in rank order
 (``distributed/group.py``). Norms, rotary, the sampler's logprobs and draws are per
 row already, and unseeded draws are keyed per request (``layers/sampling_seeds.py``).

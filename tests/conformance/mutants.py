@@ -18,7 +18,8 @@ from kvrunner.plugin_api import (
 )
 from kvrunner_gdn import GDNBackend
 from kvrunner_paged import PagedAttention, PagedBackend, PagedMetadata
-from kvrunner_paged.kernels.torch_ops import _gather
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.utils import gather_positions
 
 
 class WrongScale(PagedBackend):
@@ -42,10 +43,10 @@ class ShiftedSlots(PagedBackend):
         return md
 
 
-def _store_ignoring_pad(k, v, k_cache, v_cache, slots) -> None:  # noqa: ANN001
+def _store_ignoring_pad(*, k, v, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
     """Writes every row, PAD ones included (a PAD index wraps to the last slot)."""
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    rows = slots.long() % flat_k.shape[0]
+    rows = slot_mapping.long() % flat_k.shape[0]
     flat_k[rows] = k.to(flat_k.dtype)
     flat_v[rows] = v.to(flat_v.dtype)
 
@@ -122,9 +123,9 @@ class CountsSlotsOnHost(PagedBackend):
         layer = super().make_layer(layer_index)
         store = layer._store
 
-        def store_unless_empty(k, v, k_cache, v_cache, slots) -> None:  # noqa: ANN001
-            if int((slots >= 0).sum()) > 0:
-                store(k, v, k_cache, v_cache, slots)
+        def store_unless_empty(*, slot_mapping, **kv) -> None:  # noqa: ANN001, ANN003
+            if int((slot_mapping >= 0).sum()) > 0:
+                store(slot_mapping=slot_mapping, **kv)
 
         layer._store = store_unless_empty
         return layer
@@ -252,18 +253,18 @@ class _SplitsByBatch:
         layer = self.layer
         md = ctx.for_backend(layer.backend_name, PagedMetadata)
         k_cache, v_cache = layer.pools.kv(layer.layer_index)
-        layer._store(k, v, k_cache, v_cache, md.slot_mapping[: q.shape[0]])
+        layer._store(k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+                     slot_mapping=md.slot_mapping[: q.shape[0]])
         group = layer.num_heads // layer.num_kv_heads
-        starts = md.query_start_loc[: md.num_seqs + 1].tolist()
-        lens = md.context_lens[: md.num_seqs].tolist()
+        step = PagedAttentionInputs(
+            q=q, k_cache=k_cache, v_cache=v_cache, block_tables=md.block_tables,
+            context_lens=md.context_lens, scale=layer.scale, query_start_loc=md.query_start_loc,
+            num_seqs=md.num_seqs)
         out = torch.zeros_like(q)
-        for i in range(md.num_seqs):
-            lo, hi, length = starts[i], starts[i + 1], lens[i]
-            if hi == lo or length == 0:
-                continue
+        for i, lo, hi, length in step.sequence_rows():
             read = torch.arange(length)
-            keys = _gather(k_cache, md.block_tables[i], read).float()
-            values = _gather(v_cache, md.block_tables[i], read).float()
+            keys = gather_positions(k_cache, md.block_tables[i], read).float()
+            values = gather_positions(v_cache, md.block_tables[i], read).float()
             out[lo:hi] = _attend_in_splits(
                 q[lo:hi].float(), keys.repeat_interleave(group, dim=1),
                 values.repeat_interleave(group, dim=1), torch.arange(length - (hi - lo), length),

@@ -1,5 +1,5 @@
-"""Deterministic mode's attention (``kernels/fixed_order.py``): the naive reference's
-values, with keys cut into splits of a fixed number of keys, in either layout.
+"""Deterministic mode's attention (``ops/paged_attention/fixed_order.py``): the naive
+reference's values, with keys cut into splits of a fixed number of keys, in either layout.
 
 Under the interpreter (``tl.dot`` is numpy's product, which may round a row by its
 place in the tile) these show the values and that the two layouts of a decode step
@@ -18,13 +18,15 @@ from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, page
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.plugin_api import PAD_SLOT_ID
-from kvrunner_paged.kernels.fixed_order import (
+from kvrunner_paged.ops.paged_attention.fixed_order import (
     KEY_SPLIT,
     LAUNCH,
     fixed_order_attention,
     use_split_programs,
 )
-from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
+from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.naive import naive_paged_attention
+from kvrunner_paged.ops.store_kv.naive import naive_store_kv
 
 #: small tiles and splits, so the tiny cases cross several splits
 SMALL = attrs.evolve(LAUNCH[torch.float32], block_m=16, block_n=16)
@@ -44,13 +46,20 @@ def _inputs(case: PagedCase) -> dict[str, torch.Tensor]:
     }
 
 
-def _attend(case: PagedCase, x: dict[str, torch.Tensor], split_programs: bool) -> torch.Tensor:
+def _launch(case: PagedCase, inputs: PagedAttentionInputs, split_programs: bool) -> torch.Tensor:
+    """The Triton launch at the small tiles and splits."""
     return fixed_order_attention(
+        inputs=inputs, max_context_len=case.max_blocks_per_seq * case.block_size,
+        split_programs=split_programs, key_split=SPLIT, launch=SMALL,
+    )
+
+
+def _attend(case: PagedCase, x: dict[str, torch.Tensor], split_programs: bool) -> torch.Tensor:
+    inputs = PagedAttentionInputs(
         **{k: t.to(TRITON_DEVICE) for k, t in x.items()}, scale=case.scale,
         num_seqs=case.num_seqs, max_query_len=max(case.query_lens),
-        max_context_len=case.max_blocks_per_seq * case.block_size,
-        split_programs=split_programs, key_split=SPLIT, launch=SMALL,
-    ).cpu()  # fmt: skip
+    )
+    return _launch(case, inputs, split_programs).cpu()
 
 
 def _case(context_lens: tuple[int, ...], query_lens: tuple[int, ...]) -> PagedCase:
@@ -69,7 +78,7 @@ def _case(context_lens: tuple[int, ...], query_lens: tuple[int, ...]) -> PagedCa
 @given(case=paged_cases(max_query_len=40))
 def test_prompts_and_chunks_match_the_reference(case: PagedCase) -> None:
     x = _inputs(case)
-    ref = reference_paged_attention(**x, scale=case.scale)
+    ref = naive_paged_attention(**x, scale=case.scale)
     assert_matches_reference(_attend(case, x, split_programs=False), ref)
 
 
@@ -81,7 +90,7 @@ def test_a_decode_step_gets_the_same_bits_in_either_layout(case: PagedCase) -> N
     x = _inputs(case)
     walked = _attend(case, x, split_programs=False)
     split = _attend(case, x, split_programs=True)
-    assert_matches_reference(split, reference_paged_attention(**x, scale=case.scale))
+    assert_matches_reference(split, naive_paged_attention(**x, scale=case.scale))
     assert torch.equal(split, walked)
 
 
@@ -117,13 +126,13 @@ def _with_new_kv(case: PagedCase) -> dict[str, torch.Tensor]:
 def _fused(case: PagedCase, x: dict[str, torch.Tensor], split_programs: bool):
     """The launch that stores as it attends: (output, k pool after, v pool after)."""
     on = {k: t.to(TRITON_DEVICE) for k, t in x.items()}
-    out = fixed_order_attention(
-        on["q"], on["k_cache"], on["v_cache"], on["block_tables"], on["query_start_loc"],
-        on["context_lens"], case.scale, num_seqs=case.num_seqs, max_query_len=1,
-        max_context_len=case.max_blocks_per_seq * case.block_size,
-        split_programs=split_programs, key_split=SPLIT, launch=SMALL,
-        new_kv=(on["k_new"], on["v_new"], on["slots"]),
+    inputs = PagedAttentionInputs(
+        q=on["q"], k_cache=on["k_cache"], v_cache=on["v_cache"], block_tables=on["block_tables"],
+        query_start_loc=on["query_start_loc"], context_lens=on["context_lens"], scale=case.scale,
+        num_seqs=case.num_seqs, max_query_len=1,
+        new_kv=NewKV(k=on["k_new"], v=on["v_new"], slot_mapping=on["slots"]),
     )  # fmt: skip
+    out = _launch(case, inputs, split_programs)
     return out.cpu(), on["k_cache"].cpu(), on["v_cache"].cpu()
 
 
@@ -137,7 +146,7 @@ def test_a_decode_step_that_stores_as_it_attends_equals_store_then_attend(
     x = _with_new_kv(case)
     out, k_after, v_after = _fused(case, x, split_programs)
     stored = {**x, "k_cache": x["k_cache"].clone(), "v_cache": x["v_cache"].clone()}
-    reference_store_kv(x["k_new"], x["v_new"], stored["k_cache"], stored["v_cache"], x["slots"])
+    naive_store_kv(x["k_new"], x["v_new"], stored["k_cache"], stored["v_cache"], x["slots"])
     assert torch.equal(k_after.view(torch.int32), stored["k_cache"].view(torch.int32))
     assert torch.equal(v_after.view(torch.int32), stored["v_cache"].view(torch.int32))
     apart = {k: stored[k] for k in _inputs(case)}

@@ -1,4 +1,4 @@
-"""Deterministic mode's attention on CUDA (``kernels/fixed_order.py``): a token
+"""Deterministic mode's attention on CUDA (``ops/paged_attention/fixed_order.py``): a token
 attended as a decode row (one query of its sequence, in either layout), inside a
 whole-sequence prefill, and inside a prefill chunk after a cached prefix gets the same
 bits in all four, over contexts of one to three key splits.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrunner_paged.kernels.fixed_order import KEY_SPLIT, fixed_order_attention
+from kvrunner_paged.ops.paged_attention.fixed_order import KEY_SPLIT, fixed_order_attention
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -23,12 +24,14 @@ CONTEXTS = [1, 17, 64, 250, 701, KEY_SPLIT, KEY_SPLIT + 1, 1500, 2 * KEY_SPLIT +
 def _attend(q: torch.Tensor, pools: torch.Tensor, tables: torch.Tensor, q_lens: list[int],
             ctx: list[int], split_programs: bool = False) -> torch.Tensor:
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return fixed_order_attention(
-        q, pools[0], pools[1], tables, starts.to(CUDA),
-        torch.tensor(ctx, dtype=torch.int32, device=CUDA), q.shape[-1] ** -0.5,
-        num_seqs=len(ctx), max_query_len=max(q_lens), max_context_len=max(ctx),
-        split_programs=split_programs,
+    inputs = PagedAttentionInputs(
+        q=q, k_cache=pools[0], v_cache=pools[1], block_tables=tables,
+        query_start_loc=starts.to(CUDA),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=CUDA), scale=q.shape[-1] ** -0.5,
+        num_seqs=len(ctx), max_query_len=max(q_lens),
     )
+    return fixed_order_attention(inputs=inputs, max_context_len=max(ctx),
+                                 split_programs=split_programs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

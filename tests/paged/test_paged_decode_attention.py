@@ -9,15 +9,17 @@ from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, paged_cases
 
 from kvrunner.plugin_api import PAD_SLOT_ID
-from kvrunner_paged.kernels.decode import (
+from kvrunner_paged.ops.paged_attention.decode import (
     MAX_SPLITS,
     SPLIT_MIN_KEYS,
     SPLIT_WAVES,
     choose_num_splits,
     paged_decode_attention,
 )
-from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
-from kvrunner_paged.kernels.torch_ops import paged_decode_attention_torch
+from kvrunner_paged.ops.paged_attention.decode_torch import paged_decode_attention_torch
+from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.naive import naive_paged_attention
+from kvrunner_paged.ops.store_kv.naive import naive_store_kv
 
 
 def _decode_inputs(case: PagedCase) -> dict[str, torch.Tensor]:
@@ -37,7 +39,7 @@ def _decode_inputs(case: PagedCase) -> dict[str, torch.Tensor]:
 def _reference(case: PagedCase, x: dict[str, torch.Tensor]) -> torch.Tensor:
     rows = x["q"].shape[0]
     one_query_each = torch.arange(rows + 1, dtype=torch.int32)
-    return reference_paged_attention(
+    return naive_paged_attention(
         x["q"], x["k_cache"], x["v_cache"], x["block_tables"], one_query_each,
         x["context_lens"], case.scale,
     )
@@ -47,7 +49,8 @@ def _reference(case: PagedCase, x: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_triton_decode_matches_reference(case: PagedCase, num_splits: int) -> None:
     x = _decode_inputs(case)
     on_device = {k: t.to(TRITON_DEVICE) for k, t in x.items()}
-    out = paged_decode_attention(**on_device, scale=case.scale, num_splits=num_splits, block_n=16)
+    out = paged_decode_attention(inputs=PagedAttentionInputs(**on_device, scale=case.scale),
+                                 num_splits=num_splits, block_n=16)
     assert_matches_reference(out.cpu(), _reference(case, x))
 
 
@@ -74,11 +77,12 @@ def _fused_decode(case: PagedCase, x: dict[str, torch.Tensor], num_splits: int) 
 ]:
     """The fused launch on the Triton device: (output, k pool after, v pool after)."""
     on = {k: t.to(TRITON_DEVICE) for k, t in x.items()}
-    out = paged_decode_attention(
-        on["q"], on["k_cache"], on["v_cache"], on["block_tables"], on["context_lens"],
-        case.scale, num_splits=num_splits, block_n=16,
-        new_kv=(on["k_new"], on["v_new"], on["slots"]),
+    inputs = PagedAttentionInputs(
+        q=on["q"], k_cache=on["k_cache"], v_cache=on["v_cache"], block_tables=on["block_tables"],
+        context_lens=on["context_lens"], scale=case.scale,
+        new_kv=NewKV(k=on["k_new"], v=on["v_new"], slot_mapping=on["slots"]),
     )  # fmt: skip
+    out = paged_decode_attention(inputs=inputs, num_splits=num_splits, block_n=16)
     return out.cpu(), on["k_cache"].cpu(), on["v_cache"].cpu()
 
 
@@ -90,8 +94,7 @@ def test_fused_store_decode_equals_store_then_attend(case: PagedCase, num_splits
     x = _fused_inputs(case)
     out, k_after, v_after = _fused_decode(case, x, num_splits)
     expected = {**x, "k_cache": x["k_cache"].clone(), "v_cache": x["v_cache"].clone()}
-    reference_store_kv(x["k_new"], x["v_new"], expected["k_cache"], expected["v_cache"],
-                       x["slots"])
+    naive_store_kv(x["k_new"], x["v_new"], expected["k_cache"], expected["v_cache"], x["slots"])
     assert torch.equal(k_after.view(torch.int32), expected["k_cache"].view(torch.int32))
     assert torch.equal(v_after.view(torch.int32), expected["v_cache"].view(torch.int32))
     assert_matches_reference(out, _reference(case, expected))
@@ -113,7 +116,7 @@ def test_fused_store_decode_over_an_all_pad_slot_mapping_writes_nothing(
 @given(case=paged_cases(decode=True))
 def test_torch_decode_matches_reference(case: PagedCase) -> None:
     x = _decode_inputs(case)
-    out = paged_decode_attention_torch(**x, scale=case.scale)
+    out = paged_decode_attention_torch(inputs=PagedAttentionInputs(**x, scale=case.scale))
     assert_matches_reference(out, _reference(case, x))
 
 
@@ -135,9 +138,10 @@ def test_every_split_holds_keys_of_a_long_context_and_the_merge_weighs_them_all(
     on = {name: t.to(TRITON_DEVICE) for name, t in
           dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
                context_lens=context).items()}
-    out = paged_decode_attention(**on, scale=0.25, num_splits=num_splits, block_n=16)
-    ref = reference_paged_attention(q, k_cache, v_cache, tables, torch.arange(4, dtype=torch.int32),
-                                    context, 0.25)
+    out = paged_decode_attention(inputs=PagedAttentionInputs(**on, scale=0.25),
+                                 num_splits=num_splits, block_n=16)
+    ref = naive_paged_attention(q, k_cache, v_cache, tables, torch.arange(4, dtype=torch.int32),
+                                context, 0.25)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -150,7 +154,9 @@ def test_triton_decode_padded_rows_are_zero_and_live_rows_are_not(num_splits: in
     q = torch.randn((3, 2, 16), device=on)
     tables = torch.tensor([[2, 1], [0, 0], [0, 0]], dtype=torch.int32, device=on)
     lens = torch.tensor([6, 0, 0], dtype=torch.int32, device=on)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits=num_splits)
+    inputs = PagedAttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                                  context_lens=lens, scale=0.25)
+    out = paged_decode_attention(inputs=inputs, num_splits=num_splits)
     assert out[1:].eq(0).all()
     assert out[0].abs().sum() > 0
 

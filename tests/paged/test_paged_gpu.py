@@ -15,13 +15,15 @@ from paged_cases import PagedCase
 from kvrunner.plugin_api import ModelSpec
 from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
-from kvrunner_paged.kernels.decode import paged_decode_attention
-from kvrunner_paged.kernels.prefill import (
+from kvrunner_paged.ops.paged_attention.decode import paged_decode_attention
+from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.naive import naive_paged_attention
+from kvrunner_paged.ops.paged_attention.prefill import (
     LONG_RUN_LAUNCH,
     paged_prefill_attention,
 )
-from kvrunner_paged.kernels.reference import reference_paged_attention, reference_store_kv
-from kvrunner_paged.kernels.store_kv import store_kv
+from kvrunner_paged.ops.store_kv.naive import naive_store_kv
+from kvrunner_paged.ops.store_kv.store import store_kv
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -71,9 +73,10 @@ def test_compiled_decode_matches_reference(dtype: torch.dtype, num_splits: int) 
     case = _case(64, 16, [(1, 1), (1, 17), (1, 250), (1, 64)])
     rows = case.num_seqs + case.num_pad_rows
     x = _inputs(case, dtype, rows, rows)
-    out = paged_decode_attention(**_to(x, CUDA), scale=case.scale, num_splits=num_splits)
+    out = paged_decode_attention(inputs=PagedAttentionInputs(**_to(x, CUDA), scale=case.scale),
+                                 num_splits=num_splits)
     starts = torch.arange(rows + 1, dtype=torch.int32)
-    ref = reference_paged_attention(**x, query_start_loc=starts, scale=case.scale)
+    ref = naive_paged_attention(**x, query_start_loc=starts, scale=case.scale)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out.cpu().float(), ref, **tol)
 
@@ -92,13 +95,14 @@ def test_compiled_fused_store_decode_stores_then_attends(
     kv = torch.randn((rows, 2 * case.num_kv_heads, case.head_dim), generator=gen).to(dtype)
     k, v, slots = kv[:, : case.num_kv_heads], kv[:, case.num_kv_heads :], case.slot_mapping()
     on = _to(x, CUDA)
-    out = paged_decode_attention(**on, scale=case.scale, num_splits=num_splits,
-                                 new_kv=(k.to(CUDA), v.to(CUDA), slots.to(CUDA)))
-    reference_store_kv(k, v, x["k_cache"], x["v_cache"], slots)
+    new_kv = NewKV(k=k.to(CUDA), v=v.to(CUDA), slot_mapping=slots.to(CUDA))
+    out = paged_decode_attention(
+        inputs=PagedAttentionInputs(**on, scale=case.scale, new_kv=new_kv), num_splits=num_splits)
+    naive_store_kv(k, v, x["k_cache"], x["v_cache"], slots)
     assert torch.equal(on["k_cache"].cpu(), x["k_cache"])
     assert torch.equal(on["v_cache"].cpu(), x["v_cache"])
     starts = torch.arange(rows + 1, dtype=torch.int32)
-    ref = reference_paged_attention(**x, query_start_loc=starts, scale=case.scale)
+    ref = naive_paged_attention(**x, query_start_loc=starts, scale=case.scale)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out.cpu().float(), ref, **tol)
 
@@ -108,11 +112,10 @@ def _prefill_matches_reference(case, dtype: torch.dtype, **launch: int) -> None:
     tolerance (``launch``: overrides of the default launch parameters)."""
     x = _inputs(case, dtype, case.num_tokens, case.num_seqs)
     x["query_start_loc"] = case.query_start_loc()
-    out = paged_prefill_attention(
-        **_to(x, CUDA), scale=case.scale, num_seqs=case.num_seqs,
-        max_query_len=max(case.query_lens), **launch,
-    )
-    ref = reference_paged_attention(**x, scale=case.scale)
+    inputs = PagedAttentionInputs(**_to(x, CUDA), scale=case.scale, num_seqs=case.num_seqs,
+                                  max_query_len=max(case.query_lens))
+    out = paged_prefill_attention(inputs=inputs, **launch)
+    ref = naive_paged_attention(**x, scale=case.scale)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out.cpu().float(), ref, **tol)
 
@@ -155,14 +158,16 @@ def test_pools_past_two_to_the_31_elements_are_addressed_in_int64() -> None:
     slots = torch.tensor([b * block_size + o for b in top for o in range(block_size)], device=CUDA)
     k = torch.randn((len(slots), kv_heads, dim), device=CUDA).bfloat16()
     v = torch.randn_like(k)
-    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     assert torch.equal(k_cache[top[1], 3], k[block_size + 3])
     q = torch.randn((1, 32, dim), device=CUDA).bfloat16()
     lens = torch.tensor([2 * block_size], dtype=torch.int32, device=CUDA)
-    out = paged_decode_attention(q, k_cache, v_cache, table, lens, dim**-0.5)
+    out = paged_decode_attention(inputs=PagedAttentionInputs(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=lens,
+        scale=dim**-0.5))
     small_k = torch.stack([k_cache[b] for b in top]).cpu()
     small_v = torch.stack([v_cache[b] for b in top]).cpu()
-    ref = reference_paged_attention(
+    ref = naive_paged_attention(
         q.cpu(), small_k, small_v, torch.tensor([[0, 1]], dtype=torch.int32),
         torch.tensor([0, 1], dtype=torch.int32), lens.cpu(), dim**-0.5,
     )
@@ -206,9 +211,9 @@ def test_cuda_graph_replay_reads_metadata_filled_after_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     expected = snapshot.cpu()
-    reference_store_kv(k.cpu(), v.cpu(), expected[0], expected[1], case.slot_mapping())
+    naive_store_kv(k.cpu(), v.cpu(), expected[0], expected[1], case.slot_mapping())
     assert torch.equal(pool.cpu(), expected)  # real slots written, padded rows nothing
-    ref = reference_paged_attention(
+    ref = naive_paged_attention(
         q.cpu(), expected[0], expected[1], case.block_table_tensor(rows),
         torch.arange(rows + 1, dtype=torch.int32), case.context_lens_tensor(rows), case.scale,
     )

@@ -7,7 +7,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, paged_cases
 
-from kvrunner_paged.kernels.prefill import (
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.naive import naive_paged_attention
+from kvrunner_paged.ops.paged_attention.prefill import (
     LAUNCH,
     LONG_RUN_LAUNCH,
     LONG_RUN_QUERY_LEN,
@@ -16,8 +18,7 @@ from kvrunner_paged.kernels.prefill import (
     paged_prefill_attention,
     prefill_grid,
 )
-from kvrunner_paged.kernels.reference import reference_paged_attention
-from kvrunner_paged.kernels.torch_ops import paged_prefill_attention_torch
+from kvrunner_paged.ops.paged_attention.prefill_torch import paged_prefill_attention_torch
 
 
 def _prefill_inputs(case: PagedCase) -> dict[str, torch.Tensor]:
@@ -36,23 +37,29 @@ def _prefill_inputs(case: PagedCase) -> dict[str, torch.Tensor]:
 
 
 def _reference(case: PagedCase, x: dict[str, torch.Tensor]) -> torch.Tensor:
-    return reference_paged_attention(**x, scale=case.scale)
+    return naive_paged_attention(**x, scale=case.scale)
+
+
+def _triton_inputs(case: PagedCase, x: dict[str, torch.Tensor]) -> PagedAttentionInputs:
+    """The case's inputs on the Triton device, as the varlen entries take them."""
+    return PagedAttentionInputs(
+        **{k: t.to(TRITON_DEVICE) for k, t in x.items()}, scale=case.scale,
+        num_seqs=case.num_seqs, max_query_len=max(case.query_lens),
+    )
 
 
 @given(case=paged_cases())
 def test_triton_prefill_matches_reference(case: PagedCase) -> None:
     x = _prefill_inputs(case)
-    out = paged_prefill_attention(
-        **{k: t.to(TRITON_DEVICE) for k, t in x.items()}, scale=case.scale,
-        num_seqs=case.num_seqs, max_query_len=max(case.query_lens), block_m=16, block_n=16,
-    )
+    out = paged_prefill_attention(inputs=_triton_inputs(case, x), block_m=16, block_n=16)
     assert_matches_reference(out.cpu(), _reference(case, x))
 
 
 @given(case=paged_cases())
 def test_torch_prefill_matches_reference(case: PagedCase) -> None:
     x = _prefill_inputs(case)
-    out = paged_prefill_attention_torch(**x, scale=case.scale, num_seqs=case.num_seqs)
+    out = paged_prefill_attention_torch(
+        inputs=PagedAttentionInputs(**x, scale=case.scale, num_seqs=case.num_seqs))
     assert_matches_reference(out, _reference(case, x))
 
 
@@ -62,7 +69,7 @@ def test_reference_is_causal_over_the_cached_prefix() -> None:
     v_cache = torch.zeros((2, 4, 1, 16))
     v_cache[0, :, 0, 0] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # value = position + 1
     q = torch.zeros((2, 1, 16))  # zero queries: uniform weights over what is visible
-    out = reference_paged_attention(
+    out = naive_paged_attention(
         q, k_cache, v_cache, torch.tensor([[0]], dtype=torch.int32),
         torch.tensor([0, 2], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 0.25,
     )
@@ -102,10 +109,8 @@ def test_triton_prefill_packs_any_group_into_its_tiles(
     outermost or innermost) computes the same attention."""
     x = _prefill_inputs(case)
     out = paged_prefill_attention(
-        **{k: t.to(TRITON_DEVICE) for k, t in x.items()}, scale=case.scale,
-        num_seqs=case.num_seqs, max_query_len=max(case.query_lens), block_m=block_m,
-        block_n=block_n, tiles_outer=tiles_outer,
-    )  # fmt: skip
+        inputs=_triton_inputs(case, x), block_m=block_m, block_n=block_n, tiles_outer=tiles_outer,
+    )
     assert_matches_reference(out.cpu(), _reference(case, x))
 
 

@@ -9,19 +9,20 @@ from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, paged_cases
 
 from kvrunner.plugin_api import PAD_SLOT_ID
-from kvrunner_paged.kernels.reference import reference_store_kv
-from kvrunner_paged.kernels.store_kv import store_kv
-from kvrunner_paged.kernels.torch_ops import store_kv_torch
+from kvrunner_paged.ops.store_kv.naive import naive_store_kv
+from kvrunner_paged.ops.store_kv.store import store_kv
+from kvrunner_paged.ops.store_kv.store_torch import store_kv_torch
 
 
 def _store_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    *, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """The Triton kernel on its device, results copied back into the given caches."""
     on = TRITON_DEVICE
     k_dev, v_dev = k_cache.to(on), v_cache.to(on)
-    store_kv(k.to(on), v.to(on), k_dev, v_dev, slots.to(on))
+    store_kv(k=k.to(on), v=v.to(on), k_cache=k_dev, v_cache=v_dev,
+             slot_mapping=slot_mapping.to(on))
     k_cache.copy_(k_dev)
     v_cache.copy_(v_dev)
 
@@ -54,7 +55,7 @@ def test_store_kv_writes_exactly_the_real_slots(
     slots = _with_pads_inside(case.slot_mapping(), pad_mask)
     k, v = _new_kv(case, len(slots), gen)
     after = before.clone()
-    IMPLS[impl](k, v, after[0], after[1], slots)
+    IMPLS[impl](k=k, v=v, k_cache=after[0], v_cache=after[1], slot_mapping=slots)
 
     flat_before = before.view(2, -1, case.num_kv_heads, case.head_dim)
     flat_after = after.view(2, -1, case.num_kv_heads, case.head_dim)
@@ -70,7 +71,7 @@ def test_store_kv_writes_exactly_the_real_slots(
     )
 
     expected = before.clone()
-    reference_store_kv(k, v, expected[0], expected[1], slots)
+    naive_store_kv(k, v, expected[0], expected[1], slots)
     assert torch.equal(after, expected)
 
 
@@ -83,7 +84,7 @@ def test_store_kv_over_an_all_pad_slot_mapping_writes_nothing(impl: str, case: P
     slots = torch.full((case.num_tokens + case.num_pad_rows,), PAD_SLOT_ID, dtype=torch.int64)
     k, v = _new_kv(case, len(slots), gen)
     after = before.clone()
-    IMPLS[impl](k, v, after[0], after[1], slots)
+    IMPLS[impl](k=k, v=v, k_cache=after[0], v_cache=after[1], slot_mapping=slots)
     assert torch.equal(after.view(torch.int32), before.view(torch.int32))
 
 
@@ -95,7 +96,7 @@ def test_store_kv_reads_only_the_first_num_tokens_slots(impl: str) -> None:
     k = torch.ones((2, 1, 16))
     v = torch.full((2, 1, 16), 2.0)
     slots = torch.tensor([5, 9, 13, 14], dtype=torch.int64)  # 13, 14: a longer buffer's rows
-    IMPLS[impl](k, v, k_cache, v_cache, slots)
+    IMPLS[impl](k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     flat_k = k_cache.view(-1, 1, 16)
     flat_v = v_cache.view(-1, 1, 16)
     assert flat_k[[5, 9]].eq(1).all() and flat_v[[5, 9]].eq(2).all()

@@ -37,7 +37,7 @@ class PagedBackend:
     #: its layers read everything but the pools from the metadata it returns
     supports_overlap = True
     #: with ``context.deterministic`` every token is attended in one fixed order
-    #: (``layer.py``, ``kernels/invariant_torch.py``)
+    #: (``layer.py``, ``ops/paged_attention/fixed_order_torch.py``)
     batch_invariant = True
 
     def __init__(self, context: BackendContext) -> None:

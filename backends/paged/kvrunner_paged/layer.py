@@ -1,7 +1,10 @@
 """The attention layer object ``make_layer`` returns: store this step's KV, then attend.
 
-On Triton a decode step does both in one launch (the decode kernel stores the keys
-and values it attends); prefill and the torch path store first, then attend.
+Each forward builds one
+:class:`~kvrunner_paged.ops.paged_attention.inputs.PagedAttentionInputs` and hands it to
+the entry chosen for the step: decode or varlen (prefill), or deterministic mode's
+fixed order for both. On Triton a decode step stores and attends in one launch (the
+record's ``new_kv``); prefill and the torch path store first, then attend.
 """
 
 from __future__ import annotations
@@ -12,9 +15,16 @@ import torch
 
 from kvrunner.plugin_api import ForwardContext
 from kvrunner_paged.cache import PagedKVPools
-from kvrunner_paged.kernels import torch_ops
-from kvrunner_paged.kernels.invariant_torch import fixed_order_attention_torch
 from kvrunner_paged.metadata import PagedMetadata
+from kvrunner_paged.ops.paged_attention.decode_torch import paged_decode_attention_torch
+from kvrunner_paged.ops.paged_attention.fixed_order_torch import fixed_order_attention_torch
+from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.prefill_torch import paged_prefill_attention_torch
+from kvrunner_paged.ops.store_kv.store_torch import store_kv_torch
+from kvrunner_paged.ops.utils import unit_last_dim
+
+#: an attention entry: keyword-only, one inputs record
+Attend = Callable[..., torch.Tensor]
 
 
 class PagedAttention:
@@ -52,24 +62,48 @@ class PagedAttention:
         #: batch-invariant: every token attended in one order, prefill and decode alike
         self.deterministic = deterministic
         self._num_sms = _streaming_multiprocessors(pools.device)
+        #: the store, then the entries of a decode step and of a varlen one
+        self._store: Callable[..., None] = store_kv_torch
+        self._decode: Attend = paged_decode_attention_torch
+        self._varlen: Attend = paged_prefill_attention_torch
+        if deterministic:
+            self._decode = self._varlen = fixed_order_attention_torch
         if use_triton:
             # Imported here so the torch path never needs Triton installed.
-            from kvrunner_paged.kernels.decode import choose_num_splits, paged_decode_attention
-            from kvrunner_paged.kernels.fixed_order import (
+            from kvrunner_paged.ops.paged_attention.decode import (
+                choose_num_splits,
+                paged_decode_attention,
+            )
+            from kvrunner_paged.ops.paged_attention.fixed_order import (
                 fixed_order_attention,
                 use_split_programs,
             )
-            from kvrunner_paged.kernels.prefill import paged_prefill_attention
-            from kvrunner_paged.kernels.store_kv import store_kv
+            from kvrunner_paged.ops.paged_attention.prefill import paged_prefill_attention
+            from kvrunner_paged.ops.store_kv.store import store_kv
 
-            self._store: Callable[..., None] = store_kv
-            self._decode = paged_decode_attention
-            self._prefill = paged_prefill_attention
-            self._choose_splits = choose_num_splits
-            self._fixed_order = fixed_order_attention
-            self._use_split_programs = use_split_programs
-        else:
-            self._store = torch_ops.store_kv_torch
+            def split_decode(*, inputs: PagedAttentionInputs) -> torch.Tensor:
+                # From static shapes only: a captured graph keeps this split count forever.
+                splits = choose_num_splits(inputs.q.shape[0], self.num_kv_heads,
+                                           self.max_model_len, self._num_sms)
+                return paged_decode_attention(inputs=inputs, num_splits=splits)
+
+            def fixed_order(*, inputs: PagedAttentionInputs) -> torch.Tensor:
+                """Deterministic mode: decode and prefill rows attended in one order (keys
+                in splits of a fixed number, each walked in fixed tiles from its start,
+                the splits folded in order), so a token's reduction order is its own
+                (``ops/paged_attention/fixed_order.py``;
+                ``ops/paged_attention/fixed_order_torch.py`` says why the torch path is)."""
+                assert inputs.num_seqs is not None and inputs.max_query_len is not None
+                # From static shapes only, like the default decode's split count.
+                split = use_split_programs(inputs.max_query_len, inputs.num_seqs,
+                                           self.num_kv_heads, self.max_model_len, self._num_sms)
+                return fixed_order_attention(inputs=inputs, max_context_len=self.max_model_len,
+                                             split_programs=split)
+
+            self._store = store_kv
+            self._decode, self._varlen = split_decode, paged_prefill_attention
+            if deterministic:
+                self._decode = self._varlen = fixed_order
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -85,94 +119,22 @@ class PagedAttention:
             raise ValueError(f"{rows} token rows but metadata for {md.slot_mapping.shape[0]}")
         k_cache, v_cache = self.pools.kv(self.layer_index)
         slots = md.slot_mapping[:rows]
-        if self.deterministic:
-            return self._fixed_order_attention(q, k, v, k_cache, v_cache, slots, md)
-        if md.is_decode:
-            return self._decode_attention(q, k, v, k_cache, v_cache, slots, md)
-        self._store(k, v, k_cache, v_cache, slots)
-        return self._prefill_attention(q, k_cache, v_cache, md)
-
-    def _decode_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-        md: PagedMetadata,
-    ) -> torch.Tensor:
-        rows = q.shape[0]
-        if rows > md.context_lens.shape[0]:
-            raise ValueError(f"{rows} decode rows but metadata for {md.context_lens.shape[0]}")
-        if not self.use_triton:
-            self._store(k, v, k_cache, v_cache, slots)
-            return torch_ops.paged_decode_attention_torch(
-                q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale
-            )
-        # From static shapes only: a captured graph keeps this split count forever.
-        splits = self._choose_splits(rows, self.num_kv_heads, self.max_model_len, self._num_sms)
-        # The kernel stores this step's keys and values itself: one launch a layer fewer.
-        return self._decode(
-            _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
-            num_splits=splits,
-            new_kv=(_contiguous_rows(k), _contiguous_rows(v), slots),
-        )
-
-    def _prefill_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: PagedMetadata
-    ) -> torch.Tensor:
-        if not self.use_triton:
-            return torch_ops.paged_prefill_attention_torch(
-                q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
-                self.scale, md.num_seqs,
-            )
-        # The launcher allocates zeros, so token rows owned by no sequence stay finite.
-        return self._prefill(
-            _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
-            md.context_lens, self.scale, num_seqs=md.num_seqs, max_query_len=md.max_query_len,
-        )
-
-
-    def _fixed_order_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-        md: PagedMetadata,
-    ) -> torch.Tensor:
-        """Deterministic mode: decode and prefill rows attended in one order (keys in
-        splits of a fixed number, each walked in fixed tiles from its start, the
-        splits folded in order), so a token's reduction order is its own
-        (``kernels/fixed_order.py``; ``kernels/invariant_torch.py`` says why the
-        torch path is)."""
-        # A replayed graph's padded rows are empty sequences: they attend nothing.
-        num_seqs = md.num_padded_seqs if md.is_decode else md.num_seqs
-        if not self.use_triton:
-            self._store(k, v, k_cache, v_cache, slots)
-            return fixed_order_attention_torch(
-                q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.context_lens,
-                self.scale, num_seqs,
-            )
-        # A decode step stores its keys in the attending launch (one launch a layer fewer).
-        new_kv = (_contiguous_rows(k), _contiguous_rows(v), slots) if md.is_decode else None
-        if new_kv is None:
-            self._store(k, v, k_cache, v_cache, slots)
-        # From static shapes only, like the default decode's split count.
-        split = self._use_split_programs(md.max_query_len, num_seqs, self.num_kv_heads,
-                                         self.max_model_len, self._num_sms)
-        return self._fixed_order(
-            _contiguous_rows(q), k_cache, v_cache, md.block_tables, md.query_start_loc,
-            md.context_lens, self.scale, num_seqs=num_seqs, max_query_len=md.max_query_len,
-            max_context_len=self.max_model_len, split_programs=split, new_kv=new_kv,
-        )
-
-
-def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+        # On Triton a decode step's launch stores its keys and values: one launch a layer
+        # fewer. Everything else stores first.
+        fused = self.use_triton and md.is_decode
+        if not fused:
+            self._store(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+        inputs = PagedAttentionInputs(
+            q=unit_last_dim(q) if self.use_triton else q, k_cache=k_cache, v_cache=v_cache,
+            block_tables=md.block_tables, context_lens=md.context_lens, scale=self.scale,
+            query_start_loc=md.query_start_loc,
+            # A replayed graph's padded rows are empty sequences: they attend nothing.
+            num_seqs=md.num_padded_seqs if md.is_decode else md.num_seqs,
+            max_query_len=md.max_query_len,
+            new_kv=NewKV(k=unit_last_dim(k), v=unit_last_dim(v), slot_mapping=slots)
+            if fused else None,
+        )  # fmt: skip
+        return (self._decode if md.is_decode else self._varlen)(inputs=inputs)
 
 
 def _streaming_multiprocessors(device: torch.device) -> int:

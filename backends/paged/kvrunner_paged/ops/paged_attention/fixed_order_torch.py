@@ -1,6 +1,7 @@
-"""The torch path of deterministic mode: attention in one fixed order for every token.
+"""Deterministic mode's attention in plain torch (no Triton import: the CPU path): every
+token attended in one fixed order.
 
-The default torch path attends a decode batch as one padded SDPA call (its width is
+The default torch paths attend a decode batch as one padded SDPA call (its width is
 the batch's longest context, so a row's sums change with its neighbours) and a
 prefill one sequence at a time through SDPA, a different reduction again. Here every
 query, in prefill or in decode, is attended the same way: its sequence's keys from
@@ -17,46 +18,34 @@ from __future__ import annotations
 
 import torch
 
-from kvrunner_paged.kernels.torch_ops import _gather
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.utils import gather_positions
 
 #: keys per step of the online softmax: the split-KV size, fixed in keys
 KEY_TILE = 32
 
 
-def fixed_order_attention_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_seqs: int,
-) -> torch.Tensor:
+def fixed_order_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor:
     """Causal varlen attention over the paged pool, as
-    :func:`~kvrunner_paged.kernels.torch_ops.paged_prefill_attention_torch` computes
-    it (decode rows are sequences of one query), in the fixed order above.
-
-    The pool must already hold this step's keys and values. Rows of ``q`` owned by
-    no sequence are 0.
-    """
+    :func:`~kvrunner_paged.ops.paged_attention.prefill_torch.paged_prefill_attention_torch`
+    computes it (decode rows are sequences of one query), in the fixed order above:
+    ``[T, num_heads, head_dim]`` in q's dtype, rows owned by no sequence 0. The pool
+    must already hold this step's keys and values."""
+    x = inputs
+    x.sequences(varlen=True)
+    q = x.q
     out = torch.zeros_like(q)
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    heads, kv_heads = q.shape[1], x.k_cache.shape[2]
     group = heads // kv_heads
-    starts = query_start_loc[: num_seqs + 1].tolist()
-    lens = context_lens[:num_seqs].tolist()
     tile = torch.arange(KEY_TILE, device=q.device)
-    for i in range(num_seqs):
-        lo, hi, ctx = starts[i], starts[i + 1], lens[i]
+    for i, lo, hi, ctx in x.sequence_rows():
         q_len = hi - lo
-        if q_len == 0 or ctx == 0:
-            continue
         width = -(-ctx // KEY_TILE) * KEY_TILE
         positions = torch.arange(width, device=q.device)
         inside = (positions < ctx)[:, None, None]
         read = positions.clamp(max=ctx - 1)  # never past the context: no stale slot
-        keys = _gather(k_cache, block_tables[i], read).float().where(inside, 0.0)
-        values = _gather(v_cache, block_tables[i], read).float().where(inside, 0.0)
+        keys = gather_positions(x.k_cache, x.block_tables[i], read).float().where(inside, 0.0)
+        values = gather_positions(x.v_cache, x.block_tables[i], read).float().where(inside, 0.0)
         # [heads, width, dim] and [heads, dim, width]: every sum below is over the last dim
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
         values = values.repeat_interleave(group, dim=1).permute(1, 2, 0).contiguous()
@@ -67,7 +56,7 @@ def fixed_order_attention_torch(
         acc = torch.zeros((q_len, heads, q.shape[2]), device=q.device)
         for start in range(0, ctx, KEY_TILE):
             k_tile = keys[:, start : start + KEY_TILE]  # [heads, tile, dim]
-            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * scale
+            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * x.scale
             seen = (start + tile)[None, :] <= query_pos[:, None]  # [q_len, tile]
             scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
             m_new = torch.maximum(m, scores.amax(-1))

@@ -1,4 +1,4 @@
-"""Triton kernels: decode attention (one query token per sequence) over the paged pool.
+"""Decode attention in Triton: one query token per sequence, over the paged pool.
 
 One program per (sequence row, KV head, split). It loads the query rows of every
 query head that shares the KV head (GQA: the group is padded to 16 rows so the
@@ -16,7 +16,7 @@ A row whose ``context_lens`` entry is 0 (a padded tail row) reads nothing and
 outputs zeros.
 
 With ``new_kv`` the launch also stores the step's keys and values (what
-:func:`~kvrunner_paged.kernels.store_kv.store_kv` would do first, one launch fewer a
+:func:`~kvrunner_paged.ops.store_kv.store.store_kv` would do first, one launch fewer a
 layer): the program whose slice holds a row's newest position (``context_lens - 1``)
 writes that key and value to the row's slot (none for a PAD slot), waits at a
 barrier of its own threads, and then walks its keys as usual. That slot is read by
@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_paged.kernels.store_kv import newest_kv_args, store_newest_kv
-from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, attend_tile
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.tile import LOG2_E, NEG_BIG, attend_tile
+from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
 
 
 # ``num_splits`` is a runtime argument, not specialised on its value: every split count
@@ -186,40 +187,19 @@ def choose_num_splits(
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    num_splits: int = 1,
-    block_n: int = 64,
-    num_warps: int = 4,
+    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64, num_warps: int = 4,
     out: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attend one query token per row over that row's paged keys.
-
-    :param q: ``[num_rows, num_heads, head_dim]``; row ``i`` belongs to sequence ``i``.
-    :param k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache`` too).
-    :param block_tables: ``[>= num_rows, max_blocks_per_seq]`` int32.
-    :param context_lens: ``[>= num_rows]`` int32, keys per row including this token;
-        0 for a padded row, which then outputs zeros.
-    :param num_splits: split-KV factor (1 = a single pass, no merge kernel).
-    :param new_kv: ``(k, v, slot_mapping)`` of this step (``k``/``v`` ``[num_rows,
-        num_kv_heads, head_dim]``, any row/head strides; ``slot_mapping`` ``[>=
-        num_rows]``): each row's key and value for position ``context_lens - 1``,
-        stored to their slot by this launch (a slot < 0 stores nothing) before the
-        program that owns that position attends it. Without it the pool must already
-        hold every position.
-    :returns: ``out`` (allocated like ``q`` when not given).
-    """
-    num_rows, num_heads, head_dim = q.shape
+    """One query token per row over that row's paged keys: ``out`` (allocated like q when
+    not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
+    key and value to its slot before the program that owns that position attends it.
+    ``num_splits``: the split-KV factor (1 = a single pass, no merge kernel; see
+    :func:`choose_num_splits`); ``block_n``: keys per tile."""
+    x = inputs
+    num_rows = x.sequences(varlen=False, triton=True, stores=True)
+    q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert block_tables.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q)
     if num_rows == 0:
@@ -235,17 +215,15 @@ def paged_decode_attention(
         )
     else:  # never dereferenced: the single-pass kernel writes ``out`` directly
         part_out = part_lse = out
-    k_new, v_new, slots = newest_kv_args(new_kv, q, num_kv_heads)
+    k_new, v_new, slots = newest_kv_args(x.new_kv, q)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, block_tables, x.context_lens,
         out, part_out, part_lse,
         k_new, v_new, slots,
-        scale * LOG2_E,
+        x.scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        *x.pool_strides(),
         out.stride(0), out.stride(1),
         k_cache.shape[1],
         num_splits,
@@ -257,7 +235,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSE_STORE=new_kv is not None,
+        FUSE_STORE=x.new_kv is not None,
         num_warps=num_warps,
     )
     if num_splits > 1:

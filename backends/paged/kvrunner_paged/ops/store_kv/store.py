@@ -1,12 +1,13 @@
-"""Triton kernel: write this step's keys and values into the paged pool.
+"""The store in Triton: write this step's keys and values into the paged pool.
 
 One program per token row. The row's slot comes from ``slot_mapping``; a slot < 0
 (``PAD_SLOT_ID``) masks every load and store of the program, so a padded row or a
 capture over a blanked ``slot_mapping`` touches no cache byte at all.
 
 :func:`store_newest_kv` is the same write for one decode row and KV head, called from
-inside the decode kernel (``paged_decode_attention(new_kv=...)``), so that a decode
-step needs no launch of its own for it.
+inside the attention kernels that store as they attend (the inputs' ``new_kv``: the
+decode and fixed-order kernels), so that a decode step needs no launch of its own for
+it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvrunner_paged.ops.paged_attention.inputs import NewKV
+from kvrunner_paged.ops.utils import unit_last_dim
 
 
 @triton.jit
@@ -93,31 +97,18 @@ def store_newest_kv(
 
 
 def newest_kv_args(
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
-    num_kv_heads: int,
+    new_kv: NewKV | None, q: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``(k, v, slot_mapping)`` a launch that stores as it attends passes to
-    :func:`store_newest_kv`, checked against ``q``'s rows; without ``new_kv``,
-    placeholders the kernel never dereferences (its store is compiled out)."""
+    :func:`store_newest_kv` (checked against ``q``'s rows by the inputs record); without
+    ``new_kv``, placeholders the kernel never dereferences (its store is compiled out)."""
     if new_kv is None:
         return q, q, q
-    k_new, v_new, slots = new_kv
-    assert k_new.shape == v_new.shape == (q.shape[0], num_kv_heads, q.shape[2])
-    assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
-    return k_new, v_new, slots
+    return new_kv.k, new_kv.v, new_kv.slot_mapping
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv(*, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Write ``k[t]``/``v[t]`` to slot ``slot_mapping[t]``; rows with a slot < 0 write nothing.
 
     :param k: ``[num_tokens, num_kv_heads, head_dim]``; any token/head strides (``v`` too).
@@ -128,7 +119,7 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    k, v = unit_last_dim(k), unit_last_dim(v)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
     _store_kv_kernel[(num_tokens,)](
         k,

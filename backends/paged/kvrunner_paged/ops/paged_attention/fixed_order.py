@@ -1,4 +1,4 @@
-"""Triton kernels: deterministic mode's attention, one order for every token.
+"""Deterministic mode's attention in Triton: one order for every token.
 
 A query row is attended the same way wherever it sits (a prompt, a prefill chunk
 after a cached prefix, a decode step; any batch): its sequence's keys are cut at
@@ -35,10 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_paged.kernels.prefill import LAUNCH as PREFILL_LAUNCH
-from kvrunner_paged.kernels.prefill import PrefillLaunch, prefill_grid
-from kvrunner_paged.kernels.store_kv import newest_kv_args, store_newest_kv
-from kvrunner_paged.kernels.tile import LOG2_E, NEG_BIG, query_tile, walk_keys
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.prefill import LAUNCH as PREFILL_LAUNCH
+from kvrunner_paged.ops.paged_attention.prefill import PrefillLaunch, prefill_grid
+from kvrunner_paged.ops.paged_attention.tile import LOG2_E, NEG_BIG, query_tile, walk_keys
+from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
 
 #: keys per split: positions ``[s * KEY_SPLIT, (s + 1) * KEY_SPLIT)`` are split ``s``
 KEY_SPLIT = 1024
@@ -237,47 +238,33 @@ def _fold_splits_kernel(
 
 
 def fixed_order_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
     *,
-    num_seqs: int,
-    max_query_len: int,
+    inputs: PagedAttentionInputs,
     max_context_len: int,
     split_programs: bool = False,
     key_split: int = KEY_SPLIT,
     launch: PrefillLaunch | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged pool (decode rows are sequences of one
-    query), every row in the order of the module doc.
+    query), every row in the order of the module doc: a new tensor like q, rows owned by
+    no sequence 0. With ``inputs.new_kv`` (decode steps only) the launch stores each
+    row's key and value before it is attended, as the default decode kernel does.
 
-    :param q: ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns rows
-        ``query_start_loc[i]:query_start_loc[i+1]``. The pool must already hold this
-        step's keys and values, but for those ``new_kv`` stores.
-    :param max_query_len: the longest ``q_len`` (sizes the grid; host-known).
     :param max_context_len: the longest context a row may have (the engine's
         ``max_model_len``): the split-programs layout's grid and workspace.
     :param split_programs: that layout (:func:`use_split_programs`); needs
-        ``max_query_len == 1``. Both layouts give a row the same bits.
+        ``inputs.max_query_len == 1``. Both layouts give a row the same bits.
     :param key_split: keys per split, a multiple of the launch's ``block_n``; a row's
         bits follow it, so one engine keeps one value.
-    :param launch: defaults to :data:`LAUNCH` for ``q``'s dtype (fp32's for others).
-    :param new_kv: decode steps only: ``(k, v, slot_mapping)`` of this step (``k``/``v``
-        ``[num_rows, num_kv_heads, head_dim]``), each row's key and value for position
-        ``context_lens - 1``, stored by this launch (a slot < 0 stores nothing) before
-        it is attended, as the default decode kernel does.
-    :returns: a new tensor like ``q``; rows owned by no sequence are 0.
+    :param launch: defaults to :data:`LAUNCH` for q's dtype (fp32's for others).
     """
+    x = inputs
+    num_seqs = x.sequences(varlen=True, triton=True, stores=True)
+    q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
+    max_query_len, new_kv = x.max_query_len, x.new_kv
+    assert max_query_len is not None  # checked by sequences
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert block_tables.stride(-1) == 1
     launch = launch or LAUNCH.get(q.dtype, LAUNCH[torch.float32])
     assert key_split % launch.block_n == 0, f"key_split {key_split} not whole key tiles"
     assert not split_programs or max_query_len <= 1, "split programs attend decode rows only"
@@ -300,17 +287,15 @@ def fixed_order_attention(
         grid, tiles_outer = prefill_grid(num_kv_heads, num_seqs,
                                          triton.cdiv(max_query_len, block_q), True)
         part_acc = part_ml = out  # never dereferenced: the walk folds in registers
-    k_new, v_new, slots = newest_kv_args(new_kv, q, num_kv_heads)
+    k_new, v_new, slots = newest_kv_args(new_kv, q)
     _fixed_order_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+        q, k_cache, v_cache, block_tables, x.query_start_loc, x.context_lens,
         out, part_acc, part_ml,
         k_new, v_new, slots,
-        scale * LOG2_E,
+        x.scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        *x.pool_strides(),
         out.stride(0), out.stride(1),
         k_cache.shape[1], max_splits,
         NUM_HEADS=num_heads,
@@ -330,7 +315,7 @@ def fixed_order_attention(
     )  # fmt: skip
     if split_programs:
         _fold_splits_kernel[(num_seqs, num_kv_heads)](
-            part_acc, part_ml, context_lens, out,
+            part_acc, part_ml, x.context_lens, out,
             out.stride(0), out.stride(1), max_splits,
             NUM_HEADS=num_heads,
             GROUP=group,

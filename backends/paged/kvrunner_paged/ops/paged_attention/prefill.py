@@ -1,4 +1,5 @@
-"""Triton kernel: causal varlen attention over the paged pool, with a cached prefix.
+"""Prefill (and mixed) attention in Triton: causal varlen attention over the paged pool,
+with a cached prefix.
 
 One program per (query tile, sequence, KV head), the longest (last) tiles first.
 Its tile packs ``BLOCK_Q`` query tokens times every query head of the KV head's GQA
@@ -25,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner_paged.kernels.tile import LOG2_E, query_tile, walk_keys
+from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
+from kvrunner_paged.ops.paged_attention.tile import LOG2_E, query_tile, walk_keys
 
 
 @attrs.frozen
@@ -158,16 +160,8 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
     *,
-    num_seqs: int,
-    max_query_len: int,
+    inputs: PagedAttentionInputs,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -176,33 +170,29 @@ def paged_prefill_attention(
     tiles_outer: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of each sequence's new queries over its paged keys.
+    """Causal varlen attention of each sequence's new queries over its paged keys, which
+    the pools already hold (store first, then attend).
 
-    :param q: ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns rows
-        ``query_start_loc[i]:query_start_loc[i+1]``.
-    :param k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache`` too),
-        already holding this step's keys (store first, then attend).
-    :param block_tables: ``[>= num_seqs, max_blocks_per_seq]`` int32.
-    :param query_start_loc: ``[>= num_seqs + 1]`` int32 cumulative query lengths.
-    :param context_lens: ``[>= num_seqs]`` int32, cached prefix + new queries.
-    :param max_query_len: the longest ``q_len`` (sizes the grid; host-known).
     :param block_m: rows of a program's tile, query tokens times the group's query heads
         (padded to a power of two); a power of two >= 16. ``block_n``: keys per step, a
         power of two >= 16. These, ``num_warps``, ``num_stages`` and
-        ``dot_precision`` default to :func:`launch_for` ``q``'s dtype and shape.
+        ``dot_precision`` default to :func:`launch_for` q's dtype and
+        ``inputs.max_query_len``.
     :param tiles_outer: the grid order (see :func:`prefill_grid`): query tiles
         outermost, so every sequence's and head's last tile starts before any
         shorter one (the default: on an H200 it took the worst of 12 cases from 1.34
         to 1.23x SDPA in bf16 and 1.43 to 1.27 in fp32); else each (sequence,
         head)'s tiles together.
-    :returns: ``out`` (allocated like ``q`` when not given). Rows of ``q`` owned by no
+    :returns: ``out`` (allocated like q when not given). Rows of q owned by no
         sequence are left as they were in ``out`` (zeros when allocated here).
     """
-    num_tokens, num_heads, head_dim = q.shape
+    x = inputs
+    num_seqs = x.sequences(varlen=True, triton=True)
+    q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
+    max_query_len = x.max_query_len
+    assert max_query_len is not None  # checked by sequences
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert block_tables.stride(-1) == 1
     launch = launch_for(q.dtype, max_query_len)
     block_m = block_m or launch.block_m
     block_n = block_n or launch.block_n
@@ -219,13 +209,11 @@ def paged_prefill_attention(
     tiles = triton.cdiv(max_query_len, block_q)
     grid, tiles_outer = prefill_grid(num_kv_heads, num_seqs, tiles, tiles_outer)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+        q, k_cache, v_cache, block_tables, x.query_start_loc, x.context_lens,
         out,
-        scale * LOG2_E,
+        x.scale * LOG2_E,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        *x.pool_strides(),
         out.stride(0), out.stride(1),
         k_cache.shape[1],
         GROUP=group,

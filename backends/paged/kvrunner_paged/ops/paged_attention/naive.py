@@ -1,37 +1,15 @@
-"""Naive reference implementations: the oracle every kernel is tested against.
+"""The naive paged attention: the oracle every paged-attention entry is tested against.
 
-Written for obviousness, not speed: Python loops over tokens and key positions, an
-explicit masked softmax in float32, no fused tricks. Nothing in production calls
-these; the torch path (:mod:`.torch_ops`) and the Triton kernels must agree with them.
-
-Shapes used throughout the paged backend:
-
-* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
-* ``block_tables``: ``[num_seqs, max_blocks_per_seq]`` physical block per logical block
-* ``query_start_loc``: ``[num_seqs + 1]`` cumulative query lengths
-* ``context_lens``: ``[num_seqs]`` cached tokens *including* this step's queries
+Written for obviousness, not speed: Python loops over sequences and key positions, an
+explicit masked softmax in float32, no fused tricks. Nothing in production calls it;
+the torch paths and the Triton kernels must agree with it. It takes plain tensors (the
+shapes of :mod:`.inputs`), not the inputs record, so it checks that record's entries
+without sharing any of their code.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def reference_store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write row ``t`` of ``k``/``v`` to slot ``slot_mapping[t]``; skip slots < 0."""
-    block_size = k_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
-        block, offset = divmod(slot, block_size)
-        k_cache[block, offset] = k[t]
-        v_cache[block, offset] = v[t]
 
 
 def gather_sequence_kv(
@@ -50,7 +28,7 @@ def gather_sequence_kv(
     return torch.stack(keys), torch.stack(values)
 
 
-def reference_paged_attention(
+def naive_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
