@@ -30,6 +30,7 @@ from decode_timing import ours_step_ms
 
 from kvrunner.cli.help import choices_of
 from kvrunner.config import CaptureConfig
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.sampler import Sampler, sample_step_rows
 from kvrunner.runner.step_launch import StepLauncher
 
@@ -47,9 +48,10 @@ def shared_generator_draws() -> Iterator[None]:
     stage, step_rows = StepLauncher._stage_graph_draws, Sampler.sample_step_rows
 
     def stage_keyed_only(self, step, graph):
-        if any(p.seed is None and p.temperature > 0 for p in step.sampling):
+        sampling = step.sampling
+        if (~sampling.has_seed & sampling.drawing).any():
             if self.graph_sampling is not None:  # clear any temperatures staged before
-                self.graph_sampling.stage([], list, [], rows=0)
+                self.graph_sampling.stage(SamplingColumns.of([]), list, [], rows=0)
             return False
         return stage(self, step, graph)
 

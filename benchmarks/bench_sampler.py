@@ -24,6 +24,7 @@ import argparse
 import torch
 from common import copy_bandwidth_tbps, graph_ms, median_ms
 
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, vocab_splits
 from kvrunner.layers.sampler import sample
@@ -50,7 +51,9 @@ def main() -> None:
           f"{'floor us':>9} {'fused/floor':>11} {'same tokens':>12}")
     for batch in (int(b) for b in args.batches.split(",")):
         logits = decode_logits(batch)
-        params = [SamplingParams(temperature=1.0, seed=1000 + i) for i in range(batch)]
+        # as a step carries them: the rows' sampling columns
+        params = SamplingColumns.of(SamplingParams(temperature=1.0, seed=1000 + i)
+                                    for i in range(batch))
         counts = list(range(batch))
         times, tokens = {}, {}
         for mode in ("0", "1"):
@@ -67,7 +70,7 @@ def main() -> None:
           f"{'keyed/generator':>15}")
     for batch in (int(b) for b in args.batches.split(",")):
         logits = decode_logits(batch)
-        params = [SamplingParams(temperature=1.0)] * batch
+        params = SamplingColumns.of([SamplingParams(temperature=1.0)] * batch)
         counts = list(range(batch))
         keys = request_keys(0, list(range(batch)))
         g = torch.Generator(device="cuda").manual_seed(batch)

@@ -28,6 +28,7 @@ from kvrunner.async_engine.engine_loop import Command, EngineLoop
 from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
 from kvrunner.async_engine.handoff import Channel, Reply
 from kvrunner.async_engine.stats import EngineStats
+from kvrunner.engine.llm_engine import group_size
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 
@@ -180,7 +181,7 @@ class AsyncLLM:
                 f"generate_group: params must be a SamplingParams, got {type(params).__name__}"
             )
         base = self._request_id(request_id)
-        ids = [f"{base}-{k}" for k in range(params.n)]
+        ids = [f"{base}-{k}" for k in range(group_size(params))]
         loop = asyncio.get_running_loop()
         channels = [Channel(loop) for _ in ids]
         await self._add(ids, prompt, params, channels, stream=False)
@@ -205,7 +206,7 @@ class AsyncLLM:
             raise RequestError(
                 f"{what}: params must be a SamplingParams, got {type(params).__name__}"
             )
-        if params.n > 1:
+        if group_size(params) > 1:
             raise RequestError(
                 f"{what}: SamplingParams.n = {params.n} asks for several samples; use "
                 f"generate_group(), which returns one output per sample"

@@ -156,7 +156,8 @@ class LLM:
             self.engine.add_request(seq)
         seqs = [seq for group in groups for seq in group]  # prompt-major
         try:
-            self._run_to_completion(seqs, sum(sp.max_tokens * sp.n for sp in params), use_tqdm)
+            self._run_to_completion(seqs, sum(s.sampling_params.max_tokens for s in seqs),
+                                    use_tqdm)
         except BaseException as e:
             # Ctrl-C or a failure mid-call: this call's requests are aborted (their
             # blocks and state slots freed) and the step in flight settled, so the

@@ -90,7 +90,7 @@ def normalize_requests(
     return prompts, params
 
 
-def prompt_token_ids(prompt: Any, index: int, tokenizer: Any | None) -> list[int]:
+def prompt_token_ids(prompt: Any, index: int | str, tokenizer: Any | None) -> list[int]:
     """The token ids of one prompt; RequestError naming request ``index`` if it has none.
 
     :param tokenizer: a ``tokenizers.Tokenizer``, or None when the model has none

@@ -24,6 +24,15 @@ def is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def int64_seed(seed: int) -> int:
+    """The int64 key a request's ``seed`` draws its noise with: ``seed`` itself where it
+    fits an int64, else a 63-bit BLAKE2b digest of it."""
+    if -(2**63) <= seed < 2**63:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
@@ -167,6 +176,8 @@ class SamplingParams:
                 f"SamplingParams.for_sample: sample index must be an integer in "
                 f"[0, {self.n}) (n={self.n}), got {_describe(k)}"
             )
+        if self.n == 1:
+            return self  # sample 0 of a group of one: these very params
         seed = self.seed
         if seed is not None and k > 0:
             digest = hashlib.blake2b(

@@ -199,9 +199,9 @@ class EngineLoop:
         self, request_ids: list[str], prompt: Any, params: SamplingParams,
         channels: list[Channel], stream: bool,
     ) -> Command:
-        """The command that checks and queues one request, or the ``params.n``
-        samples of one (``request_ids[k]`` and ``channels[k]`` for sample ``k``), held
-        while paused. Nothing is queued unless every sample passes."""
+        """The command that checks and queues the samples of one request (the engine's
+        group: ``LLMEngine.make_group``), ``request_ids[k]`` and ``channels[k]`` for
+        sample ``k``, held while paused. Nothing is queued unless every sample passes."""
 
         def command(_reply: Reply) -> None:
             for request_id in request_ids:
@@ -213,11 +213,13 @@ class EngineLoop:
             if not self.paused:
                 self.llm.sleep_state.require_servable("generate")
             name = request_ids[0]  # RequestError messages name the request by it
-            ids = prompt_token_ids(prompt, name, self.llm.tokenizer)  # type: ignore[arg-type]
-            if params.n > 1:
-                seqs = self.engine.make_group(ids, params, name)  # type: ignore[arg-type]
-            else:
-                seqs = [self.engine.make_request(ids, params, name)]  # type: ignore[arg-type]
+            ids = prompt_token_ids(prompt, name, self.llm.tokenizer)
+            seqs = self.engine.make_group(ids, params, name)
+            if len(seqs) != len(request_ids):
+                raise RequestError(
+                    f"request {name!r}: {len(request_ids)} request id(s) for a group of "
+                    f"{len(seqs)} sample(s) (SamplingParams.n={params.n})"
+                )
             for request_id, seq, channel in zip(request_ids, seqs, channels, strict=True):
                 live = LiveRequest(request_id, prompt, seq, channel, stream,
                                    versions=[(self.weight_version, 0)])  # fmt: skip

@@ -208,13 +208,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         require_tokenizer(config, "a text prompt", "pass --token-ids with token-id prompts")
     if params.stop:
         require_tokenizer(config, "--stop", "use --stop-token-ids")
+    from kvrunner.engine.llm_engine import group_size
     from kvrunner.llm import LLM
 
     llm = LLM(config_file=args.config_file, progress=True, **_config_kwargs(args))
     try:
         outs = llm.generate(prompts, params, use_tqdm=True)
+        n = group_size(params)  # the samples the engine made of each prompt
         for index, out in enumerate(outs):  # prompt-major: n samples per prompt
-            _print_output(out, prompts[index // params.n], params.n, llm.tokenizer)
+            _print_output(out, prompts[index // n], n, llm.tokenizer)
     finally:
         llm.shutdown()
     return 0

@@ -35,6 +35,12 @@ from kvrunner.sampling_params import SamplingParams
 Sampled = SampledTokens | list[SampledToken]
 
 
+def group_size(params: SamplingParams) -> int:
+    """How many samples (sequences) one request with ``params`` is: the group
+    :meth:`LLMEngine.make_group` makes."""
+    return params.n
+
+
 class PendingTokens(Protocol):
     """A launched step's tokens, which ``result()`` waits for."""
 
@@ -101,69 +107,72 @@ class LLMEngine:
         #: nothing is in flight, and ``step`` refuses until ``unpark``
         self.parked = False
 
-    def validate_prompt(self, token_ids: Seq[int], index: int) -> None:
-        """Raise ``RequestError`` naming the request if it can never be served."""
-        if not token_ids:
-            raise RequestError(f"request {index}: the prompt is empty")
+    def make_request(
+        self, token_ids: Seq[int], params: SamplingParams, index: int | str
+    ) -> Sequence:
+        """A checked, not yet queued request of one sample; raises ``RequestError``
+        naming it as ``request <index>`` (its position in a call, or its request id).
+
+        Every check a request needs is made here, once: the prompt's token ids against
+        the vocabulary, what ``SamplingParams`` cannot know itself (the vocabulary,
+        ``max_logprobs``, a tokenizer for stop strings; it checked its own fields when
+        it was built), then the scheduler's limits (``Scheduler.validate``: an empty
+        prompt, one past ``max_model_len - 1``, the token budget, the pool).
+        :meth:`add_request` queues the request without checking it again.
+        """
+        name = f"request {index}"
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(
-                f"request {index}: token id(s) {bad[:5]} outside the vocabulary "
-                f"[0, {self.vocab_size})"
+                f"{name}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
-        limit = self.config.scheduler.max_model_len - 1
-        if len(token_ids) > limit:
-            raise RequestError(
-                f"request {index}: prompt of {len(token_ids)} tokens exceeds "
-                f"max_model_len - 1 = {limit}"
-            )
-
-    def make_request(self, token_ids: Seq[int], params: SamplingParams, index: int) -> Sequence:
-        """A validated, not yet queued request; raises ``RequestError`` naming ``index``."""
-        self.validate_prompt(token_ids, index)
         # SamplingParams cannot know the vocabulary; an id past it could never match,
         # so the stop the caller asked for would silently never happen.
         stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if stops:
             raise RequestError(
-                f"request {index}: SamplingParams.stop_token_ids {stops[:5]} outside the "
+                f"{name}: SamplingParams.stop_token_ids {stops[:5]} outside the "
                 f"vocabulary [0, {self.vocab_size})"
             )
         if params.n != 1:
             raise RequestError(
-                f"request {index}: SamplingParams.n={params.n} asks for a group of "
-                f"samples; make them with make_group (one request is one sample)"
+                f"{name}: SamplingParams.n={params.n} asks for a group of samples; make "
+                f"them with make_group (one request is one sample)"
             )
         cap = self.config.scheduler.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
+        for field in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, field)
             if asked is not None and asked > cap:
                 raise RequestError(
-                    f"request {index}: SamplingParams.{name}={asked} exceeds "
+                    f"{name}: SamplingParams.{field}={asked} exceeds "
                     f"max_logprobs={cap} (raise the max_logprobs setting to allow it)"
                 )
         watch = None
         if params.stop:
             if self.tokenizer is None:
                 raise RequestError(
-                    f"request {index}: SamplingParams.stop {list(params.stop)[:3]!r} needs "
+                    f"{name}: SamplingParams.stop {list(params.stop)[:3]!r} needs "
                     f"a tokenizer to find stop strings in the text, but this model has none "
                     f"(no tokenizer.json, or skip_tokenizer_init is set); use "
                     f"stop_token_ids instead"
                 )
             watch = StopStringWatch(self.tokenizer, params.stop)
         seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch)
-        self.scheduler.validate(seq, name=f"request {index}")
+        self.scheduler.validate(seq, name=name)
         return seq
 
-    def make_group(self, token_ids: Seq[int], params: SamplingParams, index: int) -> list[Sequence]:
-        """The ``params.n`` validated, not yet queued samples of one prompt, sample
-        ``k`` with ``params.for_sample(k)``; raises ``RequestError`` naming ``index``.
+    def make_group(
+        self, token_ids: Seq[int], params: SamplingParams, index: int | str
+    ) -> list[Sequence]:
+        """The samples of one request, checked and not yet queued: ``group_size(params)``
+        of them, sample ``k`` with ``params.for_sample(k)``; raises ``RequestError``
+        naming ``index`` (see :meth:`make_request`).
 
-        Samples after the first wait for the first one's prefill (see
-        ``Sequence.waits_for_prefix``) when the prefix cache can share a block of the
-        prompt: queue every group's first sample before the others, or a waiting
-        sample holds up the queue behind it for that step.
+        This is where a request's ``n`` is dealt with; everything else asks the group
+        it returns (or :func:`group_size`). Samples after the first wait for the first
+        one's prefill (see ``Sequence.waits_for_prefix``) when the prefix cache can
+        share a block of the prompt: queue every group's first sample before the
+        others, or a waiting sample holds up the queue behind it for that step.
         """
         first = self.make_request(token_ids, params.for_sample(0), index)
         group = [first]
@@ -171,7 +180,7 @@ class LLMEngine:
             self.block_manager.enable_prefix_caching
             and len(token_ids) - 1 >= self.block_manager.block_size
         )
-        for k in range(1, params.n):
+        for k in range(1, group_size(params)):
             seq = self.make_request(token_ids, params.for_sample(k), index)
             seq.sample_index = k
             seq.prefix_leader = first if shares else None
@@ -179,7 +188,8 @@ class LLMEngine:
         return group
 
     def add_request(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        """Queue a request :meth:`make_request` (or :meth:`make_group`) made and checked."""
+        self.scheduler.add(seq, checked=True)
         if seq.stop_watch is not None:
             self._watched[seq.seq_id] = seq
 

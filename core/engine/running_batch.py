@@ -6,7 +6,9 @@ from these columns in a few numpy passes instead of reading a dozen fields off e
 ``Sequence``, and a step's columns are gathered from them. They are changed in place,
 and only where the scheduler changes who runs or where they are:
 
-* admission appends a row (:meth:`RunningBatch.append`), read off the sequence once;
+* admission appends a row (:meth:`RunningBatch.append`), read off the sequence once,
+  its sampling settings included (the step's :class:`SamplingColumns` are gathered
+  from those columns: :meth:`RunningBatch.sampling_columns`);
 * a planned step moves its rows on (:meth:`RunningBatch.advance`): each row's next
   chunk starts where this one ends, and a row that samples has one more token coming;
 * applying a step's samples takes them off the rows' count of samples in flight
@@ -27,7 +29,7 @@ from itertools import compress
 import numpy as np
 
 from kvrunner.engine.sequence import Sequence
-from kvrunner.sampling_params import SamplingParams
+from kvrunner.engine.step_io import SAMPLING_DTYPES, SamplingColumns, sampling_row
 
 #: rows the columns start with; they double when outgrown
 _INITIAL_ROWS = 64
@@ -35,20 +37,22 @@ _INITIAL_ROWS = 64
 
 class RunningBatch:
     """The running sequences' columns (rows ``0 .. len - 1``; every row past them is
-    clear: zeros, ``-1`` table row and state slot).
+    clear: zeros; ``-1`` table row, state slot, logprobs and prompt logprobs).
 
     ``pos``: where the row's next chunk starts (``num_computed_tokens`` plus what the
     steps in flight feed it). ``tokens``: how many tokens it has once the steps in
     flight are applied (``len(token_ids)`` plus ``pending``). ``pending``: steps in
     flight that sample for it. ``prompt``, ``limit``: ``num_prompt_tokens``,
     ``length_limit``. ``table_row``, ``state_slot``, ``seq_id``: the sequence's.
+    ``temperature``, ``top_k``, ``top_p``, ``seed``, ``has_seed``, ``logprobs``,
+    ``prompt_logprobs``: its ``sampling_params`` as the :class:`SamplingColumns`
+    hold them (``step_io.sampling_row``).
     """
 
     def __init__(self) -> None:
         #: the running sequences, in admission order (the scheduler's ``running``)
         self.seqs: list[Sequence] = []
-        #: per row: its ``sampling_params`` and ``stop_on`` (objects: lists)
-        self.sampling: list[SamplingParams] = []
+        #: per row: its ``stop_on`` (objects: a list)
         self.stop_on: list[frozenset[int]] = []
         self.seq_id = np.zeros(_INITIAL_ROWS, np.int64)
         self.pos = np.zeros(_INITIAL_ROWS, np.int64)
@@ -58,11 +62,23 @@ class RunningBatch:
         self.limit = np.zeros(_INITIAL_ROWS, np.int64)
         self.table_row = np.full(_INITIAL_ROWS, -1, np.intp)
         self.state_slot = np.full(_INITIAL_ROWS, -1, np.int64)
+        self.temperature = np.zeros(_INITIAL_ROWS, np.float64)
+        self.top_k = np.zeros(_INITIAL_ROWS, np.int64)
+        self.top_p = np.zeros(_INITIAL_ROWS, np.float64)
+        self.seed = np.zeros(_INITIAL_ROWS, np.int64)
+        self.has_seed = np.zeros(_INITIAL_ROWS, np.bool_)
+        self.logprobs = np.full(_INITIAL_ROWS, -1, np.int64)
+        self.prompt_logprobs = np.full(_INITIAL_ROWS, -1, np.int64)
+        #: every row's sampling columns as the last step took them (copies), until the
+        #: rows change: a steady decode step takes the last one's
+        self._every_row_sampling: SamplingColumns | None = None
 
+    #: the sampling columns, in the :class:`SamplingColumns`' order
+    _SAMPLING = tuple(SAMPLING_DTYPES)
     _NUMERIC = ("seq_id", "pos", "tokens", "pending", "prompt", "limit", "table_row",
-                "state_slot")  # fmt: skip
+                "state_slot", *_SAMPLING)  # fmt: skip
     #: what a cleared row holds, per numeric column
-    _CLEAR = {"table_row": -1, "state_slot": -1}
+    _CLEAR = {"table_row": -1, "state_slot": -1, "logprobs": -1, "prompt_logprobs": -1}
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -75,8 +91,8 @@ class RunningBatch:
         i = len(self.seqs)
         if i == len(self.pos):
             self._grow()
+        self._every_row_sampling = None
         self.seqs.append(seq)
-        self.sampling.append(seq.sampling_params)
         self.stop_on.append(seq.stop_on)
         self.seq_id[i] = seq.seq_id
         self.pos[i] = seq.num_computed_tokens
@@ -86,6 +102,8 @@ class RunningBatch:
         self.limit[i] = seq.length_limit
         self.table_row[i] = seq.table_row
         self.state_slot[i] = seq.state_slot
+        (self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i], self.has_seed[i],
+         self.logprobs[i], self.prompt_logprobs[i]) = sampling_row(seq.sampling_params)
         return i
 
     def remove(self, rows: list[int]) -> np.ndarray:
@@ -96,9 +114,9 @@ class RunningBatch:
         keep[rows] = False
         new_index = np.where(keep, np.cumsum(keep) - 1, -1)
         k = n - len(rows)
+        self._every_row_sampling = None
         kept = keep.tolist()
         self.seqs[:] = compress(self.seqs, kept)
-        self.sampling[:] = compress(self.sampling, kept)
         self.stop_on[:] = compress(self.stop_on, kept)
         for name in self._NUMERIC:
             column = getattr(self, name)
@@ -109,7 +127,8 @@ class RunningBatch:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` rows (the tail was preempted)."""
         old = len(self.seqs)
-        del self.seqs[n:], self.sampling[n:], self.stop_on[n:]
+        self._every_row_sampling = None
+        del self.seqs[n:], self.stop_on[n:]
         self._clear(n, old)
 
     # -- one step ---------------------------------------------------------------------
@@ -171,6 +190,21 @@ class RunningBatch:
         mask = np.zeros(len(self.seqs), bool)
         mask[rows] = True
         return list(compress(column, mask.tolist()))
+
+    def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
+        """The sampling columns of ``rows`` (increasing), as copies: a step carries them
+        while these columns change under it. Every row's are taken once and shared by
+        the steps until a row is appended, removed or cut (nothing else changes them,
+        and nobody writes into a step's columns)."""
+        if not self.every_row(rows):
+            return SamplingColumns(*(getattr(self, name)[rows] for name in self._SAMPLING))
+        if self._every_row_sampling is None:
+            n = len(rows)
+            columns = [getattr(self, name)[:n].copy() for name in self._SAMPLING]
+            for column in columns:
+                column.flags.writeable = False  # shared by steps: read only
+            self._every_row_sampling = SamplingColumns(*columns)
+        return self._every_row_sampling
 
     def every_row(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` (increasing, distinct) is every row, in order."""

@@ -122,9 +122,17 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request; raises ValueError (queue untouched) if it can never run."""
-        self.validate(seq)
+    def add(self, seq: Sequence, *, checked: bool = False) -> None:
+        """Queue a new request; raises ValueError (queue untouched) if it can never run.
+
+        :param checked: :meth:`validate` passed it already (``LLMEngine.make_request``
+            checks each request as it makes it, naming it as its caller does): only
+            its id is checked again, against the requests queued since.
+        """
+        if checked:
+            self._check_id(seq, f"request {seq.seq_id}")
+        else:
+            self.validate(seq)
         seq.set_limits(eos_token_ids=self.eos_token_ids, max_model_len=self.config.max_model_len)
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
@@ -135,15 +143,19 @@ class Scheduler:
     def validate(self, seq: Sequence, *, name: str | None = None) -> None:
         """Raise RequestError naming the request and the limit if it can never run here.
 
-        ``add`` calls this; call it first yourself to check a whole batch of requests
-        before queueing any of them.
+        ``add`` calls this unless told it passed already; call it first yourself to
+        check a whole batch of requests before queueing any of them (then ``add`` them
+        with ``checked=True``).
 
         :param name: how the message names the request (default ``request <seq_id>``).
         """
         name = name or f"request {seq.seq_id}"
+        self._check_id(seq, name)
+        check_request(seq, self.config, self.block_manager, name)
+
+    def _check_id(self, seq: Sequence, name: str) -> None:
         if seq.seq_id in self._unfinished:
             raise ValueError(f"{name}: a request with this id is already queued or running")
-        check_request(seq, self.config, self.block_manager, name)
 
     def abort(self, seq_id: int, *, reason: FinishReason = "abort") -> Sequence | None:
         """Withdraw an unfinished request, freeing what it holds; None if unknown.

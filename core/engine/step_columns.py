@@ -1,10 +1,10 @@
 """A scheduled step written as the columns the runner reads (``StepInput``).
 
 Its columns are gathered from the running batch's (``running_batch.py``): numpy takes
-for the numbers and the block tables, list copies or C-level ``compress`` passes for
-the objects. Only the token ids are built per row, and only for rows whose chunk the
-host knows: a row whose chunk is the token still in flight feeds one shared
-placeholder.
+for the numbers, the block tables and the sampling settings, list copies or C-level
+``compress`` passes for the objects. Only the token ids are built per row, and only
+for rows whose chunk the host knows: a row whose chunk is the token still in flight
+feeds one shared placeholder.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def step_columns(
         block_table=tables.gather_rows(batch.table_row[at]),  # a gather: a copy
         state_slot=batch.state_slot[at].tolist(),
         sample=samples.tolist(),
-        sampling=batch.pick(batch.sampling, rows),
+        sampling=batch.sampling_columns(rows),
         num_output_tokens=outputs.tolist(),
         prompt_targets=[
             prompt_targets(s, a, n)

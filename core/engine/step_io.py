@@ -2,11 +2,11 @@
 
 Plain, picklable data (no tensors), so the same object crosses to worker processes.
 Crossing is a per-step cost on the decode path, so both directions are columns
-(one list per field, the block tables one array), never one object per sequence: a
-:class:`StepInput` is columns, and the runner answers with the sampled tokens as
-columns (:data:`PackedSampled`), which the engine reads as they are
-(:class:`SampledTokens`). At batch 256 that is about 5x less pickling work than one
-object per sequence.
+(one list per field; the block tables and the sampling settings numpy arrays), never
+one object per sequence: a :class:`StepInput` is columns, and the runner answers with
+the sampled tokens as columns (:data:`PackedSampled`), which the engine reads as they
+are (:class:`SampledTokens`). At batch 256 that is about 5x less pickling work than
+one object per sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 import attrs
 import numpy as np
 
-from kvrunner.sampling_params import SamplingParams
+from kvrunner.sampling_params import SamplingParams, int64_seed
 
 #: A token id in ``StepInput.token_ids`` that the host does not know yet: the token
 #: this sequence sampled in the step just before, which is still on the device (async
@@ -111,15 +111,140 @@ def as_block_tables(tables: BlockTables | Iterable[Seq[int]]) -> BlockTables:
     return tables if isinstance(tables, BlockTables) else BlockTables.from_rows(tables)
 
 
+#: the largest value an int64 column holds: a larger top-k or logprobs count means
+#: the same as this one (more than any vocabulary)
+_INT64_MAX = 2**63 - 1
+
+#: the :class:`SamplingColumns`' columns, in their order, and each one's dtype
+SAMPLING_DTYPES: dict[str, type] = {
+    "temperature": np.float64,
+    "top_k": np.int64,
+    "top_p": np.float64,
+    "seed": np.int64,
+    "has_seed": np.bool_,
+    "logprobs": np.int64,
+    "prompt_logprobs": np.int64,
+}
+
+#: a row of the :class:`SamplingColumns`: one value per column, in their order
+SamplingRow = tuple[float, int, float, int, bool, int, int]
+
+
+def sampling_row(params: SamplingParams) -> SamplingRow:
+    """``params`` as one row of the :class:`SamplingColumns` (see there what each holds)."""
+    top_k, seed = int(params.top_k), params.seed
+    logprobs, prompt_logprobs = params.logprobs, params.prompt_logprobs
+    return (
+        float(params.temperature),
+        top_k if 0 < top_k <= _INT64_MAX else 0,
+        float(params.top_p),
+        0 if seed is None else int64_seed(int(seed)),
+        seed is not None,
+        -1 if logprobs is None else min(int(logprobs), _INT64_MAX),
+        -1 if prompt_logprobs is None else min(int(prompt_logprobs), _INT64_MAX),
+    )
+
+
+@attrs.frozen(eq=False)
+class SamplingColumns:
+    """Every row's sampling settings as numpy columns, row ``i`` of each sequence ``i``'s.
+
+    The engine keeps them in the running batch from a request's admission
+    (``running_batch.py``) and gathers a step's rows from there; the sampler and the
+    decode graphs read them as they are, and their device uploads come straight from
+    the arrays. They pickle as seven arrays, whatever the batch. Each column holds a
+    :class:`~kvrunner.sampling_params.SamplingParams` field in a form an array can
+    hold (:func:`sampling_row`).
+    """
+
+    #: [N] float64: 0 is greedy
+    temperature: np.ndarray
+    #: [N] int64: keep the ``top_k`` most likely tokens; 0 where it keeps every one
+    #: (``top_k <= 0``)
+    top_k: np.ndarray
+    #: [N] float64: keep the smallest most-likely set of at least this probability;
+    #: 1 keeps every token
+    top_p: np.ndarray
+    #: [N] int64: the draw key of the row's own seed (``int64_seed``: the seed itself
+    #: where it fits an int64), 0 where it has none
+    seed: np.ndarray
+    #: [N] bool: the row has a seed of its own
+    has_seed: np.ndarray
+    #: [N] int64: top logprobs reported per output token (0: the sampled token's logprob
+    #: alone); -1 where the row asks for no logprobs
+    logprobs: np.ndarray
+    #: [N] int64: top logprobs reported per prompt token; -1 where it scores no prompt
+    prompt_logprobs: np.ndarray
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.temperature)
+        if any(len(column) != n for column in self.arrays()):
+            raise ValueError(
+                "sampling columns differ in length: "
+                + ", ".join(f"{len(c)} {name}" for name, c in zip(SAMPLING_DTYPES,
+                                                                  self.arrays(), strict=True))
+            )
+
+    @classmethod
+    def of(cls, params: Iterable[SamplingParams]) -> SamplingColumns:
+        """The columns of one ``SamplingParams`` per row (tests and tools list them)."""
+        rows = [sampling_row(p) for p in params]
+        values = list(zip(*rows, strict=True)) if rows else [()] * len(SAMPLING_DTYPES)
+        return cls(*(np.array(v, dtype) for v, dtype in zip(values, SAMPLING_DTYPES.values(),
+                                                             strict=True)))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The columns, in their order (:data:`SAMPLING_DTYPES`)."""
+        return (self.temperature, self.top_k, self.top_p, self.seed, self.has_seed,
+                self.logprobs, self.prompt_logprobs)  # fmt: skip
+
+    def take(self, rows: np.ndarray | Seq[int]) -> SamplingColumns:
+        """The columns of ``rows`` (indices), in that order: new arrays."""
+        index = np.asarray(rows, np.intp)
+        return SamplingColumns(*(column[index] for column in self.arrays()))
+
+    @property
+    def drawing(self) -> np.ndarray:
+        """[N] bool: the rows that draw (not greedy: a temperature above 0)."""
+        return self.temperature != 0.0
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplingColumns):
+            return NotImplemented
+        return all(np.array_equal(a, b) for a, b in zip(self.arrays(), other.arrays(),
+                                                        strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # arrays, like a list
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={column.tolist()!r}"
+                           for name, column in zip(SAMPLING_DTYPES, self.arrays(), strict=True))
+        return f"SamplingColumns({fields})"
+
+    def __reduce__(self) -> tuple:
+        # Seven arrays: one buffer each on the wire, whatever the batch.
+        return (SamplingColumns, self.arrays())
+
+
+def as_sampling_columns(
+    sampling: SamplingColumns | Iterable[SamplingParams],
+) -> SamplingColumns:
+    """``sampling`` as :class:`SamplingColumns` (tests and tools list ``SamplingParams``)."""
+    return sampling if isinstance(sampling, SamplingColumns) else SamplingColumns.of(sampling)
+
+
 @attrs.frozen(eq=True, hash=False)
 class StepInput:
-    """One step as columns: one list per field, row ``i`` of each is sequence ``i``'s share.
+    """One step as columns: one list or array per field, row ``i`` of each sequence ``i``'s.
 
     Sequence ``i`` feeds ``token_ids[i]`` at positions ``start_pos[i]`` onwards (its
     last token may be :data:`PLACEHOLDER_TOKEN`: the previous step's sample). The
     scheduler builds it this way and the runner reads it this way, so no object per
-    sequence is ever built. It pickles as its lists (shared ``SamplingParams``
-    once, through pickle's memo) and the block tables' two arrays.
+    sequence is ever built. It pickles as its lists, the block tables' two arrays and
+    the sampling columns' seven.
     """
 
     seq_id: list[int]
@@ -130,7 +255,8 @@ class StepInput:
     state_slot: list[int]
     #: a token is sampled after this share (its prompt is complete)
     sample: list[bool]
-    sampling: list[SamplingParams]
+    #: every row's sampling settings (a list of ``SamplingParams`` is converted)
+    sampling: SamplingColumns = attrs.field(converter=as_sampling_columns)
     #: tokens generated so far; keys the per-request seed
     num_output_tokens: list[int]
     #: for each row, the prompt tokens its chunk's positions predict (the token after

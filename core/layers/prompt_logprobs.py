@@ -56,9 +56,9 @@ def prompt_rows(step: StepInput) -> PromptRows | None:
     rows: list[int] = []
     targets: list[int] = []
     offset = 0
-    for seq_id, tokens, start, wanted, params in zip(
-        step.seq_id, step.token_ids, step.start_pos, step.prompt_targets, step.sampling,
-        strict=True,
+    for seq_id, tokens, start, wanted, top in zip(
+        step.seq_id, step.token_ids, step.start_pos, step.prompt_targets,
+        step.sampling.prompt_logprobs.tolist(), strict=True,
     ):
         if wanted:
             if len(wanted) > len(tokens):
@@ -67,7 +67,7 @@ def prompt_rows(step: StepInput) -> PromptRows | None:
             seq_ids.append(seq_id)
             firsts.append(start + 1)
             counts.append(len(wanted))
-            num_top.append(params.prompt_logprobs or 0)
+            num_top.append(max(top, 0))  # -1 (no prompt_logprobs asked): no top logprobs
             rows.extend(range(offset, offset + len(wanted)))
             targets.extend(wanted)
         offset += len(tokens)

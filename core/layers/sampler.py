@@ -24,9 +24,11 @@ Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
 filtering), which is what vLLM reports by default and what an RL trainer compares
 against its own forward pass.
 
-No host sync: per-row settings reach the device through pinned, non-blocking copies,
-and nothing is read back here. The tokens stay on the device (the next step can feed
-them there, see ``runner/launched_step.py``); :func:`to_packed` reads them.
+Per-row settings come as the rows' :class:`~kvrunner.engine.step_io.SamplingColumns`
+(the engine's columns, as a step carries them), read as arrays. No host sync: they
+reach the device through pinned, non-blocking copies straight from those arrays, and
+nothing is read back here. The tokens stay on the device (the next step can feed
+them there, see ``runner/step/launched_step.py``); :func:`to_packed` reads them.
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
-from kvrunner.engine.step_io import PackedSampled, StepInput
+from kvrunner.engine.step_io import (
+    PackedSampled,
+    SamplingColumns,
+    StepInput,
+    as_sampling_columns,
+)
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.plugin_api.buffers import on_device
@@ -73,68 +81,71 @@ class SamplerOutput:
 
 def sample(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    num_generated: Sequence[int],
+    sampling: SamplingColumns | Sequence[SamplingParams],
+    num_generated: Sequence[int] | np.ndarray,
     *,
     generator: torch.Generator | None = None,
-    keys: Sequence[int] | None = None,
+    keys: Sequence[int] | np.ndarray | None = None,
 ) -> SamplerOutput:
     """Sample one token per row.
 
     :param logits: ``[N, V]`` raw logits, any float dtype: every value is read as its
         float32 widening (exact), and only the rows and passes that need float32 are
         widened (a bf16 batch of greedy rows is never copied).
-    :param params: one :class:`SamplingParams` per row.
+    :param sampling: the rows' sampling columns (a list of one :class:`SamplingParams`
+        per row is converted: tests and tools list them).
     :param num_generated: tokens each row's request has generated so far (keys seeds).
     :param generator: for rows without a seed; ``None`` uses torch's default generator.
         Must live on ``logits.device``.
     :param keys: each row's int64 draw key (``sampling_seeds.row_keys``); then no row
         reads ``generator``.
     """
+    sampling = as_sampling_columns(sampling)
     n, vocab = logits.shape
-    if not len(params) == len(num_generated) == n:
+    if not len(sampling) == len(num_generated) == n:
         raise ValueError(
-            f"sample: {n} logit rows but {len(params)} params and {len(num_generated)} counts"
+            f"sample: {n} logit rows but {len(sampling)} sampling rows and "
+            f"{len(num_generated)} counts"
         )
     # max, not argmax: the same first-maximum index, and the values tell NaN rows
     # apart (max propagates NaN) without another pass over the logits. In the logits'
     # own dtype: widening is exact and keeps order, so the maximum and its index are
     # those of the float32 values.
     row_max, tokens = logits.max(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
-    if random_rows:
-        # When every row draws (a sampling rollout's steps), no row gather.
-        rows = None if len(random_rows) == n else on_device(random_rows, torch.int64,
-                                                              logits.device)
-        drawn = draw_rows(logits, rows, [params[i] for i in random_rows],
-                          [num_generated[i] for i in random_rows], generator,
-                          None if keys is None else [keys[i] for i in random_rows])
-        if rows is None:
-            tokens = drawn
+    num_drawing = np.count_nonzero(sampling.temperature)  # rows that are not greedy
+    if num_drawing:
+        keys = None if keys is None else np.asarray(keys, np.int64)
+        if num_drawing == n:  # a sampling rollout's steps: no row gather
+            tokens = draw_rows(logits, None, sampling, num_generated, generator, keys)
         else:
-            tokens[rows] = drawn
-    return with_logprobs(logits, tokens, row_max, params)
+            index = np.flatnonzero(sampling.drawing)
+            rows = on_device(index, torch.int64, logits.device)
+            tokens[rows] = draw_rows(logits, rows, sampling.take(index),
+                                     np.asarray(num_generated, np.int64)[index], generator,
+                                     None if keys is None else keys[index])  # fmt: skip
+    return with_logprobs(logits, tokens, row_max, sampling)
 
 
 def with_logprobs(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     row_max: torch.Tensor,
-    params: Sequence[SamplingParams],
+    sampling: SamplingColumns,
 ) -> SamplerOutput:
     """The :class:`SamplerOutput` of rows whose ``tokens`` (and raw ``row_max``) are
-    chosen: the logprobs the rows ask for, from the raw ``logits``. Also for tokens a
-    decode graph drew (``runner/graph_sampling.py``)."""
+    chosen: the logprobs the rows ask for (``sampling.logprobs``), from the raw
+    ``logits``. Also for tokens a decode graph drew (``runner/capture/graph_sampling.py``)."""
     n, vocab = logits.shape
-    asked = [p.logprobs for p in params]
-    num_top = tuple(min(n or 0, vocab) for n in asked) if any(asked) else (0,) * n
+    asked = sampling.logprobs  # -1: none
+    most = int(asked.max(initial=-1))  # one pass: whether any row asks, and for tops
+    num_top = tuple(np.minimum(asked.clip(min=0), vocab).tolist()) if most > 0 else (0,) * n
     token_logprobs = top_ids = top_values = None
     # A [N, V] log_softmax is the sampler's largest pass: only when a row asks.
-    if asked.count(None) < n:
+    if most >= 0:
         all_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        if max(num_top, default=0) > 0:
-            top_values, top_ids = all_logprobs.topk(max(num_top), dim=-1)
+        if most > 0:
+            top_values, top_ids = all_logprobs.topk(min(most, vocab), dim=-1)
     return SamplerOutput(
         token_ids=tokens,
         row_max=row_max,
@@ -146,13 +157,13 @@ def with_logprobs(
 
 
 def to_packed(
-    out: SamplerOutput, seq_ids: list[int], params: Sequence[SamplingParams]
+    out: SamplerOutput, seq_ids: list[int], sampling: SamplingColumns
 ) -> PackedSampled:
     """The sampled tokens as columns; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
     if out.logprobs is None:  # no row asked: no per-row pass
         return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None
-    wants = [p.logprobs is not None for p in params]
+    wants = (sampling.logprobs >= 0).tolist()
     logprobs = out.logprobs.tolist()
     return (
         seq_ids,
@@ -169,11 +180,12 @@ class StepSamples:
 
     out: SamplerOutput
     seq_ids: list[int]
-    params: list[SamplingParams]
+    #: the sampled rows' sampling columns (what logprobs each asked for)
+    sampling: SamplingColumns
 
     def packed(self) -> PackedSampled:
         """The draws as columns (reading them waits for the device)."""
-        return to_packed(self.out, self.seq_ids, self.params)
+        return to_packed(self.out, self.seq_ids, self.sampling)
 
 
 def sample_step_rows(
@@ -191,20 +203,19 @@ def sample_step_rows(
     decode graph); then only the logprobs are computed here. ``engine_seed``: key the
     unseeded rows by it and their request ids (else they draw from ``generator``).
     """
-    cols = step
-    if all(cols.sample):  # every decode step: the columns themselves, no index passes
-        params, counts, seq_ids = list(cols.sampling), cols.num_output_tokens, list(cols.seq_id)
+    if all(step.sample):  # every decode step: the columns themselves, no index passes
+        sampling, counts, seq_ids = step.sampling, step.num_output_tokens, list(step.seq_id)
     else:
-        rows = [i for i, wants in enumerate(cols.sample) if wants]
-        params = [cols.sampling[i] for i in rows]
-        counts = [cols.num_output_tokens[i] for i in rows]
-        seq_ids = [cols.seq_id[i] for i in rows]
+        rows = [i for i, wants in enumerate(step.sample) if wants]
+        sampling = step.sampling.take(rows)
+        counts = [step.num_output_tokens[i] for i in rows]
+        seq_ids = [step.seq_id[i] for i in rows]
     if drawn is None:
-        keys = None if engine_seed is None else row_keys(params, seq_ids, engine_seed)
-        out = sample(logits, params, counts, generator=generator, keys=keys)
+        keys = None if engine_seed is None else row_keys(sampling, seq_ids, engine_seed)
+        out = sample(logits, sampling, counts, generator=generator, keys=keys)
     else:
-        out = with_logprobs(logits, *drawn, params)
-    return StepSamples(out=out, seq_ids=seq_ids, params=params)
+        out = with_logprobs(logits, *drawn, sampling)
+    return StepSamples(out=out, seq_ids=seq_ids, sampling=sampling)
 
 
 class Sampler:
@@ -221,9 +232,13 @@ class Sampler:
         self._generator: torch.Generator | None = None
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingColumns | Sequence[SamplingParams],
+        num_generated: Sequence[int],
     ) -> SamplerOutput:
-        return sample(logits, params, num_generated, generator=self._generator_for(logits.device))
+        return sample(logits, sampling, num_generated,
+                      generator=self._generator_for(logits.device))  # fmt: skip
 
     def sample_step_rows(
         self,

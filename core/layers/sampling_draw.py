@@ -7,26 +7,33 @@ serves keyed rows (a seed of their own, or the engine's key for an unseeded requ
 path: the scaling, the filter (a sort), the noise (keyed rows keyed on the device, or
 torch's generator re-seeded per row without Triton; rows given no key draw from a
 shared generator), and an argmax.
+
+Every per-row setting is read from the rows' :class:`SamplingColumns` and goes up
+to the device straight from its array.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
-from kvrunner.layers.sampling_seeds import int64_seed, step_seed
+from kvrunner.layers.sampling_seeds import step_seed
 from kvrunner.plugin_api.buffers import on_device
-from kvrunner.sampling_params import SamplingParams
 
 
-def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_ks: list[int],
-            top_ps: list[float]) -> torch.Tensor:
+def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_k: np.ndarray,
+            top_p: np.ndarray) -> torch.Tensor:
     """Set every logit outside each row's top-k set / top-p nucleus to ``-inf``. The
     ranking is ``raw``'s (the logits before the temperature): dividing keeps the order
     but may merge two logits (a subnormal halved to zero), ranking a lower one first."""
     rows, vocab = scaled.shape
-    ks = [k if 0 < k < vocab else vocab for k in top_ks]
-    if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_ps):
+    ks = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    nucleus = top_p < 1.0
+    if not nucleus.any() and (ks == vocab).all():
         return scaled
     device = scaled.device
     # Stable sort: among equal logits the lower token id ranks first, as argmax does.
@@ -34,11 +41,11 @@ def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_ks: list[int],
     values = scaled.gather(-1, order)  # non-increasing, as the scaling keeps order
     rank = torch.arange(vocab, device=device)
     values = values.masked_fill(rank >= on_device(ks, torch.int64, device)[:, None], float("-inf"))
-    if any(p < 1.0 for p in top_ps):
+    if nucleus.any():
         probs = values.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         # A disabled row gets a threshold no mass reaches: its cumsum may round past 1.
-        ps = on_device([p if p < 1.0 else 2.0 for p in top_ps], torch.float32, device)
+        ps = on_device(np.where(nucleus, top_p, 2.0), torch.float32, device)
         values = values.masked_fill(mass_before >= ps[:, None], float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
 
@@ -46,38 +53,39 @@ def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_ks: list[int],
 def _gumbel(
     rows: int,
     vocab: int,
-    seeds: list[int | None],
-    counts: list[int],
+    keys: np.ndarray,
+    keyed: np.ndarray,
+    counts: np.ndarray,
     generator: torch.Generator | None,
     device: torch.device,
 ) -> torch.Tensor:
-    """``[rows, vocab]`` standard Gumbel noise; a seeded row's noise depends only on
-    its ``(seed, count)`` (and the vocabulary size and device)."""
+    """``[rows, vocab]`` standard Gumbel noise; a keyed row's noise depends only on its
+    ``(keys[i], counts[i])`` (and the vocabulary size and device); the others draw
+    from ``generator``."""
     u = torch.empty(rows, vocab, device=device)
-    unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if len(unseeded) == rows:
+    unkeyed = np.flatnonzero(~keyed)
+    if len(unkeyed) == rows:
         u.uniform_(generator=generator)  # the same draws as torch.rand, with no index
-    elif unseeded:
-        u[on_device(unseeded, torch.int64, device)] = torch.rand(
-            len(unseeded), vocab, generator=generator, device=device
+    elif len(unkeyed):
+        u[on_device(unkeyed, torch.int64, device)] = torch.rand(
+            len(unkeyed), vocab, generator=generator, device=device
         )
-    seeded = [i for i, s in enumerate(seeds) if s is not None]
-    if seeded and use_triton(u):
+    seeded = np.flatnonzero(keyed)
+    if len(seeded) and use_triton(u):
         from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
 
-        # One launch of a counter-based generator for every seeded row, keyed on the
+        # One launch of a counter-based generator for every keyed row, keyed on the
         # device: no per-row hashing here.
-        seeded_uniform_(
-            u,
-            on_device(seeded, torch.int64, device),
-            on_device([int64_seed(seeds[i]) for i in seeded], torch.int64, device),
-            on_device([counts[i] for i in seeded], torch.int64, device),
+        index, row_keys, row_counts = on_device(
+            np.stack([seeded, keys[seeded], counts[seeded]]), torch.int64, device
         )
-    elif seeded:
+        seeded_uniform_(u, index, row_keys, row_counts)
+    elif len(seeded):
         # Without Triton: one generator re-seeded per row.
         g = torch.Generator(device=device)
-        for i in seeded:
-            g.manual_seed(step_seed(seeds[i], counts[i]))
+        for i, key, count in zip(seeded.tolist(), keys[seeded].tolist(),
+                                 counts[seeded].tolist(), strict=True):  # fmt: skip
+            g.manual_seed(step_seed(key, count))
             u[i].uniform_(generator=g)
     # Keep u strictly inside (0, 1) so both logs are finite: an infinite noise value
     # could lift a filtered (-inf) token to NaN and NaN wins argmax.
@@ -89,55 +97,61 @@ def _gumbel(
 def draw_rows(
     logits: torch.Tensor,
     rows: torch.Tensor | None,
-    params: list[SamplingParams],
-    counts: list[int],
+    sampling: SamplingColumns,
+    counts: Sequence[int] | np.ndarray,
     generator: torch.Generator | None,
-    keys: list[int] | None = None,
+    keys: np.ndarray | None = None,
 ) -> torch.Tensor:
     """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
-    with ``params[i]`` after ``counts[i]`` generated tokens: ``argmax(logits / T + G)``
-    over the filtered logits, ``G`` Gumbel noise keyed by ``keys[i]`` (default: the
-    row's own seed; an unseeded row without a key draws from ``generator``)."""
+    with ``sampling``'s row ``i`` after ``counts[i]`` generated tokens:
+    ``argmax(logits / T + G)`` over the filtered logits, ``G`` Gumbel noise keyed by
+    ``keys[i]`` (default: the row's own seed; an unseeded row without a key draws from
+    ``generator``)."""
     device, vocab = logits.device, logits.shape[1]
-    temps = on_device([p.temperature for p in params], torch.float32, device)
-    if use_fused_draw(logits, params, keyed=keys is not None):
+    counts = np.asarray(counts, np.int64)
+    temps = on_device(sampling.temperature, torch.float32, device)
+    keyed = keys is not None
+    if keys is None:
+        keys = sampling.seed
+    if use_fused_draw(logits, sampling, keyed=keyed):
         from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax
 
         # keys and counts (and every row's id, when no rows were given) in one upload:
         # each upload is a pinned copy and a launch
-        if keys is None:
-            keys = [int64_seed(p.seed) for p in params]
-        cols = [keys, counts]
         if rows is None:
-            rows, *cols = on_device([list(range(len(params))), *cols], torch.int64, device)
+            rows, row_keys, row_counts = on_device(
+                np.stack([np.arange(len(sampling)), keys, counts]), torch.int64, device
+            )
         else:
-            cols = on_device(cols, torch.int64, device)
-        return gumbel_argmax(logits, rows, temps, cols[0], cols[1])
+            row_keys, row_counts = on_device(np.stack([keys, counts]), torch.int64, device)
+        return gumbel_argmax(logits, rows, temps, row_keys, row_counts)
     raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
-    scaled = _filter(scaled, raw, [p.top_k for p in params], [p.top_p for p in params])
-    seeds = [p.seed for p in params] if keys is None else keys
-    noise = _gumbel(len(params), vocab, seeds, counts, generator, device)
+    scaled = _filter(scaled, raw, sampling.top_k, sampling.top_p)
+    noise = _gumbel(len(sampling), vocab, keys,
+                    np.ones(len(sampling), bool) if keyed else sampling.has_seed, counts,
+                    generator, device)  # fmt: skip
     return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
 
 
-def fused_draw_serves(params: SamplingParams, vocab: int, *, keyed: bool = False) -> bool:
-    """Whether the one-pass kernel can draw a row with ``params``: keyed (a seed of its
-    own, or ``keyed``: the engine keys it; the kernel makes keyed noise only) and not
-    filtered by top-k / top-p (a sort)."""
-    return (
-        (keyed or params.seed is not None)
-        and not 0 < params.top_k < vocab
-        and params.top_p >= 1.0
-    )
+def fused_draw_serves(sampling: SamplingColumns, vocab: int, *, keyed: bool = False
+                      ) -> np.ndarray:  # fmt: skip
+    """[N] bool: whether the one-pass kernel can draw each row: keyed (a seed of its
+    own, or ``keyed``: the engine keys every row; the kernel makes keyed noise only)
+    and not filtered by top-k / top-p (a sort)."""
+    top_k = sampling.top_k
+    serves = ~((top_k > 0) & (top_k < vocab)) & (sampling.top_p >= 1.0)
+    return serves if keyed else serves & sampling.has_seed
 
 
 def use_fused_draw(
-    logits: torch.Tensor, params: list[SamplingParams], *, keyed: bool = False
+    logits: torch.Tensor, sampling: SamplingColumns, *, keyed: bool = False
 ) -> bool:
     """Whether the one-pass kernel draws these rows: not switched off
     (``[kernels] fused_sampler = false``), on the Triton path, and it serves every row
     (``keyed``: every row has a key)."""
-    vocab = logits.shape[1]
-    serves = (fused_draw_serves(p, vocab, keyed=keyed) for p in params)
-    return fused_sampler_enabled() and use_triton(logits) and all(serves)
+    return (
+        fused_sampler_enabled()
+        and use_triton(logits)
+        and bool(fused_draw_serves(sampling, logits.shape[1], keyed=keyed).all())
+    )

@@ -1,9 +1,11 @@
 """How a request's draws are keyed: by its seed and the tokens it generated.
 
 Two keyings, one per noise path of the sampler: :func:`step_seed` re-seeds torch's
-generator per row (without Triton); :func:`int64_seed` is the seed the Triton kernel
-keys on the device together with the count (``layers/fused/seeded_uniform_triton.py``).
-A request without a seed is keyed by the engine (:func:`request_keys`).
+generator per row (without Triton); the Triton kernel keys on the device by the row's
+int64 key together with the count (``layers/fused/seeded_uniform_triton.py``). A
+seeded request's key is its seed's (``sampling_params.int64_seed``, kept in the
+``SamplingColumns``' ``seed`` column); a request without a seed is keyed by the
+engine (:func:`request_keys`).
 """
 
 from __future__ import annotations
@@ -13,31 +15,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvrunner.sampling_params import SamplingParams
-
-
-def _hash63(text: str) -> int:
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+from kvrunner.engine.step_io import SamplingColumns
 
 
 def step_seed(seed: int, num_generated: int) -> int:
-    """The generator seed for a seeded request's draw after ``num_generated`` tokens.
+    """The generator seed for a keyed row's draw after ``num_generated`` tokens.
 
     Hashed rather than summed so ``(seed, n)`` and ``(seed + 1, n - 1)`` do not collide.
     """
-    return _hash63(f"{seed}:{num_generated}")
-
-
-def int64_seed(seed: int) -> int:
-    """``seed`` itself where it fits an int64, else a 63-bit hash of it."""
-    return seed if -(2**63) <= seed < 2**63 else _hash63(str(seed))
+    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 _MASK64 = (1 << 64) - 1
 
 
-def request_keys(engine_seed: int, seq_ids: Sequence[int]) -> list[int]:
+def request_keys(engine_seed: int, seq_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """The int64 keys the engine draws unseeded requests' noise with, one per id.
 
     A request without a seed is keyed like a seeded one, by a splitmix64 mix of the
@@ -54,19 +47,17 @@ def request_keys(engine_seed: int, seq_ids: Sequence[int]) -> list[int]:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
-    return z.view(np.int64).tolist()
+    return z.view(np.int64)
 
 
 def row_keys(
-    params: Sequence[SamplingParams], seq_ids: Sequence[int], engine_seed: int
-) -> list[int]:
-    """Each drawing row's int64 key: its own seed's (:func:`int64_seed`), or for an
-    unseeded request the engine's (:func:`request_keys`); a greedy row draws nothing
-    and gets 0."""
-    keys = [0 if p.seed is None else int64_seed(p.seed) for p in params]
-    unseeded = [i for i, p in enumerate(params) if p.seed is None and p.temperature != 0.0]
-    if unseeded:
-        for i, key in zip(unseeded, request_keys(engine_seed, [seq_ids[i] for i in unseeded]),
-                          strict=True):  # fmt: skip
-            keys[i] = key
+    sampling: SamplingColumns, seq_ids: Sequence[int], engine_seed: int
+) -> np.ndarray:
+    """Each row's int64 draw key ([N] int64): its own seed's (the ``seed`` column), or
+    for an unseeded drawing row the engine's (:func:`request_keys`); a greedy row
+    draws nothing and gets 0."""
+    keys = sampling.seed.copy()  # 0 where a row has no seed
+    unseeded = np.flatnonzero(~sampling.has_seed & sampling.drawing)
+    if len(unseeded):
+        keys[unseeded] = request_keys(engine_seed, np.asarray(seq_ids, np.int64)[unseeded])
     return keys

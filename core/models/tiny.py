@@ -140,8 +140,8 @@ def write_tiny_checkpoint(path: str | Path, *, kind: str = "qwen3", seed: int = 
     """Write a tiny random HF-format checkpoint of ``kind`` into directory ``path``.
 
     Files: config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with
-    :data:`CHAT_TEMPLATE`), generation_config.json. The vocabulary is the tokenizer's, rounded up to a
-    multiple of 64 (as real checkpoints pad theirs).
+    :data:`CHAT_TEMPLATE`), generation_config.json. The vocabulary is the tokenizer's,
+    rounded up to a multiple of 64 (as real checkpoints pad theirs).
     """
     if kind not in TINY_KINDS:
         raise ValueError(f"unknown tiny checkpoint kind {kind!r}; known: {sorted(TINY_KINDS)}")

@@ -3,6 +3,10 @@ wait, shared by the core and the backends."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 import torch
 
 
@@ -19,7 +23,8 @@ def fill_head(buffer: torch.Tensor, values: torch.Tensor, pad: int) -> None:
     buffer[n:].fill_(pad)
 
 
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def on_device(values: Sequence[Any] | np.ndarray, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
     """``values`` as a tensor on ``device`` without making the host wait for the device:
     through pinned memory and a non-blocking copy on CUDA (a plain ``torch.tensor(...,
     device=cuda)`` waits for every queued kernel, i.e. for the step still running)."""
@@ -29,7 +34,7 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def upload_into(target: torch.Tensor, values: list) -> None:
+def upload_into(target: torch.Tensor, values: Sequence[Any] | np.ndarray) -> None:
     """Copy the host ``values`` (nested lists of ``target``'s shape) into ``target``, a
     device buffer or a view of one, without making the host wait: through pinned
     memory on CUDA (torch's pinned cache keeps the block until the copy has run, so

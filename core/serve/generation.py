@@ -15,14 +15,10 @@ from typing import Any
 
 from fastapi import Request
 
+from kvrunner.engine.llm_engine import group_size
 from kvrunner.errors import KvrunnerError
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.serve.errors import engine_error
-
-
-def samples_of(params: SamplingParams) -> int:
-    return int(getattr(params, "n", 1))
-
 
 #: one request of a call: its prompt's token ids and its sampling parameters
 Job = tuple[list[int], SamplingParams]
@@ -46,7 +42,7 @@ async def outputs(engine: Any, jobs: Sequence[Job], request_id: RequestIds,
     """
     async def one(index: int, ids: list[int], params: SamplingParams) -> list[Any]:
         rid = _rid(request_id, jobs, index)
-        if samples_of(params) > 1:
+        if group_size(params) > 1:
             return list(await engine.generate_group(ids, params, request_id=rid))
         return [await engine.generate(ids, params, request_id=rid)]
 
@@ -83,7 +79,7 @@ def streams(engine: Any, jobs: Sequence[Job], request_id: RequestIds
     """One delta stream per (job, sample), in choice order (job-major)."""
     out = []
     for index, (ids, params) in enumerate(jobs):
-        n = samples_of(params)
+        n = group_size(params)
         for k in range(n):
             rid = _rid(request_id, jobs, index) + (f"-{k}" if n > 1 else "")
             sample = params.for_sample(k) if n > 1 else params

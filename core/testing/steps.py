@@ -6,12 +6,13 @@ time. ``Row`` has the step's fields in its order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import attrs
+import numpy as np
 
-from kvrunner.engine.step_io import StepInput
+from kvrunner.engine.step_io import SamplingColumns, StepInput
 from kvrunner.sampling_params import SamplingParams
 
 
@@ -24,17 +25,31 @@ class Row(NamedTuple):
     block_table: tuple[int, ...]
     state_slot: int
     sample: bool
-    sampling: SamplingParams
+    #: its sampling settings: a ``SamplingParams`` (:func:`step_of`), or its one-row
+    #: slice of the step's columns (:func:`rows_of`)
+    sampling: SamplingParams | SamplingColumns
     num_output_tokens: int
     #: the prompt tokens its chunk scores (None: the step scores no prompt)
     prompt_targets: tuple[int, ...] | None = None
 
 
+def _sampling_columns(rows: Sequence[SamplingParams | SamplingColumns]) -> SamplingColumns:
+    """The step's sampling columns, given each row's settings."""
+    params = [r for r in rows if isinstance(r, SamplingParams)]
+    if len(params) == len(rows):
+        return SamplingColumns.of(params)
+    parts = [r if isinstance(r, SamplingColumns) else SamplingColumns.of([r]) for r in rows]
+    return SamplingColumns(*(np.concatenate(c) for c in zip(*(p.arrays() for p in parts),
+                                                             strict=True)))
+
+
 def step_of(rows: Iterable[Row]) -> StepInput:
     """The step whose row ``i`` is ``rows[i]``."""
     rows = list(rows)
-    columns = [list(column) for column in zip(*rows, strict=True)] or [
+    columns: list = [list(column) for column in zip(*rows, strict=True)] or [
         [] for _ in attrs.fields(StepInput)]
+    sampling = Row._fields.index("sampling")
+    columns[sampling] = _sampling_columns(columns[sampling])
     if all(t is None for t in columns[-1]):
         columns[-1] = None  # a step that scores no prompt
     else:
@@ -43,8 +58,11 @@ def step_of(rows: Iterable[Row]) -> StepInput:
 
 
 def rows_of(step: StepInput) -> list[Row]:
-    """The step one sequence at a time."""
+    """The step one sequence at a time (each row's sampling settings a one-row slice of
+    its columns)."""
     columns = list(attrs.astuple(step, recurse=False))
+    columns[Row._fields.index("sampling")] = [step.sampling.take([i])
+                                              for i in range(step.num_seqs)]
     if columns[-1] is None:
         columns[-1] = [None] * step.num_seqs
     return [Row(*values) for values in zip(*columns, strict=True)]

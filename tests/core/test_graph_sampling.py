@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.config import ConfigError, EngineConfig
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.sampler import Sampler, sample
 from kvrunner.layers.sampling_seeds import row_keys
@@ -65,8 +66,9 @@ def test_a_staged_step_draws_the_eager_samplers_tokens(
             logits = torch.randn(n + pad, VOCAB, generator=gen) * 3
             counts = torch.randint(0, 10**4, (n,), generator=gen).tolist()
             seq_ids = torch.randperm(50, generator=gen)[:n].tolist()
-            keys = row_keys(params, seq_ids, engine_seed)
-            served = buffers.stage(params, lambda k=keys: k, counts, rows=n + pad)
+            columns = SamplingColumns.of(params)
+            keys = row_keys(columns, seq_ids, engine_seed)
+            served = buffers.stage(columns, lambda k=keys: k, counts, rows=n + pad)
             tokens, row_max = buffers.sample(logits)  # what the graph replays
             assert served == graph_serves(params, draws=triton)
             if served:
@@ -81,10 +83,12 @@ def test_a_greedy_step_after_a_drawing_one_draws_nothing() -> None:
     with kernels_chosen(triton_on_cpu=True):
         buffers = GraphSampling(max_batch=4, vocab=50, device=torch.device("cpu"))
         logits = torch.randn(4, 50)
-        assert buffers.stage([SamplingParams(temperature=5.0, seed=s) for s in range(4)],
+        assert buffers.stage(SamplingColumns.of(SamplingParams(temperature=5.0, seed=s)
+                                                for s in range(4)),
                              lambda: [0, 1, 2, 3], [0] * 4, rows=4)
         drawn, _ = buffers.sample(logits)
-        assert buffers.stage([SamplingParams(temperature=0.0)] * 4, list, [0] * 4, rows=4)
+        assert buffers.stage(SamplingColumns.of([SamplingParams(temperature=0.0)] * 4), list,
+                             [0] * 4, rows=4)
         greedy, _ = buffers.sample(logits)
     assert greedy.tolist() == logits.argmax(dim=-1).tolist() != drawn.tolist()
 

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
-from kvrunner.engine.step_io import NONFINITE_CAUSES
+from kvrunner.engine.step_io import NONFINITE_CAUSES, SamplingColumns
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
 from kvrunner.layers.sampler import sample
@@ -98,8 +98,9 @@ def test_the_captured_check_codes_and_counts_what_the_check_after_the_replay_doe
             n, rows = len(params), len(plantings)
             logits = planted_logits(gen, plantings, cols)
             counts = list(range(n))
-            keys = row_keys(params, list(range(n)), 7)
-            drawn = buffers.stage(params, lambda k=keys: k, counts, rows=rows)
+            columns = SamplingColumns.of(params)
+            keys = row_keys(columns, list(range(n)), 7)
+            drawn = buffers.stage(columns, lambda k=keys: k, counts, rows=rows)
             before = int(count)
             tokens, row_max, coded = buffers.sample_checked(logits, count)  # the graph's body
             greedy = all(p.temperature == 0.0 for p in params)
@@ -122,7 +123,8 @@ def test_a_capture_counts_nothing_even_where_the_last_step_counted_rows() -> Non
     """The rows the check counts are staged per step; the capture's forwards run with
     none staged (``StepLauncher.before_capture``)."""
     buffers = GraphSampling(max_batch=4, vocab=VOCAB, device=torch.device("cpu"))
-    buffers.stage([SamplingParams(temperature=0.0)] * 3, list, [0] * 3, rows=4)
+    buffers.stage(SamplingColumns.of([SamplingParams(temperature=0.0)] * 3), list, [0] * 3,
+                  rows=4)
     assert buffers.counted_rows.tolist() == [3]
     buffers.count_rows(0)
     count = torch.zeros((), dtype=torch.int64)

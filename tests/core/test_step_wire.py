@@ -1,7 +1,7 @@
 """What crosses to rank processes: a step and its sampled tokens, as columns.
 
 Both directions are on the decode path of every tensor-parallel step, so they
-travel as one list per field. The properties: the round trip is exact, and the
+travel as one list or array per field. The properties: the round trip is exact, and the
 pickled step holds no per-sequence objects.
 """
 
@@ -65,17 +65,26 @@ def test_a_step_survives_the_pipe_exactly(step: StepInput) -> None:
 def test_a_pickled_step_is_columns_not_one_object_per_sequence(step: StepInput) -> None:
     payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
     assert b"Row" not in payload  # no object per sequence, only lists
+    assert b"SamplingParams" not in payload  # the sampling settings are arrays
 
 
-def test_sampling_params_shared_by_a_batch_are_pickled_once() -> None:
-    shared = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
+def test_sampling_settings_cross_as_seven_arrays_whatever_the_rows() -> None:
+    """Every row's settings, each request's own (as ``generate`` makes them), travel
+    as the sampling columns' arrays: no ``SamplingParams`` on the wire, and 8 bytes
+    a row per column (1 for ``has_seed``)."""
+    rows = 200
     step = step_of(
         Row(seq_id=i, token_ids=(1,), start_pos=4, block_table=(i,), state_slot=-1,
-            sample=True, sampling=shared, num_output_tokens=0)
-        for i in range(200)
+            sample=True, sampling=SamplingParams(max_tokens=8, temperature=0.7, seed=i,
+                                                 logprobs=i % 3),
+            num_output_tokens=0)
+        for i in range(rows)
     )
-    back = pickle.loads(pickle.dumps(step))
-    assert len({id(p) for p in back.sampling}) == 1
+    payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+    assert b"SamplingParams" not in payload
+    assert pickle.loads(payload) == step
+    columns = pickle.dumps(step.sampling, protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(columns) <= rows * (6 * 8 + 1) + 1024
 
 
 sampled_rows = st.lists(

@@ -35,13 +35,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
 from kvrunner.layers.nonfinite_rows import mark_nonfinite_into
 from kvrunner.layers.sampling_draw import fused_draw_serves
 from kvrunner.plugin_api.buffers import upload_into
-from kvrunner.sampling_params import SamplingParams
 
 
 class DecodeOutputs(NamedTuple):
@@ -112,29 +113,34 @@ class GraphSampling:
 
     def stage(
         self,
-        params: Sequence[SamplingParams],
-        keys: Callable[[], list[int]],
+        sampling: SamplingColumns,
+        keys: Callable[[], np.ndarray | Sequence[int]],
         num_generated: Sequence[int],
         *,
         rows: int,
     ) -> bool:
         """Fill the buffers for a replay over ``rows`` padded rows whose first
-        ``len(params)`` are these, keyed by ``keys()`` (``sampling_seeds.row_keys``,
+        ``len(sampling)`` are these, keyed by ``keys()`` (``sampling_seeds.row_keys``,
         asked only for a step the graph draws); returns whether the graph draws them
         (else the step samples eagerly, and the graph's draws, all greedy then, are
-        ignored)."""
-        greedy = all(p.temperature == 0.0 for p in params)
-        served = greedy or self.draws and all(
-            p.temperature == 0.0 or fused_draw_serves(p, self.vocab, keyed=True) for p in params
+        ignored). The uploads come straight from the columns."""
+        n = len(sampling)
+        greedy = np.count_nonzero(sampling.temperature) == 0  # no row draws
+        served = greedy or self.draws and bool(
+            (~sampling.drawing | fused_draw_serves(sampling, self.vocab, keyed=True)).all()
         )
-        self.count_rows(len(params) if served else 0)
+        self.count_rows(n if served else 0)
         if greedy or not served:
             if self._any_drawing:  # a previous step's temperatures would draw again
                 self.temperatures.zero_()
                 self._any_drawing = False
             return served
-        pad = [0] * (rows - len(params))
-        upload_into(self.temperatures[:rows], [p.temperature for p in params] + pad)
-        upload_into(self.keys[:, :rows], [keys() + pad, list(num_generated) + pad])
+        temperatures = np.zeros(rows)  # padded rows stay greedy
+        temperatures[:n] = sampling.temperature
+        upload_into(self.temperatures[:rows], temperatures)
+        keyed = np.zeros((2, rows), np.int64)  # key, count
+        keyed[0, :n] = keys()
+        keyed[1, :n] = num_generated
+        upload_into(self.keys[:, :rows], keyed)
         self._any_drawing = True
         return True

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvrunner.config import EngineConfig
-from kvrunner.engine.step_io import StepInput
+from kvrunner.engine.step_io import SamplingColumns, StepInput
 from kvrunner.plugin_api.step_data import StepBatch
 from kvrunner.sampling_params import SamplingParams
 
@@ -98,6 +98,6 @@ def profile_step(config: EngineConfig, *, num_tokens: int, scratch_slot: int) ->
         block_table=[tuple(range(-(-length // block_size))) for length in lengths],
         state_slot=[scratch_slot] * n,
         sample=[True] * n,
-        sampling=[SamplingParams(temperature=0.0)] * n,
+        sampling=SamplingColumns.of([SamplingParams(temperature=0.0)] * n),
         num_output_tokens=[0] * n,
     )

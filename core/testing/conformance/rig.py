@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvrunner.engine.step_io import StepInput
+from kvrunner.engine.step_io import SamplingColumns, StepInput
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.plugin_api.factory import (
     CacheRows,
@@ -214,7 +214,7 @@ class Rig:
             block_table=[s.blocks for s, _, _ in rows],
             state_slot=[s.slot for s, _, _ in rows],
             sample=[False] * len(rows),
-            sampling=[SamplingParams()] * len(rows),
+            sampling=SamplingColumns.of([SamplingParams()] * len(rows)),
             num_output_tokens=[0] * len(rows),
         )
         prepared = prepare_step(

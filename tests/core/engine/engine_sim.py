@@ -21,7 +21,14 @@ from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence as Seq
 from kvrunner.engine.sequence import SequenceStatus
-from kvrunner.engine.step_io import PLACEHOLDER_TOKEN, SampledToken, StepInput
+from kvrunner.engine.step_io import (
+    PLACEHOLDER_TOKEN,
+    SAMPLING_DTYPES,
+    SampledToken,
+    SamplingColumns,
+    StepInput,
+)
+from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.steps import rows_of
 
 VOCAB = 1000
@@ -111,6 +118,7 @@ def check_step(sched: Scheduler, step: StepInput, seqs: list[Seq]) -> None:
         assert c.sample == (c.start_pos + len(c.token_ids) == seq.num_tokens)
         assert c.num_output_tokens == seq.num_output_tokens
         assert c.block_table == tuple(seq.block_table)
+        assert c.sampling == SamplingColumns.of([seq.sampling_params])
         if not cfg.enable_chunked_prefill:
             # Whole prefills only, bar a resumed sequence that outgrew the budget.
             assert c.sample or seq.num_tokens > cfg.max_num_batched_tokens
@@ -167,8 +175,9 @@ def check_table_rows(sched: Scheduler) -> None:
 def check_running_batch(sched: Scheduler) -> None:
     """The running batch's columns always say what the sequences and the steps in
     flight say: row i is running[i], its next chunk starts past what the steps in
-    flight feed it, its token count includes their samples, and every row past the
-    batch is clear. Each step in flight knows where its rows are now (-1: gone)."""
+    flight feed it, its token count includes their samples, its sampling columns are
+    its ``SamplingParams`` (``step_io.sampling_row``), and every row past the batch
+    is clear. Each step in flight knows where its rows are now (-1: gone)."""
     batch = sched.batch
     n = len(sched.running)
     assert batch.seqs is sched.running
@@ -183,7 +192,9 @@ def check_running_batch(sched: Scheduler) -> None:
             assert sched.running[row] is seq
             fed[id(seq)] += int(chunks.sizes[k])
             pending[id(seq)] += bool(chunks.sample[k])
-    assert batch.sampling == [s.sampling_params for s in sched.running]
+    columns = SamplingColumns(*(getattr(batch, name)[:n] for name in SAMPLING_DTYPES))
+    assert columns == SamplingColumns.of(s.sampling_params for s in sched.running), (
+        "the running batch's sampling columns are not its sequences' SamplingParams")
     assert batch.stop_on == [s.stop_on for s in sched.running]
     for i, seq in enumerate(sched.running):
         assert (
@@ -194,9 +205,11 @@ def check_running_batch(sched: Scheduler) -> None:
             len(seq.token_ids) + pending[id(seq)], pending[id(seq)], seq.num_prompt_tokens,
             seq.length_limit, seq.table_row, seq.state_slot,
         ), f"row {i} of the running batch is not {seq}"
-    for name in ("seq_id", "pos", "tokens", "pending", "prompt", "limit"):
+    for name in ("seq_id", "pos", "tokens", "pending", "prompt", "limit", "temperature",
+                 "top_k", "top_p", "seed", "has_seed"):  # fmt: skip
         assert not getattr(batch, name)[n:].any(), f"a row past the batch holds {name}"
-    assert (batch.table_row[n:] == -1).all() and (batch.state_slot[n:] == -1).all()
+    for name in ("table_row", "state_slot", "logprobs", "prompt_logprobs"):
+        assert (getattr(batch, name)[n:] == -1).all(), f"a row past the batch holds {name}"
 
 
 def check_fairness(sched: Scheduler) -> None:
@@ -235,6 +248,20 @@ def drive(
     return steps
 
 
+#: sampling settings of every kind the running batch's columns hold: greedy or
+#: drawing, filtered or not (a top-k past any vocabulary too), seeded (any int, beyond
+#: int64 too) or not, logprobs and prompt logprobs asked or not
+sampling_settings = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 1.0]) | st.floats(0.01, 5.0),
+    top_k=st.integers(-2, 50) | st.just(2**70),
+    top_p=st.floats(0.01, 1.0),
+    seed=st.none() | st.integers(-(2**64), 2**64),
+    logprobs=st.none() | st.integers(0, 5),
+    prompt_logprobs=st.none() | st.integers(0, 5),
+)
+
+
 @attrs.frozen
 class Workload:
     config: SchedulerConfig
@@ -243,6 +270,14 @@ class Workload:
     prefix_caching: bool
     num_state_slots: int
     requests: tuple[tuple[int, tuple[int, ...], int], ...]  # (arrival step, prompt, max_tokens)
+    #: per request, its sampling settings (:func:`request_params` evolves in its
+    #: length and stops); empty: the defaults
+    sampling: tuple[SamplingParams, ...] = ()
+
+
+def request_params(w: Workload, i: int, **fields: object) -> SamplingParams:
+    """Request ``i``'s params: its sampling settings with ``fields`` (max_tokens, stops)."""
+    return attrs.evolve(w.sampling[i] if w.sampling else SamplingParams(), **fields)
 
 
 @st.composite
@@ -277,4 +312,5 @@ def workloads(draw: st.DrawFn, tight_pool: bool = False) -> Workload:
         prefix_caching=draw(st.booleans()),
         num_state_slots=max_num_seqs if draw(st.booleans()) else 0,
         requests=tuple(requests),
+        sampling=tuple(draw(sampling_settings) for _ in requests),
     )

@@ -23,6 +23,7 @@ from engine_sim import (
     fake_logprob,
     fake_next_token,
     reference_outputs,
+    request_params,
     workloads,
 )
 from hypothesis import given
@@ -96,7 +97,7 @@ def engine_for(
                        uses_state_slots=w.num_state_slots > 0)  # fmt: skip
     executor.runner = runner = FakeRunner(engine.block_manager)
     seqs = [
-        Sequence(i, list(prompt), SamplingParams(max_tokens=m, stop_token_ids=stop,
+        Sequence(i, list(prompt), request_params(w, i, max_tokens=m, stop_token_ids=stop,
                                                  ignore_eos=ignore_eos))  # fmt: skip
         for i, ((_, prompt, m), (stop, ignore_eos)) in enumerate(
             zip(w.requests, case.stops, strict=True)

@@ -17,6 +17,7 @@ from engine_sim import (
     fake_logprob,
     fake_next_token,
     reference_outputs,
+    request_params,
     workloads,
 )
 from hypothesis import given
@@ -27,7 +28,6 @@ from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.engine.step_io import SampledTokens, StepInput, unpack_sampled
-from kvrunner.sampling_params import SamplingParams
 
 
 class ColumnsRunner(FakeRunner):
@@ -54,7 +54,7 @@ def run_workload(
     bm = BlockManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_state_slots)
     sched = Scheduler(w.config, bm, eos_token_id=fake_next_token([]))
     seqs = [
-        Sequence(i, list(prompt), SamplingParams(max_tokens=m, ignore_eos=True))
+        Sequence(i, list(prompt), request_params(w, i, max_tokens=m, ignore_eos=True))
         for i, (_, prompt, m) in enumerate(w.requests)
     ]
     arrivals = [(step, seq) for (step, _, _), seq in zip(w.requests, seqs, strict=True)]
@@ -89,6 +89,24 @@ def test_every_request_finishes_with_its_reference_outputs(w: Workload) -> None:
 def test_a_tight_pool_preempts_and_every_request_still_completes_correctly(w: Workload) -> None:
     sched, seqs = run_workload(w)
     check_outputs(w, sched, seqs)
+
+
+@given(workloads(tight_pool=True))
+def test_the_running_batch_keeps_every_requests_sampling_settings_in_its_columns(
+    w: Workload,
+) -> None:
+    """Requests with every kind of sampling settings, admitted (rows appended),
+    preempted (the tail cut) and finished (rows removed) in any order: after every
+    step the running batch's sampling columns are its sequences' ``SamplingParams``
+    row for row and every row past them is clear (``check_running_batch``), and each
+    step carries its rows' settings (``check_step``)."""
+    assert len(w.sampling) == len(w.requests)
+    sched, seqs = run_workload(w)
+    check_outputs(w, sched, seqs)
+    assert [s.sampling_params for s in seqs] == [
+        request_params(w, i, max_tokens=m, ignore_eos=True)
+        for i, (_, _, m) in enumerate(w.requests)
+    ]
 
 
 @given(workloads(tight_pool=True), st.randoms(use_true_random=False))

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner.config import KernelsConfig
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.fused.gumbel_argmax_triton import gumbel_argmax, gumbel_argmax_into_
 from kvrunner.layers.fused.seeded_uniform_triton import seeded_uniform_
@@ -247,15 +248,17 @@ def switches():
 
 def test_the_kernel_serves_seeded_unfiltered_rows_unless_switched_off(switches) -> None:
     logits = torch.zeros(2, 50)
-    seeded = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2)]
+    rows = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2)]
+    seeded = SamplingColumns.of(rows)
     switches(fused=True)
     assert use_fused_draw(logits, seeded)
     switches(fused=KernelsConfig().fused_sampler)
     assert use_fused_draw(logits, seeded)  # the default, on the Triton path
-    assert use_fused_draw(logits, [SamplingParams(temperature=1.0, seed=1, top_k=50)])
+    assert use_fused_draw(logits,
+                          SamplingColumns.of([SamplingParams(temperature=1.0, seed=1, top_k=50)]))
     for other in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=1, top_k=5),
                   SamplingParams(temperature=1.0, seed=1, top_p=0.9)):
-        assert not use_fused_draw(logits, [seeded[0], other]), other
+        assert not use_fused_draw(logits, SamplingColumns.of([rows[0], other])), other
     switches(fused=False)
     assert not use_fused_draw(logits, seeded)
     switches(fused=True, triton=False)

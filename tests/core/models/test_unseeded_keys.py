@@ -15,9 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import kernels_chosen
 from kvrunner.layers.sampler import sample
-from kvrunner.layers.sampling_seeds import int64_seed, request_keys, row_keys
+from kvrunner.layers.sampling_seeds import request_keys, row_keys
+from kvrunner.sampling_params import int64_seed
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 
@@ -34,14 +36,14 @@ def test_a_key_is_a_function_of_the_engine_seed_and_the_request_alone(engine_see
     alone = request_keys(engine_seed, [seq_id])
     among = request_keys(engine_seed, [seq_id + 1, seq_id, seq_id + 7])
     assert alone[0] == among[1]
-    assert request_keys(engine_seed + 1, [seq_id]) != alone
+    assert request_keys(engine_seed + 1, [seq_id])[0] != alone[0]
 
 
 def test_a_row_with_a_seed_keeps_its_own_key_and_a_greedy_row_needs_none() -> None:
     params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.0)]  # fmt: skip
-    keys = row_keys(params, [10, 11, -1], engine_seed=3)
-    assert keys == [int64_seed(5), request_keys(3, [11])[0], 0]
+    keys = row_keys(SamplingColumns.of(params), [10, 11, -1], engine_seed=3)
+    assert keys.tolist() == [int64_seed(5), request_keys(3, [11])[0], 0]
 
 
 @pytest.mark.parametrize("triton", [True, False])
@@ -59,7 +61,8 @@ def test_an_unseeded_rows_token_does_not_depend_on_its_batch(triton, data, engin
     with kernels_chosen(triton_on_cpu=triton):
 
         def draw(rows: list[int]) -> list[int]:
-            keys = row_keys([params[i] for i in rows], [seq_ids[i] for i in rows], engine_seed)
+            columns = SamplingColumns.of(params[i] for i in rows)
+            keys = row_keys(columns, [seq_ids[i] for i in rows], engine_seed)
             return sample(logits[rows], [params[i] for i in rows], [counts[i] for i in rows],
                           keys=keys).token_ids.tolist()  # fmt: skip
 
