@@ -353,6 +353,7 @@ class LLM:
             finish_reason=seq.finish_reason,
             prompt_logprobs=None if scored is None else [None, *seq.prompt_logprobs],
             prompt_top_logprobs=[None, *seq.prompt_top_logprobs] if scored else None,
+            prompt_ranks=None if scored is None else [None, *seq.prompt_ranks],
             error=seq.error,
             sample_index=seq.sample_index,
             stop_reason=seq.stop_reason,

@@ -32,6 +32,9 @@ class RequestOutput:
     #: the top-N logprobs at each prompt position (None for the first), when
     #: SamplingParams.prompt_logprobs = N > 0
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    #: each prompt token's rank among its position's logprobs (1: the likeliest; None
+    #: for the first), when SamplingParams.prompt_logprobs was set
+    prompt_ranks: list[int | None] | None = None
     #: why it ended with finish reason "error": the engine step, the output position and
     #: the cause (``"step 12 (output token 3): logits hold NaN"``); else None
     error: str | None = None

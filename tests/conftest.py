@@ -103,11 +103,17 @@ SLOW: dict[str, tuple[str, ...]] = {
         "core/layers/test_skinny_gemm.py::test_a_model_decodes_the_same_greedy_tokens",
         "core/layers/test_skinny_swiglu.py::test_a_single_sequence_decodes_the_same_greedy",
         "gdn/test_gdn_conv.py::test_every_tile_of_the_triton_conv_prefill",
+        "gdn/test_gdn_prefill.py::test_prefill_matches_token_loop",
+        "gdn/test_gdn_prefill.py::test_prefill_lengths_off_the_chunk_grid",
     ),
-    # the kit against every planted defect, run whole; the fast tier keeps each check's
-    # own mutant
+    # the kit against every planted defect and the engine-level batch-invariance
+    # probes; the fast tier keeps the kit's audit mutant and the torch-path checks
     "whole-kit runs": (
         "conformance/test_mutants.py::test_the_kit_catches_each_defect_the_runtime_audit",
+        "conformance/test_mutants.py::test_the_check_fails_on_its_mutant",
+        "conformance/test_batch_invariance_check.py::test_paged_keeps_it_with_tbo",
+        "core/determinism/test_batch_invariance.py",
+        "tbo/test_tbo_generate.py::test_without_blanking_the_mirrors",
         "conformance/test_runtime_audit.py::test_an_audit_failure_is_a_backend_error_printed",
         "tbo/test_tbo_generate.py::test_an_undeclared_mirror_is_caught_by_the_audit",
     ),
@@ -117,6 +123,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "serve/test_load.py", "examples/test_grpo_example.py",
         "core/test_without_triton.py::test_rollout_of_the_hybrid",
         "core/test_rollout.py::test_perturbed_rounds_alternate",
+        "core/test_rollout.py::test_every_round_repeats_round_1",
         "core/test_rollout.py::test_token_id_prompts_roll_out",
         "weight_sync/test_direct_push.py::test_closing_the_sender_unmaps",
         "weight_sync/test_direct_push.py::test_a_malformed_direct_message",

@@ -35,3 +35,5 @@ class StreamDelta:
     #: the top-N logprobs at each prompt position, on the first delta, when
     #: ``SamplingParams.prompt_logprobs`` = N > 0
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    #: each prompt token's rank at its position, on the first delta (None for the first)
+    prompt_ranks: list[int | None] | None = None

@@ -92,6 +92,7 @@ class LiveRequest:
             # as RequestOutput gives them (LLM._output): None for the first prompt token
             prompt_logprobs=None if scored is None else [None, *seq.prompt_logprobs],
             prompt_top_logprobs=[None, *seq.prompt_top_logprobs] if scored else None,
+            prompt_ranks=None if scored is None else [None, *seq.prompt_ranks],
         )
 
     def _new_text(self, tokenizer: Any | None) -> str:

@@ -288,7 +288,7 @@ class Scheduler:
     def _record_prompt_scores(self, scores: dict[int, PromptScores]) -> None:
         """Append each chunk's prompt scores to its request's; a prompt scored again
         (recomputed after a preemption) keeps the scores it already has."""
-        for seq_id, (first, logprobs, tops) in scores.items():
+        for seq_id, (first, logprobs, tops, ranks) in scores.items():
             seq = self._unfinished.get(seq_id)
             if seq is None:
                 continue  # withdrawn while the step ran
@@ -298,6 +298,7 @@ class Scheduler:
                                  f"only {len(seq.prompt_logprobs)} recorded before it")
             seq.prompt_logprobs.extend(logprobs[skip:])
             seq.prompt_top_logprobs.extend(tops[skip:])
+            seq.prompt_ranks.extend(ranks[skip:])
 
     def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray, total: int
                     ) -> tuple[np.ndarray, np.ndarray, int]:  # fmt: skip

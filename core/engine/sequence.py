@@ -75,6 +75,8 @@ class Sequence:
     prompt_logprobs: list[float] = attrs.field(factory=list, init=False)
     #: the top-N logprobs at each of those positions (``None`` where N is 0)
     prompt_top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
+    #: each of those prompt tokens' rank among its position's logprobs (1: the likeliest)
+    prompt_ranks: list[int] = attrs.field(factory=list, init=False)
     #: admission order stamp given by the scheduler on ``add`` (-1 before that)
     arrival: int = attrs.field(default=-1, init=False)
     #: ``len(prompt_token_ids)``, kept: the scheduler reads it for every row of every step

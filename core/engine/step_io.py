@@ -293,7 +293,7 @@ class SampledToken:
 
 #: one chunk's prompt scores: the prompt index of its first scored token, each scored
 #: token's logprob, and the top-N logprobs at each (None where N is 0)
-PromptScores = tuple[int, list[float], list[dict[int, float] | None]]
+PromptScores = tuple[int, list[float], list[dict[int, float] | None], list[int]]
 
 #: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, and
 #: the prompt scores of the rows that asked for them, by seq id (None: no row asked)

@@ -83,6 +83,8 @@ class ScoredPrompts:
 
     plan: PromptRows
     logprobs: torch.Tensor  #: [R] float32, each target's logprob
+    #: [R] int64, each target's rank in its row (1: the likeliest; ties share the best)
+    ranks: torch.Tensor
     top_values: torch.Tensor | None  #: [R, K] float32 (K the largest ``num_top``), or None
     top_ids: torch.Tensor | None  #: [R, K] int64
 
@@ -90,13 +92,15 @@ class ScoredPrompts:
         """The same scores with non-blocking copies to the host queued (CUDA)."""
         return attrs.evolve(self, **{
             name: getattr(self, name).to("cpu", non_blocking=True)
-            for name in ("logprobs", "top_values", "top_ids") if getattr(self, name) is not None
+            for name in ("logprobs", "ranks", "top_values", "top_ids")
+            if getattr(self, name) is not None
         })
 
     def packed(self) -> dict[int, PromptScores]:
         """``{seq_id: (first prompt index, logprobs, top dicts)}`` (reads the device)."""
         plan = self.plan
         logprobs = self.logprobs.tolist()
+        ranks = self.ranks.tolist()
         values = self.top_values.tolist() if self.top_values is not None else None
         ids = self.top_ids.tolist() if self.top_ids is not None else None
         out: dict[int, PromptScores] = {}
@@ -107,7 +111,7 @@ class ScoredPrompts:
             if k and values is not None:
                 tops = [dict(zip(ids[r][:k], values[r][:k], strict=True))
                         for r in range(at, at + count)]
-            out[seq_id] = (first, logprobs[at : at + count], tops)
+            out[seq_id] = (first, logprobs[at : at + count], tops, ranks[at : at + count])
             at += count
         return out
 
@@ -120,12 +124,15 @@ def score_prompts(
     index = on_device(plan.rows, torch.int64, device)
     targets = on_device(plan.targets, torch.int64, device)
     k = max(plan.num_top)
-    logprobs, values, ids = [], [], []
+    logprobs, ranks, values, ids = [], [], [], []
     for lo in range(0, len(plan.rows), ROWS_PER_PASS):
         logits = rows_logits(index[lo : lo + ROWS_PER_PASS])
         # The sampler's own call (layers/sampler.py with_logprobs): the same bits.
         all_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        logprobs.append(all_logprobs.gather(1, targets[lo : lo + ROWS_PER_PASS, None]).squeeze(1))
+        scored = all_logprobs.gather(1, targets[lo : lo + ROWS_PER_PASS, None])
+        logprobs.append(scored.squeeze(1))
+        # vLLM's rank: 1 + the tokens strictly likelier than the target
+        ranks.append((all_logprobs > scored).sum(dim=-1) + 1)
         if k:
             top = all_logprobs.topk(k, dim=-1)
             values.append(top.values)
@@ -133,6 +140,7 @@ def score_prompts(
     return ScoredPrompts(
         plan=plan,
         logprobs=torch.cat(logprobs),
+        ranks=torch.cat(ranks),
         top_values=torch.cat(values) if k else None,
         top_ids=torch.cat(ids) if k else None,
     )

@@ -92,6 +92,11 @@ def test_prompt_logprobs_come_in_vllms_shape(http, reference_llm) -> None:
     for p in range(1, len(prompt)):
         entry = scored[p]
         assert entry[str(prompt[p])]["logprob"] == pytest.approx(ref.prompt_logprobs[p], abs=1e-5)
+        rank = entry[str(prompt[p])]["rank"]
+        assert rank == ref.prompt_ranks[p] >= 1
+        # the rank counts the likelier tokens: those among the top-N are all counted
+        likelier = sum(v > ref.prompt_logprobs[p] for v in ref.prompt_top_logprobs[p].values())
+        assert rank == 1 + likelier or rank > len(ref.prompt_top_logprobs[p])
         top = sorted(((v["rank"], int(k), v["logprob"]) for k, v in entry.items()
                       if int(k) in ref.prompt_top_logprobs[p]))
         assert [t for _, t, _ in top] == list(ref.prompt_top_logprobs[p])  # ranks 1..N
