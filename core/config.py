@@ -124,7 +124,8 @@ class CaptureConfig:
     capture_sizes: tuple[int, ...] | None = attrs.field(
         default=None, converter=capture_sizes_tuple
     )
-    #: snapshot every pool before capture and require it byte-identical after
+    #: audit every capture (no pool byte changes) and every step (only its own slots
+    #: change, the core's step buffers stay as filled): runner/step/step_audit.py
     audit: bool = False
     #: blank every declared write target before capture (off only to prove tests fail)
     blank_write_targets: bool = True

@@ -62,7 +62,7 @@ FIELD_HELP: dict[str, str] = {
     "enforce_eager": "run every step eagerly: no decode graphs",
     "capture_sizes": "comma-separated decode batch sizes to capture, each at most "
     "max_num_seqs (default 1,2,4,8, then every 16 up to max_num_seqs)",
-    "audit": "check that no capture changed a byte of any cache pool",
+    "audit": "check every capture writes no pool byte and every step only its own slots",
     "blank_write_targets": "blank backends' cache-write buffers before capture",
     "decode_graph_ends_at": "where a decode graph ends: tokens (sampling captured too), "
     "logits, or hidden (the forward alone)",

@@ -19,7 +19,11 @@ import torch
 from kvrunner.layers.backend_layer import BackendLayer
 from kvrunner.plugin_api import hookspecs
 from kvrunner.plugin_api.errors import BackendError, BackendHookError
-from kvrunner.plugin_api.factory import declares_batch_invariance, declares_overlap_support
+from kvrunner.plugin_api.factory import (
+    CacheRows,
+    declares_batch_invariance,
+    declares_overlap_support,
+)
 from kvrunner.plugin_api.overlap import OverlapContext
 from kvrunner.plugin_api.step_data import (
     BackendContext,
@@ -37,10 +41,18 @@ from kvrunner.plugin_host.plugins import (
     refuse_unmarked_hooks,
     require_release_cache,
 )
-from kvrunner.plugin_host.write_targets import require_fixed_names, validate_write_targets
+from kvrunner.plugin_host.write_targets import (
+    TargetIdentity,
+    require_fixed_identity,
+    require_fixed_names,
+    validate_write_targets,
+)
 
 #: hooks that read the persistent buffers, so may only run once they exist
 NEEDS_BUFFERS = ("build_metadata", "build_capture_metadata", "cache_write_targets")
+
+#: ``observer(backend, hook)``, called after each backend's answer to a hook
+HookObserver = Callable[[str, str], None]
 
 
 class BackendManager:
@@ -65,6 +77,13 @@ class BackendManager:
         self._subset_callers: dict[str, list[tuple[str, Any]]] = {}
         #: each backend's write-target names, from its first answer: later answers must match
         self._target_names: dict[str, frozenset[str]] = {}
+        #: each write target's tensor, from its first answer: later answers must match
+        self._target_identity: dict[str, TargetIdentity] = {}
+        #: called after each backend's answer to any hook (the step audit checks the
+        #: core's buffers there); None: nothing watches
+        self.observer: HookObserver | None = None
+        #: each layer backend's ``cache_rows`` (how one slot of its pools is read)
+        self.cache_rows: dict[str, CacheRows] = {}
         self._buffer_sizes: tuple[int, int] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
         self.allocated = False
@@ -97,6 +116,7 @@ class BackendManager:
                     f"docs/plugins.md, 'Overlap plugins')"
                 )
             self.contexts[name] = context_for(name, tuple(layer_types))
+            self.cache_rows[name] = factory.cache_rows
             if self.contexts[name].deterministic and not declares_batch_invariance(factory):
                 # Its rows would change with the batch: "deterministic" would be a lie.
                 raise BackendError(
@@ -157,6 +177,8 @@ class BackendManager:
                 raise BackendHookError(f"backend {name!r}: hook {hook} failed: {e!r}") from e
             if answer:
                 results[name] = answer[0]
+            if self.observer is not None:
+                self.observer(name, hook)
         return results
 
     # -- sizing and allocation -------------------------------------------------------
@@ -174,12 +196,18 @@ class BackendManager:
         if self.allocated:
             raise BackendError("allocate_cache called twice without release_cache in between")
         pools: dict[str, torch.Tensor] = {}
-        for name, named in self._call_each(
-            "allocate_cache", num_blocks=num_blocks, num_slots=num_slots
-        ).items():
-            for key, tensor in named.items():
-                pools[f"{name}.{key}"] = tensor
+        specs = self.cache_specs()
+        answers = self._call_each("allocate_cache", num_blocks=num_blocks, num_slots=num_slots)
         self.allocated = True
+        try:
+            for name, named in answers.items():
+                require_promised_bytes(name, named, specs.get(name, CacheSpec()),
+                                       num_blocks=num_blocks, num_slots=num_slots)
+                for key, tensor in named.items():
+                    pools[f"{name}.{key}"] = tensor
+        except BackendError:
+            self.release_cache()  # nothing half-allocated stays behind
+            raise
         return pools
 
     def release_cache(self) -> None:
@@ -250,6 +278,9 @@ class BackendManager:
         targets = self.layer_write_targets()
         if self.overlap is not None:
             targets += self.overlap.write_targets()
+            require_fixed_identity(
+                [t for t in targets if t.backend == self.overlap.name], self._target_identity
+            )
         return targets
 
     def layer_write_targets(self) -> list[CacheWriteTarget]:
@@ -259,6 +290,7 @@ class BackendManager:
         for name in self.names:
             targets = validate_write_targets(name, results.get(name, []))
             require_fixed_names(name, targets, self._target_names)
+            require_fixed_identity(targets, self._target_identity)
             union += targets
         return union
 
@@ -302,3 +334,25 @@ class _LayerBackendsView:
 
     def write_targets(self) -> list[CacheWriteTarget]:
         return self._manager.layer_write_targets()
+
+
+def require_promised_bytes(
+    name: str, pools: Mapping[str, torch.Tensor], spec: CacheSpec, *, num_blocks: int,
+    num_slots: int,
+) -> None:
+    """Refuse pools whose bytes differ from what ``name``'s :class:`CacheSpec` promised
+    for ``num_blocks`` blocks and ``num_slots`` slots: the pool was sized from the
+    promise, so a backend that takes more runs the device out of memory, one that
+    takes less wastes it, and either way the sizing is a lie. Storage shared by two
+    pools (keys and values as views of one tensor) counts once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in pools.values()}
+    allocated = sum(storages.values())
+    promised = spec.bytes_per_block * num_blocks + spec.bytes_per_slot * num_slots
+    if allocated != promised:
+        raise BackendError(
+            f"backend {name!r}: allocate_cache({num_blocks} blocks, {num_slots} slots) took "
+            f"{allocated} bytes, but its cache_spec promised {promised} "
+            f"({spec.bytes_per_block} per block, {spec.bytes_per_slot} per slot): the pools "
+            f"are sized from cache_spec, so it must state the bytes allocate_cache allocates"
+        )

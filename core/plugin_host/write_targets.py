@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -56,3 +57,36 @@ def require_fixed_names(
             f"backend {name!r}: cache_write_targets returned {sorted(names)}, "
             f"earlier {sorted(first)}; the set of write targets is fixed"
         )
+
+
+@attrs.frozen
+class TargetIdentity:
+    """Which tensor a write target is: captured graphs and blanking hold it by address."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor) -> TargetIdentity:
+        return cls(buffer.data_ptr(), tuple(buffer.shape), buffer.stride(), buffer.dtype)
+
+
+def require_fixed_identity(
+    targets: Sequence[CacheWriteTarget], first_seen: dict[str, TargetIdentity]
+) -> None:
+    """Refuse a write target whose tensor is not the one its first answer gave (kept in
+    ``first_seen`` by qualified name): a graph captured over the first reads it by
+    address, and blanking the new one leaves the old one live."""
+    for target in targets:
+        now = TargetIdentity.of(target.buffer)
+        first = first_seen.setdefault(target.qualified_name, now)
+        if now != first:
+            raise BackendError(
+                f"backend {target.backend!r}: write target {target.name!r} is a new tensor "
+                f"under an old name (address {first.data_ptr:#x}, shape {list(first.shape)} "
+                f"first; now {now.data_ptr:#x}, shape {list(now.shape)}): captured graphs "
+                f"and blanking hold the first by address, so refill it in place "
+                f"(buffer.copy_ / fill_) instead of replacing it"
+            )

@@ -54,6 +54,7 @@ from kvrunner.runner.setup import (
 from kvrunner.runner.sleep_wake import SleepWake
 from kvrunner.runner.step.forward_vars import ForwardVars
 from kvrunner.runner.step.launched_step import LaunchedStep
+from kvrunner.runner.step.step_audit import StepAudit
 from kvrunner.runner.step.step_batch import profile_step
 from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.runner.step_launch import StepLauncher
@@ -263,6 +264,13 @@ class ModelRunner:
             config.scheduler, max_model_len=self.model_len.value
         ))
         self.cache = CachePools(self.backends, self.pool_size)
+        if config.capture.audit:
+            self.launcher.audit = StepAudit(
+                backends=self.backends, pools=lambda: self.cache.pools,
+                core_buffers={"input_ids": self.forward_vars["input_ids"],
+                              **self.step_builder.buffers()},
+                block_size=config.cache.block_size,
+            )
         self.sleep_wake = SleepWake(
             config=self.config, device=self.device, group=group, cache=self.cache,
             weights=self.weights, graphs=self.graph_capture, capture=self.capture,

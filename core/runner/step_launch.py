@@ -34,6 +34,7 @@ from kvrunner.runner.capture.graph_sampling import DecodeOutputs, GraphSampling
 from kvrunner.runner.capture.graphs import DecodeGraph
 from kvrunner.runner.step.forward_vars import ForwardVars
 from kvrunner.runner.step.launched_step import DeviceTokens, LaunchedStep, feed_placeholders
+from kvrunner.runner.step.step_audit import StepAudit
 from kvrunner.runner.step.step_batch import prepare_step
 from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 
@@ -97,6 +98,9 @@ class StepLauncher:
         #: step is checked: for benchmarks only, measuring what the check costs). Read
         #: by the capture too: recapture after changing it.
         self.nonfinite_check: NonfiniteCheck = "graph"
+        #: with ``audit=True``, checks every step wrote only where it was told (set once
+        #: the pools exist: the start-up profile's step is not audited)
+        self.audit: StepAudit | None = None
 
     @property
     def nan_rows(self) -> int:
@@ -124,12 +128,23 @@ class StepLauncher:
         self.previous_tokens = None
         if rows > num_tokens:  # the padded tail of a replayed graph reads token 0 (position 0)
             fv["input_ids"][num_tokens:rows].zero_()
-        ctx = self.backends.build_metadata(self.step_builder.fill(prepared.batch))
-        drawn_in_graph = graph is not None and self._stage_graph_draws(step, graph)
-        if graph is not None:
-            out: DecodeOutputs = graph.replay()
-        else:
-            out = DecodeOutputs(self._forward_rows(num_tokens, ctx), None, None, None)
+        shared = self.step_builder.fill(prepared.batch)
+        audit = self.audit
+        if audit is not None:
+            audit.begin()
+        try:
+            ctx = self.backends.build_metadata(shared)
+            drawn_in_graph = graph is not None and self._stage_graph_draws(step, graph)
+            if graph is not None:
+                out: DecodeOutputs = graph.replay()
+            else:
+                out = DecodeOutputs(self._forward_rows(num_tokens, ctx), None, None, None)
+        except BaseException:
+            if audit is not None:
+                audit.abandon()
+            raise
+        if audit is not None:
+            audit.end(prepared.batch)
         plan = prompt_rows(step)
         scored = None if plan is None else self._score_prompts(out, plan)
         if not prepared.sample_rows:

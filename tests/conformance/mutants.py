@@ -11,6 +11,7 @@ import torch
 
 from kvrunner.plugin_api import (
     PAD_SLOT_ID,
+    CacheSpec,
     CacheWriteTarget,
     ForwardContext,
     StepMetadata,
@@ -18,6 +19,7 @@ from kvrunner.plugin_api import (
 )
 from kvrunner_gdn import GDNBackend
 from kvrunner_paged import PagedAttention, PagedBackend, PagedMetadata
+from kvrunner_paged.cache import cache_rows as paged_cache_rows
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.utils import gather_positions
 
@@ -291,10 +293,70 @@ class GDNClaimsInvariance(GDNBackend):
     batch_invariant = True
 
 
+class StaleSlots(PagedBackend):
+    """Fills ``slot_mapping`` from the previous step's host copy where the shapes match:
+    every decode step stores its keys where the step before stored its own."""
+
+    last: torch.Tensor | None = None
+
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        md = super().build_metadata(step)
+        now = step.host.slot_mapping[: step.num_tokens].clone()
+        if self.last is not None and self.last.shape == now.shape:
+            self.builder.slot_mapping[: step.num_tokens].copy_(self.last)
+        self.last = now
+        return md
+
+
+class WritesPositions(PagedBackend):
+    """Turns the core's ``positions`` into offsets within a block, in place: rotary then
+    reads the wrong positions."""
+
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        step.positions.remainder_(self.context.block_size)
+        return super().build_metadata(step)
+
+
+class ReplacesTarget(PagedBackend):
+    """Builds a new ``slot_mapping`` tensor every step, under the declared name: the
+    graphs and blanking keep the first."""
+
+    @hookimpl
+    def build_metadata(self, step: StepMetadata) -> PagedMetadata:
+        self.builder.slot_mapping = self.builder.slot_mapping.clone()
+        return super().build_metadata(step)
+
+
+class UnderstatedSpec(PagedBackend):
+    """Its ``cache_spec`` promises a quarter of the bytes ``allocate_cache`` takes."""
+
+    @hookimpl
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(bytes_per_block=self.pools.bytes_per_block // 4)
+
+
+def _copied_rows(pool_name: str, pool: torch.Tensor) -> tuple[str, torch.Tensor]:
+    kind, rows = paged_cache_rows(pool_name, pool)
+    return kind, rows.clone()
+
+
+class CopiedRows(PagedBackend):
+    """Its ``cache_rows`` hands out a copy of the pool, not a view: a reader through it
+    never sees a write."""
+
+    cache_rows = staticmethod(_copied_rows)
+
+
 #: check -> (mutant name, factory)
 MUTANTS = {
     "step_matches_reference": ("mutant-wrong-scale", WrongScale),
+    "cache_spec_matches_allocation": ("mutant-understated-spec", UnderstatedSpec),
+    "cache_rows_is_a_view": ("mutant-copied-rows", CopiedRows),
     "only_live_rows_change": ("mutant-shifted-slots", ShiftedSlots),
+    "core_buffers_untouched": ("mutant-writes-positions", WritesPositions),
+    "write_targets_keep_identity": ("mutant-replaces-target", ReplacesTarget),
     "pad_rows_write_nothing": ("mutant-stores-pad-rows", StoresPadRows),
     "write_targets_pad_past_live_rows": ("mutant-no-tail-pad", NoTailPad),
     "capture_metadata_leaves_write_side": ("mutant-blanks-at-capture", BlanksAtCapture),
@@ -312,4 +374,11 @@ AUDIT_MUTANTS = {
     "mutant-builder-held-target": (BuilderHeldTarget, "blanked_capture_writes_nothing"),
     "mutant-capture-reads-live-blocks": (CaptureReadsLiveBlocks, "replay_sees_later_fill"),
     "mutant-stores-pad-rows": (StoresPadRows, "pad_rows_write_nothing"),
+}
+#: defects the step audit catches at the step that commits them (the capture audit
+#: passes them): mutant name -> factory
+STEP_MUTANTS = {
+    "mutant-shifted-slots": ShiftedSlots,
+    "mutant-no-tail-pad": NoTailPad,
+    "mutant-stale-slots": StaleSlots,
 }

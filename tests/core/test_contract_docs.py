@@ -144,3 +144,19 @@ def test_the_conformance_extra_the_docs_name_exists() -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert "hypothesis" in " ".join(pyproject["project"]["optional-dependencies"]["conformance"])
     assert "pip install 'kvrunner[conformance]'" in DOCS
+
+
+def test_the_documented_plugin_api_version_is_the_codes_everywhere_it_is_shown() -> None:
+    version = step_data.PLUGIN_API_VERSION
+    assert f"Plugin API version: **{version}**" in DOCS
+    sample = DOCS.split("kvrunner backends\n```", 1)[1].split("```", 2)[1]
+    shown = re.findall(r"^\w+\s+kvrunner-\S+\s+\S+\s+.*?(\d+)\s*$", sample, re.M)
+    assert shown and set(shown) == {str(version)}
+
+
+def test_the_kit_table_lists_every_check_once() -> None:
+    from kvrunner.testing.conformance import CHECKS
+
+    table = DOCS.split("| check | property |", 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", table, re.M)
+    assert sorted(listed) == sorted(CHECKS)

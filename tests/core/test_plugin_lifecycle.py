@@ -8,7 +8,7 @@ import torch
 import kvrunner
 from kvrunner import plugin_api
 from kvrunner.layers.backend_layer import BackendLayer, BackendLayerError
-from kvrunner.plugin_api import BackendError, CacheWriteTarget, ForwardContext
+from kvrunner.plugin_api import BackendError, CacheSpec, CacheWriteTarget, ForwardContext
 from kvrunner.plugin_host.plugins import register_backend, unregister_backend
 from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager, small_model_spec
@@ -30,6 +30,10 @@ class Minimal:
     @plugin_api.hookimpl
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         return {"slot_mapping": self.buffer}
+
+    @plugin_api.hookimpl
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(bytes_per_block=4)  # one float32 a block
 
     @plugin_api.hookimpl
     def allocate_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:

@@ -13,10 +13,12 @@ from kvrunner.config import CaptureConfig
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.plugin_api.mirroring import map_tensors, unwalked_tensors
 from kvrunner.plugin_api.step_data import ForwardContext
+from kvrunner.plugin_host.backend_manager import require_promised_bytes
 from kvrunner.runner.capture.capture import capture_decode_graphs
 from kvrunner.runner.capture.capture_safety import CaptureAuditError
 from kvrunner.runner.pools.pool_release import PoolRelease
-from kvrunner.testing.conformance import reference
+from kvrunner.runner.pools.pool_rows import pool_rows
+from kvrunner.testing.conformance import cases, reference
 from kvrunner.testing.conformance.batch_invariance import probe_bits_match_alone
 from kvrunner.testing.conformance.cases import StepCase
 from kvrunner.testing.conformance.errors import ConformanceError
@@ -315,12 +317,91 @@ def metadata_carries_what_layers_read(rig: Rig, case: StepCase) -> None:
     _require_only(rig, rows, case.final(), what)
 
 
+def cache_spec_matches_allocation(rig: Rig, case: StepCase) -> None:
+    """The pools ``allocate_cache`` takes are the bytes ``cache_spec`` promised, at the
+    kit's size and at another (the runner sizes the pools from the promise)."""
+    del case
+    specs = rig.manager.cache_specs()
+    blocks, slots = cases.NUM_BLOCKS // 2 + 1, cases.NUM_SLOTS + 1
+    rig.manager.release_cache()
+    try:
+        pools = rig.manager.allocate_cache(num_blocks=blocks, num_slots=slots)
+        for name, spec in specs.items():
+            mine = {k: t for k, t in pools.items() if k.startswith(f"{name}.")}
+            require_promised_bytes(name, mine, spec, num_blocks=blocks, num_slots=slots)
+        del pools
+    except BackendError as e:
+        raise ConformanceError(str(e)) from None
+    finally:
+        rig.manager.release_cache()
+        rig.allocate()
+
+
+def cache_rows_is_a_view(rig: Rig, case: StepCase) -> None:
+    """``cache_rows`` hands out a view of each pool (a reader through a copy never sees
+    a write), and a step's writes show through it."""
+    try:
+        rows = pool_rows(rig.pools, {rig.target.name: rig.target.cache_rows})
+    except BackendError as e:
+        raise ConformanceError(str(e)) from None
+    before = [p.rows.clone() for p in rows]
+    rig.serve(case.final())
+    if all(_same_bytes(p.rows, old) for p, old in zip(rows, before, strict=True)):
+        raise ConformanceError("a step wrote its slots, yet no row read through cache_rows "
+                               "changed: cache_rows does not read the pools the step writes")
+
+
+def core_buffers_untouched(rig: Rig, case: StepCase) -> None:
+    """``build_metadata`` and the forward leave the core's step buffers (input ids and
+    the shared read side: positions, query starts, context lengths, block tables) as
+    the core filled them: every backend and the model read them."""
+    core = {"input_ids": rig.forward_vars["input_ids"], **rig.step_builder.buffers()}
+    for rows in [*case.history(), case.final()]:
+        step = rig.step(rows)
+        copies = {name: t.clone() for name, t in core.items()}
+        ctx = rig.manager.build_metadata(step)
+        _require_unchanged(core, copies, "build_metadata")
+        rig.forward(rows, ctx)
+        _require_unchanged(core, copies, "the forward")
+
+
+def _require_unchanged(core: dict[str, torch.Tensor], copies: dict[str, torch.Tensor],
+                       where: str) -> None:
+    changed = [n for n, t in core.items() if not torch.equal(t, copies[n])]
+    if changed:
+        raise ConformanceError(f"{where} wrote the core's step buffer(s) {changed}; a "
+                               f"backend only reads them")
+
+
+def write_targets_keep_identity(rig: Rig, case: StepCase) -> None:
+    """Every write target is the same tensor (address, shape, strides, dtype) at every
+    call: captured graphs and blanking hold the first by address."""
+    def identities() -> dict[str, tuple]:
+        return {t.qualified_name: (t.buffer.data_ptr(), tuple(t.buffer.shape),
+                                   t.buffer.stride(), t.buffer.dtype)
+                for t in rig.manager.cache_write_targets()}
+
+    try:
+        first = identities()
+        for rows in [*case.history(), case.final()]:
+            rig.serve(rows)
+            if identities() != first:
+                raise ConformanceError("a write target is a new tensor under an old name "
+                                       "after a step; refill it in place instead")
+    except BackendError as e:
+        raise ConformanceError(str(e)) from None
+
+
 #: every check, by name, in the order they are documented
 CHECKS = {
     fn.__name__: fn
     for fn in (
         step_matches_reference,
+        cache_spec_matches_allocation,
+        cache_rows_is_a_view,
         only_live_rows_change,
+        core_buffers_untouched,
+        write_targets_keep_identity,
         pad_rows_write_nothing,
         write_targets_pad_past_live_rows,
         capture_metadata_leaves_write_side,

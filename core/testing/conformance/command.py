@@ -41,7 +41,13 @@ def check_backend(
     device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
     failed = skipped = 0
     label = f"{name}+{overlap}" if overlap else name
-    for target in Target.of(name, use_triton=use_triton, device=device, overlap=overlap):
+    try:
+        targets = Target.of(name, use_triton=use_triton, device=device, overlap=overlap)
+    except Exception as e:  # a backend that does not load fails every check, said once
+        print(f"FAIL {label} load\n{_one_line(e)}\n")
+        print(f"{label}: the backend did not load; no check ran")
+        return 1
+    for target in targets:
         for check in checks or CHECKS:
             reason = not_run_because(target, check)
             if reason is not None:
@@ -55,9 +61,20 @@ def check_backend(
                 failed += 1
                 print(f"FAIL {label} {target.layer_type} {check}\n{e}\n")
                 continue
+            except Exception as e:  # a hook or forward that raised fails this check only
+                failed += 1
+                print(f"FAIL {label} {target.layer_type} {check}\n{_one_line(e)}\n")
+                continue
             print(f"ok   {label} {target.layer_type} {check} ({time.perf_counter() - start:.1f}s)")
     verdict = "all checks passed" if not failed else f"{failed} check(s) failed"
     if skipped:
         verdict += f", {skipped} not run (listed above, with why)"
     print(f"{label}: {verdict}")
     return 1 if failed else 0
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as its type and message (hypothesis groups: each distinct one)."""
+    if isinstance(error, BaseExceptionGroup):
+        return "\n".join(dict.fromkeys(_one_line(e) for e in error.exceptions))
+    return f"{type(error).__name__}: {error}"

@@ -32,6 +32,7 @@ from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.testing.conformance import cases
 from kvrunner.testing.conformance.cases import Seq, StepCase
+from kvrunner.testing.conformance.errors import ConformanceError
 from kvrunner.testing.harness import backend_manager
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -135,9 +136,12 @@ class Rig:
 
     def allocate(self) -> None:
         """Allocate (again, after a release) and poison every floating pool with NaN."""
-        self.pools = self.manager.allocate_cache(
-            num_blocks=cases.NUM_BLOCKS, num_slots=cases.NUM_SLOTS
-        )
+        try:
+            self.pools = self.manager.allocate_cache(
+                num_blocks=cases.NUM_BLOCKS, num_slots=cases.NUM_SLOTS
+            )
+        except BackendError as e:  # cache_spec_matches_allocation's rule, at every check
+            raise ConformanceError(str(e)) from None
         for pool in self.pools.values():
             if pool.is_floating_point():
                 pool.fill_(float("nan"))
