@@ -1,6 +1,6 @@
 """Where the decode graph ends: the forward alone, + the logits, + the draw.
 
-``[capture] decode_graph_ends_at`` (``runner/graph_sampling.py``) at ``hidden``,
+``[capture] decode_graph_ends_at`` (``runner/capture/graph_sampling.py``) at ``hidden``,
 ``logits`` and ``tokens`` (the default), one engine each, on the Qwen3-0.6B shape of
 ``bench_e2e_decode.py``: decode ms per step at batch 1, 64 and 256, greedy and with
 every request at temperature 1, seeded or unseeded (both drawn in the graph at

@@ -43,7 +43,7 @@ def host_ms_per_step(batch: int, *, profile: bool = False) -> float:
     logits = torch.zeros(batch, vocab)
     logits[:, 7] = 1.0
     runner._forward_rows = lambda n, ctx: hidden[:n]  # no model compute
-    # A replayed graph ends with its logits and greedy tokens (runner/graph_sampling.py)
+    # A replayed graph ends with its logits and greedy tokens (runner/capture/graph_sampling.py)
     tokens, row_max = torch.full((batch,), 7), torch.ones(batch)
     for graph in runner.graph_capture.graphs.values():
         b = graph.batch_size

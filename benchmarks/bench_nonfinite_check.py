@@ -1,7 +1,7 @@
 """What the non-finite check costs a decode step: in the graph, after the replay, or none.
 
 A decode graph that draws its step also checks it for non-finite rows
-(``layers/nonfinite_rows.py``, ``runner/graph_sampling.py``): a few elementwise
+(``layers/nonfinite_rows.py``, ``runner/capture/graph_sampling.py``): a few elementwise
 kernels over ``[rows]`` inside the graph. ``StepLauncher.nonfinite_check`` moves the
 check after the replay (the eager launches every step the graph does not draw
 makes) or, for this benchmark only, turns it off. One engine on the Qwen3-0.6B

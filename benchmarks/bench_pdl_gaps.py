@@ -3,9 +3,9 @@ kernels: a go / no-go measurement before any kernel of ours takes it.
 
 A batch-64 decode step of the 0.6B shape runs ~300 kernels in its graph, and the
 profile counted the GPU idle ~0.8 µs between two of them (docs/benchmarks.md,
-Profiles). With PDL a kernel is launched while its predecessor drains and waits
-for it at ``gdc_wait``. Three chains of 64 dependent kernels, each captured in a CUDA
-graph, PDL off and on:
+``profile_decode.py``). With PDL a kernel is launched while its predecessor drains
+and waits for it at ``gdc_wait``. Three chains of 64 dependent kernels, each
+captured in a CUDA graph, PDL off and on:
 
 - an RMSNorm-sized Triton kernel (``[64, 1024]`` bf16 in, out) after itself;
 - the same kernel alternating with a cuBLAS product of the 0.6B ``o_proj`` shape

@@ -103,7 +103,7 @@ def host_busy_ms(llm: LLM, batch: int, new: int = NEW) -> tuple[float, float]:
 def graph_replay_ms(llm: LLM, batch: int, new: int = NEW) -> float:
     """Mean GPU time of the decode graph's replays during a real ``new``-token generate
     at ``batch``: the forward, the logits and the greedy draw (where the graph ends:
-    ``runner/graph_sampling.py``), without the step's preparation.
+    ``runner/capture/graph_sampling.py``), without the step's preparation.
 
     CUDA events around every replay, read after the run: each replay sees the
     metadata of its own step (contexts growing from the prompt to prompt + new), so
