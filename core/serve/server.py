@@ -1,4 +1,5 @@
-"""The ``kvrunner serve`` process: load the engine, serve HTTP until SIGTERM, stop clean.
+"""The ``kvrunner serve`` process: bind the port, load the engine, serve HTTP until
+SIGTERM, stop clean.
 
 One asyncio loop runs both uvicorn and the ``AsyncLLM`` front. SIGTERM (or Ctrl-C) runs
 :class:`~kvrunner.serve.shutdown.GracefulShutdown` first and only then lets uvicorn
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -19,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from kvrunner.errors import KvrunnerError
 from kvrunner.serve.app import build_app
 from kvrunner.serve.settings import ServeSettings
 from kvrunner.serve.shutdown import GracefulShutdown
@@ -81,7 +85,35 @@ def _announce(url: str) -> None:
     print(f"kvrunner serve: listening on {url}", flush=True)
 
 
-async def _serve(settings: ServeSettings, make_engine: Callable[[], Any]) -> int:
+class PortError(KvrunnerError):
+    """The server's address cannot be bound; the message is the one line to print."""
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); :class:`PortError`, one
+    line naming the address, when it cannot be had (taken, not this host's, no
+    permission)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    except socket.gaierror as e:
+        raise PortError(f"kvrunner serve: cannot listen on {host}:{port}: the host "
+                        f"{host!r} does not resolve ({e.strerror}); see --host") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = "another process listens there; pick a free one with --port (0: any)" \
+            if e.errno == errno.EADDRINUSE else "see --host and --port"
+        raise PortError(f"kvrunner serve: cannot listen on {host}:{port}: {e.strerror} "
+                        f"({hint})") from None
+    return sock
+
+
+async def _serve(settings: ServeSettings, make_engine: Callable[[], Any],
+                 sock: socket.socket) -> int:
     engine = make_engine()
     try:
         app = build_app(engine, settings)
@@ -90,7 +122,7 @@ async def _serve(settings: ServeSettings, make_engine: Callable[[], Any]) -> int
                                 timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S), lifespan="off",
                                 backlog=4096)
         server = _Server(config, app.state.server.shutdown, _announce)
-        await server.serve()
+        await server.serve(sockets=[sock])
         if not server.started:
             print(f"kvrunner serve: could not listen on {settings.host}:{settings.port}",
                   file=sys.stderr)
@@ -101,14 +133,24 @@ async def _serve(settings: ServeSettings, make_engine: Callable[[], Any]) -> int
 
 
 def serve_forever(settings: ServeSettings, make_engine: Callable[[], Any]) -> int:
-    """Load the engine with ``make_engine()``, serve until SIGTERM; the exit status.
+    """Bind the port, load the engine with ``make_engine()``, serve until SIGTERM; the
+    exit status.
 
-    A SIGTERM while the model loads ends the process through ``SystemExit``, so the
-    engine's clean-up (its rank processes) still runs.
+    The port is bound before the model loads, so a busy port costs no load: the
+    process prints one line naming the address and exits 1. A SIGTERM while the
+    model loads ends the process through ``SystemExit``, so the engine's clean-up
+    (its rank processes) still runs.
     """
+    try:
+        sock = bind_port(settings.host, settings.port)
+    except PortError as e:
+        print(e, file=sys.stderr)
+        return 1
+
     def _stop_loading(sig: int, _frame: FrameType | None) -> None:
         raise SystemExit(128 + sig)
 
     for sig in _SIGNALS:
         signal.signal(sig, _stop_loading)
-    return asyncio.run(_serve(settings, make_engine))
+    with sock:
+        return asyncio.run(_serve(settings, make_engine, sock))
