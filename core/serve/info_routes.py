@@ -97,6 +97,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "enable_rl_endpoints": settings.enable_rl_endpoints,
         "max_n": settings.max_n,
         "max_logprobs": settings.max_logprobs,
+        "max_body_bytes": settings.max_body_bytes,
         "shutdown_mode": settings.shutdown_mode,
         "tp_size": int(config.parallel.tensor_parallel_size),
         "max_running_requests": int(config.scheduler.max_num_seqs),

@@ -122,7 +122,11 @@ async def _serve(settings: ServeSettings, make_engine: Callable[[], Any],
                                 timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S), lifespan="off",
                                 backlog=4096)
         server = _Server(config, app.state.server.shutdown, _announce)
-        await server.serve(sockets=[sock])
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if app.state.server.tokens is not None:
+                app.state.server.tokens.close()
         if not server.started:
             print(f"kvrunner serve: could not listen on {settings.host}:{settings.port}",
                   file=sys.stderr)
