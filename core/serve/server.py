@@ -5,7 +5,8 @@ One asyncio loop runs both uvicorn and the ``AsyncLLM`` front. SIGTERM (or Ctrl-
 :class:`~kvrunner.serve.shutdown.GracefulShutdown` first and only then lets uvicorn
 close its connections; a second signal forces the exit. The engine is shut down last,
 which frees the device and stops every tensor-parallel rank process, so the process
-exits with nothing left behind.
+exits with nothing left behind. An engine that dies (a rank lost) stops the server
+too, and the process exits non-zero (``ENGINE_DIED``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from kvrunner.serve.shutdown import GracefulShutdown
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: how long uvicorn waits for connections once every request has ended
 CLOSE_TIMEOUT_S = 10.0
+#: seconds between two looks at whether the engine died
+WATCHDOG_S = 0.25
+#: the exit status of a server whose engine died
+ENGINE_DIED = 1
 
 
 class _Server(uvicorn.Server):
@@ -42,6 +47,9 @@ class _Server(uvicorn.Server):
         self._announce = announce
         self._loop: asyncio.AbstractEventLoop | None = None
         self._emptying: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        #: the process's exit status: 0, or ENGINE_DIED
+        self.exit_code = 0
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -49,6 +57,26 @@ class _Server(uvicorn.Server):
         if self.started and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self._announce(f"http://{host}:{port}")
+            self._watchdog = asyncio.ensure_future(self._watch_engine())
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await super().shutdown(sockets=sockets)
+
+    async def _watch_engine(self) -> None:
+        """A dead engine is a dead server: once the engine can serve nothing more (a
+        rank died; the requests in flight have failed with the cause and /health
+        answers 503), stop serving and exit with ENGINE_DIED, so a supervisor
+        restarts the process."""
+        engine = self._graceful.engine
+        while engine.dead_error is None:
+            await asyncio.sleep(WATCHDOG_S)
+        self._graceful.admission.open = False
+        print(f"kvrunner serve: {engine.dead_error}; exiting with status {ENGINE_DIED}",
+              file=sys.stderr, flush=True)
+        self.exit_code = ENGINE_DIED
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -131,7 +159,7 @@ async def _serve(settings: ServeSettings, make_engine: Callable[[], Any],
             print(f"kvrunner serve: could not listen on {settings.host}:{settings.port}",
                   file=sys.stderr)
             return 1
-        return 0
+        return server.exit_code
     finally:
         await engine.shutdown()
 
