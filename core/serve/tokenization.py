@@ -7,13 +7,16 @@ batch calls, which release the GIL while they work (``Tokenizer.encode`` holds i
 token's text, which the logprob answers name per token, is read from a table
 decoded once at start-up (``decode([t])`` for every id), not detokenised.
 
-Before a text prompt is tokenised, a cheap bound refuses what cannot fit: a
-byte-level BPE token covers at most as many bytes as the vocabulary's longest entry,
-and every character is at least one byte, so a prompt longer than
-``max_model_len × longest entry`` characters has more than ``max_model_len`` tokens.
-The bound is applied only to a tokenizer that drops nothing of a text (checked at
-start-up on a probe of spaces, newlines, accents and CJK: ``decode(encode(probe))``
-gives the probe back); for any other, the body limit is the only bound.
+Before a text prompt is tokenised, a cheap bound refuses what cannot fit. A token
+covers at most L bytes of the normalised text, L the vocabulary's longest entry (a
+byte-level entry stores one character per byte; a SentencePiece entry one per
+character). Every character is at least one byte, and a normaliser that composes
+characters (NFC, NFKC) replaces at most three of them by one of at least two bytes,
+so a text's normalised bytes are at least half its characters: a prompt longer than
+``max_model_len × 2L`` characters has more than ``max_model_len`` tokens. The bound
+is applied only to a tokenizer that drops nothing of a text (checked at start-up:
+``decode(encode(probe))`` gives back a probe of spaces, tabs, newlines, punctuation,
+accents, CJK and an emoji); for any other, the body limit is the only bound.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from kvrunner.serve.errors import APIError
 #: bounded pool also bounds how much of that work (and its memory) runs at once
 TOKENIZER_WORKERS = 2
 #: text the tokenizer must give back whole for the length bound to apply
-_PROBE = "  Hello,\n\n\tworld!  é ü 你好 🙂 e\u0301 \r\n end  "
+_PROBE = "  Hello,\n\n\tworld!  é ü 你好 🙂 \r\n end  "
+#: normalised bytes per input character, at least (see the module docstring)
+_BYTES_PER_CHAR = 0.5
 
 T = TypeVar("T")
 
@@ -67,7 +72,8 @@ class ServerTokenizer:
         self.longest_token_chars = _longest_entry(tokenizer)
         #: the longest text prompt tokenised (characters); None: no bound but the body's
         self.max_prompt_chars: int | None = (
-            max_model_len * self.longest_token_chars if _drops_nothing(tokenizer) else None)
+            int(max_model_len * self.longest_token_chars / _BYTES_PER_CHAR)
+            if _drops_nothing(tokenizer) else None)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the pool (a template's rendering, say)."""
@@ -78,9 +84,9 @@ class ServerTokenizer:
         bound = self.max_prompt_chars
         if bound is not None and len(text) > bound:
             raise APIError(400, f"{param} has {len(text)} characters, more than the {bound} "
-                           f"that can fit in max_model_len tokens (max_model_len × "
-                           f"{self.longest_token_chars}, the most characters one token "
-                           f"covers); it was refused before tokenising", param=param)
+                           f"that can fit in max_model_len tokens (max_model_len × 2 × "
+                           f"{self.longest_token_chars}, the most bytes one token covers); "
+                           f"it was refused before tokenising", param=param)
 
     async def prompt_ids(self, text: str, *, param: str,
                          add_special_tokens: bool = True) -> list[int]:
