@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from kvrunner.async_engine.errors import EngineClosedError
 from kvrunner.errors import KvrunnerError
 from kvrunner.serve.app import build_app
 from kvrunner.serve.settings import ServeSettings
@@ -104,6 +105,8 @@ class _Server(uvicorn.Server):
             aborted = await self._graceful.empty_engine()
             print(f"kvrunner serve: shutting down ({aborted} request(s) aborted)",
                   file=sys.stderr, flush=True)
+        except EngineClosedError:  # the engine died first: its requests have failed
+            pass
         finally:
             self.should_exit = True
 

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from serve_kit import server_env
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the README's block runs curl, as the user's shell would
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 README = (ROOT / "README.md").read_text()
 
 
@@ -53,6 +57,7 @@ def _script(port: int) -> str:
             f"{line}.choices[0].text is not None)'\nkill %1; wait\n")
 
 
+@needs_curl
 def test_the_readme_block_waits_for_the_server_and_prints_both_answers(tmp_path) -> None:
     port = _free_port()
     bin_dir = Path(sys.executable).parent
@@ -67,6 +72,7 @@ def test_the_readme_block_waits_for_the_server_and_prints_both_answers(tmp_path)
     assert "OPENAI True" in done.stdout, done.stderr
 
 
+@needs_curl
 def test_the_readme_block_stops_waiting_when_the_server_cannot_start(tmp_path) -> None:
     with socket.socket() as taken:  # bound, not listening: a curl there is refused
         taken.bind(("127.0.0.1", 0))
