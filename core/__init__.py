@@ -4,7 +4,7 @@ This module is the user's API. A backend plugin imports from
 :mod:`kvrunner.plugin_api` instead.
 """
 
-from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
+from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError, EngineDeadError
 from kvrunner.config import ConfigError
 from kvrunner.errors import (
     CheckpointError,
@@ -34,6 +34,7 @@ __all__ = [
     "ConfigError",
     "EngineBusyError",
     "EngineClosedError",
+    "EngineDeadError",
     "KvrunnerError",
     "NonFiniteLogitsError",
     "RequestError",

@@ -25,7 +25,7 @@ import attrs
 
 from kvrunner.async_engine.delta import StreamDelta
 from kvrunner.async_engine.engine_loop import Command, EngineLoop
-from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
+from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError, EngineDeadError
 from kvrunner.async_engine.handoff import Channel, Reply
 from kvrunner.async_engine.stats import EngineStats
 from kvrunner.engine.llm_engine import group_size
@@ -398,6 +398,18 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         """The counters as of the last step or command; never waits for the loop."""
         return self._engine.stats
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine can serve nothing more (a rank died, the engine thread
+        failed), or None while it serves; once set, every call raises it."""
+        return self._engine.dead
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine is dead (:attr:`dead_error`), as vLLM's engine client
+        names it."""
+        return self._engine.dead is not None
 
     @property
     def weight_version(self) -> str | int:

@@ -90,6 +90,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "core/async/test_async_llm_tp.py", "core/test_interrupted_generate.py",
         "core/test_moe_generate.py::test_two_ranks", "tbo/test_tbo_generate.py::test_two_ranks",
         "serve/test_shutdown.py::test_tp2", "core/test_cli_usability.py::test_ctrl_c", "ray/",
+        "serve/test_dead_engine.py",
     ),
     # whole engines on the Triton interpreter, and the kernels' interpreted sweeps
     "interpreted kernels": (

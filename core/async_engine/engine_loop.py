@@ -22,10 +22,17 @@ this thread, between steps, so nothing is in flight while one runs):
 - ``wake_up`` and ``cache_info`` are allowed at any time.
 - ``resume`` with requests parked or held refuses (``SleepStateError``) while the
   engine cannot serve (asleep, or weights missing), and stays paused.
+
+A dead engine stays dead: a step whose executor is unusable afterwards (a rank
+died or failed), a rank found lost while the thread waits (``executor.watch()``
+every ``WATCH_S``), or the thread failing, sets :attr:`EngineLoop.dead`; every live
+request and waiter gets that ``EngineDeadError`` (the requests of the failed step
+get its cause), the thread stops, and every later command is refused with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -35,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError
+from kvrunner.async_engine.errors import EngineBusyError, EngineClosedError, EngineDeadError
 from kvrunner.async_engine.handoff import Channel, Outbox, Reply
 from kvrunner.async_engine.live_request import LiveRequest
 from kvrunner.async_engine.stats import EngineStats
@@ -49,6 +56,9 @@ if TYPE_CHECKING:
 
 #: a command's return value meaning "I keep the reply and settle it later"
 LATER = object()
+#: seconds between two looks at the ranks while the engine thread has nothing to do
+#: (a rank that dies mid-step is found by the step itself)
+WATCH_S = 0.5
 
 Command = Callable[[Reply], Any]
 
@@ -69,6 +79,8 @@ class EngineLoop:
         self._gate = threading.Lock()
         self._closed = False
         self._running = True
+        #: set once the engine can serve nothing more (see EngineDeadError)
+        self.dead: EngineDeadError | None = None
         self._live: dict[str, LiveRequest] = {}
         self._by_seq: dict[int, LiveRequest] = {}
         self._streams: dict[str, LiveRequest] = {}
@@ -97,7 +109,7 @@ class EngineLoop:
         """Queue ``command`` for the engine thread; ``EngineClosedError`` after close."""
         with self._gate:
             if self._closed:
-                raise EngineClosedError("the AsyncLLM was shut down")
+                raise self.dead or EngineClosedError("the AsyncLLM was shut down")
             self._commands.put((command, reply))
 
     def join(self, timeout: float | None = None) -> None:
@@ -119,16 +131,21 @@ class EngineLoop:
                 else:
                     self._run_commands(block=True)
                 self._after_progress()
+        except BaseException as error:  # noqa: BLE001 - the thread itself failed
+            self._die(error)
         finally:
             with self._gate:
                 self._closed = True
+            if self.dead is not None and self.owns_llm:
+                with contextlib.suppress(Exception):  # dying already: nothing to add
+                    self.llm.shutdown()
             # Whatever arrived after the stop command is refused, not left hanging.
             while True:
                 try:
                     _, reply = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                reply.fail(EngineClosedError("the AsyncLLM was shut down"))
+                reply.fail(self.dead or EngineClosedError("the AsyncLLM was shut down"))
 
     def _can_step(self) -> bool:
         engine = self.engine
@@ -138,8 +155,10 @@ class EngineLoop:
 
     def _run_commands(self, *, block: bool) -> None:
         try:
-            item = self._commands.get() if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=WATCH_S) if block else self._commands.get_nowait()
         except queue.Empty:
+            if block:
+                self._watch()
             return
         while True:
             command, reply = item
@@ -169,6 +188,10 @@ class EngineLoop:
             finished = self.engine.step()
         except Exception as error:  # noqa: BLE001 - every request in the engine hears it
             self._fail_engine(error)
+            try:
+                self.llm.executor.check()
+            except Exception:  # noqa: BLE001 - the ranks are gone: nothing can step again
+                self._die(error)
             return
         self._last_step_s = time.perf_counter() - start
         self._num_steps += 1
@@ -312,6 +335,37 @@ class EngineLoop:
             del self._by_seq[live.seq.seq_id]
             self._streams.pop(live.request_id, None)
             self._outbox.put(live.channel, error)
+
+    def _watch(self) -> None:
+        """Idle: have the executor look at its ranks; one lost is the engine's death."""
+        try:
+            self.llm.executor.watch()
+        except Exception as error:  # noqa: BLE001 - a WorkerError naming the rank
+            self._die(error)
+
+    def _die(self, cause: BaseException) -> None:
+        """The engine can serve nothing more: every live request (held and parked ones
+        too) and every waiter fails with :class:`EngineDeadError`, the thread stops
+        (releasing the LLM if it owns it: the ranks left are stopped), and later calls
+        are refused with the same error."""
+        if self.dead is not None:
+            return
+        summary = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        self.dead = EngineDeadError(f"the engine is dead and serves nothing more: "
+                                    f"{summary}")
+        self.dead.__cause__ = cause
+        for live in list(self._live.values()):
+            self._outbox.put(live.channel, self.dead)
+        self._live.clear()
+        self._by_seq.clear()
+        self._streams.clear()
+        self._held.clear()
+        waiters = self._pause_waiters + self._drain_waiters
+        self._pause_waiters, self._drain_waiters = [], []
+        self._outbox.flush()
+        for reply in waiters:
+            reply.fail(self.dead)
+        self._running = False
 
     # -- pause / resume ----------------------------------------------------------------
 

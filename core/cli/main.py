@@ -258,6 +258,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_n=args.max_n,
         max_logprobs=getattr(args, "max_logprobs", None) or 20, shutdown_mode=args.shutdown_mode,
         drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes,
     )
     config = _config_kwargs(args)
 
@@ -287,6 +288,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                        help="the model name clients pass (default: the --model setting)")
     group.add_argument("--max-n", type=_positive_int, default=16,
                        help="most samples per request (default: %(default)s)")
+    group.add_argument("--max-body-bytes", type=_positive_int, default=64 * 1024 * 1024,
+                       help="the largest request body read; a larger one is refused with "
+                       "413 before it is parsed (default: %(default)s, 64 MiB)")
     group.add_argument("--shutdown-mode", default="abort", choices=["abort", "drain"],
                        help="on SIGTERM, abort the requests in flight or let them finish "
                        "(default: %(default)s)")

@@ -163,6 +163,19 @@ class WorkerProcesses:
         if not self._finalizer.alive:
             raise WorkerError("the tensor-parallel group is shut down", rank=None)
 
+    def watch(self, *, during: str) -> None:
+        """Between commands: raise :class:`WorkerError` (and stop the group) if a rank
+        has died, reported a failure or stopped beating since it was last heard;
+        returns at once otherwise. Replies that arrived are kept for their askers."""
+        self.check_usable()
+        failures: list[RankFailure] = []
+        if self.heartbeats is not None:
+            failures += self._stopped_heartbeats()
+        if not failures:
+            self._wait_round(0.0, failures)
+        if failures:
+            self._fail(failures, during=during)
+
     def send_all(
         self, message: Any, *, during: str, replies_from: Sequence[int] = ()
     ) -> Ticket:

@@ -3,7 +3,8 @@
 OpenAI-compatible routes, the RL control API in SGLang's shape, vLLM-shaped sleep and
 pause routes, and ``/metrics``; docs/serving.md lists every route with its JSON. Needs
 the ``serve`` extra (``pip install 'kvrunner[serve]'``: fastapi, uvicorn,
-prometheus-client, jinja2); the rest of kvrunner imports without it.
+prometheus-client, jinja2, and the ``openai`` client); the rest of kvrunner imports
+without it.
 """
 
 from kvrunner.serve.app import build_app

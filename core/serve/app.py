@@ -30,6 +30,7 @@ from kvrunner.serve.metrics import make_registry
 from kvrunner.serve.settings import ServeSettings
 from kvrunner.serve.shutdown import Admission, GracefulShutdown
 from kvrunner.serve.state import ServerState, model_directory
+from kvrunner.serve.tokenization import ServerTokenizer
 
 if TYPE_CHECKING:
     from kvrunner.async_llm import AsyncLLM
@@ -51,6 +52,8 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, *, model_path: Path | N
                                   drain_timeout_s=settings.drain_timeout_s),
         metrics=make_registry(engine),
         chat_template=load_chat_template(path) if path is not None else None,
+        tokens=None if engine.tokenizer is None else ServerTokenizer(
+            engine.tokenizer, max_model_len=int(engine.config.scheduler.max_model_len)),
     )
     install_error_handlers(app)
     for module in (openai_routes, token_routes, generate_routes, control_routes, vllm_routes,

@@ -34,15 +34,23 @@ class BearerAuth:
         if given is not None and hmac.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
-        why = "missing" if given is None else "wrong"
-        body = json.dumps(error_body(
-            401, f"the API key is {why}: send the header 'Authorization: Bearer <key>'"
-        )).encode()
+        body = json.dumps(error_body(401, _refusal(given))).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer"),
         ]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _refusal(given: bytes | None) -> str:
+    """Why ``given`` (the Authorization header, None when absent) is refused: a key
+    sent without the ``Bearer`` scheme is told so, not that the key is wrong."""
+    if given is None:
+        return "the API key is missing: send the header 'Authorization: Bearer <key>'"
+    if given[:7].lower() != b"bearer ":  # nothing of it is echoed: it may be the key
+        return ("the Authorization header must be 'Bearer <key>': it does not start "
+                "with 'Bearer ' (send the header 'Authorization: Bearer <key>')")
+    return "the API key is wrong: send the header 'Authorization: Bearer <key>'"
 
 
 def require_rl_endpoints(request: Request) -> None:

@@ -18,16 +18,36 @@ from kvrunner.serve.errors import APIError, validation_error
 
 Model = TypeVar("Model", bound=BaseModel)
 
-#: a body larger than this is refused before it is parsed (a prompt of a million
-#: token ids is about 7 MB of JSON)
-MAX_BODY_BYTES = 64 * 1024 * 1024
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {limit} "
+                    f"bytes (set by --max-body-bytes)", param="body")
 
 
-async def parse_body(request: Request, model: type[Model], *, optional: bool = False) -> Model:
-    """The body as ``model``; an empty body is ``model()`` when ``optional``."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", param="body")
+async def read_body(request: Request) -> bytes:
+    """The raw body, read chunk by chunk and refused (413) as soon as it passes the
+    server's ``max_body_bytes``: at once when ``Content-Length`` says so, else when
+    the chunks read pass it, never holding more than the limit. Read once per
+    request (kept on ``request.state``)."""
+    kept = getattr(request.state, "raw_body", None)
+    if kept is not None:
+        return kept
+    limit = request.app.state.server.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    request.state.raw_body = raw = b"".join(chunks)
+    return raw
+
+
+def parse_json(raw: bytes, model: type[Model], *, optional: bool = False) -> Model:
+    """``raw`` as ``model``; an empty body is ``model()`` when ``optional``."""
     if not raw.strip():
         if optional:
             return model()
@@ -43,3 +63,8 @@ async def parse_body(request: Request, model: type[Model], *, optional: bool = F
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
+
+
+async def parse_body(request: Request, model: type[Model], *, optional: bool = False) -> Model:
+    """The body as ``model`` (:func:`read_body`, then :func:`parse_json`)."""
+    return parse_json(await read_body(request), model, optional=optional)

@@ -11,6 +11,7 @@ other variables. Image, audio and video parts are refused by name.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,30 +56,38 @@ def message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
 
 
 
-def render_messages(state: ServerState, messages: list[ChatMessage], *,
-                    tools: list[Tool] | None, add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None,
-                    template_source: str | None = None) -> str:
-    """The prompt text of ``messages``; a 400 naming what does not fit."""
+async def render_messages(state: ServerState, messages: list[ChatMessage], *,
+                          tools: list[Tool] | None, add_generation_prompt: bool,
+                          template_kwargs: dict[str, Any] | None,
+                          template_source: str | None = None) -> str:
+    """The prompt text of ``messages``, compiled and rendered off the event loop; a
+    400 naming what does not fit."""
+    if state.tokens is None:
+        raise APIError(400, "the model has no tokenizer, so chat messages cannot be "
+                       "tokenized; use /v1/completions with token ids", param="messages")
     template = state.chat_template
     if template_source is not None:
         try:
-            template = ChatTemplate(template_source, special=template.special if template
-                                    else {}, origin=Path("<request>"))
+            template = await state.tokens.run(_compiled, template_source, template)
         except KvrunnerError as e:
             raise APIError(400, str(e), param="chat_template") from None
     if template is None:
         raise APIError(400, f"the model {state.model_name!r} has no chat template (no "
                        f"chat_template in its tokenizer_config.json, no chat_template.jinja); "
                        f"use /v1/completions with a prompt instead", param="messages")
-    if state.engine.tokenizer is None:
-        raise APIError(400, "the model has no tokenizer, so chat messages cannot be "
-                       "tokenized; use /v1/completions with token ids", param="messages")
     variables = dict(template_kwargs or {})
     if tools:
         variables["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+    dicts = [message_dict(m, i) for i, m in enumerate(messages)]
     try:
-        return template.render([message_dict(m, i) for i, m in enumerate(messages)],
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return await state.tokens.run(
+            partial(template.render, dicts, add_generation_prompt=add_generation_prompt,
+                    **variables))
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+
+
+def _compiled(source: str, checkpoint: ChatTemplate | None) -> ChatTemplate:
+    """A request's own template, with the checkpoint's special tokens."""
+    return ChatTemplate(source, special=checkpoint.special if checkpoint else {},
+                        origin=Path("<request>"))

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrunner.async_engine.errors import EngineBusyError
+from kvrunner.async_engine.errors import EngineBusyError, EngineDeadError
 from kvrunner.errors import KvrunnerError, RequestError, SleepStateError, WakeError
 
 _TYPES = {
@@ -109,13 +109,15 @@ def engine_error(error: KvrunnerError, *, fields: Mapping[str, str] | None = Non
     the route's field names (``{"stop_token_ids": "sampling_params.stop_token_ids",
     "prompt": "input_ids"}``), and the first one found names the field. An order the
     sleep state forbids, or one the requests in the engine forbid (``EngineBusyError``:
-    sleep with requests parked), is a 409, a bad checkpoint or weight a 400, anything
-    else the server's (500).
+    sleep with requests parked), is a 409, a bad checkpoint or weight a 400, a dead
+    engine a 503 (the server is exiting), anything else the server's (500).
     """
     text = str(error)
     if isinstance(error, RequestError):
         param = next((name for word, name in (fields or {}).items() if word in text), None)
         return APIError(400, text, param=param)
+    if isinstance(error, EngineDeadError):  # the server exits: try another replica
+        return APIError(503, f"{text}; the server is exiting")
     if isinstance(error, SleepStateError | WakeError | EngineBusyError):
         return APIError(409, text)
     if isinstance(error, ValueError):  # a checkpoint or pushed weight the client named

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvrunner.serve import generation, sse
-from kvrunner.serve.body import MAX_BODY_BYTES, parse_body
+from kvrunner.serve.body import parse_json, read_body
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.request_params import (
     Asked,
@@ -154,7 +154,7 @@ def _weight_version(state: ServerState, out: Any) -> Any:
 
 def _logprob_triples(state: ServerState, token_ids: list[int],
                      logprobs: list[float | None], with_text: bool) -> list[list[Any]]:
-    return [[lp, t, state.decode([t]) if with_text else None]
+    return [[lp, t, state.token_text(t) if with_text else None]
             for t, lp in zip(token_ids, logprobs, strict=True)]
 
 
@@ -162,7 +162,7 @@ def _top_triples(state: ServerState, top: dict[int, float] | None,
                  with_text: bool) -> list[list[Any]] | None:
     if top is None:
         return None
-    return [[lp, t, state.decode([t]) if with_text else None] for t, lp in top.items()]
+    return [[lp, t, state.token_text(t) if with_text else None] for t, lp in top.items()]
 
 
 def _input_logprobs(state: ServerState, body: GenerateRequest, out: Any,
@@ -229,13 +229,12 @@ _PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_lo
 
 async def _generate_body(request: Request) -> GenerateRequest | BatchGenerateRequest:
     """The body as one request, or as a batch when its prompts are a list."""
-    raw = await request.body()  # kept by the request: parse_body reads it again
+    raw = await read_body(request)
     data = None
-    if len(raw) <= MAX_BODY_BYTES:  # a larger one is parse_body's 413
-        with contextlib.suppress(ValueError, UnicodeDecodeError):  # parse_body's 400
-            data = json.loads(raw)
+    with contextlib.suppress(ValueError, UnicodeDecodeError):  # parse_json's 400
+        data = json.loads(raw)
     batch = BatchGenerateRequest.is_batch(data)
-    return await parse_body(request, BatchGenerateRequest if batch else GenerateRequest)
+    return parse_json(raw, BatchGenerateRequest if batch else GenerateRequest)
 
 
 def _batch_items(body: BatchGenerateRequest, prompt_field: str) -> list[GenerateRequest]:
@@ -276,7 +275,8 @@ async def generate(request: Request) -> Any:
     field = "text" if body.text is not None else "input_ids"
     batch = isinstance(body, BatchGenerateRequest)
     items = _batch_items(body, field) if batch else [body]
-    prompts = [state.token_ids(getattr(item, field), param=f"{field}.{i}" if batch else field)
+    prompts = [await state.prompt_ids(getattr(item, field),
+                                      param=f"{field}.{i}" if batch else field)
                for i, item in enumerate(items)]
     jobs = [(ids, _params(state, item, len(ids), logprob_start(item, len(ids))))
             for item, ids in zip(items, prompts, strict=True)]

@@ -23,6 +23,9 @@ def _state(request: Request) -> ServerState:
 
 
 def _require_serving(state: ServerState) -> None:
+    dead = state.engine.dead_error
+    if dead is not None:
+        raise APIError(503, f"{dead}; the server is exiting")
     if not state.admission.open:
         raise APIError(503, "the server is shutting down")
 
@@ -30,7 +33,8 @@ def _require_serving(state: ServerState) -> None:
 @router.get("/health")
 async def health(request: Request) -> dict[str, str]:
     """200 while the server takes requests (the engine is loaded), 503 once it is
-    shutting down."""
+    shutting down or its engine is dead (a rank died: the process then exits
+    non-zero)."""
     _require_serving(_state(request))
     return {"status": "ok"}
 
@@ -97,6 +101,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "enable_rl_endpoints": settings.enable_rl_endpoints,
         "max_n": settings.max_n,
         "max_logprobs": settings.max_logprobs,
+        "max_body_bytes": settings.max_body_bytes,
         "shutdown_mode": settings.shutdown_mode,
         "tp_size": int(config.parallel.tensor_parallel_size),
         "max_running_requests": int(config.scheduler.max_num_seqs),

@@ -62,9 +62,9 @@ def _params(state: ServerState, body: SamplingFields, *, max_tokens: int | None,
 
 
 def _token_text(state: ServerState, token_id: int, as_ids: bool) -> str:
-    if as_ids or state.engine.tokenizer is None:
+    if as_ids or state.tokens is None:
         return f"token_id:{token_id}"
-    return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+    return state.token_text(token_id, skip_special_tokens=False)
 
 
 def _completion_logprobs(state: ServerState, token_ids: list[int],
@@ -119,10 +119,10 @@ def _prompt_logprobs(state: ServerState, prompt: list[int], out: Any) -> list[An
         rank = ranks[p] if ranks[p] is not None else next(
             (r for r, (t, _) in enumerate(top, start=1) if t == token), None)
         entry = {str(token): {"logprob": _finite(lp), "rank": rank,
-                              "decoded_token": state.decode([token])}}
+                              "decoded_token": state.token_text(token)}}
         for r, (t, value) in enumerate(top, start=1):
             entry.setdefault(str(t), {"logprob": _finite(value), "rank": r,
-                                      "decoded_token": state.decode([t])})
+                                      "decoded_token": state.token_text(t)})
         answer.append(entry)
     return answer
 
@@ -150,16 +150,17 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+async def _prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
     """The completion body's prompt as a list of token-id prompts, each truncated as
     ``truncate_prompt_tokens`` asks."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompts = [state.token_ids(prompt, param="prompt")]
+        prompts = [await state.prompt_ids(prompt, param="prompt")]
     elif not prompt:
         raise APIError(400, "prompt is an empty list", param="prompt")
     else:
-        prompts = [state.token_ids(p, param=f"prompt.{i}") for i, p in enumerate(prompt)]
+        prompts = [await state.prompt_ids(p, param=f"prompt.{i}")
+                   for i, p in enumerate(prompt)]
     return [truncated(ids, body.truncate_prompt_tokens, state.max_model_len)
             for ids in prompts]
 
@@ -180,7 +181,7 @@ async def completions(request: Request) -> Any:
         raise APIError(400, "echo needs the prompt's text, and the model has no tokenizer",
                        param="echo")
     state.admission.require_open()
-    prompts = _prompts(state, body)
+    prompts = await _prompts(state, body)
     # echo with logprobs scores the prompt too (SamplingParams.prompt_logprobs, computed in
     # the prefill; such a request recomputes its prompt instead of taking a prefix hit)
     scored = body.logprobs if body.echo and body.logprobs is not None else None
@@ -200,8 +201,8 @@ async def completions(request: Request) -> Any:
     results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS)
     choices, completion_tokens = [], 0
     for (ids, _), outs in zip(jobs, results, strict=True):
-        echoed = state.engine.tokenizer.decode(ids, skip_special_tokens=False) \
-            if body.echo else ""
+        echoed = await state.tokens.decode(ids, skip_special_tokens=False) \
+            if body.echo and state.tokens is not None else ""
         for out in outs:
             logprobs = _completion_logprobs(state, out.token_ids, out.logprobs,
                                             out.top_logprobs, as_ids=as_ids,
@@ -282,14 +283,15 @@ def _check_chat_features(body: ChatCompletionRequest) -> None:
                        param="continue_final_message")
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     _check_chat_features(body)
-    text = render_messages(state, body.messages, tools=body.tools,
-                           add_generation_prompt=body.add_generation_prompt,
-                           template_kwargs=body.chat_template_kwargs,
-                           template_source=body.chat_template)
+    text = await render_messages(state, body.messages, tools=body.tools,
+                                 add_generation_prompt=body.add_generation_prompt,
+                                 template_kwargs=body.chat_template_kwargs,
+                                 template_source=body.chat_template)
     # the template writes the special tokens itself: none are added again unless asked
-    ids = list(state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids)
+    ids = await state.prompt_ids(text, param="messages",
+                                 add_special_tokens=body.add_special_tokens)
     ids = truncated(ids, body.truncate_prompt_tokens, state.max_model_len)
     if not ids:
         raise APIError(400, "the messages render to an empty prompt", param="messages")
@@ -305,7 +307,7 @@ async def chat_completions(request: Request) -> Any:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     state.admission.require_open()
-    ids = _chat_prompt(state, body)
+    ids = await _chat_prompt(state, body)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -17,6 +17,11 @@ def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> N
         raise ConfigError(f"serve: {attribute.name} must be a positive number, got {value!r}")
 
 
+def _positive_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"serve: {attribute.name} must be a positive integer, got {value!r}")
+
+
 def _choice(*allowed: str):
     def check(_instance: object, attribute: attrs.Attribute, value: object) -> None:
         if value not in allowed:
@@ -54,6 +59,9 @@ class ServeSettings:
     max_n: int = attrs.field(default=16, validator=_positive)
     #: the most top logprobs one request may ask for per token
     max_logprobs: int = attrs.field(default=20, validator=_positive)
+    #: the largest request body read (bytes); a larger one is refused with 413 as soon
+    #: as it is known to be larger, before it is parsed
+    max_body_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive_int)
     #: on SIGTERM: "abort" ends every request at once (finish reason "abort"), "drain"
     #: lets them finish for up to ``drain_timeout_s`` and then aborts what is left
     shutdown_mode: str = attrs.field(default="abort", validator=_choice("abort", "drain"))

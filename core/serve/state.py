@@ -19,6 +19,7 @@ from kvrunner.serve.chat_template import ChatTemplate
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.settings import ServeSettings
 from kvrunner.serve.shutdown import Admission, GracefulShutdown
+from kvrunner.serve.tokenization import ServerTokenizer
 
 if TYPE_CHECKING:
     from kvrunner.async_llm import AsyncLLM
@@ -38,6 +39,8 @@ class ServerState:
     shutdown: GracefulShutdown
     metrics: CollectorRegistry
     chat_template: ChatTemplate | None
+    #: the tokenizer's work off the event loop; None for a model without a tokenizer
+    tokens: ServerTokenizer | None
 
     def check_model(self, name: str | None) -> None:
         """A 404 naming ``model`` unless it is the served model (None: not given)."""
@@ -49,16 +52,24 @@ class ServerState:
     def max_model_len(self) -> int:
         return int(self.engine.config.scheduler.max_model_len)
 
-    def token_ids(self, prompt: str | list[int], *, param: str) -> list[int]:
-        """A prompt's token ids; a 400 naming ``param`` for text without a tokenizer."""
+    async def prompt_ids(self, prompt: str | list[int], *, param: str,
+                         add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (text tokenised off the event loop, refused first if it
+        cannot fit: :class:`~kvrunner.serve.tokenization.ServerTokenizer`); a 400
+        naming ``param`` for text without a tokenizer."""
+        if isinstance(prompt, str) and self.tokens is not None:
+            return await self.tokens.prompt_ids(prompt, param=param,
+                                                add_special_tokens=add_special_tokens)
         try:
-            return prompt_token_ids(prompt, 0, self.engine.tokenizer)
+            return prompt_token_ids(prompt, 0, None)
         except ValueError as e:
             raise APIError(400, str(e).replace("request 0: ", ""), param=param) from None
 
-    def decode(self, token_ids: list[int]) -> str:
-        tokenizer = self.engine.tokenizer
-        return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer else ""
+    def token_text(self, token_id: int, *, skip_special_tokens: bool = True) -> str:
+        """One token's text as ``decode([token_id])`` gives it ("" without a tokenizer)."""
+        if self.tokens is None:
+            return ""
+        return self.tokens.token_text(token_id, skip_special_tokens=skip_special_tokens)
 
 
 def new_id(prefix: str) -> str:

@@ -210,8 +210,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
     state = _state(request)
     body = await parse_body(request, TokenizeRequest)
     state.check_model(body.model)
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
+    tokens = state.tokens
+    if tokens is None:
         raise APIError(400, "the model has no tokenizer", param="prompt")
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages",
@@ -219,11 +219,11 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if body.prompt is not None:
         text, special = body.prompt, body.add_special_tokens is not False
     else:
-        text = render_messages(state, body.messages, tools=body.tools,
-                               add_generation_prompt=body.add_generation_prompt,
-                               template_kwargs=body.chat_template_kwargs)
+        text = await render_messages(state, body.messages, tools=body.tools,
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     template_kwargs=body.chat_template_kwargs)
         special = bool(body.add_special_tokens)
-    encoding = tokenizer.encode(text, add_special_tokens=special)
+    encoding = await tokens.encode(text, add_special_tokens=special)
     return {"count": len(encoding.ids), "max_model_len": state.max_model_len,
             "tokens": list(encoding.ids),
             "token_strs": list(encoding.tokens) if body.return_token_strs else None}
@@ -235,6 +235,6 @@ async def detokenize(request: Request) -> dict[str, Any]:
     state = _state(request)
     body = await parse_body(request, DetokenizeRequest)
     state.check_model(body.model)
-    if state.engine.tokenizer is None:
+    if state.tokens is None:
         raise APIError(400, "the model has no tokenizer", param="tokens")
-    return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    return {"prompt": await state.tokens.decode(body.tokens, skip_special_tokens=False)}

@@ -10,11 +10,10 @@ the parameters in place) sends only names, dtypes, shapes and offsets::
 
     from kvrunner.weight_sync import DirectSender
 
-    sender = DirectSender(device="cuda:0")          # once; listens on 127.0.0.1
-    # every step, while the engine runs llm.update_weights_from_ipc(address, authkey=key):
-    sender.push(model.named_parameters())           # returns once the engine has all
-    ...
-    sender.close()                                  # the engine unmaps; memory can be freed
+    with DirectSender(device="cuda:0") as sender:   # once; listens on 127.0.0.1
+        # every step, while the engine runs llm.update_weights_from_ipc(address, authkey=key):
+        sender.push(model.named_parameters())       # returns once the engine has all
+    # the with-block's end closed it: the engine unmapped, the memory can be freed
 
 The engine side is the same as for buckets (``LLM.update_weights_from_ipc``,
 ``AsyncLLM.update_weights_from_ipc``, ``POST /update_weights_from_tensor``). What is

@@ -5,14 +5,17 @@ nothing of the engine. A colocated training step::
 
     from kvrunner.weight_sync import BucketSender
 
-    sender = BucketSender(device="cuda:0")           # once; listens on 127.0.0.1
-    # hand sender.address and sender.authkey to the engine side once, then every step:
-    with ThreadPoolExecutor(1) as pool:              # the engine connects and receives
-        done = pool.submit(llm_update_weights_from_ipc, sender.address, sender.authkey)
-        sender.push(model.named_parameters())        # returns once the engine has all
-        done.result()
-    ...
-    sender.close()
+    with BucketSender(device="cuda:0") as sender:    # once; listens on 127.0.0.1
+        # hand sender.address and sender.authkey to the engine side once; every step:
+        with ThreadPoolExecutor(1) as pool:          # the engine connects and receives
+            done = pool.submit(llm_update_weights_from_ipc, sender.address, sender.authkey)
+            sender.push(model.named_parameters())    # returns once the engine has all
+            done.result()
+    # the with-block's end closed it: the port and both buffers are freed
+
+``close()`` (what the ``with`` block's end calls) stops listening and frees both
+buffers; a sender never closed frees its shared memory when it is collected or its
+process exits.
 
 The engine side is ``LLM.update_weights_from_ipc(address, authkey=...)``,
 ``AsyncLLM.update_weights_from_ipc(...)`` or ``POST /update_weights_from_tensor``

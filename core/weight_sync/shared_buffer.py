@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import weakref
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -62,6 +63,10 @@ class SharedBuffer:
             self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
             self.handle = BufferHandle("cpu", nbytes, self._shm.name)
+            # a sender never closed still unlinks its segment when it is collected or
+            # its process exits, so nothing stays in /dev/shm (nor in the resource
+            # tracker, which would warn of a leak)
+            self._finalizer = weakref.finalize(self, _free_segment, self._shm)
         else:
             raise WeightSyncError(f"buckets live on CUDA or the CPU, not {device}")
 
@@ -69,11 +74,16 @@ class SharedBuffer:
         """Free the buffer (the engine must be done with it: every bucket acknowledged)."""
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._shm is not None:
-            with contextlib.suppress(BufferError):  # a stray view lives on: left to exit
-                self._shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
+            self._finalizer()
             self._shm = None
+
+
+def _free_segment(shm: shared_memory.SharedMemory) -> None:
+    """Unmap and unlink a sender's segment (idempotent)."""
+    with contextlib.suppress(BufferError):  # a stray view lives on: unmapped at exit
+        shm.close()
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
 
 
 class OpenedBuffer:

@@ -34,7 +34,14 @@ def test_every_route_wants_the_key(server, path, header) -> None:
     response = httpx.get(server.url + path, headers=headers, timeout=30)
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
-    assert ("missing" if header is None else "wrong") in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    if header is None:
+        assert "the API key is missing" in message
+    elif header.startswith("Bearer "):
+        assert "the API key is wrong" in message
+    else:  # a key without the scheme is not called wrong: the header's form is
+        assert "must be 'Bearer <key>'" in message and "wrong" not in message
+        assert API_KEY not in message  # nothing of the header is echoed
 
 
 def test_the_key_from_the_environment_is_required(locked_server) -> None:

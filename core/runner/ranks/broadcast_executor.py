@@ -92,6 +92,12 @@ class BroadcastExecutor:
         if not self._stopper.alive:
             raise RuntimeError("this LLM was shut down; the other ranks have left")
 
+    def watch(self) -> None:
+        """Between steps: raise the group's failure if it had one. The peers are
+        torchrun's processes, not this one's: one that dies while the group is idle is
+        found by the next collective (and torchrun stops every rank)."""
+        self.check()
+
     def call_ranks(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         return raise_refused(self._all(call_name(method), *args))
 

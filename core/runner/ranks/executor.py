@@ -77,6 +77,8 @@ class DriverExecutor(Protocol):
 
     def check(self) -> None: ...
 
+    def watch(self) -> None: ...
+
     def settle(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -120,6 +122,11 @@ class LocalExecutor:
         """Raise if this executor was shut down."""
         if self.runner is None:
             raise RuntimeError("this LLM was shut down; its model and cache are released")
+
+    def watch(self) -> None:
+        """Between steps: the rank is this process, which nothing can lose while it
+        runs; raise only if shut down."""
+        self.check()
 
     def settle(self) -> None:
         """Wait until the device has finished every step launched (after an
@@ -236,6 +243,12 @@ class MultiprocExecutor:
     def check(self) -> None:
         """Raise the group's earlier failure (WorkerError) if it had one, or if shut down."""
         self.procs.check_usable()
+
+    def watch(self) -> None:
+        """Between steps: raise WorkerError naming a rank that died, failed or stopped
+        beating since it was last heard (the group is then stopped); at once
+        otherwise (a poll of the ranks' pipes and process sentinels)."""
+        self.procs.watch(during="idle (between steps)")
 
     def capture(self) -> float:
         return max(self.ranks.capture())
