@@ -128,3 +128,23 @@ def fresh_trainer() -> Iterator[Trainer]:
     process = Trainer()
     yield process
     process.stop()
+
+
+#: the live server's API key and engine flags (test_weight_routes, test_peer_trainers)
+SERVER_KEY = "weights-key-1"
+SERVER_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A live ``kvrunner serve`` on checkpoint seed 1 with the RL routes on, one per
+    test module."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+    from serve_kit import start_server
+
+    tmp = tmp_path_factory.mktemp("weights_server")
+    started = start_server(tmp, tmp, "weights", ["--enable-rl-endpoints"], api_key=SERVER_KEY,
+                           model=str(checkpoints.path(1)), engine_flags=SERVER_FLAGS)
+    started.wait_ready()
+    yield started
+    assert started.stop() == 0
