@@ -239,3 +239,25 @@ async def destroy_weights_update_group(request: Request) -> JSONResponse:
     """Leave the weight-update group."""
     return await _answer(request.app.state.server.engine.destroy_weights_update_group(),
                          "left the weight-update group")
+
+
+class PostProcessWeightsRequest(StrictModel):
+    """``POST /post_process_weights`` (slime's SGLang patch: ``PostProcessWeightsReqInput``)."""
+
+    restore_weights_before_load: bool = False
+    post_process_quantization: bool = False
+
+
+@router.post("/post_process_weights")
+async def post_process_weights(request: Request) -> JSONResponse:
+    """slime's hooks around a push of quantized weights (restore the load layout before,
+    re-quantize after). kvrunner serves no quantized weights, so neither has anything
+    to do: both answer success."""
+    body = await parse_body(request, PostProcessWeightsRequest, optional=True)
+    done = [step for step, asked in (("restore_weights_before_load",
+                                      body.restore_weights_before_load),
+                                     ("post_process_quantization",
+                                      body.post_process_quantization)) if asked]
+    return JSONResponse({"success": True, "message": (
+        f"{', '.join(done)}: nothing to do (no quantized weights)" if done else "nothing asked")})
+
