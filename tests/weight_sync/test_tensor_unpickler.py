@@ -84,8 +84,7 @@ def test_a_plain_pickled_storage_is_loaded_as_weights_only(tmp_path) -> None:
     good = io.BytesIO()
     torch.save(torch.arange(3.0).untyped_storage(), good)
     storage = unpickle_tensors(pickle.dumps(StorageFromBytes(good.getvalue())), what="entry")
-    raw = storage.untyped() if isinstance(storage, torch.TypedStorage) else storage
-    values = torch.tensor([], dtype=torch.uint8).set_(raw).view(torch.float32)
+    values = torch.tensor([], dtype=torch.uint8).set_(storage).view(torch.float32)
     assert torch.equal(values, torch.arange(3.0))
 
 
