@@ -125,3 +125,24 @@ def test_a_payload_that_would_run_a_command_is_a_400_and_changes_nothing(
         assert answer.json()["error"]["param"] == "serialized_named_tensors"
         assert (greedy(client), weight_version(client)) == (before, version)
     assert not marker.exists()
+
+
+def test_a_body_of_neither_form_or_both_or_an_unknown_load_format_is_a_400_naming_it(
+    server
+) -> None:
+    with server.client() as client:
+        version = weight_version(client)
+        for body, param in [
+            ({"serialized_named_tensors": ["eA=="], "load_format": "safetensors"},
+             "load_format"),
+            ({"serialized_named_tensors": ["eA=="], "ipc_address": "127.0.0.1:1",
+              "ipc_authkey": "00"}, "ipc_address"),
+            ({"weight_version": "3"}, "ipc_address"),
+            ({"serialized_named_tensors": []}, "serialized_named_tensors"),
+            ({"serialized_named_tensors": ["eA=="], "disable_draft_model": True},
+             "disable_draft_model"),
+        ]:
+            answer = client.post("/update_weights_from_tensor", json=body)
+            assert answer.status_code == 400, (body, answer.text)
+            assert answer.json()["error"]["param"] == param, (body, answer.text)
+        assert weight_version(client) == version
