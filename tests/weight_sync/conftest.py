@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from push_kit import ENGINE  # noqa: E402
+from push_kit import ENGINE, SERVER_FLAGS, SERVER_KEY  # noqa: E402
 from test_generate_hf_parity import hf_greedy, save_hf_qwen3  # noqa: E402
 
 from kvrunner.models.tiny import write_tiny_checkpoint  # noqa: E402
@@ -128,11 +128,6 @@ def fresh_trainer() -> Iterator[Trainer]:
     process = Trainer()
     yield process
     process.stop()
-
-
-#: the live server's API key and engine flags (test_weight_routes, test_peer_trainers)
-SERVER_KEY = "weights-key-1"
-SERVER_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SERVER_KEY
-from push_kit import ENGINE, GREEDY
+from push_kit import ENGINE, GREEDY, SERVER_KEY
 from test_generate_hf_parity import PROMPTS
 from test_update_group import free_port
 from test_weight_routes import greedy

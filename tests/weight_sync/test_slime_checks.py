@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from conftest import SERVER_KEY
+from push_kit import SERVER_KEY
 from test_checksum import digests
 from test_peer_trainers import run_trainer
 from test_weight_routes import greedy
