@@ -257,13 +257,17 @@ class AsyncLLM:
 
     # -- pause / resume ------------------------------------------------------------------
 
-    async def pause(self, mode: Literal["abort", "keep", "wait"] = "abort") -> None:
+    async def pause(self, mode: Literal["abort", "keep", "retract", "wait"] = "abort") -> None:
         """Stop generating; new requests are held (not refused) until :meth:`resume`.
 
         - ``"abort"``: every live request ends with finish reason ``"abort"``.
         - ``"keep"``: running requests park with their KV blocks and state slots
           (nothing is recomputed) and continue after ``resume()``, also across a
           weight update; returns once no step is in flight.
+        - ``"retract"``: running requests go back to the queue with their KV blocks
+          and state slots freed; after ``resume()`` each is recomputed from its prompt
+          and the tokens it has, so a weight update in between applies to its whole
+          context. Returns once no step is in flight.
         - ``"wait"``: requests already submitted run to their end; returns then.
         """
         await self._call(self._engine.pause(mode))

@@ -370,8 +370,9 @@ class EngineLoop:
     # -- pause / resume ----------------------------------------------------------------
 
     def pause(self, mode: str) -> Command:
-        if mode not in ("abort", "keep", "wait"):
-            raise RequestError(f"pause mode must be 'abort', 'keep' or 'wait'; got {mode!r}")
+        if mode not in ("abort", "keep", "retract", "wait"):
+            raise RequestError(f"pause mode must be 'abort', 'keep', 'retract' or 'wait'; "
+                               f"got {mode!r}")
 
         def command(reply: Reply) -> Any:
             self.paused, self.pause_mode = True, mode
@@ -382,6 +383,9 @@ class EngineLoop:
                 return None
             if mode == "keep":
                 self._finish_seqs(self.engine.park())
+                return None
+            if mode == "retract":
+                self._finish_seqs(self.engine.retract())
                 return None
             self.engine.unpark()  # "wait" lets parked requests finish too
             if not self.engine.has_unfinished():

@@ -243,6 +243,16 @@ class LLMEngine:
         self.parked = True
         return finished
 
+    def retract(self) -> list[Sequence]:
+        """Settle, send every running request back to the queue with its KV blocks and
+        state slot freed, and hold them (``step`` refuses) until :meth:`unpark`: each
+        is then recomputed from its prompt and the tokens it has, under whatever
+        weights are loaded by then. Returns the sequences that finished settling."""
+        finished = self.settle()
+        self.scheduler.retract_running()
+        self.parked = True
+        return finished
+
     def unpark(self) -> None:
         """Let parked requests run again (from their next token, no recompute)."""
         self.parked = False

@@ -478,6 +478,18 @@ class Scheduler:
                 return False
         return True
 
+    def retract_running(self) -> int:
+        """Send every running sequence back to the front of the queue, in admission
+        order, its blocks and state slot freed: each is recomputed (prompt and the
+        tokens it has) when re-admitted. Only with no step in flight. Returns how many."""
+        if len(self._in_flight):
+            raise RuntimeError("retract_running() with a step in flight: settle first")
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1])
+        self.num_preemptions -= count  # asked for, not forced by a full pool
+        return count
+
     def _preempt(self, seq: Sequence) -> None:
         assert self.running[-1] is seq, "only the latest admitted sequence is preempted"
         n = len(self.running) - 1

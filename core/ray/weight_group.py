@@ -127,8 +127,8 @@ class FleetBroadcaster:
         except WeightSyncError as e:
             failure = str(e)
         if failure is not None:
-            # Out of the except block, so no traceback holds the group: dropping the last
-            # reference closes its connections, and every peer's pending receive fails.
+            # Out of the except block, so no traceback holds the group: destroying it
+            # closes its connections, and every peer's pending receive fails.
             self.close()
             raise WeightSyncError(f"the push to the fleet's group failed: {failure}; "
                                   f"the group is released")
@@ -136,4 +136,4 @@ class FleetBroadcaster:
 
     def close(self) -> None:
         """Leave the group (idempotent)."""
-        self._sender.group = None
+        self._sender.close()

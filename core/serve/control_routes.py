@@ -33,13 +33,9 @@ from kvrunner.serve.state import ServerState
 router = APIRouter(dependencies=[Depends(require_rl_endpoints)])
 
 #: SGLang's pause modes -> AsyncLLM's. "in_place" is "keep" (requests stay with their KV,
-#: as in SGLang). SGLang's "retract" instead frees the running requests' KV and
-#: recomputes it after /continue_generation (under the new weights); kvrunner has no
-#: recompute-on-resume for a paused request, so "retract" keeps them parked as well:
-#: they survive and continue the same way, their earlier tokens' KV stays the old
-#: weights', and /release_memory_occupation is refused (409) while they are parked,
-#: where SGLang would allow it
-PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+#: as in SGLang); "retract" frees the running requests' KV and recomputes it after
+#: /continue_generation (under the new weights), as SGLang's does
+PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "retract"}
 
 
 def _state(request: Request) -> ServerState:
@@ -65,8 +61,9 @@ async def abort_request(request: Request) -> dict[str, Any]:
 
 @router.post("/pause_generation")
 async def pause_generation(request: Request) -> dict[str, Any]:
-    """Stop stepping. ``abort`` ends the requests in flight; ``in_place`` and ``retract``
-    park them (with their KV) until ``/continue_generation``."""
+    """Stop stepping. ``abort`` ends the requests in flight; ``in_place`` parks them with
+    their KV, ``retract`` sends them back to the queue with their KV freed, until
+    ``/continue_generation``."""
     body = await parse_body(request, PauseGenerationRequest, optional=True)
     await engine_call(_state(request).engine.pause(mode=PAUSE_MODES[body.mode]))
     return {"message": f"generation paused (mode {body.mode})", "status": "ok"}

@@ -104,6 +104,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_body_bytes": settings.max_body_bytes,
         "shutdown_mode": settings.shutdown_mode,
         "tp_size": int(config.parallel.tensor_parallel_size),
+        **_sglang_server_args(state),
         "max_running_requests": int(config.scheduler.max_num_seqs),
         "max_model_len": state.max_model_len,
         "context_length": state.max_model_len,
@@ -115,6 +116,20 @@ async def server_info(request: Request) -> dict[str, Any]:
             "last_step_s": stats.last_step_s,
         }],
     }
+
+
+def _sglang_server_args(state: ServerState) -> dict[str, Any]:
+    """SGLang ``ServerArgs`` keys the RL trainers read from a server they did not start
+    (slime's external engines, ``slime/backends/sglang_utils/external.py`` and
+    ``sglang_engine.py::_init_external``): its parallel layout, its dtype, and what it
+    can do. ``enable_memory_saver`` is true: ``/release_memory_occupation`` always
+    frees the weights' and the KV cache's device memory."""
+    config = state.engine.config
+    tp = int(config.parallel.tensor_parallel_size)
+    return {"pp_size": 1, "dp_size": 1, "ep_size": 1, "moe_dp_size": 1, "num_gpus": tp,
+            "dtype": state.engine.dtype, "random_seed": config.seed,
+            "enable_memory_saver": True, "enable_return_routed_experts": False,
+            "disaggregation_mode": "null", "encoder_only": False}
 
 
 def _vllm_config(state: ServerState) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,7 @@ import torch
 
 from kvrunner.weight_sync.layout import dtype_name
 from kvrunner.weight_sync.sender import gathered
-from kvrunner.weight_sync.update_group import broadcast, make_group
+from kvrunner.weight_sync.update_group import broadcast, leave_group, make_group
 
 
 class WeightBroadcaster:
@@ -44,6 +44,12 @@ class WeightBroadcaster:
         pairs = list(weights)
         return ([n for n, _ in pairs], [dtype_name(t.dtype) for _, t in pairs],
                 [list(t.shape) for _, t in pairs])
+
+    def close(self) -> None:
+        """Leave the group (idempotent); the same name may then be joined again."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            leave_group(group)
 
     def broadcast(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast every tensor, in order (DTensors gathered one at a time)."""

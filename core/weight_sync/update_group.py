@@ -1,10 +1,20 @@
 """A process group for weights from other GPUs or nodes: the trainer's rank 0 and
 every engine rank, over a store of its own (never the engine's TP group).
 
-Rank ``0`` is the trainer's sender (:class:`~kvrunner.weight_sync.broadcaster.WeightBroadcaster`,
-which serves the store); engine rank ``r`` joins as ``rank_offset + r``. A push is a
-sequence of broadcasts from rank 0, one per tensor, in the order of the names the
-engine was given; each engine rank receives the full tensor and keeps its shard.
+Rank ``0`` is the trainer's sender; engine rank ``r`` joins as ``rank_offset + r``. A
+push is a sequence of broadcasts from rank 0, one per tensor, in the order of the
+names the engine was given; each engine rank receives the full tensor and keeps its
+shard.
+
+The group is the one the RL trainers make: AReaL's ``init_custom_process_group``,
+slime's and OpenRLHF's ``init_process_group`` (torch's ``init_process_group`` made
+to create a group beside the default one), and SGLang's engine side, all called
+with ``init_method="tcp://host:port"``. Each meets through a TCP store at that
+address (rank 0 serves it and waits until all ``world_size`` ranks have connected),
+under the prefix ``group_name``, and builds the group with torch's own
+``_new_process_group_helper``, which lays out the store keys every member must
+agree on; this module does the same, so a trainer's group and
+:class:`~kvrunner.weight_sync.broadcaster.WeightBroadcaster` are interchangeable.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.layout import DTYPES
@@ -23,27 +34,40 @@ from kvrunner.weight_sync.layout import DTYPES
 def make_group(*, master_address: str, master_port: int, rank: int, world_size: int,
                backend: str, group_name: str, timeout_s: float, is_master: bool,
                device: torch.device | None = None) -> Any:
-    """A standalone gloo or NCCL process group (torch.distributed's default group, if
-    any, is untouched), meeting through a TCP store prefixed by ``group_name``."""
+    """Join the weight-update group ``group_name`` as ``rank``: a gloo or NCCL process
+    group meeting at ``tcp://master_address:master_port`` as torch's
+    ``init_process_group`` meets there (torch.distributed's default group, if any,
+    is untouched). ``is_master`` (rank 0) serves the store and returns once every
+    rank has joined. Undo with :func:`leave_group`."""
     if backend not in ("gloo", "nccl"):
         raise WeightSyncError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise WeightSyncError(f"rank {rank} is outside a group of {world_size}")
+    if is_master != (rank == 0):
+        raise WeightSyncError(f"rank {rank} cannot {'serve' if is_master else 'join'} the "
+                              f"store: rank 0 serves it")
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(master_address, master_port, is_master=is_master,
-                              timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(group_name, store)
-        if backend == "gloo":
-            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        if device is not None:
+        # torch's tcp:// rendezvous, without its torchelastic switch (a rank started by
+        # torchrun would otherwise reach the launcher's store, not the trainer's)
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=is_master,
+                              timeout=timeout, multi_tenant=True)
+        if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    except (RuntimeError, OSError) as e:
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, [], c10d.Backend(backend), dist.PrefixStore(group_name, store),
+            group_name=group_name, timeout=timeout)
+    except (RuntimeError, OSError, ValueError) as e:
         raise WeightSyncError(f"cannot join the weight-update group {group_name!r} at "
                               f"{master_address}:{master_port} as rank {rank}: {e}") from None
+    # group rank r is rank r, as the trainers register it (dist.broadcast(src=0) reads it)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def leave_group(group: Any) -> None:
+    """Destroy a group :func:`make_group` made, so its name may be joined again."""
+    dist.destroy_process_group(group)
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> None:
@@ -83,4 +107,7 @@ class UpdateGroup:
         return loaded
 
     def destroy(self) -> None:
-        self.group = None
+        """Leave the group (idempotent)."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            leave_group(group)

@@ -3,7 +3,9 @@ cycle against a live ``kvrunner serve``: requests in flight, ``/pause_generation
 ``/flush_cache``, ``/update_weights_from_disk`` with a second checkpoint, then
 ``/continue_generation``. Afterwards the server's tokens are the in-process ``LLM``'s
 on the new weights and every output names the new ``weight_version``; each pause mode
-ends (``abort``) or keeps (``retract``, ``in_place``) the requests in flight."""
+ends (``abort``), parks with their KV (``in_place``) or sends back to the queue with
+their KV freed, to be recomputed under the new weights (``retract``) the requests in
+flight."""
 
 from __future__ import annotations
 
@@ -202,12 +204,18 @@ def test_retract_and_in_place_keep_the_requests_until_continue(rollout_server, m
             tasks = await _start_streams(client, _in_flight_bodies(mode))
             await _post(client, "/pause_generation", {"mode": mode})
             assert (await client.get("/is_paused")).json() == {"is_paused": True}
-            assert await _running(client) == (len(PROMPTS), 0)
+            info = (await client.get("/server_info")).json()["internal_states"][0]
+            if mode == "in_place":  # parked with their KV
+                assert (info["num_running"], info["num_waiting"]) == (len(PROMPTS), 0)
+                assert info["blocks_used"] > 0
+            else:  # back in the queue, their KV freed
+                assert (info["num_running"], info["num_waiting"]) == (0, len(PROMPTS))
+                assert info["blocks_used"] == 0
             made = _generated((await client.get("/metrics")).text)
             await asyncio.sleep(0.3)  # paused: no step runs, no token is made
             assert _generated((await client.get("/metrics")).text) == made
             assert not any(task.done() for task in tasks)
-            # their KV is kept (not freed as SGLang's retract would): memory stays held
+            # the requests are still in the engine: sleeping would lose them
             refused = await client.post("/release_memory_occupation", json={})
             assert refused.status_code == 409, refused.text
             await _post(client, "/continue_generation")
@@ -216,3 +224,35 @@ def test_retract_and_in_place_keep_the_requests_until_continue(rollout_server, m
     for out in asyncio.run(cycle()):
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
         assert len(out["output_ids"]) == LONG
+
+
+def test_retract_recomputes_the_requests_whole_context_under_the_new_weights(
+    rollout_server, checkpoints, references
+) -> None:
+    """SGLang's retract: after the update a retracted request's prompt and the tokens
+    it had are recomputed with the new weights, so its continuation is what the new
+    weights generate from that context (``in_place`` would continue on the old
+    weights' KV)."""
+    old, new = references
+    bodies = [{"input_ids": p, "rid": f"retract-new-{k}",
+               "sampling_params": _greedy(LONG)} for k, p in enumerate(PROMPTS)]
+
+    async def cycle():
+        async with rollout_server.async_client() as client:
+            tasks = await _start_streams(client, bodies)
+            await _post(client, "/pause_generation", {"mode": "retract"})
+            await _post(client, "/update_weights_from_disk",
+                         {"model_path": str(checkpoints[1]), "weight_version": "9"})
+            await _post(client, "/continue_generation")
+            outs = [_final(events) for events in await asyncio.gather(*tasks)]
+            await _post(client, "/update_weights_from_disk",
+                         {"model_path": str(checkpoints[0]), "weight_version": "0"})
+            return outs
+
+    for prompt, out in zip(PROMPTS, asyncio.run(cycle()), strict=True):
+        (_, _), (version, switch) = out["meta_info"]["weight_versions"]
+        assert version == "9" and 0 < switch < LONG
+        made = out["output_ids"]
+        assert made[:switch] == old.generate([prompt], _params(_greedy(switch)))[0].token_ids
+        rest = new.generate([prompt + made[:switch]], _params(_greedy(LONG - switch)))[0]
+        assert made[switch:] == rest.token_ids

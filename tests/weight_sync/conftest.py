@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from push_kit import ENGINE  # noqa: E402
+from push_kit import ENGINE, SERVER_FLAGS, SERVER_KEY  # noqa: E402
 from test_generate_hf_parity import hf_greedy, save_hf_qwen3  # noqa: E402
 
 from kvrunner.models.tiny import write_tiny_checkpoint  # noqa: E402
@@ -128,3 +128,18 @@ def fresh_trainer() -> Iterator[Trainer]:
     process = Trainer()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A live ``kvrunner serve`` on checkpoint seed 1 with the RL routes on, one per
+    test module."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+    from serve_kit import start_server
+
+    tmp = tmp_path_factory.mktemp("weights_server")
+    started = start_server(tmp, tmp, "weights", ["--enable-rl-endpoints"], api_key=SERVER_KEY,
+                           model=str(checkpoints.path(1)), engine_flags=SERVER_FLAGS)
+    started.wait_ready()
+    yield started
+    assert started.stop() == 0

@@ -13,6 +13,9 @@ from kvrunner.errors import SleepStateError
 #: the TP=1 engine of the push tests (small: the embedded test model)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64,
               block_size=4)
+#: the live server's API key and engine flags (the ``server`` fixture of conftest.py)
+SERVER_KEY = "weights-key-1"
+SERVER_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 

@@ -6,32 +6,13 @@ and leaves the server refusing to generate until a full push."""
 from __future__ import annotations
 
 import concurrent.futures
-import sys
-from pathlib import Path
 
-import pytest
+from test_checksum import digests
 from test_generate_hf_parity import NEW_TOKENS, PROMPTS
+from test_update_group import free_port
+from trainer_process import checkpoint_tensors
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
-from serve_kit import start_server  # noqa: E402
-from test_checksum import digests  # noqa: E402
-from test_update_group import free_port  # noqa: E402
-from trainer_process import checkpoint_tensors  # noqa: E402
-
-from kvrunner.weight_sync.broadcaster import WeightBroadcaster  # noqa: E402
-
-KEY = "weights-key-1"
-ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--block-size", "4"]
-
-
-@pytest.fixture(scope="module")
-def server(checkpoints, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("weight_routes")
-    started = start_server(tmp, tmp, "weights", ["--enable-rl-endpoints"], api_key=KEY,
-                           model=str(checkpoints.path(1)), engine_flags=ENGINE_FLAGS)
-    started.wait_ready()
-    yield started
-    assert started.stop() == 0
+from kvrunner.weight_sync.broadcaster import WeightBroadcaster
 
 
 def greedy(client) -> list[list[int]]:

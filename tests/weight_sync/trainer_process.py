@@ -159,7 +159,10 @@ def broadcast_job(conn: Connection, job: dict[str, Any]) -> None:
                                timeout_s=30)
     sender.connect()
     conn.send(("joined", None, None))
-    sender.broadcast(pairs)
+    try:
+        sender.broadcast(pairs)
+    finally:
+        sender.close()  # the next job joins a group of the same name
     conn.send(("broadcast", job["world_size"]))
 
 

@@ -143,6 +143,7 @@ class RankCalls:
         """Join a weight-update group as ``rank_offset + rank`` (kvrunner.weight_sync)."""
         from kvrunner.weight_sync.update_group import UpdateGroup, make_group
 
+        self.destroy_weights_update_group()  # a new group replaces the old one
         group = make_group(master_address=master_address, master_port=master_port,
                            rank=rank_offset + self.rank, world_size=world_size,
                            backend=backend, group_name=group_name, timeout_s=timeout_s,
@@ -158,7 +159,10 @@ class RankCalls:
         return group.receive(names, dtypes, shapes, self.runner.weights.update)
 
     def destroy_weights_update_group(self) -> None:
-        self.update_group = None
+        """Leave the weight-update group, if this rank is in one."""
+        group, self.update_group = self.update_group, None
+        if group is not None:
+            group.destroy()
 
     def weight_digests(self) -> dict[str, tuple[int, int, int]]:
         """This rank's part of ``weights_checksum`` (kvrunner.weight_sync.checksum)."""

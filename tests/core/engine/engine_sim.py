@@ -228,8 +228,10 @@ def drive(
     runner: FakeRunner,
     arrivals: Iterable[tuple[int, Seq]] = (),
     max_steps: int = 10_000,
+    retract_at: frozenset[int] = frozenset(),
 ) -> int:
-    """Run to completion, adding ``(step, seq)`` arrivals on their step; returns steps."""
+    """Run to completion, adding ``(step, seq)`` arrivals on their step and retracting
+    every running request after the steps in ``retract_at``; returns steps."""
     pending = sorted(arrivals, key=lambda a: a[0])
     steps = 0
     while pending or sched.has_unfinished():
@@ -245,6 +247,13 @@ def drive(
         check_step(sched, step, seqs)
         sched.update(seqs, runner.execute(step))
         check_block_accounting(sched)
+        if steps in retract_at:
+            waiting = len(sched.waiting)
+            retracted = sched.retract_running()
+            assert not sched.running and len(sched.waiting) == waiting + retracted
+            assert all(not s.block_table and s.num_computed_tokens == 0
+                       for s in list(sched.waiting)[:retracted])
+            check_block_accounting(sched)
     return steps
 
 

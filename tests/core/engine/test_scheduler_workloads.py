@@ -49,7 +49,8 @@ class ColumnsRunner(FakeRunner):
 
 
 def run_workload(
-    w: Workload, runner: type[FakeRunner] = FakeRunner, **kw: object
+    w: Workload, runner: type[FakeRunner] = FakeRunner,
+    retract_at: frozenset[int] = frozenset(), **kw: object
 ) -> tuple[Scheduler, list[Sequence]]:
     bm = BlockManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_state_slots)
     sched = Scheduler(w.config, bm, eos_token_id=fake_next_token([]))
@@ -58,7 +59,7 @@ def run_workload(
         for i, (_, prompt, m) in enumerate(w.requests)
     ]
     arrivals = [(step, seq) for (step, _, _), seq in zip(w.requests, seqs, strict=True)]
-    drive(sched, runner(bm, **kw), arrivals)
+    drive(sched, runner(bm, **kw), arrivals, retract_at=retract_at)
     return sched, seqs
 
 
@@ -88,6 +89,14 @@ def test_every_request_finishes_with_its_reference_outputs(w: Workload) -> None:
 @given(workloads(tight_pool=True))
 def test_a_tight_pool_preempts_and_every_request_still_completes_correctly(w: Workload) -> None:
     sched, seqs = run_workload(w)
+    check_outputs(w, sched, seqs)
+
+
+@given(workloads(), st.frozensets(st.integers(1, 40), max_size=6))
+def test_retracting_every_running_request_at_any_steps_still_completes_each_correctly(
+    w: Workload, retract_at: frozenset[int]
+) -> None:
+    sched, seqs = run_workload(w, retract_at=retract_at)
     check_outputs(w, sched, seqs)
 
 

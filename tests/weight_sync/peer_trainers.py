@@ -1,0 +1,278 @@
+"""The RL trainers' weight pushes to an SGLang server, replayed from their source in a
+process of their own, against a live ``kvrunner serve``. Nothing here is kvrunner's:
+each job makes the torch calls and the HTTP calls the peer's code makes, in its
+order, with its bodies.
+
+* ``areal``: AReaL 4aef98d8d818af55b43621aaadba047ae10f4e77,
+  ``areal/engine/fsdp_engine.py`` (``_init_weight_update_from_distributed``,
+  ``_update_bucket_weights_from_distributed_async``), the group from
+  ``areal/engine/core/distributed.py::init_custom_process_group``, the bodies from
+  ``areal/engine/sglang_remote.py`` (``master_port`` as a string,
+  ``abort_all_requests: true``).
+* ``slime_group``: slime (THUDM/slime) 624b824a898ab0ec1fcb4d373004c7f3852bf515,
+  ``slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py``
+  (``connect_rollout_engines_from_distributed``, ``update_weights``,
+  ``update_weights_from_distributed``, ``disconnect_rollout_engines_from_distributed``),
+  the group from ``slime/utils/distributed_utils.py::init_process_group``, the bodies
+  from ``slime/backends/sglang_utils/sglang_engine.py``.
+* ``slime_tensor``: the same slime commit,
+  ``update_weight_from_tensor.py`` (``UpdateWeightFromTensor.update_weights``,
+  ``_send_to_colocated_engine``): each chunk one flattened bucket, serialized by
+  SGLang's ``MultiprocessingSerializer`` (sglang 0.5.23,
+  ``python/sglang/srt/utils/common.py``: ``ForkingPickler`` then base64) and posted
+  with ``load_format="flattened_bucket"``; the bucket as SGLang's
+  ``FlattenedTensorBucket`` (``python/sglang/srt/weight_sync/tensor_bucket.py``)
+  writes it, its metadata pickled under SGLang's class name. On the CPU the tensors
+  travel in shared memory by file name (``set_sharing_strategy("file_system")``).
+* ``sglang_pairs``: SGLang's plain form, a list of ``(name, tensor)``
+  (``load_format`` null), as SGLang's ``Engine.update_weights_from_tensor`` writes it.
+
+Run as ``python peer_trainers.py '<job as JSON>'``; prints one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import os
+import sys
+import threading
+import types
+from datetime import timedelta
+from typing import Any
+
+import requests
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from trainer_process import checkpoint_tensors  # noqa: E402
+
+
+def pushed_tensors(path: str, mixed: bool) -> list[tuple[str, torch.Tensor]]:
+    """What the trainer pushes: the checkpoint's tensors, every other one in bfloat16
+    when ``mixed`` (a bucket of several dtypes)."""
+    pairs = checkpoint_tensors(path, 0)
+    if not mixed:
+        return pairs
+    return [(n, t.to(torch.bfloat16) if i % 2 else t) for i, (n, t) in enumerate(pairs)]
+
+
+def chunks(pairs: list[tuple[str, torch.Tensor]], count: int
+           ) -> list[list[tuple[str, torch.Tensor]]]:
+    size = -(-len(pairs) // count)
+    return [pairs[i:i + size] for i in range(0, len(pairs), size)]
+
+
+class Server:
+    """The engine as the peers' HTTP helpers post to it (``requests``)."""
+
+    def __init__(self, url: str, api_key: str | None) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def post(self, endpoint: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        r = requests.post(f"{self.url}/{endpoint}", json=payload or {}, headers=self.headers,
+                          timeout=120)
+        if r.status_code != 200:
+            raise RuntimeError(f"{endpoint} answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def get(self, endpoint: str) -> dict[str, Any]:
+        r = requests.get(f"{self.url}/{endpoint}", headers=self.headers, timeout=120)
+        if r.status_code != 200:
+            raise RuntimeError(f"{endpoint} answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def post_in_thread(self, endpoint: str, payload: dict[str, Any]) -> Any:
+        """The call a peer makes from another thread (a Ray actor, a future) while it
+        joins or broadcasts; ``.result()`` waits for the answer."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["answer"] = self.post(endpoint, payload)
+            except Exception as e:  # reported by result()
+                box["error"] = e
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+
+        class Pending:
+            @staticmethod
+            def result() -> dict[str, Any]:
+                thread.join(120)
+                if "error" in box:
+                    raise box["error"]
+                return box["answer"]
+
+        return Pending()
+
+
+def trainers_group(*, backend: str, address: str, port: int, world_size: int,
+                   group_name: str) -> Any:
+    """The group both trainers make (AReaL's ``init_custom_process_group``, slime's
+    ``init_process_group``): torch's tcp:// rendezvous, a store prefixed by the group
+    name, torch's group helper, group rank r registered as rank r."""
+    timeout = timedelta(seconds=60)
+    store, rank, size = next(rendezvous(f"tcp://{address}:{port}", 0, world_size,
+                                        timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(size, rank, [], Backend(backend),
+                                         PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None,
+                                         timeout=timeout, group_desc=group_name)
+    _world.pg_group_ranks[group] = {i: i for i in range(size)}
+    return group
+
+
+def say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def areal(server: Server, job: dict[str, Any]) -> None:
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(False)
+    group_name = "update_weight_group"
+    pending = server.post_in_thread("init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": str(job["port"]), "rank_offset": 1,
+        "world_size": job["world_size"], "backend": "gloo", "group_name": group_name})
+    group = trainers_group(backend="gloo", address="127.0.0.1", port=job["port"],
+                           world_size=job["world_size"], group_name=group_name)
+    say(step="init", answer=pending.result())
+    server.post("pause_generation", {})
+    for chunk in chunks(pushed_tensors(job["path"], False), job["chunks"]):
+        pending = server.post_in_thread("update_weights_from_distributed", {
+            "names": [n for n, _ in chunk],
+            "dtypes": [str(t.dtype).split("torch.")[1] for _, t in chunk],
+            "shapes": [list(t.shape) for _, t in chunk],
+            "group_name": group_name, "abort_all_requests": True})
+        handles = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in chunk]
+        for handle in handles:
+            handle.wait()
+        say(step="chunk", answer=pending.result())
+    server.post("continue_generation", {})
+
+
+def slime_group(server: Server, job: dict[str, Any]) -> None:
+    group_name = "slime-pp_0"
+    pending = server.post_in_thread("init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": job["port"], "rank_offset": 1,
+        "world_size": job["world_size"], "group_name": group_name, "backend": "gloo"})
+    group = trainers_group(backend="gloo", address="127.0.0.1", port=job["port"],
+                           world_size=job["world_size"], group_name=group_name)
+    say(step="init", answer=pending.result())
+    weight_version = 1
+    server.post("pause_generation", {})
+    server.get("flush_cache")
+    for chunk in chunks(pushed_tensors(job["path"], False), job["chunks"]):
+        pending = server.post_in_thread("update_weights_from_distributed", {
+            "names": [n for n, _ in chunk],
+            "dtypes": [str(t.dtype).replace("torch.", "") for _, t in chunk],
+            "shapes": [list(t.shape) for _, t in chunk],
+            "group_name": group_name, "flush_cache": False,
+            "weight_version": str(weight_version)})
+        handles = [dist.broadcast(t.data, 0, group=group, async_op=True) for _, t in chunk]
+        for handle in handles:
+            handle.wait()
+        say(step="chunk", answer=pending.result())
+    server.post("continue_generation", {})
+    server.post("destroy_weights_update_group", {"group_name": group_name})
+    dist.destroy_process_group(group)
+
+
+def sglang_metadata_class() -> type:
+    """SGLang's ``FlattenedTensorMetadata`` under its module name, so the pickle names
+    the class SGLang's pickle names (sglang itself does not import without its
+    serving dependencies)."""
+    module_name = "sglang.srt.weight_sync.tensor_bucket"
+    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", module_name):
+        sys.modules.setdefault(name, types.ModuleType(name))
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    FlattenedTensorMetadata.__module__ = module_name
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    sys.modules[module_name].FlattenedTensorMetadata = FlattenedTensorMetadata
+    return FlattenedTensorMetadata
+
+
+def flattened_bucket(pairs: list[tuple[str, torch.Tensor]], metadata: type,
+                     as_bytes: bool) -> dict[str, Any]:
+    """SGLang's FlattenedTensorBucket: every tensor flattened (as bytes, indices in
+    bytes; or, the older writer, in its one dtype, indices in elements) and
+    concatenated."""
+    flats, entries, at = [], [], 0
+    for name, tensor in pairs:
+        flat = tensor.flatten().view(torch.uint8) if as_bytes else tensor.flatten()
+        entries.append(metadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                start_idx=at, end_idx=at + flat.numel(), numel=flat.numel()))
+        flats.append(flat)
+        at += flat.numel()
+    return {"flattened_tensor": torch.cat(flats), "metadata": entries}
+
+
+def serialize(obj: Any) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def slime_tensor(server: Server, job: dict[str, Any]) -> None:
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    metadata = sglang_metadata_class()
+    as_bytes = job.get("as_bytes", True)
+    weight_version = 1
+    server.post("pause_generation", {})
+    server.get("flush_cache")
+    for chunk in chunks(pushed_tensors(job["path"], job["mixed"]), job["chunks"]):
+        # the multi-dtype writer packs a chunk in one bucket, the older one per dtype
+        by_dtype: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in chunk:
+            by_dtype.setdefault("all" if as_bytes else tensor.dtype, []).append((name, tensor))
+        live = []  # slime keeps the buckets alive until the engine answered
+        for named in by_dtype.values():
+            bucket = flattened_bucket(named, metadata, as_bytes)
+            live.append(bucket)
+            answer = server.post("update_weights_from_tensor", {
+                "serialized_named_tensors": [serialize(bucket)],
+                "load_format": "flattened_bucket", "flush_cache": False,
+                "weight_version": str(weight_version)})
+            say(step="bucket", answer=answer)
+    server.post("continue_generation", {})
+
+
+def sglang_pairs(server: Server, job: dict[str, Any]) -> None:
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    pairs = pushed_tensors(job["path"], job["mixed"])
+    answer = server.post("update_weights_from_tensor", {
+        "serialized_named_tensors": [serialize(pairs)], "load_format": None,
+        "flush_cache": True, "weight_version": "pairs"})
+    say(step="pairs", answer=answer)
+
+
+JOBS = {"areal": areal, "slime_group": slime_group, "slime_tensor": slime_tensor,
+        "sglang_pairs": sglang_pairs}
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    JOBS[job["peer"]](Server(job["url"], job.get("api_key")), job)
+    say(step="done")
