@@ -164,15 +164,20 @@ def test_check_finite_false_lets_a_nan_tensor_through(checkpoints) -> None:
     assert llm.update_weights([(VICTIM, nan)], check_finite=False) == 1
 
 
-def test_a_failed_push_is_repaired_only_by_every_tensor_it_did_not_load(
+def test_a_failed_streamed_push_is_repaired_only_by_every_tensor_it_did_not_load(
     checkpoints, expected
 ) -> None:
+    """A generator is streamed: the pairs drawn before the refused one loaded, so the
+    weights are partial, the refusal says how to repair, and only pushing every
+    tensor it did not load repairs them."""
     served, pushed = checkpoints
     llm = LLM(model=str(served), **SETTINGS)
     good = list(iter_safetensors(pushed, torch.float32))
     cut = len(good) // 2
-    with pytest.raises(WeightUpdateError, match="NaN"):
-        llm.update_weights([*good[:cut], (good[cut][0], good[cut][1] * float("nan"))])
+    with pytest.raises(WeightUpdateError, match="NaN") as refused:
+        llm.update_weights(iter([*good[:cut], (good[cut][0], good[cut][1] * float("nan"))]))
+    assert f"{len(good) - cut} tensor(s) were not loaded" in str(refused.value)
+    assert "load_weights(path)" in str(refused.value)
     assert llm.cache_info().weights == "partial"
     llm.update_weights(good[:1])  # one tensor is no repair
     with pytest.raises(SleepStateError, match=rf"{len(good) - cut} tensor\(s\)"):
