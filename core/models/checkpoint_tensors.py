@@ -149,8 +149,9 @@ def load_checkpoint(
     :raises CheckpointError: naming the file and the tensor; with ``values_first``
         (or a fault in the headers) nothing was loaded.
     """
+    specs = tensors.specs()
     try:
-        check_specs(model, tensors.specs(), whole=True)
+        check_specs(model, specs, whole=True)
     except ValueError as e:
         raise tensors.error(e) from None
     if check_finite and values_first:
@@ -164,5 +165,7 @@ def load_checkpoint(
         stream = tqdm(tensors, desc="loading weights", unit="tensor")
     try:
         return model.load_weights(stream, loaded=loaded)
+    except CheckpointError:  # the stream's own, naming its file already
+        raise
     except ValueError as e:  # a tensor the model refuses: name its file
         raise tensors.error(e) from None

@@ -24,6 +24,7 @@ from kvrunner.errors import CheckpointError
 from kvrunner.layers.weight_copy import copy_weight_
 from kvrunner.models.checkpoint_files import load_tokenizer, read_json_object
 from kvrunner.models.checkpoint_tensors import CheckpointTensors, load_checkpoint
+from kvrunner.models.config_fields import check_hf_fields
 from kvrunner.models.weight_names import (  # noqa: F401 - re-exported: callers import them from here
     WeightNameError,
     expected_weight_names,
@@ -93,6 +94,8 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
 
     :raises CheckpointError: naming the file, if either is unreadable, or if
         ``config.json`` lacks a field the model needs or describes no supported model.
+    :raises ConfigError: naming the file and the field, if a field is of the wrong
+        type or out of its range (:mod:`~kvrunner.models.config_fields`).
     """
     path = Path(path)
     file = path / "config.json"
@@ -105,6 +108,8 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
             raw["eos_token_id"] = list(dict.fromkeys(base + extra))
     try:
         parse_config(raw)  # every later parse of this dict then succeeds
+    except ConfigError as e:  # a field of the wrong type or out of range
+        raise ConfigError(f"{file}: {e}") from None
     except KeyError as e:
         raise CheckpointError(file, f"lacks the required field {e.args[0]!r}") from None
     except (TypeError, ValueError, AttributeError) as e:
@@ -117,6 +122,7 @@ def parse_config(raw: Mapping[str, Any]) -> tuple[type, Any]:
     from kvrunner.models.registry import resolve
 
     model_cls = resolve(raw)
+    check_hf_fields(raw)
     return model_cls, model_cls.config_class.from_hf_dict(raw)
 
 
