@@ -35,9 +35,10 @@ FIELDS: dict[str, tuple[str, float, float]] = {
     "rms_norm_eps": ("float", 0, 1),
     "tie_word_embeddings": ("bool", 0, 0),
     "attention_bias": ("bool", 0, 0),
-    "num_experts": ("int", 1, _BIG),
-    "num_experts_per_tok": ("int", 1, _BIG),
-    "moe_intermediate_size": ("int", 1, _BIG),
+    # 0 experts is a dense model (transformers writes so); MoeConfig checks the rest
+    "num_experts": ("int", 0, _BIG),
+    "num_experts_per_tok": ("int", 0, _BIG),
+    "moe_intermediate_size": ("int", 0, _BIG),
     "shared_expert_intermediate_size": ("int", 0, _BIG),
     "partial_rotary_factor": ("float", 0, 1),
     "linear_num_key_heads": ("int", 1, _BIG),
