@@ -6,7 +6,9 @@ Where they are (on the device, in host memory, or discarded) is
 is kept here: every tensor after a discard, and after a push that failed part way
 every tensor that push did not load (whatever was pushed before it), until each is
 pushed again. One driver call may arrive in several buckets, so a push is counted
-from :meth:`WeightStore.begin_update` to :meth:`WeightStore.finish_update`.
+from :meth:`WeightStore.begin_update` to :meth:`WeightStore.finish_update`; an
+update known up front is judged whole first (:meth:`WeightStore.check`, and
+:meth:`WeightStore.load` for a checkpoint), so its refusal loads nothing.
 """
 
 from __future__ import annotations
