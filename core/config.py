@@ -210,6 +210,10 @@ class EngineConfig:
     #: "auto" reads the checkpoint's safetensors; "dummy" starts from config.json alone
     #: with small random weights, for a trainer that pushes the real ones (update_weights)
     load_format: str = attrs.field(default="auto", validator=_one_of("auto", "dummy"))
+    #: refuse a checkpoint holding NaN or inf at start-up, naming the tensor (one
+    #: min/max pass over each tensor as it is read); load_weights checks the same
+    #: (its own check_finite argument)
+    check_finite: bool = True
     #: load no tokenizer even if the checkpoint has one: prompts must be token ids
     skip_tokenizer_init: bool = False
     #: "auto": a request made without SamplingParams samples with the checkpoint's

@@ -99,7 +99,9 @@ class WeightUpdateError(KvrunnerError, ValueError):
     """A pushed tensor was refused (unknown name, wrong shape, not a floating-point
     tensor, not finite); the message names it.
 
-    Nothing of the refused tensor was loaded. If tensors before it in the same call
-    were, the weights are ``"partial"`` and the engine refuses to generate until every
-    tensor not loaded since has been pushed.
+    Nothing of the refused tensor was loaded, and nothing of an update known up front
+    (a list or Mapping). If tensors of a streamed push (a generator, earlier buckets)
+    loaded before it, the weights are ``"partial"``, the message says how to repair
+    them, and the engine refuses to generate until every tensor not loaded since has
+    been pushed.
     """

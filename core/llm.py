@@ -227,14 +227,19 @@ class LLM:
         calls. Returns how many tensors were loaded.
 
         Each rank takes its tensor-parallel shard in the model's dtype; fused
-        projections are filled part by part. A wrong name or shape, a value that is
-        not a floating-point tensor, or (``check_finite``: a list or Mapping in one
-        pass, a generator tensor by tensor as it is drawn) NaN or inf raises
-        :class:`~kvrunner.errors.WeightUpdateError` naming it, with nothing of
-        that tensor loaded. If tensors before it were, the weights are ``"partial"``
-        (``cache_info().weights``) and generation is refused until every tensor this
-        call did not load has been pushed. After a call completes the prefix cache is
-        reset and, if the engine is awake, the graphs are recaptured.
+        projections are filled part by part. A name that is not a ``str`` or not the
+        model's, a name given twice, a wrong shape, a value that is not a
+        floating-point tensor (or is on the meta device), or (``check_finite``) NaN or
+        inf raises :class:`~kvrunner.errors.WeightUpdateError` naming it.
+
+        A list, tuple or Mapping is a transaction: all of it is checked (finiteness in
+        one pass) before its first tensor loads, so a refusal leaves the weights as
+        they were. A generator is streamed (it may refill one buffer per pair): each
+        pair is checked as it is drawn, after the ones before it loaded; refused after
+        some loaded, the weights are ``"partial"`` (``cache_info().weights``), the
+        error says so, and generation is refused until every tensor this call did not
+        load has been pushed. After a call completes the prefix cache is reset and, if
+        the engine is awake, the graphs are recaptured.
         """
         return self._sleep_wake.update_weights(weights, check_finite=check_finite)
 
@@ -252,10 +257,11 @@ class LLM:
         another process: CUDA IPC on the same GPU, shared memory on the CPU); returns
         how many tensors were loaded. Names, shapes and the TP shards are as for
         :meth:`update_weights`; the whole push is one update. Each bucket is
-        acknowledged only once its copy has completed on the device. A push that
-        fails part way (the trainer dies, a bucket is malformed, a tensor is refused)
-        raises :class:`~kvrunner.weight_sync.WeightSyncError` and leaves the weights
-        ``"partial"`` (if anything loaded): generation is refused until a full push.
+        acknowledged only once its copy has completed on the device, and judged
+        whole (names, shapes, values) before any of it loads. A push that fails (the
+        trainer dies, a bucket is malformed, a tensor is refused) raises
+        :class:`~kvrunner.weight_sync.WeightSyncError`; refused after a bucket loaded,
+        it leaves the weights ``"partial"``: generation is refused until a full push.
         A :class:`~kvrunner.weight_sync.DirectSender`'s push reads the trainer's own
         storages instead of buckets; they stay mapped until that sender closes or a
         push no longer names them, or :meth:`shutdown`. See docs/weight_sync.md."""
@@ -288,9 +294,10 @@ class LLM:
         self, names: list[str], dtypes: list[str], shapes: list[list[int]]
     ) -> int:
         """Receive one broadcast per tensor from the group's rank 0 (full tensors;
-        each rank keeps its shard), as one weight update: a failure part way leaves
-        the weights ``"partial"``, as :meth:`update_weights_from_ipc`. Returns how
-        many tensors loaded."""
+        each rank keeps its shard), as one weight update: the announced names,
+        dtypes and shapes are judged before the first broadcast is received (a
+        refusal loads nothing); a failure part way leaves the weights ``"partial"``,
+        as :meth:`update_weights_from_ipc`. Returns how many tensors loaded."""
         ranks = self._sleep_wake.ranks
         with self._sleep_wake.push_session("update_weights_from_distributed"):
             return ranks.update_weights_from_distributed(list(names), list(dtypes),
@@ -318,9 +325,12 @@ class LLM:
     def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
         """Load every tensor of a safetensors checkpoint directory (each rank reads it),
         as :meth:`update_weights` does; returns how many were loaded. The directory
-        must hold the whole model: a wrong shape, a missing or unexpected tensor, or
-        (``check_finite``) NaN or inf raises
-        :class:`~kvrunner.errors.CheckpointError` naming the file and the tensor."""
+        must hold the whole model: a wrong shape, a missing, unexpected, duplicated or
+        integer tensor (read from the safetensors headers), or (``check_finite``)
+        NaN or inf raises :class:`~kvrunner.errors.CheckpointError` naming the file
+        and the tensor. It is a transaction: everything is checked before the first
+        tensor loads (the values in a pass of their own), so a refused checkpoint
+        leaves the weights as they were."""
         return self._sleep_wake.load_weights(path, check_finite=check_finite)
 
     @exclusive

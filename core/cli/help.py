@@ -22,6 +22,8 @@ FIELD_HELP: dict[str, str] = {
     "seed": "seed of the sampler for requests without their own seed",
     "load_format": "auto reads the checkpoint's weights; dummy starts from config.json "
     "alone with small random weights (a trainer pushes the real ones)",
+    "check_finite": "refuse a checkpoint tensor holding NaN or inf at start-up, naming it "
+    "(one pass over each tensor as it is read)",
     "skip_tokenizer_init": "load no tokenizer even if the checkpoint has one "
     "(prompts must be token ids)",
     "generation_config": "auto: a call without sampling settings uses the checkpoint's"

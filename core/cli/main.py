@@ -24,6 +24,8 @@ DESCRIPTION = (
 )
 #: exit status after Ctrl-C, as a shell reports a process ended by SIGINT
 EXIT_INTERRUPTED = 130
+#: exit status of ``generate`` when a request ended with finish reason "error"
+EXIT_REQUEST_FAILED = 1
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +171,8 @@ def _print_output(out: Any, prompt: Any, n: int, tokenizer: Any | None) -> None:
     token: position, id, text, logprob and the top-N."""
     sample = f" [sample {out.sample_index + 1}/{n}]" if n > 1 else ""
     why = f" ({out.stop_reason!r})" if out.stop_reason is not None else ""
+    if out.finish_reason == "error":
+        why = f" ({out.error})"
     print(f"--- {prompt!r}{sample} -> {out.finish_reason}{why}")
     print(out.text if tokenizer is not None else out.token_ids)
     if out.logprobs is None:
@@ -219,6 +223,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             _print_output(out, prompts[index // n], n, llm.tokenizer)
     finally:
         llm.shutdown()
+    failed = [out for out in outs if out.finish_reason == "error"]
+    if failed:
+        print(f"kvrunner: error: {len(failed)} of {len(outs)} request(s) ended in error: "
+              f"{failed[0].error}", file=sys.stderr)
+        return EXIT_REQUEST_FAILED
     return 0
 
 
@@ -429,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     kvrunner's own errors (configuration, checkpoint, request, backend, worker) are
     printed as one message, exit status 2; ``-v``/``--traceback`` adds the traceback.
+    ``generate`` exits 1 when a request ended with finish reason ``error`` (its reason
+    printed beside it).
     Anything else is a bug and keeps its traceback, and so does a backend hook that
     raised (:class:`BackendHookError`). Ctrl-C exits with 130, quietly.
     """

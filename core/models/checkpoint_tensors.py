@@ -6,19 +6,34 @@ tensor the model refuses (wrong shape, no place for it) and a tensor the model
 needs but no file holds are each reported as a
 :class:`~kvrunner.errors.CheckpointError` naming the file (or, for a missing
 tensor, the directory) and the tensor.
+
+:func:`load_checkpoint` is the one rule a checkpoint loads by, at start-up and in
+``load_weights``: every tensor's name, shape and dtype is judged from the files'
+headers (the ``safetensors`` library's ``get_slice``, no values read) against the
+model before anything loads; with ``check_finite`` every value is checked for NaN
+and inf, before the first tensor loads where old weights must survive a refusal
+(one more read of every tensor), else as each is read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from kvrunner.errors import CheckpointError
 from kvrunner.models.checkpoint_files import check_weight_files
-from kvrunner.models.weight_names import WeightNameError, WeightSetError, WeightShapeError
+from kvrunner.models.tensor_checks import tensor_problem
+from kvrunner.models.weight_names import (
+    WeightDuplicateError,
+    WeightNameError,
+    WeightSetError,
+    WeightShapeError,
+)
+from kvrunner.models.weight_specs import TensorSpec, check_specs
 
 #: ``(name, tensor) -> problem`` (None when the tensor is fine), checked before it loads
 TensorCheck = Callable[[str, torch.Tensor], "str | None"]
@@ -40,7 +55,8 @@ class CheckpointTensors:
         self.files = check_weight_files(self.path)
         #: the file each tensor yielded so far came from
         self.file_of: dict[str, Path] = {}
-        self._check = check
+        #: run on each tensor as it is read (see the class docstring)
+        self.check = check
         self._stream = self._tensors(dtype)
 
     def __iter__(self) -> CheckpointTensors:
@@ -49,6 +65,42 @@ class CheckpointTensors:
     def __next__(self) -> tuple[str, torch.Tensor]:
         return next(self._stream)
 
+    def specs(self) -> list[TensorSpec]:
+        """Every tensor's name, shape and dtype from the files' headers (no value is
+        read), each file noted in :attr:`file_of`; a tensor held by two files, or of a
+        dtype no parameter takes (an integer, a bool), is a CheckpointError naming it."""
+        specs: list[TensorSpec] = []
+        for file in self.files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        if name in self.file_of:
+                            raise CheckpointError(file, f"holds tensor {name!r}, which "
+                                                        f"{self.file_of[name].name} holds too")
+                        self.file_of[name] = file
+                        part = f.get_slice(name)
+                        spec = TensorSpec(name, tuple(part.get_shape()), part.get_dtype(),
+                                          _is_float(part.get_dtype()))
+                        if spec.problem() is not None:
+                            raise CheckpointError(file, f"tensor {name!r} {spec.problem()}")
+                        specs.append(spec)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(file, f"cannot be read as safetensors: {e}") from None
+        return specs
+
+    def check_values(self) -> None:
+        """Read every tensor once (one at a time) and refuse one holding NaN or inf,
+        naming its file; nothing is kept."""
+        for file in self.files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        problem = tensor_problem(f.get_tensor(name), check_finite=True)
+                        if problem is not None:
+                            raise CheckpointError(file, f"tensor {name!r} {problem}")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(file, f"cannot be read as safetensors: {e}") from None
+
     def _tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
             try:
@@ -56,7 +108,7 @@ class CheckpointTensors:
                     for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                         self.file_of[name] = file
                         tensor = f.get_tensor(name)
-                        problem = self._check(name, tensor) if self._check else None
+                        problem = self.check(name, tensor) if self.check else None
                         if problem is not None:
                             raise CheckpointError(file, f"tensor {name!r} {problem}")
                         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
@@ -66,7 +118,7 @@ class CheckpointTensors:
     def error(self, error: ValueError) -> CheckpointError:
         """The CheckpointError for a model's refusal of these tensors, naming the file
         of the tensor at fault (the directory for a tensor no file holds)."""
-        if isinstance(error, (WeightNameError, WeightShapeError)):
+        if isinstance(error, (WeightNameError, WeightShapeError, WeightDuplicateError)):
             file = self.file_of.get(error.tensor, self.path)
             return CheckpointError(file, str(error))
         if isinstance(error, WeightSetError) and error.unexpected:
@@ -75,3 +127,45 @@ class CheckpointTensors:
             return CheckpointError(self.path, f"no weight file holds the tensor(s) the model "
                                               f"needs: {error}")
         return CheckpointError(self.path, str(error))
+
+
+def _is_float(header_dtype: str) -> bool:
+    """Whether a safetensors header dtype (``F32``, ``BF16``, ``F8_E4M3``, ``I32``, ``BOOL``
+    ...) is a floating-point one."""
+    return header_dtype.startswith(("F", "BF"))
+
+
+def load_checkpoint(
+    model: Any, tensors: CheckpointTensors, *, check_finite: bool, values_first: bool,
+    loaded: set[str] | None = None, progress: bool = False,
+) -> set[str]:
+    """Load checkpoint ``tensors`` into ``model`` by the one rule (see the module
+    docstring); returns the names loaded.
+
+    :param values_first: check every value before the first tensor loads (an update
+        of weights that serve: a refusal leaves them untouched); else each as it is
+        read (start-up: nothing to keep).
+    :param loaded: filled with each name as it loads.
+    :raises CheckpointError: naming the file and the tensor; with ``values_first``
+        (or a fault in the headers) nothing was loaded.
+    """
+    specs = tensors.specs()
+    try:
+        check_specs(model, specs, whole=True)
+    except ValueError as e:
+        raise tensors.error(e) from None
+    if check_finite and values_first:
+        tensors.check_values()
+    elif check_finite:
+        tensors.check = lambda _, t: tensor_problem(t, check_finite=True)
+    stream: Any = tensors
+    if progress:
+        from tqdm import tqdm
+
+        stream = tqdm(tensors, desc="loading weights", unit="tensor")
+    try:
+        return model.load_weights(stream, loaded=loaded)
+    except CheckpointError:  # the stream's own, naming its file already
+        raise
+    except ValueError as e:  # a tensor the model refuses: name its file
+        raise tensors.error(e) from None

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 from torch import nn
-from tqdm import tqdm
 
 from kvrunner.config import ConfigError
 from kvrunner.errors import CheckpointError
 from kvrunner.layers.weight_copy import copy_weight_
 from kvrunner.models.checkpoint_files import load_tokenizer, read_json_object
-from kvrunner.models.checkpoint_tensors import CheckpointTensors
+from kvrunner.models.checkpoint_tensors import CheckpointTensors, load_checkpoint
+from kvrunner.models.config_fields import check_hf_fields
 from kvrunner.models.weight_names import (  # noqa: F401 - re-exported: callers import them from here
     WeightNameError,
     expected_weight_names,
@@ -94,6 +94,8 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
 
     :raises CheckpointError: naming the file, if either is unreadable, or if
         ``config.json`` lacks a field the model needs or describes no supported model.
+    :raises ConfigError: naming the file and the field, if a field is of the wrong
+        type or out of its range (:mod:`~kvrunner.models.config_fields`).
     """
     path = Path(path)
     file = path / "config.json"
@@ -106,6 +108,8 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
             raw["eos_token_id"] = list(dict.fromkeys(base + extra))
     try:
         parse_config(raw)  # every later parse of this dict then succeeds
+    except ConfigError as e:  # a field of the wrong type or out of range
+        raise ConfigError(f"{file}: {e}") from None
     except KeyError as e:
         raise CheckpointError(file, f"lacks the required field {e.args[0]!r}") from None
     except (TypeError, ValueError, AttributeError) as e:
@@ -118,6 +122,7 @@ def parse_config(raw: Mapping[str, Any]) -> tuple[type, Any]:
     from kvrunner.models.registry import resolve
 
     model_cls = resolve(raw)
+    check_hf_fields(raw)
     return model_cls, model_cls.config_class.from_hf_dict(raw)
 
 
@@ -136,6 +141,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     skip_tokenizer: bool = False,
+    check_finite: bool = True,
     **model_kwargs: Any,
 ) -> tuple[nn.Module, Tokenizer | None, Any]:
     """Build the model a checkpoint directory describes and load its weights.
@@ -147,6 +153,10 @@ def load_model(
         the config and fills the weights with small random values (``seed``), for a
         trainer that pushes the real ones before the first rollout.
     :param skip_tokenizer: load no tokenizer, even if the checkpoint has one.
+    :param check_finite: refuse a tensor holding NaN or inf, naming it (one min/max
+        pass over each tensor as it is read). Every tensor's name, shape and dtype is
+        checked against the model from the headers before any loads, as
+        ``load_weights`` does (:func:`~kvrunner.models.checkpoint_tensors.load_checkpoint`).
     :param model_kwargs: passed to the model class (e.g. ``tp=TPGroup(...)``).
     :returns: ``(model, tokenizer, config)``; the model is in eval mode, no grad; the
         tokenizer is None when the checkpoint has none (or ``skip_tokenizer``).
@@ -160,11 +170,8 @@ def load_model(
     if tensors is None:
         fill_dummy_weights(model, seed=seed)
     else:
-        weights = tqdm(tensors, desc="loading weights", unit="tensor") if progress else tensors
-        try:
-            model.load_weights(weights)
-        except ValueError as e:  # a tensor the model refuses: name its file
-            raise tensors.error(e) from None
+        load_checkpoint(model, tensors, check_finite=check_finite, values_first=False,
+                        progress=progress)
     model.eval().requires_grad_(False)
     return model, load_tokenizer(path, skip=skip_tokenizer), config
 

@@ -290,16 +290,19 @@ class Qwen3ForCausalLM(nn.Module):
         require_all: bool = True,
         loaded: set[str] | None = None,
         targets: WeightTargets | None = None,
+        dry_run: bool = False,
     ) -> set[str]:
         """Load Hugging Face-named tensors; returns the names loaded.
 
         ``require_all``: a whole checkpoint (raises naming every missing/unexpected
         tensor); ``False`` for a partial update (an unknown name raises at once).
         ``targets``: :meth:`weight_targets`, built once for the parts of one update.
+        ``dry_run``: judge every name and shape, copy nothing (see
+        :func:`~kvrunner.models.weight_names.load_weights_into`).
         """
         return load_weights_into(
             self, weights, stacked=self.STACKED, ignore=self._ignored_weights(),
-            require_all=require_all, loaded=loaded, targets=targets,
+            require_all=require_all, loaded=loaded, targets=targets, dry_run=dry_run,
         )
 
     def weight_targets(self) -> WeightTargets:

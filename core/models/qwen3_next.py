@@ -202,11 +202,12 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         require_all: bool = True,
         loaded: set[str] | None = None,
         targets: WeightTargets | None = None,
+        dry_run: bool = False,
     ) -> set[str]:
         """HF names; ``conv1d.weight`` ``[C, 1, K]`` is stored as ``conv_weight`` ``[C, K]``.
 
-        Returns the names loaded (after that renaming); ``require_all`` and
-        ``targets`` as for Qwen3.
+        Returns the names loaded (after that renaming); ``require_all``, ``targets``
+        and ``dry_run`` as for Qwen3.
         """
 
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
@@ -219,7 +220,7 @@ class Qwen3NextForCausalLM(Qwen3ForCausalLM):
         ignore = [*self._ignored_weights(), "mtp."]
         return load_weights_into(
             self, renamed(), stacked=self.NEXT_STACKED, ignore=ignore, require_all=require_all,
-            loaded=loaded, targets=targets,
+            loaded=loaded, targets=targets, dry_run=dry_run,
         )
 
     def weight_targets(self) -> WeightTargets:

@@ -2,8 +2,10 @@
 
 The one check of a pushed or loaded value, shared by the driver's push
 (:mod:`kvrunner.rl.weight_push`), a rank's weight store and the IPC receiver: a
-value that is not a tensor, is not floating point (an int, bool or complex tensor
-would be cast silently and wrongly), or holds NaN or inf.
+value that is not a tensor, is on the meta device (a shape without values), is not
+floating point (an int, bool or complex tensor would be cast silently and wrongly),
+or holds NaN or inf. :func:`dtype_problem` is the dtype part alone, for a tensor
+known only by its header (a safetensors file, a pushed layout).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ def tensor_problem(value: Any, *, check_finite: bool) -> str | None:
     with no tensor-sized temporary (a weight push may sit beside a trainer's memory)."""
     if not isinstance(value, torch.Tensor):
         return f"is a {type(value).__name__}, not a torch.Tensor"
+    if value.is_meta:
+        return "is on the meta device: it has a shape but no values to load"
     if not value.is_floating_point():
-        dtype = str(value.dtype).removeprefix("torch.")
-        return f"has dtype {dtype}; weights must be floating point"
+        return dtype_problem(str(value.dtype).removeprefix("torch."), floating=False)
     if check_finite and value.numel() and not bool(torch.isfinite(torch.stack(
         torch.aminmax(value))).all()):
         return "holds NaN or inf values"
@@ -39,3 +42,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     culprit then checks each tensor (:func:`tensor_problem`)."""
     tensors = [t for t in tensors if t.numel()]
     return not tensors or bool(torch.isfinite(get_total_norm(tensors, norm_type=1.0)))
+
+
+def dtype_problem(dtype: str, *, floating: bool) -> str | None:
+    """Why a tensor of ``dtype`` (its name, as torch or a safetensors header spells it)
+    cannot be loaded into a floating-point parameter (None: it can)."""
+    return None if floating else f"has dtype {dtype}; weights must be floating point"

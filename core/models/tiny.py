@@ -12,12 +12,13 @@ bytes depend only on ``(kind, seed)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kvrunner.errors import ConfigError
 from kvrunner.models.tiny_moe_weights import tiny_qwen3_moe, tiny_qwen3_next_moe
 from kvrunner.models.tiny_weights import tiny_qwen3, tiny_qwen3_next
 
@@ -146,6 +148,11 @@ def write_tiny_checkpoint(path: str | Path, *, kind: str = "qwen3", seed: int = 
     if kind not in TINY_KINDS:
         raise ValueError(f"unknown tiny checkpoint kind {kind!r}; known: {sorted(TINY_KINDS)}")
     path = Path(path)
+    with _writing(path, "write a checkpoint"):
+        return _write_tiny(path, kind, seed)
+
+
+def _write_tiny(path: Path, kind: str, seed: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer: Tokenizer = build_tokenizer()
     eos = tokenizer.token_to_id(EOS_TOKEN)
@@ -181,7 +188,20 @@ DEFAULT_MODELS: dict[str, Callable[[Path], Any]] = {
 
 
 def kvrunner_home() -> Path:
+    """Where the embedded models are written: ``$KVRUNNER_HOME``, else ``~/.cache/kvrunner``."""
     return Path(os.environ.get("KVRUNNER_HOME") or "~/.cache/kvrunner").expanduser()
+
+
+@contextlib.contextmanager
+def _writing(path: Path, what: str, remedy: str = "choose a writable directory") -> Iterator[None]:
+    """Turn a file system's refusal while writing under ``path`` into one ConfigError
+    naming the path, the reason and what to do."""
+    try:
+        yield
+    except OSError as e:
+        where = e.filename or path
+        raise ConfigError(f"cannot {what} in {path}: {where}: {e.strerror or e}; "
+                          f"{remedy}") from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -237,7 +257,13 @@ def ensure_default_model(name: str) -> Path:
     if (dest / "config.json").exists():
         return dest
     if dest.exists():
-        raise RuntimeError(f"{dest} exists but holds no config.json; remove it to rebuild")
+        raise ConfigError(f"{dest} exists but holds no config.json; remove it to rebuild")
+    remedy = "set KVRUNNER_HOME to a writable directory (default ~/.cache/kvrunner)"
+    with _writing(root, f"write the embedded model {name}", remedy):
+        return _write_default(name, root, dest)
+
+
+def _write_default(name: str, root: Path, dest: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(root, name)
     tmp = root / f"{temp_prefix(name)}{os.getpid()}-{secrets.token_hex(4)}"

@@ -45,6 +45,17 @@ class WeightShapeError(ValueError):
         self.tensor = tensor
 
 
+class WeightDuplicateError(ValueError):
+    """One update names a tensor twice (or a stacked tensor and one it stands for).
+
+    :ivar tensor: the checkpoint name given twice.
+    """
+
+    def __init__(self, message: str, *, tensor: str) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 class WeightSetError(ValueError):
     """A whole checkpoint lacks tensors the model needs or holds ones it has no place for.
 
@@ -125,6 +136,19 @@ class WeightTargets:
         self.expected = expected_weight_names(module, stacked, named=named)
         #: alternative name -> (parameter name, shard id, expected names it stands for)
         self.aliases = alias_weight_names(module, named=named)
+        self._shadows: dict[str, nn.Parameter] | None = None
+
+    @property
+    def shadows(self) -> dict[str, nn.Parameter]:
+        """Every parameter as a meta-device twin (its shape and dtype, no storage, its
+        ``weight_loader``): what a dry run loads into, copying nothing."""
+        if self._shadows is None:
+            self._shadows = {}
+            for pname, param in self.params.items():
+                twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+                twin.weight_loader = getattr(param, "weight_loader", _default_weight_loader)
+                self._shadows[pname] = twin
+        return self._shadows
 
 
 def load_weights_into(
@@ -136,6 +160,7 @@ def load_weights_into(
     require_all: bool = True,
     loaded: set[str] | None = None,
     targets: WeightTargets | None = None,
+    dry_run: bool = False,
 ) -> set[str]:
     """Copy checkpoint tensors into ``module``'s parameters by name; returns the names
     loaded (ignored names excluded).
@@ -154,11 +179,17 @@ def load_weights_into(
         still knows what was loaded when a later tensor raises.
     :param targets: ``module``'s :class:`WeightTargets` for ``stacked``, built once by
         a caller loading several parts of one update (else built here).
+    :param dry_run: check a whole update without loading it: ``weights`` are usually
+        meta-device tensors of the update's shapes, each goes through its parameter's
+        own ``weight_loader`` into the parameter's meta twin (``WeightTargets.shadows``),
+        so every name and shape is judged by the rule a real load applies, and a name
+        given twice raises :class:`WeightDuplicateError`. Nothing is copied.
     :raises WeightShapeError: naming the tensor whose shape does not fit.
     :raises WeightSetError: ``require_all`` and the names do not match.
     """
     targets = targets or WeightTargets(module, stacked)
-    expected, aliases, params = targets.expected, targets.aliases, targets.params
+    expected, aliases = targets.expected, targets.aliases
+    params = targets.shadows if dry_run else targets.params
     seen: set[str] = set() if loaded is None else loaded
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -178,9 +209,15 @@ def load_weights_into(
             unexpected.append(name)
             continue
         pname, shard = target
-        # where each loaded name went, and its full shape (what weights_checksum reads back)
-        layout = module.__dict__.setdefault("checkpoint_layout", {})
-        layout[name] = (pname, shard, tuple(tensor.shape))
+        if dry_run and not seen.isdisjoint(covers):
+            twice = sorted(seen.intersection(covers))[0]
+            raise WeightDuplicateError(
+                f"tensor {twice!r} is given twice in one update"
+                + (f" (also through {name!r})" if name != twice else ""), tensor=twice)
+        if not dry_run:
+            # where each loaded name went, and its full shape (what weights_checksum reads)
+            layout = module.__dict__.setdefault("checkpoint_layout", {})
+            layout[name] = (pname, shard, tuple(tensor.shape))
         param = params[pname]
         loader = getattr(param, "weight_loader", _default_weight_loader)
         try:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kvrunner.errors import SleepStateError
+from kvrunner.errors import CheckpointError, KvrunnerError, SleepStateError
+from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.rl.sleep_state import CacheInfo, SleepState, parse_tags
 from kvrunner.rl.weight_push import checked_pairs
@@ -155,7 +156,7 @@ class SleepWakeControl:
         self.executor.check()
         self.state.require_weights_resident("update_weights")
         self._require_idle("update_weights", parked_ok=True)
-        pairs = checked_pairs(weights, check_finite=check_finite)
+        pairs = checked_pairs(weights, check_finite=check_finite)  # a list: checked whole
         with self._weight_change():
             return self._load_pairs(pairs)
 
@@ -164,10 +165,12 @@ class SleepWakeControl:
                                                           int]]:
         """One weight update arriving in parts (``kvrunner.weight_sync``'s buckets):
         checked as :meth:`update_weights` is, then yields a function loading one
-        part (already checked: no finiteness pass here) and returning how many
-        tensors it loaded. The parts count as one push: a failure in any part, or in
-        the caller between parts, leaves the weights ``"partial"`` (if any part
-        loaded) until a full push; the end resets the prefix cache and recaptures.
+        part (a list: its values already checked, no finiteness pass here) and
+        returning how many tensors it loaded. Each part's names and shapes are judged
+        whole before any of it loads, so a refused part loads nothing; but the parts
+        count as one push, so a failure in a later part, or in the caller between
+        parts, leaves the weights ``"partial"`` (the earlier parts loaded) until a full
+        push, and the error says so; the end resets the prefix cache and recaptures.
         When a part's call returns, every rank has copied it (in process: the copies
         are queued on the device; the caller waits for them)."""
         self.executor.check()
@@ -177,6 +180,8 @@ class SleepWakeControl:
             yield self._load_pairs
 
     def _load_pairs(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if isinstance(pairs, list):  # known up front: every rank judges it before any loads
+            self.ranks.check_weights([TensorSpec.of(name, t) for name, t in pairs])
         if self.config.parallel.tensor_parallel_size == 1:
             return self.ranks.update_weights(pairs)[0]
         loaded = 0
@@ -201,8 +206,9 @@ class SleepWakeControl:
         self.ranks.begin_weight_update()
         try:
             yield
-        except BaseException:
-            self._note_failed_push()
+        except BaseException as e:
+            if self._note_failed_push():
+                _add_repair(e, self.state.repair_advice())
             raise
         finished = self.ranks.finish_weight_update()
         self._note_pending(finished[0])
@@ -211,18 +217,21 @@ class SleepWakeControl:
         if recapture:
             self.timings.recapture_s = recapture
 
-    def _note_failed_push(self) -> None:
+    def _note_failed_push(self) -> bool:
+        """Record a failed push; returns whether it had loaded anything (the weights
+        are then ``"partial"``)."""
         state = self.state
         try:
             report = self.ranks.fail_weight_update()[0]
         except Exception:  # the ranks cannot say (one died): assume the worst
             state.weights_partial = True
-            return
+            return False
         # a refusal before anything loaded leaves the weights (and the state) as they were
         state.weights_partial = state.weights_partial or report.partial
         self._note_pending(report)
         if report.partial:
             self.engine.block_manager.reset_prefix_cache()
+        return report.partial
 
     def _note_pending(self, report: PushReport) -> None:
         state = self.state
@@ -268,3 +277,14 @@ class SleepWakeControl:
             num_free_blocks=manager.num_free_blocks,
             num_free_state_slots=manager.num_free_state_slots,
         )
+
+
+def _add_repair(error: BaseException, advice: str) -> None:
+    """Append ``advice`` (how to repair partial weights) to a refusal's message, keeping
+    its type: its callers catch it by type, the user reads the message."""
+    if not (isinstance(error, KvrunnerError) and len(error.args) == 1
+            and isinstance(error.args[0], str)):
+        return
+    if isinstance(error, CheckpointError):
+        error.problem = f"{error.problem}; {advice}"
+    error.args = (f"{error.args[0]}; {advice}",)

@@ -79,22 +79,32 @@ class SleepState:
                 f"cannot {what}: the engine is asleep ({', '.join(asleep)} released by "
                 f"sleep(level={self.level})); call wake_up() first"
             )
-        missing = ", ".join(self.weights_missing)
-        more = " ..." if self.weights_pending > len(self.weights_missing) else ""
+        missing = self._missing()
         if self.weights_partial:
-            raise SleepStateError(
-                f"cannot {what}: an update_weights/load_weights call failed part way, so "
-                f"the weights are partly old and partly new; {self.weights_pending} "
-                f"tensor(s) have not been pushed since ({missing}{more}): push every one of "
-                f"them (or the whole model) before generating"
-            )
+            raise SleepStateError(f"cannot {what}: a weight push failed part way, so "
+                                  f"{self.repair_advice()}")
         if self.weights_pending:
             raise SleepStateError(
                 f"cannot {what}: the weights were discarded by sleep(level=2, "
                 f"discard_weights=True) and {self.weights_pending} tensor(s) have not been "
-                f"pushed since ({missing}{more}); finish update_weights(...) or "
+                f"pushed since ({missing}); finish update_weights(...) or "
                 f"load_weights(path) first"
             )
+
+    def repair_advice(self) -> str:
+        """What partial weights are and the calls that serve again, for the messages
+        that refuse a push part way and every call refused after it."""
+        return (
+            f"the weights are partial (partly old, partly new): {self.weights_pending} "
+            f"tensor(s) were not loaded ({self._missing()}) and generation is refused "
+            f"until each is pushed: push them (update_weights with them, or a whole "
+            f"push again: update_weights_from_ipc / update_weights_from_distributed) "
+            f"or load a whole checkpoint (load_weights(path))"
+        )
+
+    def _missing(self) -> str:
+        more = " ..." if self.weights_pending > len(self.weights_missing) else ""
+        return ", ".join(self.weights_missing) + more
 
     def require_can_sleep(self, level: int, discard_weights: bool) -> None:
         if level not in (1, 2):

@@ -198,6 +198,7 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
             skip_tokenizer=config.skip_tokenizer_init,
+            check_finite=config.check_finite,
             make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
             tp=(
                 group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config),

@@ -6,7 +6,9 @@ Where they are (on the device, in host memory, or discarded) is
 is kept here: every tensor after a discard, and after a push that failed part way
 every tensor that push did not load (whatever was pushed before it), until each is
 pushed again. One driver call may arrive in several buckets, so a push is counted
-from :meth:`WeightStore.begin_update` to :meth:`WeightStore.finish_update`.
+from :meth:`WeightStore.begin_update` to :meth:`WeightStore.finish_update`; an
+update known up front is judged whole first (:meth:`WeightStore.check`, and
+:meth:`WeightStore.load` for a checkpoint), so its refusal loads nothing.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from typing import Any
 import torch
 
 from kvrunner.errors import SleepStateError, WeightUpdateError
-from kvrunner.models.checkpoint_tensors import CheckpointTensors
-from kvrunner.models.tensor_checks import tensor_problem
+from kvrunner.models.checkpoint_tensors import CheckpointTensors, load_checkpoint
 from kvrunner.models.weight_names import WeightTargets
+from kvrunner.models.weight_specs import TensorSpec, check_specs
 from kvrunner.runner.ranks.rank_reports import PushReport
 from kvrunner.runner.weight_residency import WeightResidency
 
@@ -76,6 +78,18 @@ class WeightStore:
         self._update_loaded = set()
         self._targets = None
 
+    def check(self, specs: list[TensorSpec]) -> None:
+        """Judge one update's names and shapes whole (a name the model lacks or given
+        twice, a shape its parameter refuses), loading nothing; raises
+        ``WeightUpdateError`` naming the tensor."""
+        self._require_resident()
+        if self._targets is None:
+            self._targets = self.model.weight_targets()
+        try:
+            check_specs(self.model, specs, whole=False, targets=self._targets)
+        except ValueError as e:
+            raise WeightUpdateError(f"{e}; nothing of this update was loaded") from e
+
     def update(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load Hugging Face-named full tensors (this rank takes its shard, in its dtype);
         returns how many were loaded. Raises ``WeightUpdateError`` naming a bad one,
@@ -97,18 +111,19 @@ class WeightStore:
 
     def load(self, path: str, check_finite: bool = True) -> int:
         """Every tensor of a safetensors checkpoint directory (a whole model: a missing
-        or unexpected tensor is refused too); a fault raises ``CheckpointError``
-        naming the file and the tensor, after :meth:`fail_update`."""
+        or unexpected tensor is refused too), as one transaction: every name, shape
+        and dtype (from the headers) and, with ``check_finite``, every value is checked
+        before the first tensor loads, so a refused checkpoint leaves the weights as
+        they were. A fault raises ``CheckpointError`` naming the file and the tensor,
+        after :meth:`fail_update`."""
         self._require_resident()
-        check = (lambda _, t: tensor_problem(t, check_finite=True)) if check_finite else None
-        tensors = CheckpointTensors(Path(path), self.dtype, check=check)
+        tensors = CheckpointTensors(Path(path), self.dtype)
         loaded: set[str] = set()
         try:
-            self.model.load_weights(tensors, loaded=loaded)
-        except BaseException as e:
+            load_checkpoint(self.model, tensors, check_finite=check_finite, values_first=True,
+                            loaded=loaded)
+        except BaseException:
             self._fail_after(loaded)
-            if isinstance(e, ValueError):
-                raise tensors.error(e) from None
             raise
         self._note_loaded(loaded)
         return len(loaded)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.layout import DTYPES
 
@@ -89,21 +90,29 @@ class UpdateGroup:
         self.device = device
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                load: Callable[[list[tuple[str, torch.Tensor]]], int]) -> int:
+                load: Callable[[list[tuple[str, torch.Tensor]]], int],
+                check: Callable[[list[TensorSpec]], None]) -> int:
         """Receive one broadcast per name (full tensors, on this rank's device) and
-        load each; returns how many loaded."""
+        load each; returns how many loaded. The announced names, dtypes and shapes
+        are judged whole (``check``) before the first broadcast is received, so a
+        refusal there loads nothing; a tensor's values are checked only as it
+        arrives (``load``), after the ones before it loaded."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise WeightSyncError(f"names, dtypes and shapes differ in length "
                                   f"({len(names)}, {len(dtypes)}, {len(shapes)})")
-        loaded = 0
+        specs = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             dtype = str(dtype).removeprefix("torch.")
             if dtype not in DTYPES:
                 raise WeightSyncError(f"tensor {name!r}: dtype {dtype!r} is not one of "
                                       f"{sorted(DTYPES)}")
-            tensor = torch.empty(tuple(shape), dtype=DTYPES[dtype], device=self.device)
+            specs.append(TensorSpec(name, tuple(shape), dtype, DTYPES[dtype].is_floating_point))
+        check(specs)
+        loaded = 0
+        for spec in specs:
+            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
             broadcast(self.group, tensor)
-            loaded += load([(name, tensor)])
+            loaded += load([(spec.name, tensor)])
         return loaded
 
     def destroy(self) -> None:

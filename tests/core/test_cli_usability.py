@@ -126,6 +126,29 @@ def test_make_tiny_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys)
     assert (target / "config.json").exists() and (target / "notes.txt").read_text() == "mine"
 
 
+def test_make_tiny_where_nothing_can_be_written_is_one_line(tmp_path, capsys) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    for target, why in (("/proc/nope", "No such file or directory"),
+                        (str(blocker / "m"), "Not a directory")):
+        assert main(["make-tiny", target]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvrunner: error: cannot write a checkpoint in {target}: ")
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_unwritable_kvrunner_home_is_one_line_naming_it(tmp_path, monkeypatch,
+                                                          capsys) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KVRUNNER_HOME", str(blocker / "home"))
+    assert main(["generate", "hi", "--model", "tiny-qwen3", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvrunner: error: cannot write the embedded model tiny-qwen3 in "
+                          f"{blocker / 'home' / 'models'}: ")
+    assert "set KVRUNNER_HOME to a writable directory" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_ctrl_c_exits_130_without_a_traceback(tp) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""

@@ -69,6 +69,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
                and s.startswith("cuda"))), "load", {}),
     "seed": (ints_outside(0, (1 << 63) - 1), "load", {}),
     "load_format": (strs_except("auto", "dummy"), "load", {}),
+    "check_finite": (not_a_bool, "load", {}),
     "skip_tokenizer_init": (not_a_bool, "load", {}),
     "deterministic": (not_a_bool, "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),

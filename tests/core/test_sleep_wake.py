@@ -145,11 +145,13 @@ def test_dummy_start_then_pushed_weights_equal_the_real_checkpoint(checkpoints, 
 def test_a_failed_update_refuses_generation_until_a_later_call_completes(
     checkpoints, expected
 ) -> None:
+    """A streamed push (a generator) refused after some of it loaded."""
     served, pushed = checkpoints
     llm = LLM(model=served, **SETTINGS)
     good = list(tensors_of(pushed))
     with pytest.raises(WeightUpdateError, match="model.no_such.weight"):
-        llm.update_weights([*good[:3], ("model.no_such.weight", torch.zeros(2)), *good[3:]])
+        llm.update_weights(iter([*good[:3], ("model.no_such.weight", torch.zeros(2)),
+                                 *good[3:]]))
     with pytest.raises(SleepStateError, match="failed part way"):
         llm.generate(PROMPTS, GREEDY)
     name, tensor = good[0]

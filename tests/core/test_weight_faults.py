@@ -164,15 +164,20 @@ def test_check_finite_false_lets_a_nan_tensor_through(checkpoints) -> None:
     assert llm.update_weights([(VICTIM, nan)], check_finite=False) == 1
 
 
-def test_a_failed_push_is_repaired_only_by_every_tensor_it_did_not_load(
+def test_a_failed_streamed_push_is_repaired_only_by_every_tensor_it_did_not_load(
     checkpoints, expected
 ) -> None:
+    """A generator is streamed: the pairs drawn before the refused one loaded, so the
+    weights are partial, the refusal says how to repair, and only pushing every
+    tensor it did not load repairs them."""
     served, pushed = checkpoints
     llm = LLM(model=str(served), **SETTINGS)
     good = list(iter_safetensors(pushed, torch.float32))
     cut = len(good) // 2
-    with pytest.raises(WeightUpdateError, match="NaN"):
-        llm.update_weights([*good[:cut], (good[cut][0], good[cut][1] * float("nan"))])
+    with pytest.raises(WeightUpdateError, match="NaN") as refused:
+        llm.update_weights(iter([*good[:cut], (good[cut][0], good[cut][1] * float("nan"))]))
+    assert f"{len(good) - cut} tensor(s) were not loaded" in str(refused.value)
+    assert "load_weights(path)" in str(refused.value)
     assert llm.cache_info().weights == "partial"
     llm.update_weights(good[:1])  # one tensor is no repair
     with pytest.raises(SleepStateError, match=rf"{len(good) - cut} tensor\(s\)"):
@@ -254,3 +259,48 @@ def test_a_list_is_checked_in_one_pass_and_still_names_the_first_value_refused(
     assert llm.update_weights([huge]) == 1  # the one pass overflows: each value is checked
     llm.update_weights(good)
     assert tokens(llm) == expected[pushed]
+
+
+def integer_victim(t: dict) -> None:
+    t[VICTIM] = t[VICTIM].to(torch.int32)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (integer_victim, "has dtype I32; weights must be floating point"),
+    (non_finite, "holds NaN or inf values"),
+], ids=["int32", "NaN"])
+def test_start_up_refuses_what_load_weights_refuses_naming_the_tensor(
+    checkpoints, tmp_path, change, why
+) -> None:
+    """One loading rule: an integer tensor (which a cast would silently turn into
+    other weights) and, with check_finite on by default, a NaN are refused at start."""
+    bad = altered(checkpoints[0], tmp_path / "bad", change)
+    with pytest.raises(CheckpointError, match=rf"{VICTIM.replace('.', '[.]')}' {why}") as info:
+        LLM(model=str(bad), **SETTINGS)
+    assert info.value.path == bad / "model.safetensors"
+
+
+def test_check_finite_false_starts_on_a_nan_checkpoint(checkpoints, tmp_path) -> None:
+    bad = altered(checkpoints[0], tmp_path / "nan", non_finite)
+    with LLM(model=str(bad), check_finite=False, **SETTINGS) as llm:
+        assert llm.cache_info().weights == "resident"
+
+
+def test_generate_prints_why_a_request_ended_in_error_and_exits_non_zero(
+    checkpoints, tmp_path, capsys
+) -> None:
+    from kvrunner.cli.main import main
+
+    def nan_norm(t: dict) -> None:
+        t["model.norm.weight"] = t["model.norm.weight"].clone()
+        t["model.norm.weight"][0] = float("nan")
+
+    bad = altered(checkpoints[0], tmp_path / "nan", nan_norm)
+    code = main(["generate", "5,6,7", "--token-ids", "--model", str(bad), "--max-tokens", "2",
+                 "--no-check-finite"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "-> error (step 1 (output token 0): logits hold NaN)" in captured.out
+    assert captured.err.endswith(
+        "kvrunner: error: 1 of 1 request(s) ended in error: step 1 (output token 0): logits "
+        "hold NaN\n")

@@ -34,7 +34,7 @@ def poisoned(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def metrics_server(tmp_path_factory, serve_home, poisoned) -> Iterator[ServeProcess]:
     server = start_server(tmp_path_factory.mktemp("metrics_logs"), serve_home, "metrics",
-                          ["--enable-rl-endpoints"], api_key=API_KEY,
+                          ["--enable-rl-endpoints", "--no-check-finite"], api_key=API_KEY,
                           model=str(poisoned)).wait_ready()
     yield server
     assert server.stop() == 0

@@ -98,6 +98,33 @@ def test_a_malformed_bucket_is_refused_by_name_and_the_engine_refuses_until_a_fu
     assert tokens(llm) == checkpoints.expected(3, "float32")
 
 
+def test_a_refusal_after_a_loaded_bucket_says_which_calls_serve_again(
+    llm, trainer, checkpoints
+) -> None:
+    address, authkey = trainer.start(path=checkpoints.path(3), fault="wrong_shape")
+    with pytest.raises(WeightSyncError) as refused:
+        llm.update_weights_from_ipc(address, authkey=authkey, timeout_s=30)
+    trainer.result()
+    message = str(refused.value)
+    assert "the weights are partial" in message
+    assert "update_weights_from_ipc" in message and "load_weights(path)" in message
+    push(llm, trainer, path=checkpoints.path(3), bucket_bytes=4 * SMALLEST_BUCKET)
+
+
+def test_a_bucket_is_judged_whole_before_any_of_it_loads(llm, trainer, checkpoints) -> None:
+    """Bucket 0 holds a good tensor and then one of a wrong shape: neither loads, so
+    the engine, refused by the first bucket, serves its old weights on."""
+    push(llm, trainer, path=checkpoints.path(2), bucket_bytes=4 * SMALLEST_BUCKET)
+    before = tokens(llm)
+    address, authkey = trainer.start(path=checkpoints.path(3),
+                                     fault="first_bucket_wrong_shape")
+    with pytest.raises(WeightSyncError, match="bucket 0: .*expected"):
+        llm.update_weights_from_ipc(address, authkey=authkey, timeout_s=30)
+    assert trainer.result()[0] == "failed"
+    assert llm.cache_info().weights == "resident"
+    assert tokens(llm) == before == checkpoints.expected(2, "float32")
+
+
 def test_the_trainer_hears_the_engines_refusal_when_the_engine_is_asleep(
     llm, trainer, checkpoints
 ) -> None:

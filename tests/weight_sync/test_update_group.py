@@ -75,3 +75,29 @@ def test_a_trainer_dying_mid_broadcast_leaves_the_engine_refusing_until_a_full_p
     assert trainer.result()[0] == "broadcast"
     assert [o.token_ids for o in llm_tp1.generate(PROMPTS, GREEDY)] == \
         checkpoints.expected(3, "float32")
+
+
+def test_the_announced_names_and_shapes_are_judged_before_the_first_broadcast() -> None:
+    """A group push names every tensor up front: a refusal there is raised before a
+    broadcast is received (this group has none to give: receiving would fail)."""
+    import torch
+
+    from kvrunner.errors import WeightUpdateError
+    from kvrunner.weight_sync.update_group import UpdateGroup
+
+    judged: list = []
+
+    def refuse(specs) -> None:
+        judged.extend(specs)
+        raise WeightUpdateError("tensor 'model.nope.weight': no such parameter")
+
+    def load(pairs) -> int:
+        raise AssertionError("nothing may load")
+
+    group = UpdateGroup(None, torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="model.nope.weight"):
+        group.receive(["model.norm.weight", "model.nope.weight"], ["float32", "bfloat16"],
+                      [[64], [2, 2]], load, check=refuse)
+    assert [(s.name, s.shape, s.dtype) for s in judged] == [
+        ("model.norm.weight", (64,), "float32"), ("model.nope.weight", (2, 2), "bfloat16")]
+

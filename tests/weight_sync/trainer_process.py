@@ -64,7 +64,9 @@ def push(conn: Connection, job: dict[str, Any]) -> None:
 
 def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
     """One good bucket, then bucket 1 with the fault ``job["fault"]`` names (its layout,
-    or for ``nan`` / ``inf`` one such value in a well-formed bucket)."""
+    or for ``nan`` / ``inf`` one such value in a well-formed bucket); or, for
+    ``first_bucket_wrong_shape``, bucket 0 holding a good tensor then one of a wrong
+    shape."""
     from multiprocessing.connection import Listener
 
     pairs = checkpoint_tensors(job["path"], 0)
@@ -76,6 +78,14 @@ def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
         name, tensor = pairs[0]
         buffer.tensor[: tensor.numel() * 4].view(torch.float32).copy_(tensor.flatten())
         slot = TensorSlot(name, "float32", tuple(tensor.shape), 0)
+        if job["fault"] == "first_bucket_wrong_shape":  # bucket 0: a good tensor, a bad one
+            late = TensorSlot(pairs[1][0], "float32", (3, 5), tensor.numel() * 4)
+            m.send(engine, m.Bucket(0, 0, BucketLayout((slot, late))))
+            answer = m.receive(engine, 60, waiting_for="the refusal")
+            conn.send(("failed", getattr(answer, "message", repr(answer))))
+            buffer.close()
+            listener.close()
+            return
         m.send(engine, m.Bucket(0, 0, BucketLayout((slot,))))
         assert m.receive(engine, 60, waiting_for="ack") == m.Ack(0)
         name, tensor = pairs[1]

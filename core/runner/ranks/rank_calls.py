@@ -20,6 +20,7 @@ import torch
 
 from kvrunner.errors import CheckpointError, SleepStateError, WakeError, WeightUpdateError
 from kvrunner.layers.fused.dispatch import chosen_kernels
+from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.runner.ranks.rank_reports import PushReport, RankCacheInfo, SleepReport, WakeReport
 
 #: errors after which a rank is still consistent and serving
@@ -122,6 +123,10 @@ class RankCalls:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         return self.runner.weights.update(weights)
 
+    def check_weights(self, specs: list[TensorSpec]) -> None:
+        """Judge a pushed update's names and shapes whole, loading nothing."""
+        self.runner.weights.check(specs)
+
     def load_weights(self, path: str, check_finite: bool = True) -> int:
         return self.runner.weights.load(path, check_finite)
 
@@ -156,7 +161,8 @@ class RankCalls:
         group = self.update_group
         if group is None:
             raise SleepStateError("no weight-update group: call init_weights_update_group")
-        return group.receive(names, dtypes, shapes, self.runner.weights.update)
+        weights = self.runner.weights
+        return group.receive(names, dtypes, shapes, weights.update, check=weights.check)
 
     def destroy_weights_update_group(self) -> None:
         """Leave the weight-update group, if this rank is in one."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.runner.ranks.rank_calls import RankCalls
 from kvrunner.runner.ranks.rank_reports import PushReport, RankCacheInfo, SleepReport, WakeReport
 
@@ -41,6 +42,9 @@ class RankClient:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[int]:
         return self._call(RankCalls.update_weights, weights)
+
+    def check_weights(self, specs: list[TensorSpec]) -> None:
+        self._call(RankCalls.check_weights, specs)
 
     def load_weights(self, path: str, check_finite: bool) -> list[int]:
         return self._call(RankCalls.load_weights, path, check_finite)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrunner import LLM, CheckpointError
+from kvrunner import LLM, CheckpointError, ConfigError
 from kvrunner.models.loader import load_hf_config, load_model
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.plugin_api import KvrunnerError
@@ -115,3 +115,38 @@ def test_an_unsupported_architecture_names_config_json(tiny, tmp_path) -> None:
         lambda c: {**c, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(CheckpointError, match="unsupported architecture LlamaForCausalLM"):
         load_hf_config(ckpt)
+
+
+#: a config.json field edit -> what the one-line error says (the field named, not a
+#: symptom further on: a TypeError in arithmetic, a torch error, a projection's shape)
+BAD_FIELDS = {
+    "vocab_size as text": ({"vocab_size": "448"}, "vocab_size must be an integer, got '448'"),
+    "negative hidden_size": ({"hidden_size": -64}, "hidden_size must be >= 1"),
+    "no attention heads": ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
+    "boolean layer count": ({"num_hidden_layers": True}, "num_hidden_layers must be an integer"),
+    "zero rms_norm_eps": ({"rms_norm_eps": 0.0}, "rms_norm_eps must be > 0"),
+    "text tie_word_embeddings": ({"tie_word_embeddings": "no"},
+                                 "tie_word_embeddings must be true or false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FIELDS))
+def test_a_config_field_of_the_wrong_type_or_range_is_a_config_error_naming_it_and_the_file(
+    tiny, tmp_path, case
+) -> None:
+    fields, message = BAD_FIELDS[case]
+    ckpt = broken_copy(tiny, tmp_path / "c", edit_config(lambda c: {**c, **fields}))
+    with pytest.raises(ConfigError) as info:
+        LLM(str(ckpt), **ENGINE)
+    assert str(info.value).startswith(f"{ckpt / 'config.json'}: {message}")
+    assert "\n" not in str(info.value)
+
+
+def test_the_cli_prints_a_bad_config_field_as_one_line(tiny, tmp_path, capsys) -> None:
+    from kvrunner.cli.main import main
+
+    ckpt = broken_copy(tiny, tmp_path / "c", edit_config(lambda c: {**c, "hidden_size": -64}))
+    assert main(["generate", "hi", "--model", str(ckpt), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvrunner: error: {ckpt / 'config.json'}: hidden_size must be >= 1 and " \
+                  f"<= 16777216, got -64\n"

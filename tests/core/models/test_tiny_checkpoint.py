@@ -12,6 +12,7 @@ import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvrunner.errors import ConfigError
 from kvrunner.models import tiny
 from kvrunner.models.loader import load_model
 from kvrunner.models.tiny import (
@@ -145,7 +146,7 @@ def test_crashed_writer_leaves_nothing_and_a_retry_works(
         raise OSError("disk full")
 
     monkeypatch.setitem(tiny.DEFAULT_MODELS, "tiny-qwen3", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ConfigError, match="disk full"):  # one line naming the home
         ensure_default_model("tiny-qwen3")
     assert list((home / "models").iterdir()) == []
     monkeypatch.undo()
