@@ -43,10 +43,14 @@ hookimpl = pluggy.HookimplMarker("kvrunner")
 
 #: hooks every layer backend implements: without them the core has no layer to call
 #: and no metadata to hand it (a missing one fails at its first use, naming the backend)
-REQUIRED_OF_LAYER_BACKENDS = frozenset({"make_layer", "build_metadata", "build_capture_metadata"})
+REQUIRED_OF_LAYER_BACKENDS = frozenset({"make_layer", "build_metadata"})
 #: hooks required of a backend that implements another: hook -> the one that makes it
 #: required (refused at load without it)
-REQUIRED_WITH = {"release_cache": "allocate_cache"}
+REQUIRED_WITH = {
+    "release_cache": "allocate_cache",
+    "cache_spec": "allocate_cache",
+    "build_capture_metadata": "build_metadata",
+}
 #: hooks every overlap plugin implements (the rest of the "overlap" section is optional)
 REQUIRED_OF_OVERLAP_PLUGINS = frozenset({"plan_micro_batches", "forward_micro_batches"})
 
@@ -62,8 +66,11 @@ def cache_spec() -> CacheSpec:
     Summed over every layer the backend serves. The runner sums the specs of all active
     backends and divides the memory budget by them, after setting aside
     ``bytes_per_slot * num_slots``, so the block count it derives fits every backend's
-    pools at once. Asked when sizing and whenever the pools' size is reported; the bytes
-    must be what :func:`allocate_cache` really takes.
+    pools at once. Asked when sizing and whenever the pools' size is reported.
+    Required of a backend that implements :func:`allocate_cache`, whose pools must take
+    exactly ``bytes_per_block * num_blocks + bytes_per_slot * num_slots`` bytes (storage
+    shared by two pools counted once): the core refuses any other allocation at load,
+    and releases it.
     """
 
 
@@ -77,7 +84,8 @@ def allocate_cache(num_blocks: int, num_slots: int) -> dict[str, torch.Tensor]:
     """Allocate this backend's cache/state pools and return them by name.
 
     The runner prefixes each name with the backend's. Return every tensor the kernels
-    write as cache or state: these are what the capture audit snapshots and compares.
+    write as cache or state: these are what the capture and step audits snapshot and
+    compare, and they take exactly the bytes :func:`cache_spec` promised.
 
     :param num_blocks: KV blocks. After start-up, always the group's agreed count (the
         engine's block manager and every rank hold exactly it): never derive another.

@@ -39,7 +39,7 @@ from kvrunner.plugin_host.plugins import (
     blocked_backends,
     discover_backends,
     refuse_unmarked_hooks,
-    require_release_cache,
+    require_hooks,
 )
 from kvrunner.plugin_host.write_targets import (
     TargetIdentity,
@@ -129,7 +129,7 @@ class BackendManager:
                 instance = factory(self.contexts[name])
                 # A factory function's product is checked here, a class's at load.
                 refuse_unmarked_hooks(name, type(instance))
-                require_release_cache(name, type(instance))
+                require_hooks(name, type(instance))
                 self.pm.register(instance, name=name)
             except BackendError:
                 raise

@@ -133,7 +133,7 @@ def _validate_factory(name: str, factory: Any) -> None:
         )
     if isinstance(factory, type):
         refuse_unmarked_hooks(name, factory)
-        require_release_cache(name, factory)
+        require_hooks(name, factory)
 
 
 def _implements(cls: type, hook: str) -> bool:
@@ -142,14 +142,28 @@ def _implements(cls: type, hook: str) -> bool:
     return callable(function) and hasattr(function, "kvrunner_impl")
 
 
-def require_release_cache(name: str, cls: type) -> None:
-    """A backend that allocates pools must release them: without ``release_cache`` a
-    sleep would report its pools freed while it still holds them. Refuse it at load."""
-    if _implements(cls, "allocate_cache") and not _implements(cls, "release_cache"):
-        raise BackendError(
-            f"backend {name!r} implements allocate_cache but not release_cache: every "
-            f"backend that allocates must release its pools, or a sleep frees nothing"
-        )
+#: why each hook of :data:`~kvrunner.plugin_api.hookspecs.REQUIRED_WITH` is required
+_WHY_REQUIRED_WITH = {
+    "release_cache": "every backend that allocates must release its pools, or a sleep "
+                     "frees nothing",
+    "cache_spec": "the pools are sized from cache_spec, and allocate_cache must take "
+                  "exactly the bytes it promises",
+    "build_capture_metadata": "every step a captured graph replays was built by it, and "
+                              "the first capture needs its answer (enforce_eager or not)",
+}
+
+
+def require_hooks(name: str, cls: type) -> None:
+    """Refuse at load a backend that implements a hook and leaves out one the contract
+    requires beside it (:data:`~kvrunner.plugin_api.hookspecs.REQUIRED_WITH`): found
+    at its first use instead, a missing ``build_capture_metadata`` would pass every
+    eager run and fail the first capture as "returned no metadata"."""
+    for hook, because in hookspecs.REQUIRED_WITH.items():
+        if _implements(cls, because) and not _implements(cls, hook):
+            raise BackendError(
+                f"backend {name!r} implements {because} but not {hook}: "
+                f"{_WHY_REQUIRED_WITH[hook]}"
+            )
 
 
 def refuse_unmarked_hooks(name: str, cls: type) -> None:
@@ -175,7 +189,7 @@ __all__ = [
     "discover_backends",
     "hook_names",
     "refuse_unmarked_hooks",
-    "require_release_cache",
+    "require_hooks",
     "register_backend",
     "unregister_backend",
 ]

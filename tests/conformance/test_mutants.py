@@ -18,6 +18,7 @@ from kvrunner.testing.conformance import (
     Target,
     run_check,
 )
+from kvrunner_paged import PagedBackend
 
 
 def test_every_check_has_a_mutant() -> None:
@@ -63,3 +64,26 @@ def test_a_backend_that_allocates_without_release_cache_is_refused_at_load() -> 
     with pytest.raises(BackendError, match="'mutant-no-release'.*release_cache"):
         register_backend("mutant-no-release", NoReleaseCache)
     assert "mutant-no-release" not in discover_backends()
+
+
+class NoCaptureMetadata(NoReleaseCache):
+    """Builds real steps' metadata and has no ``build_capture_metadata``: every eager
+    step works, and the first capture would find no metadata."""
+
+    build_capture_metadata = None
+    release_cache = PagedBackend.release_cache
+
+
+class AllocatesWithoutSpec(NoReleaseCache):
+    """Allocates pools and states no ``cache_spec``: the sizing counts none of them."""
+
+    cache_spec = None
+    release_cache = PagedBackend.release_cache
+
+
+@pytest.mark.parametrize("factory, hook", [(NoCaptureMetadata, "build_capture_metadata"),
+                                           (AllocatesWithoutSpec, "cache_spec")])
+def test_a_backend_without_a_required_hook_is_refused_at_load_naming_it(factory, hook) -> None:
+    with pytest.raises(BackendError, match=f"'mutant-missing' implements \\w+ but not {hook}"):
+        register_backend("mutant-missing", factory)
+    assert "mutant-missing" not in discover_backends()

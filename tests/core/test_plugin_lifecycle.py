@@ -48,6 +48,10 @@ class Minimal:
         return "metadata only"
 
     @plugin_api.hookimpl
+    def build_capture_metadata(self, step) -> None:
+        return None  # builds nothing: the manager names the backend and the hook
+
+    @plugin_api.hookimpl
     def cache_write_targets(self) -> list[CacheWriteTarget]:
         return [CacheWriteTarget(name="slot_mapping", buffer=self.buffer)]
 
