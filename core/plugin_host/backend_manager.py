@@ -51,6 +51,10 @@ from kvrunner.plugin_host.write_targets import (
 #: hooks that read the persistent buffers, so may only run once they exist
 NEEDS_BUFFERS = ("build_metadata", "build_capture_metadata", "cache_write_targets")
 
+#: attribute levels the capture audit walks into a backend for the buffers it holds
+#: (``backend.state.parts.builder.slot_mapping`` is four)
+HELD_DEPTH = 4
+
 #: ``observer(backend, hook)``, called after each backend's answer to a hook
 HookObserver = Callable[[str, str], None]
 
@@ -295,14 +299,14 @@ class BackendManager:
         return union
 
     def held_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the layer backends hold within two attribute levels
+        """Every tensor the layer backends hold within :data:`HELD_DEPTH` attribute levels
         (``"<backend>.builder.slot_mapping"``): their builders' buffers, whether in
         forward_vars or not, and their pools. The capture audit seeds the integer
         ones that are neither a declared write target nor a pool."""
         return {
             f"{name}.{path}": tensor
             for name, plugin in self.pm.list_name_plugin()
-            for path, tensor in held_tensors(plugin, depth=2).items()
+            for path, tensor in held_tensors(plugin, depth=HELD_DEPTH).items()
         }
 
     # -- layers ----------------------------------------------------------------------

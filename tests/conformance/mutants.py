@@ -147,6 +147,37 @@ class BuilderHeldTarget(PagedBackend):
         return []
 
 
+class WrongPadValue(PagedBackend):
+    """Declares PAD 0 for ``slot_mapping``; its kernels skip -1: blanking points every
+    captured row at slot 0."""
+
+    @hookimpl
+    def cache_write_targets(self) -> list[CacheWriteTarget]:
+        return [CacheWriteTarget(name="slot_mapping", buffer=self.builder.slot_mapping,
+                                 pad_value=0)]
+
+
+class _Holder:
+    """A plain object one attribute level deep."""
+
+    def __init__(self, **fields: object) -> None:
+        self.__dict__.update(fields)
+
+
+class DeepHeldTarget(BuilderHeldTarget):
+    """Keeps its builder (and so its undeclared write target) three attribute levels
+    down, ``state.parts.builder``, behind a property the walk does not follow."""
+
+    @property
+    def builder(self):  # noqa: ANN201
+        state = self.__dict__.get("state")
+        return state.parts.builder if state is not None else None
+
+    @builder.setter
+    def builder(self, value) -> None:  # noqa: ANN001
+        self.__dict__["state"] = _Holder(parts=_Holder(builder=value))
+
+
 class CaptureReadsLiveBlocks(PagedBackend):
     """Its capture read side is a copy of the block tables the last real step left on
     its builder, not the core's capture step: a replay reads those blocks forever."""
@@ -372,6 +403,8 @@ MUTANTS = {
 #: mutant name -> (factory, the kit check that catches it)
 AUDIT_MUTANTS = {
     "mutant-builder-held-target": (BuilderHeldTarget, "blanked_capture_writes_nothing"),
+    "mutant-deep-held-target": (DeepHeldTarget, "blanked_capture_writes_nothing"),
+    "mutant-wrong-pad-value": (WrongPadValue, "blanked_capture_writes_nothing"),
     "mutant-capture-reads-live-blocks": (CaptureReadsLiveBlocks, "replay_sees_later_fill"),
     "mutant-stores-pad-rows": (StoresPadRows, "pad_rows_write_nothing"),
 }

@@ -49,6 +49,22 @@ def test_a_write_target_kept_on_the_builder_is_caught_at_the_first_capture(start
     assert "Writes at PAD" not in message
 
 
+def test_a_write_target_three_levels_down_is_caught_at_the_first_capture(start) -> None:
+    name = "mutant-deep-held-target"
+    message = audited_start_failure(start, name)
+    assert f"Undeclared target: the writes follow ['{name}.state.parts.builder.slot_mapping']" \
+        in message
+
+
+def test_a_wrong_pad_value_is_named_as_such_not_as_writes_at_pad(start) -> None:
+    name = "mutant-wrong-pad-value"
+    message = audited_start_failure(start, name)
+    assert message.startswith(f"backend {name!r}:")
+    assert f"Wrong PAD value: blanked with their declared PAD values the targets " \
+           f"{name}.slot_mapping (pad_value=0)" in message
+    assert "Writes at PAD" not in message
+
+
 def test_a_capture_read_side_at_live_blocks_gives_wrong_tokens_unaudited(start) -> None:
     """What the audit exists to stop: the mutant's greedy tokens are not paged's."""
     with mutant("mutant-capture-reads-live-blocks") as name:

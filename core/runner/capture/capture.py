@@ -62,9 +62,10 @@ def capture_decode_graphs(
     for batch_size in tqdm(ordered, desc="capturing decode graphs", disable=not progress):
         targets = backends.cache_write_targets()
 
-        def build(batch_size: int = batch_size, targets: list = targets) -> ForwardContext:
+        def build(batch_size: int = batch_size, targets: list = targets,
+                  pad: int | None = None) -> ForwardContext:
             if config.blank_write_targets:
-                blank_write_targets(targets)
+                blank_write_targets(targets, pad)
             # The read side: token 0 at position 0, one key at block 0 (positions and
             # the shared step buffers are filled by the step builder).
             forward_vars["input_ids"][:batch_size].zero_()
@@ -79,8 +80,9 @@ def capture_decode_graphs(
         graph.capture(forward, pool=shared_pool, device=device, warmup=warmup)
         if audit is not None:
 
-            def probe(token: int, batch_size: int = batch_size, build=build) -> None:
-                probe_ctx = build()
+            def probe(token: int, pad: int | None = None, batch_size: int = batch_size,
+                      build=build) -> None:
+                probe_ctx = build(pad=pad)
                 forward_vars["input_ids"][:batch_size].fill_(token)
                 forward(batch_size, probe_ctx)
 

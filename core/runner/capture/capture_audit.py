@@ -40,9 +40,10 @@ from kvrunner.runner.capture.capture_safety import (
 )
 from kvrunner.runner.step.forward_vars import ForwardVars
 
-#: ``probe(token)``: blank, rebuild the capture metadata and run the forward once,
-#: eagerly, with ``token`` as every row's input
-Probe = Callable[[int], None]
+#: ``probe(token, pad)``: blank (every target with ``pad`` when given, else its own PAD
+#: value), rebuild the capture metadata and run the forward once, eagerly, with
+#: ``token`` as every row's input
+Probe = Callable[[int, int | None], None]
 
 
 class CaptureAudit:
@@ -125,7 +126,7 @@ class CaptureAudit:
         if not self.snapshot.changed_pools():
             return
         if self.blanking:
-            evidence = self._evidence(probe)
+            evidence = self._evidence(probe, targets)
         else:
             evidence = ("Blanking is off (blank_write_targets=False), so the declared write "
                         "targets still held what the last step left.")
@@ -133,7 +134,7 @@ class CaptureAudit:
             batch_size=batch_size, blanked=targets if self.blanking else [], evidence=evidence
         )
 
-    def _evidence(self, probe: Probe) -> str:
+    def _evidence(self, probe: Probe, targets: Sequence[CacheWriteTarget]) -> str:
         seeded = list(self._seeded.items())
 
         def all_pad() -> None:
@@ -141,6 +142,13 @@ class CaptureAudit:
                 buffer.fill_(PAD_SLOT_ID)
 
         at_pad = self._writes(probe, all_pad)
+        odd = [t for t in targets if t.pad_value != PAD_SLOT_ID]
+        if at_pad and odd and self._writes(probe, all_pad, pad=PAD_SLOT_ID) is False:
+            named = ", ".join(f"{t.qualified_name} (pad_value={t.pad_value})" for t in odd)
+            return (f"Wrong PAD value: blanked with their declared PAD values the targets "
+                    f"{named} let the capture write; blanked with {PAD_SLOT_ID} instead it "
+                    f"writes nothing, so the kernels skip {PAD_SLOT_ID}, not the declared "
+                    f"value: declare pad_value as the value the kernels skip.")
         if at_pad:
             return ("Writes at PAD: with every declared write target and every other "
                     "integer buffer the core reaches at PAD, the capture forward still "
@@ -163,14 +171,16 @@ class CaptureAudit:
                 "a kernel writes through a buffer its backend does not declare in "
                 "cache_write_targets, or does not skip PAD rows.")
 
-    def _writes(self, probe: Probe, setup: Callable[[], None]) -> bool | None:
-        """Whether one probe forward, after ``setup``, changes a pool (None: it raised)."""
+    def _writes(self, probe: Probe, setup: Callable[[], None], *, pad: int | None = None
+                ) -> bool | None:
+        """Whether one probe forward, after ``setup`` (targets blanked with ``pad`` when
+        given), changes a pool (None: it raised)."""
         self._probes += 1
         token = 1 + self._probes % (self.vocab_size - 1) if self.vocab_size > 1 else 0
         try:
             setup()
             snapshot = PoolSnapshot(self.pools)
-            probe(token)
+            probe(token, pad)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception:  # a read through a PAD index may fail: no evidence either way

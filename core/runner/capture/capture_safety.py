@@ -41,10 +41,10 @@ class CaptureAuditError(BackendError):
     says which rule the evidence shows broken."""
 
 
-def blank_write_targets(targets: Sequence[CacheWriteTarget]) -> None:
-    """Fill every declared write target with its PAD value, in place."""
+def blank_write_targets(targets: Sequence[CacheWriteTarget], value: int | None = None) -> None:
+    """Fill every declared write target with its PAD value (or ``value``), in place."""
     for target in targets:
-        target.buffer.fill_(target.pad_value)
+        target.buffer.fill_(target.pad_value if value is None else value)
 
 
 def seed_undeclared_index_buffers(
