@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from kvrunner_tbo.plugin import TwoBatchOverlap
 
 from kvrunner.plugin_api import (
     PAD_SLOT_ID,
@@ -155,6 +156,15 @@ class WrongPadValue(PagedBackend):
     def cache_write_targets(self) -> list[CacheWriteTarget]:
         return [CacheWriteTarget(name="slot_mapping", buffer=self.builder.slot_mapping,
                                  pad_value=0)]
+
+
+class UndeclaredMirrors(TwoBatchOverlap):
+    """An overlap plugin that mirrors the layer backend's write targets per part and
+    declares none of its mirrors: blanking leaves them holding live slots."""
+
+    @hookimpl
+    def cache_write_targets(self) -> list[CacheWriteTarget]:
+        return []
 
 
 class _Holder:

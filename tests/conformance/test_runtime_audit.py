@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from mutants import AUDIT_MUTANTS
+from mutants import AUDIT_MUTANTS, UndeclaredMirrors
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.cli.main import main
@@ -63,6 +63,20 @@ def test_a_wrong_pad_value_is_named_as_such_not_as_writes_at_pad(start) -> None:
     assert f"Wrong PAD value: blanked with their declared PAD values the targets " \
            f"{name}.slot_mapping (pad_value=0)" in message
     assert "Writes at PAD" not in message
+
+
+def test_undeclared_overlap_mirrors_are_blamed_on_the_overlap_plugin(start) -> None:
+    name = "mutant-undeclared-mirrors"
+    register_backend(name, UndeclaredMirrors)
+    try:
+        with pytest.raises(CaptureAuditError) as raised:
+            start("paged", overlap=name, overlap_min_tokens=2, overlap_min_decode_seqs=2,
+                  audit=True)
+    finally:
+        unregister_backend(name)
+    message = str(raised.value)
+    assert message.startswith(f"overlap plugin {name!r}: capture of batch size")
+    assert f"the writes follow ['{name}.part0.paged.slot_mapping'" in message
 
 
 def test_a_capture_read_side_at_live_blocks_gives_wrong_tokens_unaudited(start) -> None:

@@ -125,16 +125,21 @@ class CaptureAudit:
             torch.cuda.synchronize(self.device)
         if not self.snapshot.changed_pools():
             return
+        culprit = None
         if self.blanking:
-            evidence = self._evidence(probe, targets)
+            evidence, culprit = self._evidence(probe, targets)
         else:
             evidence = ("Blanking is off (blank_write_targets=False), so the declared write "
                         "targets still held what the last step left.")
         self.snapshot.require_unchanged(
-            batch_size=batch_size, blanked=targets if self.blanking else [], evidence=evidence
+            batch_size=batch_size, blanked=targets if self.blanking else [], evidence=evidence,
+            culprit=culprit,
         )
 
-    def _evidence(self, probe: Probe, targets: Sequence[CacheWriteTarget]) -> str:
+    def _evidence(self, probe: Probe, targets: Sequence[CacheWriteTarget]
+                  ) -> tuple[str, str | None]:
+        """What the probes show, and who is to blame when that is not the pools' owner
+        (an overlap plugin whose undeclared mirrors the writes follow)."""
         seeded = list(self._seeded.items())
 
         def all_pad() -> None:
@@ -148,11 +153,11 @@ class CaptureAudit:
             return (f"Wrong PAD value: blanked with their declared PAD values the targets "
                     f"{named} let the capture write; blanked with {PAD_SLOT_ID} instead it "
                     f"writes nothing, so the kernels skip {PAD_SLOT_ID}, not the declared "
-                    f"value: declare pad_value as the value the kernels skip.")
+                    f"value: declare pad_value as the value the kernels skip."), None
         if at_pad:
             return ("Writes at PAD: with every declared write target and every other "
                     "integer buffer the core reaches at PAD, the capture forward still "
-                    "wrote, so a kernel does not skip the PAD rows of a write target.")
+                    "wrote, so a kernel does not skip the PAD rows of a write target."), None
         if at_pad is False:
             follows = []
             for name, (buffer, values) in seeded:
@@ -166,10 +171,18 @@ class CaptureAudit:
                 return (f"Undeclared target: the writes follow {follows}, which held row "
                         f"indices (seeded as serving leaves them; with them at PAD the "
                         f"capture writes nothing) and are not declared in "
-                        f"cache_write_targets.")
+                        f"cache_write_targets."), self._overlap_owner(follows)
         return ("The evidence shows neither an undeclared target nor writes at PAD alone: "
                 "a kernel writes through a buffer its backend does not declare in "
-                "cache_write_targets, or does not skip PAD rows.")
+                "cache_write_targets, or does not skip PAD rows."), None
+
+    def _overlap_owner(self, buffers: Sequence[str]) -> str | None:
+        """``"overlap plugin 'tbo'"`` when every buffer named is the overlap plugin's
+        (forward_vars ``"<plugin>.…"``): its mirrors, not the layer backend's targets."""
+        overlap = self.backends.overlap
+        if overlap is not None and all(b.startswith(f"{overlap.name}.") for b in buffers):
+            return f"overlap plugin {overlap.name!r}"
+        return None
 
     def _writes(self, probe: Probe, setup: Callable[[], None], *, pad: int | None = None
                 ) -> bool | None:

@@ -116,20 +116,23 @@ class PoolSnapshot:
         ]
 
     def require_unchanged(
-        self, *, batch_size: int, blanked: Sequence[CacheWriteTarget], evidence: str = ""
+        self, *, batch_size: int, blanked: Sequence[CacheWriteTarget], evidence: str = "",
+        culprit: str | None = None,
     ) -> None:
-        """Raise :class:`CaptureAuditError` naming the backends whose pools changed;
-        ``evidence`` says which rule the audit found broken (default: either)."""
+        """Raise :class:`CaptureAuditError` naming the backends whose pools changed (or
+        ``culprit``, when the evidence blames another plugin); ``evidence`` says which
+        rule the audit found broken (default: either)."""
         changed = self.changed_pools()
         if changed:
             owners = sorted({name.split(".", 1)[0] for name in changed})
+            who = culprit or f"backend {', '.join(map(repr, owners))}"
             names = ", ".join(t.qualified_name for t in blanked) or "none"
             evidence = evidence or (
                 "a kernel writes through a buffer its backend does not declare in "
                 "cache_write_targets, or does not skip PAD rows (or blanking is off)"
             )
             raise CaptureAuditError(
-                f"backend {', '.join(map(repr, owners))}: capture of batch size {batch_size} "
+                f"{who}: capture of batch size {batch_size} "
                 f"wrote into cache pool(s) {changed}; write targets blanked before it: "
                 f"{names}. {evidence}"
             )
