@@ -117,6 +117,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "tbo/test_tbo_generate.py::test_without_blanking_the_mirrors",
         "conformance/test_runtime_audit.py::test_an_audit_failure_is_a_backend_error_printed",
         "tbo/test_tbo_generate.py::test_an_undeclared_mirror_is_caught_by_the_audit",
+        "conformance/test_step_audit.py::test_the_kit_catches_each_step_defect_too",
     ),
     # end-to-end jobs: transformers parity at batch, load, the GRPO example, the CLI job
     "end-to-end jobs": (

@@ -128,3 +128,15 @@ def test_check_backend_reports_every_broken_rule_and_runs_the_rest(capsys) -> No
     for check in checks[1:]:  # each a FAIL line naming the check, none stopping the run
         assert f"FAIL mutant-raises full_attention {check}\n" in out
     assert "IndexError" in out and "2 check(s) failed" in out
+
+
+@pytest.mark.parametrize("name", sorted(STEP_MUTANTS))
+def test_the_kit_catches_each_step_defect_too(name: str) -> None:
+    from kvrunner.testing.conformance import ConformanceError, Target, run_check
+
+    with mutant(name, STEP_MUTANTS[name]):
+        (target,) = Target.of(name)
+        check = "write_targets_pad_past_live_rows" if name == "mutant-no-tail-pad" \
+            else "only_live_rows_change"
+        with pytest.raises((ConformanceError, ExceptionGroup)):
+            run_check(target, check, max_examples=25)
