@@ -55,7 +55,7 @@ def test_seeded_draws_in_the_graph_are_the_eager_engines(tiny_qwen3) -> None:
     the eager engine, the logprobs to float32 rounding, padded or not."""
     graphs = LLM(model=tiny_qwen3, **SETTINGS)
     eager = LLM(model=tiny_qwen3, enforce_eager=True, **SETTINGS)
-    assert graphs.runner.graph_sampling.draws
+    assert graphs.runner.launcher.graph_sampling.draws
     for batch in (1, 3, 8, 17):
         ps = prompts(batch)
         params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 3 == 0 else 0.9,

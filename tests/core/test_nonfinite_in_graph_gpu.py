@@ -40,7 +40,7 @@ def engines(checkpoint):
     for llm in (in_graph, after):
         captured = llm.runner.graph_capture.graphs
         assert all(g._graph is not None for g in captured.values()), "real CUDA graphs"
-        assert llm.runner.graph_sampling.draws
+        assert llm.runner.launcher.graph_sampling.draws
     assert all(g.output.coded is not None for g in in_graph.runner.graph_capture.graphs.values())
     assert all(g.output.coded is None for g in after.runner.graph_capture.graphs.values())
     yield in_graph, after

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import attrs
 import torch
 
+from kvrunner.layers.fused.dispatch import use_triton
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.plugin_api.factory import CacheRows
 
@@ -85,14 +86,21 @@ def _is_view_of(rows: torch.Tensor, pool: torch.Tensor) -> bool:
 
 def row_checksums(rows: torch.Tensor) -> torch.Tensor:
     """``[num_rows, 2]`` int64: each row's sum of raw words and their position-weighted
-    sum (wrapping), computed where ``rows`` lives, in groups of rows whose widened
-    copy stays under :data:`GROUP_ELEMENTS` elements."""
+    sum (wrapping; positions in the row-major order of the view), computed where
+    ``rows`` lives: one Triton pass over the strided rows where Triton runs, else in
+    groups of rows whose widened copy stays under :data:`GROUP_ELEMENTS` elements."""
     num_rows = rows.shape[0]
     width = rows[0].numel() if num_rows else 0
     out = torch.zeros((num_rows, 2), dtype=torch.int64, device=rows.device)
     if width == 0:
         return out
     word = _WORDS[rows.element_size()]
+    if use_triton(rows):
+        from kvrunner.runner.pools.row_checksums_triton import inner_dims, row_checksums_triton
+
+        dims = inner_dims(rows)
+        if dims is not None:
+            return row_checksums_triton(rows.view(word), dims)
     weight = torch.arange(1, width + 1, dtype=torch.int64, device=rows.device)
     per_group = max(GROUP_ELEMENTS // width, 1)
     for first in range(0, num_rows, per_group):
