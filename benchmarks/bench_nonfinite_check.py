@@ -36,7 +36,7 @@ def main() -> None:
     # One graph per timed batch: a recapture per placement costs seconds, not minutes.
     llm = decode_engine(path, BATCHES, capture_sizes=list(BATCHES))
     launcher = llm.runner.launcher
-    assert llm.runner.graph_capture.graph_end == "tokens" and llm.runner.launcher.graph_sampling.draws
+    assert llm.runner.graph_capture.graph_end == "tokens" and launcher.graph_sampling.draws
     runs: dict[tuple[str, str, int], list[float]] = {}
     for round_ in range(ROUNDS):
         for placement in PLACEMENTS if round_ % 2 == 0 else reversed(PLACEMENTS):
