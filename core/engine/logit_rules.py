@@ -61,10 +61,10 @@ def needs_history(params: SamplingParams, bad_words: Sequence[Sequence[int]]) ->
     """Whether a request's rules read its token history: a penalty, or a bad word of
     more than one token."""
     return (
-        (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
-        != NEUTRAL_PENALTIES
-        or any(len(w) > 1 for w in bad_words)
-    )
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+    ) != NEUTRAL_PENALTIES or any(len(w) > 1 for w in bad_words)
 
 
 def logit_rules(

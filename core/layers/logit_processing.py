@@ -107,7 +107,7 @@ def _ban_words(out: torch.Tensor, words: list[tuple[int, int, tuple[int, ...]]],
     width = history.recent.shape[1]
     prefixes = np.full((len(words), width), _ANY, np.int64)
     for k, (_, _, word) in enumerate(words):
-        prefixes[k, width - len(word) + 1:] = word[:-1]
+        prefixes[k, width - len(word) + 1 :] = word[:-1]
     index = on_device([[r for r, _, _ in words], [h for _, h, _ in words],
                        [w[-1] for _, _, w in words]], torch.int64, out.device)  # fmt: skip
     expected = on_device(prefixes, torch.int64, out.device)
@@ -129,7 +129,8 @@ def _penalise(out: torch.Tensor, penalised: list[tuple[int, int, float, float, f
                                    torch.int64, device)  # fmt: skip
     repetition, presence, frequency = on_device(
         [[p[2] for p in penalised], [p[3] for p in penalised], [p[4] for p in penalised]],
-        torch.float32, device,
+        torch.float32,
+        device,
     )[:, :, None]
     logits = out.index_select(0, rows)
     counts = history.counts.index_select(0, history_rows)
@@ -154,6 +155,7 @@ def mask_min_p_(scaled: torch.Tensor, min_p: np.ndarray) -> torch.Tensor:
     """Mask, in place, each row's tokens less likely than ``min_p`` times its likeliest
     token's probability (``scaled``: the logits after the temperature); returns it."""
     probs = scaled.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * on_device(min_p, torch.float32,
-                                                             scaled.device)[:, None]
+    threshold = (
+        probs.amax(dim=-1, keepdim=True) * on_device(min_p, torch.float32, scaled.device)[:, None]
+    )
     return scaled.masked_fill_(probs < threshold, float("-inf"))

@@ -54,8 +54,8 @@ from kvrunner.engine.step_io import (
 )
 from kvrunner.layers.logit_processing import adjusted_logits
 from kvrunner.layers.sampling_draw import draw_rows
-from kvrunner.layers.token_history import TokenHistory
 from kvrunner.layers.sampling_seeds import row_keys
+from kvrunner.layers.token_history import TokenHistory
 from kvrunner.plugin_api.buffers import on_device
 from kvrunner.sampling_params import SamplingParams
 

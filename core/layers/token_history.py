@@ -63,7 +63,7 @@ class TokenHistory:
             out_tokens += output
             if width and output:
                 tail = output[-width:]
-                recent[i, width - len(tail):] = tail
+                recent[i, width - len(tail) :] = tail
         index = on_device(np.asarray(rows, np.int64), torch.int64, self.device)
         self.prompt[index] = False
         self.counts[index] = 0
@@ -98,7 +98,7 @@ class TokenHistory:
             wider = torch.full((self.recent.shape[0], width), -1, dtype=torch.int64,
                                device=self.device)  # fmt: skip
             if have_width:
-                wider[:, width - have_width:] = self.recent
+                wider[:, width - have_width :] = self.recent
             self.recent = wider
 
 
