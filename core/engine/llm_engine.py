@@ -166,7 +166,9 @@ class LLMEngine:
                     f"(no tokenizer.json, or skip_tokenizer_init is set); use "
                     f"stop_token_ids instead"
                 )
-            watch = StopStringWatch(self.tokenizer, params.stop)
+            watch = StopStringWatch(self.tokenizer, params.stop,
+                                    include_stop=params.include_stop_str_in_output,
+                                    skip_special_tokens=params.skip_special_tokens)
         seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch,
                        bad_word_ids=bad_word_ids)
         self.scheduler.validate(seq, name=name)

@@ -29,15 +29,14 @@ _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 #: the vLLM family's fields kvrunner accepts at their neutral value only (completions,
 #: chat completions, /inference/v1/generate): field -> the one value it may hold
-VLLM_NEUTRAL: dict[str, Any] = {
-    "include_stop_str_in_output": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "structured_outputs": None, "priority": 0,
-}
+VLLM_NEUTRAL: dict[str, Any] = {"structured_outputs": None, "priority": 0}
 
 #: vLLM's sampling extras the engine does (``SamplingParams`` documents each), passed
 #: on by the same name where the body sets them
 VLLM_EXTRAS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
-               "min_tokens", "logit_bias", "allowed_token_ids", "bad_words")
+               "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+               "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens")
 
 #: vLLM clamps each logit bias to this range, as OpenAI documents it
 _BIAS_LIMIT = 100.0

@@ -175,3 +175,26 @@ def test_a_greedy_step_with_rules_in_a_decode_graph_is_picked_from_the_rules() -
     with LLM("tiny-qwen3", **ENGINE) as graphed:
         assert graphed.generate([PROMPT], params)[0].token_ids == want
     assert len(set(want)) == len(want)
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop_in_the_text(llm) -> None:
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                                  ignore_eos=True))[0].text
+    stop = plain[4:7]
+    at = plain.index(stop)
+    for include, text in ((False, plain[:at]), (True, plain[: at + len(stop)])):
+        out = llm.generate([PROMPT], SamplingParams(
+            max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop],
+            include_stop_str_in_output=include))[0]
+        assert out.text == text and out.stop_reason == stop
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(llm) -> None:
+    eos = sorted(llm.engine.scheduler.eos_token_ids)[0]
+    forced = dict(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={eos: 100.0})
+    special = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    assert special  # the EOS token is a special token with a text of its own
+    skipped = llm.generate([PROMPT], SamplingParams(**forced))[0]
+    kept = llm.generate([PROMPT], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text == special * 3

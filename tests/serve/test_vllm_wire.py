@@ -116,8 +116,28 @@ def test_a_bad_extra_is_a_400_naming_it(http, field, value, says) -> None:
     assert says in error["message"] and field in error["message"], error
 
 
+def test_the_output_side_extras_shape_the_text_as_llm_generate_does(
+        http, reference_llm) -> None:
+    plain = _post(http, "/v1/completions", GREEDY | {"max_tokens": 12})["choices"][0]["text"]
+    stop = plain[4:7]
+    eos = sorted(reference_llm.engine.scheduler.eos_token_ids)[0]
+    for wire, params in (
+            ({"stop": [stop], "include_stop_str_in_output": True},
+             {"stop": [stop], "include_stop_str_in_output": True}),
+            ({"logit_bias": {str(eos): 100}, "skip_special_tokens": False,
+              "spaces_between_special_tokens": False},
+             {"logit_bias": {eos: 100.0}, "skip_special_tokens": False})):
+        got = _post(http, "/v1/completions", GREEDY | {"max_tokens": 12} | wire)
+        ref = reference_llm.generate([[5, 17, 42, 9]], SamplingParams(
+            max_tokens=12, temperature=0.0, seed=5, ignore_eos=True, **params))[0]
+        assert got["choices"][0]["text"] == ref.text
+    assert ref.text and stop in _post(http, "/v1/completions", GREEDY | {
+        "max_tokens": 12, "stop": [stop], "include_stop_str_in_output": True}
+    )["choices"][0]["text"]
+
+
 @pytest.mark.parametrize(("field", "value"), [
-    ("include_stop_str_in_output", True), ("structured_outputs", {"regex": "a+"}),
+    ("structured_outputs", {"regex": "a+"}), ("priority", 1),
 ])
 def test_an_extra_asking_for_what_kvrunner_does_not_do_is_a_400_naming_it(
         http, field, value) -> None:
