@@ -373,4 +373,7 @@ class LLM:
         """The output text: up to the stop string that ended it, if one did."""
         if seq.stop_string is not None:
             return seq.stop_watch.output_text
-        return self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(
+            out, skip_special_tokens=seq.sampling_params.skip_special_tokens)

@@ -86,6 +86,79 @@ def _token_ids(value: Any) -> tuple[Any, ...]:
     return ids
 
 
+def _optional_token_ids(value: Any) -> tuple[Any, ...] | None:
+    if value is None:  # every token allowed
+        return None
+    if not _is_list_like(value):
+        raise RequestError(
+            f"SamplingParams.allowed_token_ids must be a list of token ids, got {_describe(value)}"
+        )
+    ids = tuple(value)
+    bad = [t for t in ids if not is_int(t) or t < 0]
+    if bad:
+        raise RequestError(
+            f"SamplingParams.allowed_token_ids must hold non-negative integers, got {bad[:5]}"
+        )
+    if not ids:  # an empty list would leave nothing to sample
+        raise RequestError("SamplingParams.allowed_token_ids must not be empty")
+    return tuple(sorted(set(ids)))
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:  # as vLLM takes it: none
+        return ()
+    pairs = value.items() if isinstance(value, Mapping) else value
+    if not _is_list_like(pairs):
+        raise RequestError(
+            f"SamplingParams.logit_bias must map token ids to numbers, got {_describe(value)}"
+        )
+    biases: dict[int, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise RequestError(
+                f"SamplingParams.logit_bias must map token ids to numbers, got {_describe(value)}"
+            )
+        token, bias = pair
+        if not is_int(token) or token < 0:
+            raise RequestError(
+                f"SamplingParams.logit_bias keys must be non-negative token ids, got {token!r}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, Real) or not math.isfinite(bias):
+            raise RequestError(
+                f"SamplingParams.logit_bias[{token}] must be a finite number, got {_describe(bias)}"
+            )
+        biases[int(token)] = float(bias)
+    return tuple(sorted(biases.items()))
+
+
+def _bad_words(value: Any) -> tuple[str, ...]:
+    if value is None:  # as vLLM takes it: none
+        return ()
+    if not _is_list_like(value):
+        raise RequestError(
+            f"SamplingParams.bad_words must be a list of strings, got {_describe(value)}"
+        )
+    words = tuple(value)
+    bad = [w for w in words if not isinstance(w, str) or not w.strip()]
+    if bad:
+        # A blank word has no tokens to ban.
+        raise RequestError(
+            f"SamplingParams.bad_words must hold non-blank strings, got {bad[:5]!r}"
+        )
+    return words
+
+
+def _between(low: float, high: float, *, low_open: bool = False):
+    def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        _finite(_instance, attribute, value)
+        if value < low or (low_open and value == low) or value > high:
+            bound = (f"> {low:g}" if high == math.inf
+                     else f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+            raise RequestError(f"SamplingParams.{attribute.name} must be {bound}, got {value}")
+
+    return check
+
+
 def _stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:  # as vLLM takes it: none
         return ()
@@ -127,6 +200,24 @@ class SamplingParams:
     prefill itself, so such a request computes its whole prompt (no prefix-cache
     hit: a cached block has no logits to give).
 
+    vLLM's logit adjustments, applied in vLLM's order to the logits a token is
+    picked from (greedy rows included, ``min_p`` only where the row draws); the
+    logprobs returned stay those of the raw logits, as vLLM's default
+    ``logprobs_mode="raw_logprobs"``: ``allowed_token_ids`` (every other token is
+    masked), ``bad_words`` (a word's last token is masked where the output so far
+    ends with the rest of it; each word banned as written and with a leading space,
+    tokenized by the engine), ``min_tokens`` (the stop token ids and EOS are masked
+    until that many tokens were generated), ``logit_bias`` (``{token_id: bias}``
+    added), ``repetition_penalty`` (a token seen in the prompt or the output has a
+    positive logit divided by it, a negative one multiplied), ``frequency_penalty``
+    (subtracted once per time the token is in the output) and ``presence_penalty``
+    (subtracted once if it is), then, after the temperature, ``min_p`` (a token less
+    likely than ``min_p`` times the likeliest one is masked). At their neutral values
+    they cost nothing. ``include_stop_str_in_output`` keeps a matched stop string in
+    the output text, ``skip_special_tokens`` drops special tokens from it, and
+    ``spaces_between_special_tokens`` is taken for vLLM's sake: the tokenizers
+    library's decoding has no such switch (as vLLM's fast-tokenizer path).
+
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
 
@@ -145,6 +236,23 @@ class SamplingParams:
     prompt_logprobs: int | None = attrs.field(
         default=None, validator=_int_field(minimum=0, optional=True)
     )
+    presence_penalty: float = attrs.field(default=0.0, validator=_between(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_between(-2.0, 2.0))
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=_between(0.0, math.inf, low_open=True)
+    )
+    min_p: float = attrs.field(default=0.0, validator=_between(0.0, 1.0))
+    min_tokens: int = attrs.field(default=0, validator=_int_field(minimum=0))
+    #: ``(token_id, bias)`` pairs, by token id (given as a mapping or pairs)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    #: the tokens that may be sampled (sorted, distinct); None allows every one
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_optional_token_ids
+    )
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_bad_words)
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_bool)
+    skip_special_tokens: bool = attrs.field(default=True, validator=_bool)
+    spaces_between_special_tokens: bool = attrs.field(default=True, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -153,6 +261,21 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(
+                f"SamplingParams.min_tokens={self.min_tokens} must be at most "
+                f"max_tokens={self.max_tokens}"
+            )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any of vLLM's logit adjustments is away from its neutral value (the
+        sampler's extra work: see the class docstring)."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+            or self.min_p or self.min_tokens or self.logit_bias
+            or self.allowed_token_ids is not None or self.bad_words
+        )
 
     @property
     def greedy(self) -> bool:

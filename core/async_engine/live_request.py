@@ -106,7 +106,8 @@ class LiveRequest:
             text = watch.streamable_text
         else:
             if self.decoder is None:
-                self.decoder = IncrementalDecoder(tokenizer)
+                self.decoder = IncrementalDecoder(
+                    tokenizer, skip_special_tokens=seq.sampling_params.skip_special_tokens)
             self.decoder.decode_upto(seq.token_ids, seq.num_prompt_tokens, seq.num_output_tokens)
             text = self.decoder.text
         if len(text) <= len(self.text):

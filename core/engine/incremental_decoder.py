@@ -23,12 +23,14 @@ INCOMPLETE = "\ufffd"
 class IncrementalDecoder:
     """The text of one output, grown token by token.
 
-    :param tokenizer: a ``tokenizers.Tokenizer`` (its ``decode``, special tokens
-        skipped as in the output text).
+    :param tokenizer: a ``tokenizers.Tokenizer`` (its ``decode``).
+    :param skip_special_tokens: whether special tokens are left out of the text (the
+        request's ``SamplingParams.skip_special_tokens``).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
         self._decode = tokenizer.decode
+        self._skip = skip_special_tokens
         #: the output's text decoded so far (a held incomplete character aside)
         self.text = ""
         # Output tokens [_context, _decoded) are the piece whose text ends ``text``:
@@ -48,9 +50,9 @@ class IncrementalDecoder:
         """
         decode = self._decode
         before = decode(list(token_ids[start + self._context : start + self._decoded]),
-                        skip_special_tokens=True)  # fmt: skip
+                        skip_special_tokens=self._skip)  # fmt: skip
         after = decode(list(token_ids[start + self._context : start + end]),
-                       skip_special_tokens=True)  # fmt: skip
+                       skip_special_tokens=self._skip)  # fmt: skip
         if len(after) <= len(before) or (after.endswith(INCOMPLETE) and not last):
             return ""
         new = after[len(before) :]

@@ -23,6 +23,7 @@ import attrs
 
 from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
+from kvrunner.engine.logit_rules import bad_word_token_ids
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
 from kvrunner.engine.step_io import SampledToken, SampledTokens, StepInput
@@ -134,6 +135,15 @@ class LLMEngine:
                 f"{name}: SamplingParams.stop_token_ids {stops[:5]} outside the "
                 f"vocabulary [0, {self.vocab_size})"
             )
+        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise RequestError(
+                    f"{name}: SamplingParams.{field} token id(s) {outside[:5]} outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+        bad_word_ids = self._bad_word_ids(params, name)
         if params.n != 1:
             raise RequestError(
                 f"{name}: SamplingParams.n={params.n} asks for a group of samples; make "
@@ -156,10 +166,33 @@ class LLMEngine:
                     f"(no tokenizer.json, or skip_tokenizer_init is set); use "
                     f"stop_token_ids instead"
                 )
-            watch = StopStringWatch(self.tokenizer, params.stop)
-        seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch)
+            watch = StopStringWatch(self.tokenizer, params.stop,
+                                    include_stop=params.include_stop_str_in_output,
+                                    skip_special_tokens=params.skip_special_tokens)
+        seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch,
+                       bad_word_ids=bad_word_ids)
         self.scheduler.validate(seq, name=name)
         return seq
+
+    def _bad_word_ids(self, params: SamplingParams, name: str) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as token ids, checked against the vocabulary."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise RequestError(
+                f"{name}: SamplingParams.bad_words {list(params.bad_words)[:3]!r} needs a "
+                f"tokenizer to find the words' tokens, but this model has none (no "
+                f"tokenizer.json, or skip_tokenizer_init is set); use logit_bias instead"
+            )
+        ids = bad_word_token_ids(self.tokenizer, params.bad_words)
+        outside = [t for word in ids for t in word if not 0 <= t < self.vocab_size]
+        if outside or not all(ids):
+            raise RequestError(
+                f"{name}: SamplingParams.bad_words tokenize to id(s) {outside[:5]} outside "
+                f"the vocabulary [0, {self.vocab_size})" if outside else
+                f"{name}: SamplingParams.bad_words holds a word with no tokens"
+            )
+        return ids
 
     def make_group(
         self, token_ids: Seq[int], params: SamplingParams, index: int | str

@@ -11,6 +11,11 @@ and only where the scheduler changes who runs or where they are:
   from those columns: :meth:`RunningBatch.sampling_columns`);
 * a planned step moves its rows on (:meth:`RunningBatch.advance`): each row's next
   chunk starts where this one ends, and a row that samples has one more token coming;
+* a request with logit adjustments gets its
+  :class:`~kvrunner.engine.logit_rules.LogitRules` at admission (:attr:`RunningBatch.rules`)
+  and, when they read its tokens, a token-history row on the runner, freed with its
+  row: the next step to carry it restarts that history from the request's tokens
+  (:meth:`RunningBatch.take_history_init`);
 * applying a step's samples takes them off the rows' count of samples in flight
   (:meth:`RunningBatch.applied`);
 * a finish or an abort removes its rows (:meth:`RunningBatch.remove`, order kept), a
@@ -28,6 +33,7 @@ from itertools import compress
 
 import numpy as np
 
+from kvrunner.engine.logit_rules import LogitRules, logit_rules, needs_history
 from kvrunner.engine.sequence import Sequence
 from kvrunner.engine.step_io import SAMPLING_DTYPES, SamplingColumns, sampling_row
 
@@ -54,6 +60,15 @@ class RunningBatch:
         self.seqs: list[Sequence] = []
         #: per row: its ``stop_on`` (objects: a list)
         self.stop_on: list[frozenset[int]] = []
+        #: per row: its logit rules, None for a row without (most)
+        self.rules: list[LogitRules | None] = []
+        self._num_rules = 0  # rows with rules: none, and a step carries no rules
+        #: token-history rows free for reuse, and how many were ever handed out
+        self._free_history: list[int] = []
+        self._num_history = 0
+        #: histories the next step restarts: history row -> (prompt length, bad-word
+        #: window, tokens)
+        self._history_init: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.seq_id = np.zeros(_INITIAL_ROWS, np.int64)
         self.pos = np.zeros(_INITIAL_ROWS, np.int64)
         self.tokens = np.zeros(_INITIAL_ROWS, np.int64)
@@ -94,6 +109,7 @@ class RunningBatch:
         self._every_row_sampling = None
         self.seqs.append(seq)
         self.stop_on.append(seq.stop_on)
+        self.rules.append(self._rules_for(seq))
         self.seq_id[i] = seq.seq_id
         self.pos[i] = seq.num_computed_tokens
         self.tokens[i] = len(seq.token_ids)
@@ -116,6 +132,11 @@ class RunningBatch:
         k = n - len(rows)
         self._every_row_sampling = None
         kept = keep.tolist()
+        if self._num_rules:
+            self._release_rules([self.rules[r] for r in rows])
+            self.rules[:] = compress(self.rules, kept)
+        else:
+            del self.rules[k:]  # every entry is None
         self.seqs[:] = compress(self.seqs, kept)
         self.stop_on[:] = compress(self.stop_on, kept)
         for name in self._NUMERIC:
@@ -128,7 +149,8 @@ class RunningBatch:
         """Keep the first ``n`` rows (the tail was preempted)."""
         old = len(self.seqs)
         self._every_row_sampling = None
-        del self.seqs[n:], self.stop_on[n:]
+        self._release_rules(self.rules[n:])
+        del self.seqs[n:], self.stop_on[n:], self.rules[n:]
         self._clear(n, old)
 
     # -- one step ---------------------------------------------------------------------
@@ -197,20 +219,66 @@ class RunningBatch:
         the steps until a row is appended, removed or cut (nothing else changes them,
         and nobody writes into a step's columns)."""
         if not self.every_row(rows):
-            return SamplingColumns(*(getattr(self, name)[rows] for name in self._SAMPLING))
+            rules = None
+            if self._num_rules:
+                rules = tuple(self.pick(self.rules, rows))
+                rules = rules if any(r is not None for r in rules) else None
+            return SamplingColumns(*(getattr(self, name)[rows] for name in self._SAMPLING),
+                                   rules=rules)  # fmt: skip
         if self._every_row_sampling is None:
             n = len(rows)
             columns = [getattr(self, name)[:n].copy() for name in self._SAMPLING]
             for column in columns:
                 column.flags.writeable = False  # shared by steps: read only
-            self._every_row_sampling = SamplingColumns(*columns)
+            rules = tuple(self.rules) if self._num_rules else None
+            self._every_row_sampling = SamplingColumns(*columns, rules=rules)
         return self._every_row_sampling
+
+    def take_history_init(self) -> dict[int, tuple[int, int, tuple[int, ...]]] | None:
+        """The token histories the next step restarts (``StepInput.history_init``), handed
+        over once: every history row given out since the last step, with its
+        request's prompt length, bad-word window and tokens."""
+        if not self._history_init:
+            return None
+        init, self._history_init = self._history_init, {}
+        return init
 
     def every_row(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` (increasing, distinct) is every row, in order."""
         return len(rows) == len(self.seqs)
 
     # -- internals --------------------------------------------------------------------
+
+    def _rules_for(self, seq: Sequence) -> LogitRules | None:
+        """``seq``'s logit rules (None without any), with a history row where they read
+        its tokens: one freed before, else a new one."""
+        params = seq.sampling_params
+        if not params.adjusts_logits:
+            return None
+        self._num_rules += 1
+        history_row = -1
+        if needs_history(params, seq.bad_word_ids):
+            if self._free_history:
+                history_row = self._free_history.pop()
+            else:
+                history_row, self._num_history = self._num_history, self._num_history + 1
+        rules = logit_rules(params, stop_on=seq.stop_on, bad_words=seq.bad_word_ids,
+                            history_row=history_row)  # fmt: skip
+        if history_row >= 0:
+            self._history_init[history_row] = (seq.num_prompt_tokens, rules.window,
+                                               tuple(seq.token_ids))  # fmt: skip
+        return rules
+
+    def _release_rules(self, rules: list[LogitRules | None]) -> None:
+        """Rows with ``rules`` leave: their history rows are free for the next admission
+        (whose step restarts them after any step in flight wrote its last token)."""
+        for rule in rules:
+            if rule is None:
+                continue
+            self._num_rules -= 1
+            if rule.history_row >= 0:
+                self._history_init.pop(rule.history_row, None)
+                self._free_history.append(rule.history_row)
 
     def _clear(self, start: int, end: int) -> None:
         for name in self._NUMERIC:

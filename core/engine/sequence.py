@@ -98,6 +98,8 @@ class Sequence:
     stop_watch: StopStringWatch | None = attrs.field(default=None, kw_only=True)
     #: the stop string that ended it, if one did
     stop_string: str | None = attrs.field(default=None, init=False)
+    #: its ``SamplingParams.bad_words`` as token ids (``logit_rules.bad_word_token_ids``)
+    bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -79,5 +79,6 @@ def step_columns(
             prompt_targets(s, a, n)
             for s, a, n in zip(seqs, starts.tolist(), sizes.tolist(), strict=True)
         ] if score_prompts else None,
+        history_init=batch.take_history_init(),
     )
     return step, seqs, starts, samples

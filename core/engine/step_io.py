@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 import attrs
 import numpy as np
 
+from kvrunner.engine.logit_rules import LogitRules, logit_rules
 from kvrunner.sampling_params import SamplingParams, int64_seed
 
 #: A token id in ``StepInput.token_ids`` that the host does not know yet: the token
@@ -155,6 +156,9 @@ class SamplingColumns:
     the arrays. They pickle as seven arrays, whatever the batch. Each column holds a
     :class:`~kvrunner.sampling_params.SamplingParams` field in a form an array can
     hold (:func:`sampling_row`).
+
+    ``rules``: each row's :class:`~kvrunner.engine.logit_rules.LogitRules` (None for a
+    row without), or None when no row has any: the common case costs nothing.
     """
 
     #: [N] float64: 0 is greedy
@@ -175,9 +179,13 @@ class SamplingColumns:
     logprobs: np.ndarray
     #: [N] int64: top logprobs reported per prompt token; -1 where it scores no prompt
     prompt_logprobs: np.ndarray
+    #: per row its logit rules or None; None when no row has any
+    rules: tuple[LogitRules | None, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         n = len(self.temperature)
+        if self.rules is not None and len(self.rules) != n:
+            raise ValueError(f"sampling columns of {n} rows with {len(self.rules)} rules")
         if any(len(column) != n for column in self.arrays()):
             raise ValueError(
                 "sampling columns differ in length: "
@@ -188,10 +196,16 @@ class SamplingColumns:
     @classmethod
     def of(cls, params: Iterable[SamplingParams]) -> SamplingColumns:
         """The columns of one ``SamplingParams`` per row (tests and tools list them)."""
+        params = list(params)
         rows = [sampling_row(p) for p in params]
         values = list(zip(*rows, strict=True)) if rows else [()] * len(SAMPLING_DTYPES)
+        rules = tuple(
+            logit_rules(p, stop_on=frozenset(p.stop_token_ids), bad_words=(), history_row=-1)
+            if p.adjusts_logits else None for p in params
+        )  # fmt: skip
         return cls(*(np.array(v, dtype) for v, dtype in zip(values, SAMPLING_DTYPES.values(),
-                                                             strict=True)))
+                                                             strict=True)),
+                   rules=rules if any(r is not None for r in rules) else None)  # fmt: skip
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The columns, in their order (:data:`SAMPLING_DTYPES`)."""
@@ -201,7 +215,11 @@ class SamplingColumns:
     def take(self, rows: np.ndarray | Seq[int]) -> SamplingColumns:
         """The columns of ``rows`` (indices), in that order: new arrays."""
         index = np.asarray(rows, np.intp)
-        return SamplingColumns(*(column[index] for column in self.arrays()))
+        rules = None
+        if self.rules is not None:
+            rules = tuple(self.rules[i] for i in index.tolist())
+            rules = rules if any(r is not None for r in rules) else None
+        return SamplingColumns(*(column[index] for column in self.arrays()), rules=rules)
 
     @property
     def drawing(self) -> np.ndarray:
@@ -214,19 +232,21 @@ class SamplingColumns:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SamplingColumns):
             return NotImplemented
-        return all(np.array_equal(a, b) for a, b in zip(self.arrays(), other.arrays(),
-                                                        strict=True))
+        return self.rules == other.rules and all(
+            np.array_equal(a, b) for a, b in zip(self.arrays(), other.arrays(), strict=True))
 
     __hash__ = None  # type: ignore[assignment]  # arrays, like a list
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={column.tolist()!r}"
                            for name, column in zip(SAMPLING_DTYPES, self.arrays(), strict=True))
-        return f"SamplingColumns({fields})"
+        rules = "" if self.rules is None else f", rules={self.rules!r}"
+        return f"SamplingColumns({fields}{rules})"
 
     def __reduce__(self) -> tuple:
-        # Seven arrays: one buffer each on the wire, whatever the batch.
-        return (SamplingColumns, self.arrays())
+        # Seven arrays: one buffer each on the wire, whatever the batch (and the rules
+        # of a batch that has any).
+        return (SamplingColumns, (*self.arrays(), self.rules))
 
 
 def as_sampling_columns(
@@ -264,6 +284,11 @@ class StepInput:
     #: ``SamplingParams.prompt_logprobs``; ``()`` for a row that scores none, and None
     #: for a step where no row does (every step but a scoring request's prefill)
     prompt_targets: list[tuple[int, ...]] | None = None
+    #: the token histories to (re)start before this step samples, by history row
+    #: (``LogitRules.history_row``): the request's prompt length, how many latest
+    #: output tokens its bad words compare, and every token it has (prompt, then
+    #: output); None when no row starts one
+    history_init: dict[int, tuple[int, int, tuple[int, ...]]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -8,8 +8,9 @@ against the few before it; an incomplete UTF-8 character held until it is whole)
 Only the tail that the new text can complete is searched, so a long completion is
 not scanned again every step.
 
-On a match the request's output ends: its text stops before the stop string and
-its tokens after the one completing it are dropped.
+On a match the request's output ends: its text stops before the stop string (after
+it with ``include_stop_str_in_output``) and its tokens after the one completing it
+are dropped.
 """
 
 from __future__ import annotations
@@ -23,19 +24,25 @@ from kvrunner.engine.incremental_decoder import IncrementalDecoder
 class StopStringWatch:
     """Decodes one request's output tokens, one at a time, and finds its stop strings.
 
-    :param tokenizer: a ``tokenizers.Tokenizer`` (its ``decode``, special tokens
-        skipped as in the output text).
+    :param tokenizer: a ``tokenizers.Tokenizer`` (its ``decode``).
     :param stops: the non-empty stop strings, in the request's order.
+    :param include_stop: the output text keeps the matched stop string
+        (``SamplingParams.include_stop_str_in_output``), and a stream holds nothing
+        back.
+    :param skip_special_tokens: special tokens are left out of the text.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
-        self._decoder = IncrementalDecoder(tokenizer)
+    def __init__(self, tokenizer: Any, stops: Sequence[str], *, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:  # fmt: skip
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self.stops = tuple(stops)
+        self.include_stop = include_stop
         #: output tokens fed so far
         self.num_seen = 0
         #: the matched stop string, once one is found
         self.matched: str | None = None
-        #: where ``text`` is cut when a stop matched: the stop string's start
+        #: where ``text`` is cut when a stop matched: the stop string's start (its end
+        #: with ``include_stop``)
         self.cut: int | None = None
 
     def feed(self, token_ids: Sequence[int], start: int, upto: int, *, final: bool = False) -> bool:
@@ -74,17 +81,22 @@ class StopStringWatch:
                 best = (at + len(stop), at, stop)
         if best is None:
             return False
-        _, self.cut, self.matched = best
+        end, self.cut, self.matched = best
+        if self.include_stop:
+            self.cut = end
         return True
 
     @property
     def streamable_text(self) -> str:
         """The text a stream may send now: all of it but the longest tail that begins
         a stop string (a later token may complete that stop, and the stop text is
-        never output); once a stop matched, the text before it."""
+        never output; with ``include_stop``, all of it); once a stop matched, the text up
+        to the cut."""
         if self.cut is not None:
             return self.text[: self.cut]
         text = self.text
+        if self.include_stop:
+            return text
         held = 0
         for stop in self.stops:
             for size in range(min(len(stop) - 1, len(text)), held, -1):
@@ -95,6 +107,7 @@ class StopStringWatch:
 
     @property
     def output_text(self) -> str:
-        """The text before the matched stop string (call only once one matched)."""
+        """The text up to the cut: before the matched stop string, or through it with
+        ``include_stop`` (call only once one matched)."""
         assert self.cut is not None, "no stop string matched"
         return self.text[: self.cut]

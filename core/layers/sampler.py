@@ -20,9 +20,16 @@ asynchronous steps or without, drawn by the same kernel as seeded rows (in the d
 graph where it ends with the tokens), and one engine seed repeats them. Rows that
 :func:`sample` is given no key for share one generator.
 
-Logprobs are ``log_softmax`` of the *raw* logits (before temperature and
-filtering), which is what vLLM reports by default and what an RL trainer compares
-against its own forward pass.
+Rows with vLLM's logit adjustments (``SamplingColumns.rules``: penalties, ``min_p``,
+``min_tokens``, ``logit_bias``, ``allowed_token_ids``, bad words) are picked from a
+float32 copy of the logits adjusted by ``layers/logit_processing.py``, greedy rows
+included; ``min_p`` masks a drawing row after its temperature, so such a row takes
+the torch draw. The penalties read the token history the :class:`Sampler` keeps on
+the device (``layers/token_history.py``), and each drawn token is added to it at once.
+
+Logprobs are ``log_softmax`` of the *raw* logits (before penalties, temperature and
+filtering), which is what vLLM reports by default (its ``logprobs_mode`` of
+``raw_logprobs``) and what an RL trainer compares against its own forward pass.
 
 Per-row settings come as the rows' :class:`~kvrunner.engine.step_io.SamplingColumns`
 (the engine's columns, as a step carries them), read as arrays. No host sync: they
@@ -45,8 +52,10 @@ from kvrunner.engine.step_io import (
     StepInput,
     as_sampling_columns,
 )
+from kvrunner.layers.logit_processing import adjusted_logits
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
+from kvrunner.layers.token_history import TokenHistory
 from kvrunner.plugin_api.buffers import on_device
 from kvrunner.sampling_params import SamplingParams
 
@@ -86,6 +95,7 @@ def sample(
     *,
     generator: torch.Generator | None = None,
     keys: Sequence[int] | np.ndarray | None = None,
+    history: TokenHistory | None = None,
 ) -> SamplerOutput:
     """Sample one token per row.
 
@@ -99,6 +109,8 @@ def sample(
         Must live on ``logits.device``.
     :param keys: each row's int64 draw key (``sampling_seeds.row_keys``); then no row
         reads ``generator``.
+    :param history: the token history the rows' rules read (and each drawn token of
+        a row with a history row is added to).
     """
     sampling = as_sampling_columns(sampling)
     n, vocab = logits.shape
@@ -111,7 +123,15 @@ def sample(
     # apart (max propagates NaN) without another pass over the logits. In the logits'
     # own dtype: widening is exact and keeps order, so the maximum and its index are
     # those of the float32 values.
+    raw = logits
+    if sampling.rules is not None:
+        logits = adjusted_logits(raw, sampling.rules, np.asarray(num_generated), history)
     row_max, tokens = logits.max(dim=-1)
+    if logits is not raw:
+        # A non-finite raw row stays one (a mask must not hide a NaN); a row whose
+        # rules mask every token has nothing to sample (-inf), as an all -inf row.
+        raw_max = raw.max(dim=-1).values.to(row_max.dtype)
+        row_max = torch.where(raw_max.isnan() | (raw_max == float("inf")), raw_max, row_max)
     num_drawing = np.count_nonzero(sampling.temperature)  # rows that are not greedy
     if num_drawing:
         keys = None if keys is None else np.asarray(keys, np.int64)
@@ -123,7 +143,18 @@ def sample(
             tokens[rows] = draw_rows(logits, rows, sampling.take(index),
                                      np.asarray(num_generated, np.int64)[index], generator,
                                      None if keys is None else keys[index])  # fmt: skip
-    return with_logprobs(logits, tokens, row_max, sampling)
+    if history is not None and sampling.rules is not None:
+        _record(history, sampling, tokens)
+    return with_logprobs(raw, tokens, row_max, sampling)
+
+
+def _record(history: TokenHistory, sampling: SamplingColumns, tokens: torch.Tensor) -> None:
+    """Add each row's token to its history row, for the rows that have one."""
+    rows = [(i, r.history_row) for i, r in enumerate(sampling.rules)
+            if r is not None and r.history_row >= 0]  # fmt: skip
+    if rows:
+        index = on_device(np.array(rows, np.int64).T, torch.int64, tokens.device)
+        history.record(index[1], tokens.index_select(0, index[0]))
 
 
 def with_logprobs(
@@ -195,6 +226,7 @@ def sample_step_rows(
     generator: torch.Generator | None = None,
     drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
     engine_seed: int | None = None,
+    history: TokenHistory | None = None,
 ) -> StepSamples:
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
     ``i``-th chunk with ``sample`` set. Nothing is read back to the host.
@@ -202,6 +234,7 @@ def sample_step_rows(
     ``drawn``: the rows' tokens and raw row maxima, already chosen on the device (by a
     decode graph); then only the logprobs are computed here. ``engine_seed``: key the
     unseeded rows by it and their request ids (else they draw from ``generator``).
+    ``history``: the token history of the rows' rules (:func:`sample`).
     """
     if all(step.sample):  # every decode step: the columns themselves, no index passes
         sampling, counts, seq_ids = step.sampling, step.num_output_tokens, list(step.seq_id)
@@ -212,7 +245,9 @@ def sample_step_rows(
         seq_ids = [step.seq_id[i] for i in rows]
     if drawn is None:
         keys = None if engine_seed is None else row_keys(sampling, seq_ids, engine_seed)
-        out = sample(logits, sampling, counts, generator=generator, keys=keys)
+        out = sample(logits, sampling, counts, generator=generator, keys=keys, history=history)
+    elif sampling.rules is not None:
+        raise ValueError("a step with logit rules is sampled eagerly, not drawn in a graph")
     else:
         out = with_logprobs(logits, *drawn, sampling)
     return StepSamples(out=out, seq_ids=seq_ids, sampling=sampling)
@@ -225,11 +260,25 @@ class Sampler:
 
     Called on bare rows (no request ids), unseeded rows draw from a generator created
     on the first call's device and seeded with ``seed``.
+
+    It keeps the token history of the requests whose logit rules read it
+    (:attr:`history`, made by the first step that starts one).
     """
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._generator: torch.Generator | None = None
+        #: the penalised requests' tokens on the device (``layers/token_history.py``)
+        self.history: TokenHistory | None = None
+
+    def start_histories(self, step: StepInput, vocab: int, device: torch.device) -> None:
+        """Restart the token histories ``step`` starts (``StepInput.history_init``); call
+        for every step, before it samples, on the rank that samples."""
+        if not step.history_init:
+            return
+        if self.history is None:
+            self.history = TokenHistory(vocab, device)
+        self.history.start(step.history_init)
 
     def __call__(
         self,
@@ -247,8 +296,10 @@ class Sampler:
         *,
         drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> StepSamples:
-        """:func:`sample_step_rows`, unseeded rows keyed by this sampler's seed."""
-        return sample_step_rows(logits, step, drawn=drawn, engine_seed=self.seed)
+        """:func:`sample_step_rows`, unseeded rows keyed by this sampler's seed, the rows'
+        rules reading this sampler's token history."""
+        return sample_step_rows(logits, step, drawn=drawn, engine_seed=self.seed,
+                                history=self.history)  # fmt: skip
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

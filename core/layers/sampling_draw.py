@@ -21,6 +21,7 @@ import torch
 
 from kvrunner.engine.step_io import SamplingColumns
 from kvrunner.layers.fused.dispatch import fused_sampler_enabled, use_triton
+from kvrunner.layers.logit_processing import mask_min_p_, min_p_of
 from kvrunner.layers.sampling_seeds import step_seed
 from kvrunner.plugin_api.buffers import on_device
 
@@ -127,6 +128,9 @@ def draw_rows(
         return gumbel_argmax(logits, rows, temps, row_keys, row_counts)
     raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
+    min_p = min_p_of(sampling)
+    if min_p is not None:  # vLLM's order: after the temperature, before top-k / top-p
+        mask_min_p_(scaled, min_p)
     scaled = _filter(scaled, raw, sampling.top_k, sampling.top_p)
     noise = _gumbel(len(sampling), vocab, keys,
                     np.ones(len(sampling), bool) if keyed else sampling.has_seed, counts,
@@ -138,9 +142,12 @@ def fused_draw_serves(sampling: SamplingColumns, vocab: int, *, keyed: bool = Fa
                       ) -> np.ndarray:  # fmt: skip
     """[N] bool: whether the one-pass kernel can draw each row: keyed (a seed of its
     own, or ``keyed``: the engine keys every row; the kernel makes keyed noise only)
-    and not filtered by top-k / top-p (a sort)."""
+    and not filtered by top-k / top-p (a sort) or ``min_p`` (a softmax)."""
     top_k = sampling.top_k
     serves = ~((top_k > 0) & (top_k < vocab)) & (sampling.top_p >= 1.0)
+    min_p = min_p_of(sampling)
+    if min_p is not None:
+        serves &= min_p == 0
     return serves if keyed else serves & sampling.has_seed
 
 

@@ -85,6 +85,7 @@ class StepLauncher:
         self._forward_rows = forward_rows
         self.samples = samples
         self.shares_samples = shares_samples
+        self.vocab_size = vocab_size
         #: the buffers of the graphs' draws, on the rank that samples
         self.graph_sampling = (
             GraphSampling(max_num_seqs, vocab_size, device) if samples else None
@@ -145,6 +146,8 @@ class StepLauncher:
             raise
         if audit is not None:
             audit.end(prepared.batch)
+        if self.samples:  # before any row samples, whether this step samples or not
+            self.sampler.start_histories(step, self.vocab_size, self.device)
         plan = prompt_rows(step)
         scored = None if plan is None else self._score_prompts(out, plan)
         if not prepared.sample_rows:

@@ -8,7 +8,8 @@ engine field as a :class:`Asked` (the client's name and value), and gets one
 re-labelled with the name the client used. A field the body leaves out takes the
 engine's default (the checkpoint's ``generation_config.json``, as vLLM does), not the
 protocol's. A documented field asking for what kvrunner does not do is refused by
-name unless it holds its neutral value (:func:`refuse_unsupported`).
+name unless it holds its neutral value (:func:`refuse_unsupported`); vLLM's sampling
+extras the engine does (:data:`VLLM_EXTRAS`) are passed on.
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 #: the vLLM family's fields kvrunner accepts at their neutral value only (completions,
 #: chat completions, /inference/v1/generate): field -> the one value it may hold
-VLLM_NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_p": 0.0, "min_tokens": 0, "logit_bias": None, "allowed_token_ids": None,
-    "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "structured_outputs": None, "priority": 0,
-}
+VLLM_NEUTRAL: dict[str, Any] = {"structured_outputs": None, "priority": 0}
+
+#: vLLM's sampling extras the engine does (``SamplingParams`` documents each), passed
+#: on by the same name where the body sets them
+VLLM_EXTRAS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
+               "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+               "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens")
+
+#: vLLM clamps each logit bias to this range, as OpenAI documents it
+_BIAS_LIMIT = 100.0
 
 
 @attrs.frozen
@@ -95,9 +101,27 @@ def sampling_params(state: ServerState, asked: Mapping[str, Asked]) -> SamplingP
             if not value:
                 continue
             value = tuple(value)
+        elif field == "logit_bias":
+            value = _token_biases(value, given.name)
+        elif field == "allowed_token_ids" and not value:
+            continue  # an empty list: as the field left out (every token)
         values[field] = value
     names = {field: given.name for field, given in asked.items()}
     return build_params(values, names, state.engine.default_sampling_params)
+
+
+def _token_biases(value: Mapping[str, float], name: str) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as text) as token ids, each bias clamped to
+    [-100, 100] as vLLM clamps it."""
+    biases: dict[int, float] = {}
+    for token, bias in value.items():
+        try:
+            token_id = int(token)
+        except ValueError:
+            raise APIError(400, f"{name} keys must be token ids, got {token!r}",
+                           param=name) from None
+        biases[token_id] = min(_BIAS_LIMIT, max(-_BIAS_LIMIT, bias))
+    return biases
 
 
 def build_params(
@@ -143,7 +167,7 @@ def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs or Asked("prompt_logprobs", body.prompt_logprobs),
     }
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", *VLLM_EXTRAS):
         asked[name] = Asked(name, getattr(body, name) if name in given else None)
     return asked
 

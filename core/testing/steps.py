@@ -1,7 +1,8 @@
 """Build a :class:`~kvrunner.engine.step_io.StepInput` row by row, for tests and benchmarks.
 
 The engine builds steps as columns directly; tests read better one sequence at a
-time. ``Row`` has the step's fields in its order.
+time. ``Row`` has the step's per-row fields in their order (every field but the
+step-level ``history_init``, which comes last).
 """
 
 from __future__ import annotations
@@ -39,28 +40,33 @@ def _sampling_columns(rows: Sequence[SamplingParams | SamplingColumns]) -> Sampl
     if len(params) == len(rows):
         return SamplingColumns.of(params)
     parts = [r if isinstance(r, SamplingColumns) else SamplingColumns.of([r]) for r in rows]
+    rules = tuple(rule for p in parts for rule in (p.rules or (None,) * len(p)))
     return SamplingColumns(*(np.concatenate(c) for c in zip(*(p.arrays() for p in parts),
-                                                             strict=True)))
+                                                             strict=True)),
+                           rules=rules if any(r is not None for r in rules) else None)
 
 
-def step_of(rows: Iterable[Row]) -> StepInput:
-    """The step whose row ``i`` is ``rows[i]``."""
+def step_of(rows: Iterable[Row], *,
+            history_init: dict[int, tuple[int, int, tuple[int, ...]]] | None = None
+            ) -> StepInput:  # fmt: skip
+    """The step whose row ``i`` is ``rows[i]`` (``history_init``: the step's own, not a
+    row's: ``StepInput.history_init``)."""
     rows = list(rows)
     columns: list = [list(column) for column in zip(*rows, strict=True)] or [
-        [] for _ in attrs.fields(StepInput)]
+        [] for _ in Row._fields]
     sampling = Row._fields.index("sampling")
     columns[sampling] = _sampling_columns(columns[sampling])
     if all(t is None for t in columns[-1]):
         columns[-1] = None  # a step that scores no prompt
     else:
         columns[-1] = [() if t is None else tuple(t) for t in columns[-1]]
-    return StepInput(*columns)
+    return StepInput(*columns, history_init=history_init)
 
 
 def rows_of(step: StepInput) -> list[Row]:
     """The step one sequence at a time (each row's sampling settings a one-row slice of
     its columns)."""
-    columns = list(attrs.astuple(step, recurse=False))
+    columns = list(attrs.astuple(step, recurse=False))[: len(Row._fields)]
     columns[Row._fields.index("sampling")] = [step.sampling.take([i])
                                               for i in range(step.num_seqs)]
     if columns[-1] is None:

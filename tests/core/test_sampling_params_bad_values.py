@@ -58,6 +58,26 @@ BAD: dict[str, st.SearchStrategy] = {
     "stop": not_a_list | st.just("") | st.lists(
         st.one_of(st.just(""), st.integers(), st.none(), st.binary(max_size=2)),
         min_size=1, max_size=3) | st.tuples(st.text(min_size=1), st.just("")).map(list),
+    "presence_penalty": not_a_float | st.floats(min_value=2, exclude_min=True, allow_nan=False)
+    | st.floats(max_value=-2, exclude_max=True, allow_nan=False),
+    "frequency_penalty": not_a_float | st.floats(min_value=2, exclude_min=True,
+                                                 allow_nan=False),
+    "repetition_penalty": not_a_float | st.floats(max_value=0, allow_nan=False),
+    "min_p": not_a_float | st.floats(min_value=1, exclude_min=True, allow_nan=False)
+    | st.floats(max_value=0, exclude_max=True, allow_nan=False),
+    "min_tokens": not_an_int | st.integers(max_value=-1) | st.integers(17, 1 << 40),
+    "logit_bias": st.integers() | st.text(max_size=2) | st.sampled_from([True, 1.5, b"1"])
+    | st.dictionaries(st.integers(max_value=-1) | st.text(max_size=2) | st.floats(),
+                      st.floats(-5, 5), min_size=1, max_size=2)
+    | st.dictionaries(st.integers(0, 9), st.sampled_from([math.nan, math.inf, "1", None]),
+                      min_size=1, max_size=2),
+    "allowed_token_ids": not_a_list | st.text(max_size=3) | st.just([])
+    | list_with(st.integers(max_value=-1) | st.floats() | st.text(max_size=2) | st.booleans()),
+    "bad_words": not_a_list | st.lists(st.sampled_from(["", " ", 3, None]), min_size=1,
+                                       max_size=2),
+    "include_stop_str_in_output": not_a_bool,
+    "skip_special_tokens": not_a_bool,
+    "spaces_between_special_tokens": not_a_bool,
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the
@@ -69,6 +89,12 @@ AT_ADMISSION: dict[str, tuple[st.SearchStrategy, dict]] = {
     "prompt_logprobs": (st.integers(min_value=21, max_value=1 << 40), {}),
     "stop": (st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=2),
              {"skip_tokenizer_init": True}),
+    "logit_bias": (st.dictionaries(st.integers(min_value=512, max_value=1 << 40),
+                                   st.floats(-5, 5), min_size=1, max_size=2), {}),
+    "allowed_token_ids": (st.lists(st.integers(min_value=512, max_value=1 << 40), min_size=1,
+                                   max_size=3), {}),
+    "bad_words": (st.lists(st.text(min_size=1, max_size=4).filter(str.strip), min_size=1,
+                           max_size=2), {"skip_tokenizer_init": True}),
 }
 
 

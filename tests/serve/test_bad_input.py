@@ -45,7 +45,7 @@ CASES = [
     ("negative_temperature", "POST", "/v1/completions", _completion(temperature=-1), 400,
      "temperature"),
     ("negative_seed", "POST", "/v1/completions", _completion(seed=-3), 400, "seed"),
-    ("penalty", "POST", "/v1/completions", _completion(frequency_penalty=0.5), 400,
+    ("penalty", "POST", "/v1/completions", _completion(frequency_penalty=2.5), 400,
      "frequency_penalty"),
     ("echo", "POST", "/v1/completions", _completion(echo=True, stream=True), 400, "echo"),
     ("unknown_model", "POST", "/v1/completions", _completion(model="llama-9000"), 404, "model"),

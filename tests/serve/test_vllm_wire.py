@@ -49,10 +49,95 @@ def test_the_neutral_vllm_extras_are_accepted_and_change_nothing(http, reference
     assert plain["prompt_token_ids"] == [5, 17, 42, 9]
 
 
+#: each of vLLM's sampling extras the engine does, as a client sends it and as
+#: SamplingParams takes it (greedy, 24 tokens, unless it says otherwise)
+EXTRAS = [
+    ({"repetition_penalty": 50.0}, {"repetition_penalty": 50.0}),
+    ({"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+    ({"frequency_penalty": 2.0}, {"frequency_penalty": 2.0}),
+    ({"min_p": 0.5, "temperature": 2.0}, {"min_p": 0.5, "temperature": 2.0}),
+    ({"min_tokens": 4, "stop_token_ids": [11], "logit_bias": {"11": 100}},
+     {"min_tokens": 4, "stop_token_ids": [11], "logit_bias": {11: 100.0}}),
+    # clamped: 7 and 3 tie above every other token, and their own logits pick
+    ({"logit_bias": {"7": 250.0, "3": 100}}, {"logit_bias": {7: 100.0, 3: 100.0}}),
+    ({"allowed_token_ids": [3, 4, 300]}, {"allowed_token_ids": [3, 4, 300]}),
+]
+GREEDY = {"model": MODEL, "prompt": [5, 17, 42, 9], "max_tokens": 24, "temperature": 0.0,
+          "seed": 5, "return_token_ids": True, "ignore_eos": True}
+
+
+def _reference(reference_llm, **params) -> list[int]:
+    fields = dict(max_tokens=24, temperature=0.0, seed=5, ignore_eos=True) | params
+    return reference_llm.generate([[5, 17, 42, 9]], SamplingParams(**fields))[0].token_ids
+
+
+@pytest.mark.parametrize(("wire", "params"), EXTRAS, ids=lambda v: ",".join(v))
+def test_the_vllm_sampling_extras_do_what_llm_generate_does_with_them(
+        http, reference_llm, wire, params) -> None:
+    plain = _post(http, "/v1/completions", GREEDY | {
+        "temperature": wire.get("temperature", 0.0)})["choices"][0]["token_ids"]
+    got = _post(http, "/v1/completions", GREEDY | wire)["choices"][0]["token_ids"]
+    assert got == _reference(reference_llm, **params)
+    assert got != plain  # each one changes these tokens
+
+
+def test_bad_words_reach_the_engine(http, reference_llm) -> None:
+    plain = _post(http, "/v1/completions", GREEDY)["choices"][0]["token_ids"]
+    tokenizer = reference_llm.tokenizer
+    # a token of the output that is a word of its own (vLLM bans a word's own tokens)
+    token = next(t for t in plain if tokenizer.encode(
+        tokenizer.decode([t]).lstrip(), add_special_tokens=False).ids == [t])
+    word = tokenizer.decode([token])
+    got = _post(http, "/v1/completions", GREEDY | {"bad_words": [word]})["choices"][0]
+    assert got["token_ids"] == _reference(reference_llm, bad_words=[word])
+    assert token not in got["token_ids"]
+
+
+def test_the_extras_reach_the_tokens_in_route_too(http, reference_llm) -> None:
+    sampling = {"max_tokens": 6, "temperature": 0.0, "repetition_penalty": 3.0,
+                "allowed_token_ids": [3, 4, 5, 6], "ignore_eos": True}
+    ref = reference_llm.generate([[5, 17, 42, 9]], SamplingParams(**sampling))[0]
+    answer = _post(http, "/inference/v1/generate", {"model": MODEL, "token_ids": [5, 17, 42, 9],
+                                                    "sampling_params": sampling})
+    assert answer["choices"][0]["token_ids"] == ref.token_ids
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("repetition_penalty", 0.0, "> 0"), ("presence_penalty", 2.5, "[-2, 2]"),
+    ("min_p", 1.5, "[0, 1]"), ("min_tokens", 9, "max_tokens"),
+    ("logit_bias", {"x": 1.0}, "token ids"), ("logit_bias", {"99999999": 1.0}, "vocabulary"),
+    ("allowed_token_ids", [99999999], "vocabulary"), ("bad_words", [" "], "non-blank"),
+])
+def test_a_bad_extra_is_a_400_naming_it(http, field, value, says) -> None:
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2],
+                                                  "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error["message"] and field in error["message"], error
+
+
+def test_the_output_side_extras_shape_the_text_as_llm_generate_does(
+        http, reference_llm) -> None:
+    plain = _post(http, "/v1/completions", GREEDY | {"max_tokens": 12})["choices"][0]["text"]
+    stop = plain[4:7]
+    eos = sorted(reference_llm.engine.scheduler.eos_token_ids)[0]
+    for wire, params in (
+            ({"stop": [stop], "include_stop_str_in_output": True},
+             {"stop": [stop], "include_stop_str_in_output": True}),
+            ({"logit_bias": {str(eos): 100}, "skip_special_tokens": False,
+              "spaces_between_special_tokens": False},
+             {"logit_bias": {eos: 100.0}, "skip_special_tokens": False})):
+        got = _post(http, "/v1/completions", GREEDY | {"max_tokens": 12} | wire)
+        ref = reference_llm.generate([[5, 17, 42, 9]], SamplingParams(
+            max_tokens=12, temperature=0.0, seed=5, ignore_eos=True, **params))[0]
+        assert got["choices"][0]["text"] == ref.text
+    assert ref.text and stop in _post(http, "/v1/completions", GREEDY | {
+        "max_tokens": 12, "stop": [stop], "include_stop_str_in_output": True}
+    )["choices"][0]["text"]
+
+
 @pytest.mark.parametrize(("field", "value"), [
-    ("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 3), ("presence_penalty", 0.5),
-    ("logit_bias", {"5": 2.0}), ("bad_words", ["cat"]), ("allowed_token_ids", [1, 2]),
-    ("include_stop_str_in_output", True), ("structured_outputs", {"regex": "a+"}),
+    ("structured_outputs", {"regex": "a+"}), ("priority", 1),
 ])
 def test_an_extra_asking_for_what_kvrunner_does_not_do_is_a_400_naming_it(
         http, field, value) -> None:

@@ -19,11 +19,13 @@ and so does the number of rows the check counts (the step's rows when the graph 
 it, else 0; one 8-byte upload when it changes), so the graph holds no Python value of
 any step.
 
-A step is drawn in the graph when no row filters by top-k / top-p: the rows the
+A step is drawn in the graph when no row filters by top-k / top-p and no row has
+logit rules (vLLM's penalties and masks, ``SamplingColumns.rules``): the rows the
 one-pass kernel serves eagerly too, with the same keys, so the tokens are the same.
-A step with a top-k / top-p row (a sort) is sampled eagerly from the graph's logits,
-and checked after the replay as an eager step is. Logprobs are computed after the
-replay either way, from the graph's logits and tokens.
+A step with a top-k / top-p row (a sort) or a row with rules (greedy rows too: the
+rules change their argmax) is sampled eagerly from the graph's logits, and checked
+after the replay as an eager step is; the graph's own tokens are ignored. Logprobs
+are computed after the replay either way, from the graph's logits and tokens.
 
 ``[capture] decode_graph_ends_at`` says where the graph ends: ``tokens`` (default),
 ``logits``, or ``hidden`` (the forward alone, the sampler and logits eager), for
@@ -126,9 +128,9 @@ class GraphSampling:
         ignored). The uploads come straight from the columns."""
         n = len(sampling)
         greedy = np.count_nonzero(sampling.temperature) == 0  # no row draws
-        served = greedy or self.draws and bool(
+        served = sampling.rules is None and (greedy or self.draws and bool(
             (~sampling.drawing | fused_draw_serves(sampling, self.vocab, keyed=True)).all()
-        )
+        ))
         self.count_rows(n if served else 0)
         if greedy or not served:
             if self._any_drawing:  # a previous step's temperatures would draw again
