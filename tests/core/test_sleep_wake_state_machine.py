@@ -1,6 +1,7 @@
 """Any order of generate / sleep / wake_up / update_weights / load_weights / recapture:
-outputs always equal a fresh engine on the weights last pushed, and a call the state
-does not allow raises a clear error and changes nothing.
+outputs always equal a fresh engine on the weights last pushed, a call the state
+does not allow (or an update refused before it loads) raises a clear error and changes
+nothing, and a streamed update failing part way leaves the weights "partial".
 
 A hypothesis state machine keeps a model of what should be resident and which
 checkpoint is loaded, and checks the engine against it after every call.
@@ -97,16 +98,22 @@ class SleepWakeMachine(RuleBasedStateMachine):
             else:
                 self.kv = "resident"
 
-    @rule(name=st.sampled_from(["a", "b"]), split=st.booleans(), bad=st.booleans())
-    def update_weights(self, name: str, split: bool, bad: bool) -> None:
+    @rule(name=st.sampled_from(["a", "b"]), split=st.booleans(), bad=st.booleans(),
+          streamed=st.booleans())
+    def update_weights(self, name: str, split: bool, bad: bool, streamed: bool) -> None:
         tensors = list(iter_safetensors(Path(self.paths[name]), torch.float32))
         if self.weights != "resident":
             self.refused(lambda: self.llm.update_weights(tensors))
             return
         if bad:
             tensors.insert(len(tensors) // 2, ("model.layers.0.nope.weight", torch.zeros(1)))
+            if not streamed:
+                # a list is judged whole before any of it loads: refused, nothing changed
+                self.refused(lambda: self.llm.update_weights(tensors), WeightUpdateError)
+                return
+            # a generator loads each pair as it is drawn: the first half is in
             with pytest.raises(WeightUpdateError, match="nope"):
-                self.llm.update_weights(tensors)
+                self.llm.update_weights(iter(tensors))
             self.torn = True
             return
         half = len(tensors) // 2 if split else len(tensors)
