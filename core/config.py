@@ -131,7 +131,7 @@ class CaptureConfig:
     blank_write_targets: bool = True
     #: where a decode graph ends: "tokens" (the logits and the sampler's common rows
     #: captured too), "logits", or "hidden" (the forward alone; logits and sampling
-    #: eager), to measure what each part saves (``runner/graph_sampling.py``)
+    #: eager), to measure what each part saves (``runner/capture/graph_sampling.py``)
     decode_graph_ends_at: str = attrs.field(
         default="tokens", validator=_one_of("tokens", "logits", "hidden")
     )

@@ -1,7 +1,7 @@
 """The decode graph's own sampling: it draws exactly what the eager sampler draws.
 
 A decode graph ends with the logits and, for a step where no row filters by top-k /
-top-p, the tokens (``runner/graph_sampling.py``), each drawing row keyed by its own
+top-p, the tokens (``runner/capture/graph_sampling.py``), each drawing row keyed by its own
 seed or, unseeded, by the engine's key for its request. The staged
 buffers and the captured draw are checked against the eager sampler over sequences
 of steps (a step's temperatures must never leak into the next), with padded rows;

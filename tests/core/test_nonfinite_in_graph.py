@@ -1,7 +1,7 @@
 """The non-finite check inside the decode graph finds what the check after the replay
 finds, and counts only the step's real rows.
 
-A decode graph that draws its step also checks it (``runner/graph_sampling.py``,
+A decode graph that draws its step also checks it (``runner/capture/graph_sampling.py``,
 ``layers/nonfinite_rows.py``): it leaves the coded tokens for the host beside the
 drawn ones and raises the count by its real rows' non-finite ones, never by a padded
 row's. First the captured body itself, called eagerly as the CPU's stand-in graphs

@@ -188,7 +188,7 @@ def gumbel_argmax_into_(
     temperature 0 keeps its token and costs no pass over its logits.
 
     For a batch of greedy and seeded rows in one launch, after ``tokens`` took the
-    rows' argmax: what the decode graph captures (``runner/graph_sampling.py``).
+    rows' argmax: what the decode graph captures (``runner/capture/graph_sampling.py``).
     """
     n = tokens.shape[0]
     assert tokens.dtype == seeds.dtype == counts.dtype == torch.int64
