@@ -224,6 +224,13 @@ class EngineConfig:
     #: whatever else shares its steps (at one tensor-parallel size); refused at start
     #: where a backend does not declare ``batch_invariant`` (docs/determinism.md)
     deterministic: bool = False
+    #: the LM head's product in float32 (SGLang's ``--enable-fp32-lm-head``): the
+    #: logits, logprobs and draws see no bf16 rounding of the product
+    #: (``layers/numerics.py``)
+    fp32_lm_head: bool = False
+    #: MoE routers' logits in float32, so near-tie experts are chosen as a float32
+    #: trainer chooses them (``layers/numerics.py``)
+    fp32_router_logits: bool = False
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

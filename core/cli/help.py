@@ -30,6 +30,10 @@ FIELD_HELP: dict[str, str] = {
     " generation_config.json (temperature, top_p, top_k, max_new_tokens); ignore: not",
     "deterministic": "batch-invariant kernels: a request's tokens and logprobs do not "
     "depend on what else shares its steps (slower; refused where a backend cannot)",
+    "fp32_lm_head": "compute the LM head's product in float32 (the logits see no bf16 "
+    "rounding; SGLang's --enable-fp32-lm-head)",
+    "fp32_router_logits": "compute MoE router logits in float32 (near-tie experts chosen "
+    "as a float32 trainer chooses them)",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

@@ -66,8 +66,12 @@ class LMHead(VocabEmbedding):
     the model dtype, for a reader that widens only what it needs, as the sampler does).
 
     ``tied_to`` shares the embedding's weight (``tie_word_embeddings``): the same
-    Parameter object, so it is loaded once and stored once.
+    Parameter object, so it is loaded once and stored once. ``compute_dtype`` (set by
+    :func:`~kvrunner.layers.numerics.choose_numerics`) runs the product in that dtype
+    (float32: ``fp32_lm_head``); ``None`` runs it in the weight's.
     """
+
+    compute_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -90,5 +94,9 @@ class LMHead(VocabEmbedding):
         # the unwidened logits: a float32 copy of [N, vocab] is 4 bytes a logit
         # written and read again (about 0.2 ms at 1,024 rows of a 152k vocabulary on
         # an H200), and the widening is exact wherever the sampler does it.
-        logits = self.tp.gather(project(hidden, self.weight))[..., : self.vocab_size]
+        if self.compute_dtype is not None:
+            hidden, weight = hidden.to(self.compute_dtype), self.weight.to(self.compute_dtype)
+        else:
+            weight = self.weight
+        logits = self.tp.gather(project(hidden, weight))[..., : self.vocab_size]
         return logits.float() if widen else logits

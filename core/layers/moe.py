@@ -31,6 +31,7 @@ from kvrunner.layers.linear import (
     RowParallelLinear,
     TPGroup,
     divide,
+    project,
 )
 from kvrunner.layers.moe_align import align_to_blocks
 from kvrunner.layers.moe_experts import grouped_experts_torch
@@ -146,8 +147,12 @@ class SparseMoeBlock(nn.Module):
     """Router (``gate``), top-k experts, optional gated shared expert; one all-reduce.
 
     Module names follow the checkpoints (``mlp.gate``, ``mlp.experts.{e}.*``,
-    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``).
+    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``). ``router_dtype`` (set by
+    :func:`~kvrunner.layers.numerics.choose_numerics`) computes the router logits in
+    that dtype (float32: ``fp32_router_logits``); ``None`` in the activations'.
     """
+
+    router_dtype: torch.dtype | None = None
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int,
                  intermediate_size: int, renormalize: bool, shared_intermediate_size: int = 0,
@@ -168,7 +173,11 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, k] x's dtype, topk_ids [T, k] int32)``."""
-        return topk_softmax(self.gate(x), self.top_k, self.renormalize)
+        if self.router_dtype is None:
+            return topk_softmax(self.gate(x), self.top_k, self.renormalize)
+        logits = project(x.to(self.router_dtype), self.gate.weight.to(self.router_dtype))
+        weights, ids = topk_softmax(logits, self.top_k, self.renormalize)
+        return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.route(x))

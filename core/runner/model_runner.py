@@ -32,6 +32,7 @@ from kvrunner.errors import SleepStateError
 from kvrunner.layers.determinism import choose_determinism
 from kvrunner.layers.fused.dispatch import choose_kernels
 from kvrunner.layers.linear import SINGLE
+from kvrunner.layers.numerics import choose_numerics
 from kvrunner.layers.sampler import Sampler
 from kvrunner.plugin_api.overlap import LayerStack, OverlapContext
 from kvrunner.plugin_api.step_data import BackendContext, ForwardContext, ModelSpec
@@ -207,6 +208,8 @@ class ModelRunner:
                 else SINGLE
             ),
         )
+        choose_numerics(self.model, fp32_lm_head=config.fp32_lm_head,
+                        fp32_router_logits=config.fp32_router_logits)
         # On CUDA this moves the weights into an allocator pool of their own, so a
         # level-2 sleep returns their segments whatever else the process holds; before
         # the sizing below, which must see the memory the move leaves.

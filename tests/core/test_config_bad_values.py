@@ -72,6 +72,8 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "check_finite": (not_a_bool, "load", {}),
     "skip_tokenizer_init": (not_a_bool, "load", {}),
     "deterministic": (not_a_bool, "load", {}),
+    "fp32_lm_head": (not_a_bool, "load", {}),
+    "fp32_router_logits": (not_a_bool, "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
