@@ -34,9 +34,8 @@ def say(*what):
 
 torch.cuda.init()
 base = torch.cuda.memory_allocated()
-# 64 MiB per tensor beside the checkpoint's: a leak of any of them is plain to see
+# compared to the byte: a tensor or buffer left behind shows whatever its size
 weights = [(n, t.cuda()) for n, t in load_file(sys.argv[1] + "/model.safetensors").items()]
-ballast = [torch.zeros(16 << 20, device="cuda") for _ in range(4)]
 held = torch.cuda.memory_allocated()
 for kind in ("direct", "bucket"):
     sender = (DirectSender(device="cuda", chunk_bytes=1 << 20) if kind == "direct"
@@ -48,7 +47,6 @@ for kind in ("direct", "bucket"):
     say("closed", kind, torch.cuda.memory_allocated() - held)
 del sender
 weights.clear()
-ballast.clear()
 torch.cuda.ipc_collect()
 say("freed", torch.cuda.memory_allocated() - base)
 """
