@@ -8,7 +8,9 @@ routes SGLang clients call with no body at all accept an empty one.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -17,6 +19,11 @@ from pydantic import BaseModel, ValidationError
 from kvrunner.serve.errors import APIError, validation_error
 
 Model = TypeVar("Model", bound=BaseModel)
+Parsed = TypeVar("Parsed")
+
+#: bodies of this many bytes or more are parsed in a worker thread: json and pydantic
+#: take some 50 ms a MB of token ids, which on the event loop would stall every stream
+OFF_LOOP_BYTES = 1 << 20
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than the server's limit of {limit} "
@@ -65,6 +72,16 @@ def parse_json(raw: bytes, model: type[Model], *, optional: bool = False) -> Mod
         raise validation_error(e.errors(include_url=False)) from None
 
 
+async def off_loop(raw: bytes, parse: Callable[[bytes], Parsed]) -> Parsed:
+    """``parse(raw)``: in place for a small body, in a worker thread from
+    :data:`OFF_LOOP_BYTES` on (the event loop keeps serving meanwhile)."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return parse(raw)
+    return await asyncio.to_thread(parse, raw)
+
+
 async def parse_body(request: Request, model: type[Model], *, optional: bool = False) -> Model:
-    """The body as ``model`` (:func:`read_body`, then :func:`parse_json`)."""
-    return parse_json(await read_body(request), model, optional=optional)
+    """The body as ``model`` (:func:`read_body`, then :func:`parse_json`, off the
+    event loop for a large body)."""
+    return await off_loop(await read_body(request),
+                          lambda raw: parse_json(raw, model, optional=optional))

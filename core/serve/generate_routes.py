@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvrunner.serve import generation, sse
-from kvrunner.serve.body import parse_json, read_body
+from kvrunner.serve.body import off_loop, parse_json, read_body
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.request_params import (
     Asked,
@@ -228,8 +228,12 @@ _PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_lo
 
 
 async def _generate_body(request: Request) -> GenerateRequest | BatchGenerateRequest:
-    """The body as one request, or as a batch when its prompts are a list."""
-    raw = await read_body(request)
+    """The body as one request, or as a batch when its prompts are a list (parsed off
+    the event loop when large: :func:`~kvrunner.serve.body.off_loop`)."""
+    return await off_loop(await read_body(request), _parse_generate)
+
+
+def _parse_generate(raw: bytes) -> GenerateRequest | BatchGenerateRequest:
     data = None
     with contextlib.suppress(ValueError, UnicodeDecodeError):  # parse_json's 400
         data = json.loads(raw)
