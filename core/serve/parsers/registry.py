@@ -30,5 +30,6 @@ def check_parser(kind: str, name: str | None) -> None:
     of them (None: no parser)."""
     known = TOOL_CALL_PARSERS if kind == "tool_call_parser" else REASONING_PARSERS
     if name is not None and name not in known:
-        raise ConfigError(f"serve: {kind} {name!r} is not a parser kvrunner has; "
+        flag = "--" + kind.replace("_", "-")
+        raise ConfigError(f"serve: {flag} {name!r} is not a parser kvrunner has; "
                           f"it has {sorted(known)}")
