@@ -26,6 +26,7 @@ from kvrunner.serve.openai_protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from kvrunner.serve.parsers.parsed import OutputStream
 from kvrunner.serve.request_params import (
     Asked,
     max_new_tokens,
@@ -359,7 +360,8 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
                        head: dict[str, Any], prompt_tokens: int, *, as_ids: bool,
                        usage: bool, parsing: ChatParsing | None) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
-        streams: dict[int, Any] = {}  # a choice's parser stream, from its first chunk
+        # a choice's parser stream (None without parsers), from its first chunk
+        streams: dict[int, OutputStream | None] = {}
         called: set[int] = set()
         completion_tokens = 0
         async for index, delta in items:
@@ -368,8 +370,8 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
                 streams[index] = parsing.parser.stream() if parsing is not None else None
             message: dict[str, Any] = {"content": delta.text}
             finish_reason = delta.finish_reason
-            if parsing is not None:
-                stream = streams[index]
+            stream = streams[index]
+            if parsing is not None and stream is not None:
                 pieces = stream.feed(delta.text)
                 if finish_reason is not None:
                     pieces += stream.finish()

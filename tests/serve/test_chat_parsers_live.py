@@ -215,3 +215,21 @@ def test_qwen3_coder_arguments_are_json_text(parsed_servers) -> None:
     client = _client(parsed_servers["qwen3_coder"])
     assert [json.loads(c["arguments"]) for c in _whole(client)["calls"]] == [
         {"city": "Paris", "days": 3}, {"city": "Oslo"}]
+
+
+def test_each_of_n_streamed_choices_is_parsed_alone_and_keeps_every_logprob(
+        parsed_servers) -> None:
+    client = _client(parsed_servers["hermes"])
+    (whole,) = client.chat.completions.create(**_ask(client, logprobs=True)).choices
+    chunks = list(client.chat.completions.create(stream=True, **_ask(client, n=2,
+                                                                   logprobs=True)))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        calls = [p for c in mine for p in c.delta.tool_calls or []]
+        assert [p.function.name for p in calls if p.id] == ["get_weather"]
+        assert "".join(p.function.arguments or "" for p in calls) == \
+            whole.message.tool_calls[0].function.arguments
+        # text the parser holds back still sends its tokens' logprobs
+        tokens = [e.token for c in mine if c.logprobs for e in c.logprobs.content]
+        assert tokens == [e.token for e in whole.logprobs.content]
+        assert mine[-1].finish_reason == "tool_calls"

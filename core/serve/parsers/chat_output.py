@@ -3,15 +3,13 @@ calls in what is left, as vLLM chains them."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvrunner.serve.parsers.parsed import Delta, ParsedOutput
+from kvrunner.serve.parsers.parsed import Delta, OutputParser, OutputStream, ParsedOutput
 
 
 class ChatOutputParser:
     """The reasoning parser (or None) chained into the tool-call parser (or None)."""
 
-    def __init__(self, reasoning: Any | None, tools: Any | None) -> None:
+    def __init__(self, reasoning: OutputParser | None, tools: OutputParser | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
 
@@ -36,7 +34,7 @@ class ChatOutputParser:
 class ChatOutputStream:
     """One output's text deltas through the chained parsers' streams."""
 
-    def __init__(self, reasoning: Any | None, tools: Any | None) -> None:
+    def __init__(self, reasoning: OutputStream | None, tools: OutputStream | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from typing import Protocol
 
 import attrs
 
@@ -57,6 +58,30 @@ class ParsedOutput:
     content: str | None = None
     reasoning: str | None = None
     calls: tuple[ToolCall, ...] = ()
+
+
+class OutputStream(Protocol):
+    """One output's parser, fed its text delta by delta."""
+
+    def feed(self, text: str) -> list[Delta]:
+        """The pieces that ``text`` (the next delta) decides."""
+        ...
+
+    def finish(self) -> list[Delta]:
+        """The last pieces, once the output has ended."""
+        ...
+
+
+class OutputParser(Protocol):
+    """A parser of outputs in one format, for one request."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        """A whole output's parts."""
+        ...
+
+    def stream(self) -> OutputStream:
+        """A parser of one output's text deltas, whose pieces add up to ``parse``'s."""
+        ...
 
 
 def accumulate(deltas: Iterable[Delta]) -> ParsedOutput:

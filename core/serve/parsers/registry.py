@@ -8,11 +8,12 @@ from typing import Any
 
 from kvrunner.config import ConfigError
 from kvrunner.serve.parsers.hermes import HermesToolParser
+from kvrunner.serve.parsers.parsed import OutputParser
 from kvrunner.serve.parsers.qwen3_coder import Qwen3CoderToolParser
 from kvrunner.serve.parsers.qwen3_reasoning import Qwen3ReasoningParser
 
 #: a tool-call parser for one request, built from its ``tools`` (the JSON schemas)
-ToolParserFactory = Callable[[Sequence[Mapping[str, Any]] | None], Any]
+ToolParserFactory = Callable[[Sequence[Mapping[str, Any]] | None], OutputParser]
 
 TOOL_CALL_PARSERS: dict[str, ToolParserFactory] = {
     "hermes": HermesToolParser,
@@ -20,7 +21,7 @@ TOOL_CALL_PARSERS: dict[str, ToolParserFactory] = {
 }
 
 #: a reasoning parser for one request, built with its ``enable_thinking``
-REASONING_PARSERS: dict[str, Callable[..., Any]] = {
+REASONING_PARSERS: dict[str, Callable[..., OutputParser]] = {
     "qwen3": Qwen3ReasoningParser,
 }
 
