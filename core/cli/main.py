@@ -267,7 +267,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_n=args.max_n,
         max_logprobs=getattr(args, "max_logprobs", None) or 20, shutdown_mode=args.shutdown_mode,
         drain_timeout_s=args.drain_timeout, log_level=args.log_level,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     config = _config_kwargs(args)
 
@@ -300,6 +302,15 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--max-body-bytes", type=_positive_int, default=64 * 1024 * 1024,
                        help="the largest request body read; a larger one is refused with "
                        "413 before it is parsed (default: %(default)s, 64 MiB)")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="read tool calls out of chat outputs into tool_calls, as vLLM's "
+                       "parser of that name does: hermes, qwen3_coder (default: none)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="parse calls for tool_choice 'auto' (OpenAI's default when tools "
+                       "are given); needs --tool-call-parser")
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split chat outputs' reasoning into reasoning_content, as vLLM's "
+                       "parser of that name does: qwen3 (default: none)")
     group.add_argument("--shutdown-mode", default="abort", choices=["abort", "drain"],
                        help="on SIGTERM, abort the requests in flight or let them finish "
                        "(default: %(default)s)")

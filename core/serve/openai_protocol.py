@@ -171,7 +171,8 @@ class ChatCompletionRequest(SamplingFields):
     #: rendered into the prompt by the chat template (``tools`` in the template)
     tools: list[Tool] | None = None
     #: "none": the tools are rendered and the caller parses any call from the text;
-    #: "auto", "required" or a named function need a server-side parser (refused)
+    #: "auto": the server's tool-call parser reads the calls (serve/chat_parsing.py);
+    #: "required" or a named function need guided decoding (refused)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     #: extra variables for the chat template (Qwen3's ``enable_thinking``)

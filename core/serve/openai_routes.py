@@ -19,12 +19,14 @@ from fastapi.responses import JSONResponse
 from kvrunner.serve import generation, sse
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.chat_messages import render_messages
+from kvrunner.serve.chat_parsing import ChatParsing, chat_parsing
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
 )
+from kvrunner.serve.parsers.parsed import OutputStream
 from kvrunner.serve.request_params import (
     Asked,
     max_new_tokens,
@@ -265,16 +267,8 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
 
 
 def _check_chat_features(body: ChatCompletionRequest) -> None:
-    """A 400 naming what the request asks that needs a server-side parser or grammar."""
-    choice = body.tool_choice
-    if body.tools and choice is None:
-        choice = "auto"  # OpenAI's default when tools are given
-    if choice is not None and choice != "none":
-        asked = choice if isinstance(choice, str) else f"the function {choice.function}"
-        raise APIError(400, f"tool_choice={asked!r} needs a server-side tool-call parser, which "
-                       f"kvrunner does not have yet; send tool_choice='none' to render the "
-                       f"tools into the prompt and parse the calls from the text",
-                       param="tool_choice")
+    """A 400 naming what the request asks that needs a grammar or a feature kvrunner
+    does not have (``tool_choice``: :func:`~kvrunner.serve.chat_parsing.chat_parsing`)."""
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, f"response_format {body.response_format.type!r} (structured "
                        f"output) is not supported by kvrunner", param="response_format")
@@ -306,6 +300,7 @@ async def chat_completions(request: Request) -> Any:
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    parsing = chat_parsing(body, state.settings)
     state.admission.require_open()
     ids = await _chat_prompt(state, body)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None \
@@ -320,17 +315,12 @@ async def chat_completions(request: Request) -> Any:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": state.model_name}
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids, usage=usage))
+        return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids,
+                                         usage=usage, parsing=parsing))
     outs = (await generation.run(state.engine, jobs, rid, request, fields=_CHAT_FIELDS))[0]
-    choices = [{
-        "index": k,
-        "message": {"role": "assistant", "content": out.text},
-        "logprobs": _chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs,
-                                   as_ids=as_ids),
-        "finish_reason": out.finish_reason,
-        "stop_reason": getattr(out, "stop_reason", None),
-    } | ({"token_ids": list(out.token_ids)} if body.return_token_ids else {})
-        for k, out in enumerate(outs)]
+    choices = [_chat_choice(state, k, out, parsing, as_ids=as_ids,
+                            token_ids=body.return_token_ids)
+               for k, out in enumerate(outs)]
     answer = {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
         "choices": choices,
@@ -343,23 +333,63 @@ async def chat_completions(request: Request) -> Any:
     return JSONResponse(answer)
 
 
+def _chat_choice(state: ServerState, index: int, out: Any, parsing: ChatParsing | None, *,
+                 as_ids: bool, token_ids: bool) -> dict[str, Any]:
+    """One choice of a whole chat answer; with parsers, its reasoning and tool calls
+    apart from its content, and finish reason "tool_calls" when it calls any."""
+    message: dict[str, Any] = {"role": "assistant", "content": out.text}
+    finish_reason = out.finish_reason
+    if parsing is not None:
+        message, called = parsing.message(out.text)
+        if called:
+            finish_reason = "tool_calls"
+    choice = {
+        "index": index,
+        "message": message,
+        "logprobs": _chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs,
+                                   as_ids=as_ids),
+        "finish_reason": finish_reason,
+        "stop_reason": getattr(out, "stop_reason", None),
+    }
+    if token_ids:
+        choice["token_ids"] = list(out.token_ids)
+    return choice
+
+
 async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                        head: dict[str, Any], prompt_tokens: int, *, as_ids: bool,
-                       usage: bool) -> AsyncIterator[str]:
+                       usage: bool, parsing: ChatParsing | None) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
-        started: set[int] = set()
+        # a choice's parser stream (None without parsers), from its first chunk
+        streams: dict[int, OutputStream | None] = {}
+        called: set[int] = set()
         completion_tokens = 0
         async for index, delta in items:
+            first = index not in streams
+            if first:
+                streams[index] = parsing.parser.stream() if parsing is not None else None
             message: dict[str, Any] = {"content": delta.text}
-            if index not in started:  # the first chunk of a choice names its role
-                started.add(index)
+            finish_reason = delta.finish_reason
+            stream = streams[index]
+            if parsing is not None and stream is not None:
+                pieces = stream.feed(delta.text)
+                if finish_reason is not None:
+                    pieces += stream.finish()
+                message, calls = parsing.delta(pieces)
+                if calls:
+                    called.add(index)
+                if finish_reason is not None and index in called:
+                    finish_reason = "tool_calls"
+            if first:  # the first chunk of a choice names its role
                 message = {"role": "assistant"} | message
             completion_tokens += len(delta.token_ids)
+            logprobs = _chat_logprobs(state, delta.token_ids, delta.logprobs,
+                                      delta.top_logprobs, as_ids=as_ids)
+            if not message and finish_reason is None and logprobs is None:
+                continue  # the parser holds this text back (a tag not yet whole)
             yield event(dict(head, choices=[{
-                "index": index, "delta": message,
-                "logprobs": _chat_logprobs(state, delta.token_ids, delta.logprobs,
-                                           delta.top_logprobs, as_ids=as_ids),
-                "finish_reason": delta.finish_reason,
+                "index": index, "delta": message, "logprobs": logprobs,
+                "finish_reason": finish_reason,
             }]))
         if usage:
             yield event(dict(head, choices=[], usage=_usage(prompt_tokens, completion_tokens)))

@@ -32,6 +32,12 @@ def _choice(*allowed: str):
     return check
 
 
+def _parser(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    from kvrunner.serve.parsers.registry import check_parser
+
+    check_parser(attribute.name, value if value is None else str(value))
+
+
 def _port(_instance: object, attribute: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ConfigError(f"serve: port must be an integer in [0, 65535], got {value!r}")
@@ -66,10 +72,23 @@ class ServeSettings:
     #: lets them finish for up to ``drain_timeout_s`` and then aborts what is left
     shutdown_mode: str = attrs.field(default="abort", validator=_choice("abort", "drain"))
     drain_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    #: the tool-call parser of chat outputs, by vLLM's name (``hermes``, ``qwen3_coder``);
+    #: None: calls stay in the text
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser)
+    #: parse calls for ``tool_choice="auto"`` (vLLM's ``--enable-auto-tool-choice``);
+    #: needs ``tool_call_parser``
+    enable_auto_tool_choice: bool = False
+    #: the reasoning parser of chat outputs (``qwen3``); None: reasoning stays in the text
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser)
     #: uvicorn's log level
     log_level: str = attrs.field(
         default="warning", validator=_choice("critical", "error", "warning", "info", "debug")
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("serve: --enable-auto-tool-choice needs --tool-call-parser "
+                              "(the parser that reads the calls out of the output)")
 
     @classmethod
     def with_env_key(cls, *, api_key: str | None = None, **fields: object) -> ServeSettings:

@@ -232,21 +232,27 @@ def test_chat_with_tools_renders_as_transformers_and_generates_as_llm(
     assert _ids([e["token"] for e in choice["logprobs"]["content"]]) == ref.token_ids
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": TOOLS}, "tool_choice"),  # OpenAI's default with tools is "auto"
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    # OpenAI's default with tools is "auto", which (as in vLLM) needs the parser flags
+    ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "guided decoding"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice", "guided decoding"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-     "messages.0"),
+     "messages.0", "image_url"),
 ])
 def test_chat_features_that_need_a_parser_or_images_are_a_400_naming_them(
-        http, extra, param) -> None:
+        http, extra, param, words) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 2} | extra
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    assert words in response.json()["error"]["message"]
 
 
 def test_tokenize_and_detokenize_round_trip_and_chat_tokenizes_as_the_chat_route(http) -> None:

@@ -1,0 +1,127 @@
+"""The server's output parsers applied to one chat request, as vLLM's chat route
+applies them: which parsers a request gets, and its answer's message and stream deltas.
+
+The reasoning parser (``--reasoning-parser``) reads every chat output, with the
+request's ``enable_thinking`` (``chat_template_kwargs``). The tool-call parser
+(``--tool-call-parser``) reads outputs of requests with ``tools`` and ``tool_choice``
+"auto" (OpenAI's default when tools are given), which vLLM allows only with
+``--enable-auto-tool-choice``; "none" leaves calls in the text. "required" and a named
+function are refused: vLLM holds such an output to the tools' JSON schema with guided
+decoding, a grammar kvrunner does not have. With ``parallel_tool_calls: false`` only
+the first call is returned (streamed: only call 0's pieces), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from kvrunner.serve.errors import APIError
+from kvrunner.serve.openai_protocol import ChatCompletionRequest
+from kvrunner.serve.parsers.chat_output import ChatOutputParser
+from kvrunner.serve.parsers.parsed import Delta, ParsedOutput
+from kvrunner.serve.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
+from kvrunner.serve.settings import ServeSettings
+
+
+@attrs.frozen
+class ChatParsing:
+    """What one chat request's outputs go through, and how its answer shows them."""
+
+    parser: ChatOutputParser
+    #: the answer has ``tool_calls`` (and finish reason "tool_calls" when any came)
+    tools: bool
+    #: the answer has ``reasoning_content`` (and vLLM's newer name, ``reasoning``)
+    reasoning: bool
+    #: only the first call (``parallel_tool_calls: false``)
+    first_call_only: bool
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """A whole output's message, and whether it calls tools."""
+        parsed = self.parser.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        calls = self._calls(parsed)
+        if self.tools:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        if self.reasoning:
+            message["reasoning_content"] = message["reasoning"] = parsed.reasoning
+        return message, bool(calls)
+
+    def _calls(self, parsed: ParsedOutput) -> tuple:
+        return parsed.calls[:1] if self.first_call_only else parsed.calls
+
+    def delta(self, pieces: Iterable[Delta]) -> tuple[dict[str, Any], bool]:
+        """One stream chunk's ``delta`` from a text delta's pieces (vLLM's keys, only
+        those set), and whether it holds a call's piece."""
+        content = "".join(p.content for p in pieces)
+        reasoning = "".join(p.reasoning for p in pieces)
+        calls: dict[int, dict[str, Any]] = {}
+        for piece in (p.call for p in pieces if p.call is not None):
+            if self.first_call_only and piece.index > 0:
+                continue
+            entry = calls.get(piece.index)
+            if entry is None:
+                entry = calls[piece.index] = {"index": piece.index, "function": {}}
+                if piece.id is not None:
+                    entry |= {"id": piece.id, "type": "function"}
+                    entry["function"]["name"] = piece.name
+                entry["function"]["arguments"] = ""
+            entry["function"]["arguments"] += piece.arguments
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+        return delta, bool(calls)
+
+
+def _auto_tool_choice(body: ChatCompletionRequest, settings: ServeSettings) -> bool:
+    """Whether calls are parsed out of this request's outputs; a 400 naming what the
+    request asks that this server cannot do."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise APIError(400, "tool_choice other than 'none' needs tools", param="tool_choice")
+    if not body.tools:
+        return False
+    if choice is None:
+        choice = "auto"  # OpenAI's default when tools are given
+    if choice == "none":
+        return False
+    if choice != "auto":
+        asked = choice if isinstance(choice, str) else f"the function {choice.function}"
+        raise APIError(400, f"tool_choice={asked!r} needs guided decoding (the output held "
+                       f"to the tools' JSON schema by a grammar), which kvrunner does not "
+                       f"have; use tool_choice='auto' with --tool-call-parser, or 'none'",
+                       param="tool_choice")
+    if settings.tool_call_parser is None or not settings.enable_auto_tool_choice:
+        raise APIError(400, "\"auto\" tool choice requires --enable-auto-tool-choice and "
+                       "--tool-call-parser to be set; send tool_choice='none' to render the "
+                       "tools into the prompt and parse the calls from the text",
+                       param="tool_choice")
+    return True
+
+
+def chat_parsing(body: ChatCompletionRequest, settings: ServeSettings) -> ChatParsing | None:
+    """The parsers a chat request's outputs go through (None: none, the text is the
+    content); a 400 for a ``tool_choice`` this server cannot honour."""
+    tools = _auto_tool_choice(body, settings)
+    reasoning = None
+    if settings.reasoning_parser is not None:
+        thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True)
+        reasoning = REASONING_PARSERS[settings.reasoning_parser](
+            enable_thinking=bool(thinking))
+    if not tools and reasoning is None:
+        return None
+    tool_parser = None
+    if tools:
+        schemas = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        tool_parser = TOOL_CALL_PARSERS[settings.tool_call_parser](schemas)
+    return ChatParsing(parser=ChatOutputParser(reasoning, tool_parser), tools=tools,
+                       reasoning=reasoning is not None,
+                       first_call_only=body.parallel_tool_calls is False)
