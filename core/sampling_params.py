@@ -253,6 +253,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_bool)
     skip_special_tokens: bool = attrs.field(default=True, validator=_bool)
     spaces_between_special_tokens: bool = attrs.field(default=True, validator=_bool)
+    #: report each sampled token's kept mass (``RequestOutput.kept_mass``)
+    return_kept_mass: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

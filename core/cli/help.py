@@ -30,6 +30,9 @@ FIELD_HELP: dict[str, str] = {
     " generation_config.json (temperature, top_p, top_k, max_new_tokens); ignore: not",
     "deterministic": "batch-invariant kernels: a request's tokens and logprobs do not "
     "depend on what else shares its steps (slower; refused where a backend cannot)",
+    "logprobs_mode": "what returned logprobs are: raw_logprobs (the model's), raw_logits, "
+    "processed_logprobs or processed_logits (after penalties, temperature, min_p, top-k "
+    "and top-p, renormalised over the kept tokens), as vLLM's --logprobs-mode",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

@@ -51,6 +51,18 @@ def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_k: np.ndarray,
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
 
 
+def truncate_(scaled: torch.Tensor, raw: torch.Tensor, sampling: SamplingColumns
+              ) -> torch.Tensor:  # fmt: skip
+    """The drawing rows' logits after the temperature (``scaled``, float32, changed in
+    place) with every token the row's ``min_p``, top-k and top-p drop at ``-inf``, in
+    vLLM's order (``min_p`` first, top-p renormalised after top-k); ``raw`` (the logits
+    before the temperature) ranks them. Returns ``scaled`` or a new tensor."""
+    min_p = min_p_of(sampling)
+    if min_p is not None:
+        mask_min_p_(scaled, min_p)
+    return _filter(scaled, raw, sampling.top_k, sampling.top_p)
+
+
 def _gumbel(
     rows: int,
     vocab: int,
@@ -128,10 +140,7 @@ def draw_rows(
         return gumbel_argmax(logits, rows, temps, row_keys, row_counts)
     raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
-    min_p = min_p_of(sampling)
-    if min_p is not None:  # vLLM's order: after the temperature, before top-k / top-p
-        mask_min_p_(scaled, min_p)
-    scaled = _filter(scaled, raw, sampling.top_k, sampling.top_p)
+    scaled = truncate_(scaled, raw, sampling)
     noise = _gumbel(len(sampling), vocab, keys,
                     np.ones(len(sampling), bool) if keyed else sampling.has_seed, counts,
                     generator, device)  # fmt: skip
