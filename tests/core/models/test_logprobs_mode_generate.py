@@ -7,6 +7,7 @@ engines agree with each other.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from logprobs_reference import reference
@@ -162,3 +163,18 @@ def test_prompt_logprobs_stay_raw_in_a_processed_mode() -> None:
         ) as llm:
             got[mode] = llm.generate([PROMPTS[2]], prompt_params)[0].prompt_logprobs
     assert got["processed_logprobs"] == got["raw_logprobs"]
+
+
+def test_a_request_ended_by_a_stop_token_keeps_one_mass_per_token() -> None:
+    """With asynchronous steps the step after the stop token was already launched: its
+    token is dropped, and so is its kept mass."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=3, seed=5, ignore_eos=True,
+                            return_kept_mass=True)  # fmt: skip
+    with LLM("tiny-qwen3", device="cpu", dtype="float32", max_model_len=64,
+             enforce_eager=True) as llm:  # fmt: skip
+        whole = llm.generate([PROMPTS[0]], params)[0]
+        stop = whole.token_ids[2]
+        cut = llm.generate([PROMPTS[0]], attrs.evolve(params, stop_token_ids=(stop,)))[0]
+    ends = whole.token_ids.index(stop) + 1
+    assert cut.token_ids == whole.token_ids[:ends]
+    assert cut.kept_mass == whole.kept_mass[:ends]
