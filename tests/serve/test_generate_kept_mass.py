@@ -1,7 +1,8 @@
 """``return_kept_mass`` on SGLang's ``/generate``: ``meta_info.output_token_kept_mass``
 holds one kept mass per output token, the engine's own (``RequestOutput.kept_mass``),
 streamed or not, one prompt or a batch; without the field the answer has none. The
-engine behind the app reports processed logprobs (``logprobs_mode``), and the output
+engine behind the app reports processed logprobs (``logprobs_mode``, which
+``/server_info`` names as vLLM's ``model_config.logprobs_mode``), and the output
 logprobs are those too."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def test_generate_returns_the_engines_kept_mass_per_output_token(serve_home) -> 
             app = build_app(engine, ServeSettings())
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                info = (await client.get("/server_info", params={"config_format": "json"})).json()
+                assert info["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
                 want = await in_process(engine)
                 body = {"input_ids": PROMPT, "sampling_params": SAMPLING,
                         "return_logprob": True, "return_kept_mass": True}  # fmt: skip
