@@ -37,7 +37,7 @@ import torch
 
 from kvrunner.config import LOGPROBS_MODES
 from kvrunner.engine.step_io import SamplingColumns
-from kvrunner.layers.sampling_draw import truncate_
+from kvrunner.layers.sampling_draw import fused_draw_serves, truncate_
 from kvrunner.plugin_api.buffers import on_device
 
 
@@ -52,12 +52,28 @@ def check_logprobs_mode(mode: str) -> str:
     return mode
 
 
+def reads_processed(sampling: SamplingColumns, mode: str) -> bool:
+    """Whether a step's logprobs read the processed logits: a row asks for logprobs in
+    a processed mode, or for its kept mass."""
+    wants_logprobs = mode.startswith("processed") and int(sampling.logprobs.max(initial=-1)) >= 0
+    return wants_logprobs or bool(sampling.kept_mass.any())
+
+
 def processed_logits(
-    logits: torch.Tensor, sampling: SamplingColumns, *, with_mass: bool = False
+    logits: torch.Tensor,
+    sampling: SamplingColumns,
+    *,
+    with_mass: bool = False,
+    truncated: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[N, V]`` float32: each row's processed logits (see the module docstring), from
     ``logits`` (the raw logits, or the rule-adjusted ones of a step with rules), and,
-    with ``with_mass``, ``[N]`` float32 each row's kept mass (else None)."""
+    with ``with_mass``, ``[N]`` float32 each row's kept mass (else None).
+
+    :param truncated: the drawing rows' logits after the temperature and the truncation,
+        in row order, where the draw kept them (``sampling_draw.Drawn``): taken as they
+        are instead of truncating again.
+    """
     out = logits.to(torch.float32, copy=True)
     n = out.shape[0]
     index = np.flatnonzero(sampling.drawing)
@@ -68,10 +84,15 @@ def processed_logits(
     rows = None if every else on_device(index, torch.int64, out.device)
     base = out if every else out.index_select(0, rows)
     drawing = sampling if every else sampling.take(index)
-    scaled = base / on_device(drawing.temperature, torch.float32, out.device)[:, None]
-    full = scaled.logsumexp(dim=-1) if with_mass else None  # before truncate_ masks in place
-    kept = truncate_(scaled, base, drawing)
-    if mass is not None:
+    # a row no min_p / top-k / top-p touches keeps all its mass
+    truncating = not fused_draw_serves(drawing, out.shape[1], keyed=True).all()
+    scaled = full = None
+    if truncated is None or (with_mass and truncating):
+        scaled = base / on_device(drawing.temperature, torch.float32, out.device)[:, None]
+    if with_mass and truncating:
+        full = scaled.logsumexp(dim=-1)  # before truncate_ masks in place
+    kept = truncated if truncated is not None else truncate_(scaled, base, drawing)
+    if full is not None:
         kept_mass = (kept.logsumexp(dim=-1) - full).exp()
         if every:
             mass = kept_mass
@@ -89,6 +110,7 @@ def reported_values(
     mode: str,
     *,
     adjusted: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
     values: bool = True,
     with_mass: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -98,12 +120,14 @@ def reported_values(
     :param raw: the model's logits.
     :param adjusted: the logits after the rows' logit rules, where the step has rules
         (the processed modes start from them; the raw modes never read them).
+    :param truncated: the drawing rows' truncated logits, where the draw kept them
+        (:func:`processed_logits`).
     """
     check_logprobs_mode(mode)
     processed = mass = None
     if with_mass or (values and mode.startswith("processed")):
         processed, mass = processed_logits(raw if adjusted is None else adjusted, sampling,
-                                           with_mass=with_mass)  # fmt: skip
+                                           with_mass=with_mass, truncated=truncated)  # fmt: skip
     if not values:
         return None, mass
     if mode == "raw_logprobs":

@@ -57,7 +57,7 @@ from kvrunner.engine.step_io import (
     as_sampling_columns,
 )
 from kvrunner.layers.logit_processing import adjusted_logits
-from kvrunner.layers.logprobs_mode import check_logprobs_mode, reported_values
+from kvrunner.layers.logprobs_mode import check_logprobs_mode, reads_processed, reported_values
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.layers.token_history import TokenHistory
@@ -143,20 +143,25 @@ def sample(
         raw_max = raw.max(dim=-1).values.to(row_max.dtype)
         row_max = torch.where(raw_max.isnan() | (raw_max == float("inf")), raw_max, row_max)
     num_drawing = np.count_nonzero(sampling.temperature)  # rows that are not greedy
+    truncated = None
     if num_drawing:
         keys = None if keys is None else np.asarray(keys, np.int64)
+        # the processed values are the drawn rows' truncated logits: kept, not redone
+        keep = reads_processed(sampling, logprobs_mode)
         if num_drawing == n:  # a sampling rollout's steps: no row gather
-            tokens = draw_rows(logits, None, sampling, num_generated, generator, keys)
+            tokens, truncated = draw_rows(logits, None, sampling, num_generated, generator,
+                                          keys, keep_truncated=keep)  # fmt: skip
         else:
             index = np.flatnonzero(sampling.drawing)
             rows = on_device(index, torch.int64, logits.device)
-            tokens[rows] = draw_rows(logits, rows, sampling.take(index),
-                                     np.asarray(num_generated, np.int64)[index], generator,
-                                     None if keys is None else keys[index])  # fmt: skip
+            tokens[rows], truncated = draw_rows(
+                logits, rows, sampling.take(index), np.asarray(num_generated, np.int64)[index],
+                generator, None if keys is None else keys[index], keep_truncated=keep)
     # Before the history takes this step's tokens: the processed logprobs are those
     # of the logits the tokens were drawn from.
     out = with_logprobs(raw, tokens, row_max, sampling, mode=logprobs_mode,
-                        adjusted=None if logits is raw else logits)  # fmt: skip
+                        adjusted=None if logits is raw else logits,
+                        truncated=truncated)  # fmt: skip
     if history is not None and sampling.rules is not None:
         _record(history, sampling, tokens)
     return out
@@ -179,11 +184,13 @@ def with_logprobs(
     *,
     mode: str = "raw_logprobs",
     adjusted: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """The :class:`SamplerOutput` of rows whose ``tokens`` (and raw ``row_max``) are
     chosen: the logprobs the rows ask for (``sampling.logprobs``) as ``mode`` reports
     them from the raw ``logits`` (and the rule-``adjusted`` ones, where the step has
-    rules), and the kept masses the rows ask for. Also for tokens a decode graph drew
+    rules; ``truncated``: the drawing rows' truncated logits, where the draw kept
+    them), and the kept masses the rows ask for. Also for tokens a decode graph drew
     (``runner/capture/graph_sampling.py``)."""
     n, vocab = logits.shape
     asked = sampling.logprobs  # -1: none
@@ -195,7 +202,8 @@ def with_logprobs(
     values, mass = None, None
     if most >= 0 or wants_mass:
         values, mass = reported_values(logits, sampling, mode, adjusted=adjusted,
-                                       values=most >= 0, with_mass=wants_mass)  # fmt: skip
+                                       truncated=truncated, values=most >= 0,
+                                       with_mass=wants_mass)  # fmt: skip
     if values is not None:
         token_logprobs = values.gather(1, tokens[:, None]).squeeze(1)
         if most > 0:

@@ -15,6 +15,7 @@ to the device straight from its array.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -107,6 +108,15 @@ def _gumbel(
     return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: no [N, V] temporaries
 
 
+class Drawn(NamedTuple):
+    """What :func:`draw_rows` drew."""
+
+    tokens: torch.Tensor  # [N] int64
+    #: [N, V] float32: the rows' logits after the temperature and the truncation, as
+    #: drawn from (``truncate_``), when asked for and the torch path drew; else None
+    truncated: torch.Tensor | None
+
+
 def draw_rows(
     logits: torch.Tensor,
     rows: torch.Tensor | None,
@@ -114,12 +124,15 @@ def draw_rows(
     counts: Sequence[int] | np.ndarray,
     generator: torch.Generator | None,
     keys: np.ndarray | None = None,
-) -> torch.Tensor:
+    *,
+    keep_truncated: bool = False,
+) -> Drawn:
     """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
     with ``sampling``'s row ``i`` after ``counts[i]`` generated tokens:
     ``argmax(logits / T + G)`` over the filtered logits, ``G`` Gumbel noise keyed by
     ``keys[i]`` (default: the row's own seed; an unseeded row without a key draws from
-    ``generator``)."""
+    ``generator``). ``keep_truncated``: also the filtered logits (the processed
+    logprobs read them: ``layers/logprobs_mode.py``), at one more ``[N, V]`` tensor."""
     device, vocab = logits.device, logits.shape[1]
     counts = np.asarray(counts, np.int64)
     temps = on_device(sampling.temperature, torch.float32, device)
@@ -137,14 +150,16 @@ def draw_rows(
             )
         else:
             row_keys, row_counts = on_device(np.stack([keys, counts]), torch.int64, device)
-        return gumbel_argmax(logits, rows, temps, row_keys, row_counts)
+        return Drawn(gumbel_argmax(logits, rows, temps, row_keys, row_counts), None)
     raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
     scaled = truncate_(scaled, raw, sampling)
     noise = _gumbel(len(sampling), vocab, keys,
                     np.ones(len(sampling), bool) if keyed else sampling.has_seed, counts,
                     generator, device)  # fmt: skip
-    return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
+    if keep_truncated:
+        return Drawn(noise.add_(scaled).argmax(dim=-1), scaled)
+    return Drawn(scaled.add_(noise).argmax(dim=-1), None)  # scaled is this call's own tensor
 
 
 def fused_draw_serves(sampling: SamplingColumns, vocab: int, *, keyed: bool = False

@@ -26,11 +26,12 @@ class Reference:
 
 def adjusted(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The row after the request's ``logit_bias`` (the only rule these tests set besides
-    ``min_p``), float64."""
-    out = logits.to(torch.float64).clone()
+    ``min_p``): float32 values, as the engine's adjusted logits are (a bias too small
+    for float32 adds nothing), widened to float64."""
+    out = logits.to(torch.float32).clone()
     for token, bias in params.logit_bias:
-        out[token] += bias
-    return out
+        out[token] += torch.tensor(bias, dtype=torch.float32)
+    return out.to(torch.float64)
 
 
 def reference(logits: torch.Tensor, params: SamplingParams) -> Reference:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, example, given
@@ -19,7 +20,9 @@ from hypothesis import strategies as st
 from logprobs_reference import adjusted, reference
 
 from kvrunner.config import LOGPROBS_MODES, ConfigError, EngineConfig
-from kvrunner.layers.sampler import Sampler, sample
+from kvrunner.engine.step_io import SamplingColumns
+from kvrunner.layers.logit_processing import adjusted_logits
+from kvrunner.layers.sampler import Sampler, sample, with_logprobs
 from kvrunner.sampling_params import SamplingParams
 
 # Logit values partly from a tiny set (ties) and partly -inf (masked tokens).
@@ -102,6 +105,26 @@ def test_each_mode_reports_the_references_values(mode, batch) -> None:
         token = int(out.token_ids[r])
         assert out.logprobs[r].item() == pytest.approx(want[token].item(), rel=1e-5, abs=1e-4)
         assert out.kept_mass[r].item() == pytest.approx(ref.kept_mass, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+@given(batch=batches())
+def test_tokens_chosen_elsewhere_get_the_same_values(mode, batch) -> None:
+    """``with_logprobs`` on tokens a decode graph chose (no truncated logits kept from
+    a draw: it truncates itself) reports what the sampler reports for them."""
+    logits, params = batch
+    refs = [reference(logits[r], p) for r, p in enumerate(params)]
+    assume(all(ref.margin > 1e-4 for ref in refs))
+    drawn = sample(logits, params, [0] * len(params), logprobs_mode=mode)
+    columns = SamplingColumns.of(params)
+    adjusted_rows = None if columns.rules is None else adjusted_logits(
+        logits, columns.rules, np.zeros(len(params), np.int64), None)  # fmt: skip
+    again = with_logprobs(logits, drawn.token_ids, drawn.row_max, columns, mode=mode,
+                          adjusted=adjusted_rows)  # fmt: skip
+    assert torch.equal(again.logprobs, drawn.logprobs)
+    assert torch.equal(again.kept_mass, drawn.kept_mass)
+    for r, ref in enumerate(refs):
+        assert_values_equal(reported(again, r, logits.shape[1]), ref.values[mode])
 
 
 @given(batch=batches())
