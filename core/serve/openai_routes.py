@@ -196,8 +196,8 @@ async def completions(request: Request) -> Any:
     if body.stream:
         items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(
-            _completion_events(state, items, head, jobs, as_ids=as_ids, usage=usage))
+        return sse.response(_completion_events(state, items, head, jobs, as_ids=as_ids,
+                                               usage=usage, mass=body.return_kept_mass))
     results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS)
     choices, completion_tokens = [], 0
     for (ids, _), outs in zip(jobs, results, strict=True):
@@ -221,6 +221,8 @@ async def completions(request: Request) -> Any:
             if body.return_token_ids:
                 choice["prompt_token_ids"] = list(ids)
                 choice["token_ids"] = list(out.token_ids)
+            if body.return_kept_mass:
+                choice["kept_mass"] = list(out.kept_mass or [])
             choices.append(choice)
             completion_tokens += len(out.token_ids)
     return JSONResponse(dict(head, choices=choices,
@@ -241,7 +243,7 @@ def _echoed_logprobs(state: ServerState, prompt: list[int], out: Any,
 
 async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                              head: dict[str, Any], jobs: list, *, as_ids: bool,
-                             usage: bool) -> AsyncIterator[str]:
+                             usage: bool, mass: bool = False) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
         completion_tokens = 0
@@ -252,10 +254,11 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
             if logprobs is not None:
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             completion_tokens += len(delta.token_ids)
-            yield event(dict(head, choices=[{
-                "index": index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }]))
+            choice = {"index": index, "text": delta.text, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason}
+            if mass:
+                choice["kept_mass"] = list(delta.kept_mass or [])
+            yield event(dict(head, choices=[choice]))
         if usage:
             yield event(dict(head, choices=[], usage=_usage(
                 sum(len(ids) for ids, _ in jobs), completion_tokens)))
@@ -320,7 +323,8 @@ async def chat_completions(request: Request) -> Any:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": state.model_name}
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids, usage=usage))
+        return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids,
+                                         usage=usage, mass=body.return_kept_mass))
     outs = (await generation.run(state.engine, jobs, rid, request, fields=_CHAT_FIELDS))[0]
     choices = [{
         "index": k,
@@ -330,6 +334,7 @@ async def chat_completions(request: Request) -> Any:
         "finish_reason": out.finish_reason,
         "stop_reason": getattr(out, "stop_reason", None),
     } | ({"token_ids": list(out.token_ids)} if body.return_token_ids else {})
+      | ({"kept_mass": list(out.kept_mass or [])} if body.return_kept_mass else {})
         for k, out in enumerate(outs)]
     answer = {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
@@ -345,7 +350,7 @@ async def chat_completions(request: Request) -> Any:
 
 async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                        head: dict[str, Any], prompt_tokens: int, *, as_ids: bool,
-                       usage: bool) -> AsyncIterator[str]:
+                       usage: bool, mass: bool = False) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         started: set[int] = set()
         completion_tokens = 0
@@ -355,12 +360,13 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
                 started.add(index)
                 message = {"role": "assistant"} | message
             completion_tokens += len(delta.token_ids)
-            yield event(dict(head, choices=[{
-                "index": index, "delta": message,
-                "logprobs": _chat_logprobs(state, delta.token_ids, delta.logprobs,
-                                           delta.top_logprobs, as_ids=as_ids),
-                "finish_reason": delta.finish_reason,
-            }]))
+            choice = {"index": index, "delta": message,
+                      "logprobs": _chat_logprobs(state, delta.token_ids, delta.logprobs,
+                                                 delta.top_logprobs, as_ids=as_ids),
+                      "finish_reason": delta.finish_reason}
+            if mass:
+                choice["kept_mass"] = list(delta.kept_mass or [])
+            yield event(dict(head, choices=[choice]))
         if usage:
             yield event(dict(head, choices=[], usage=_usage(prompt_tokens, completion_tokens)))
 

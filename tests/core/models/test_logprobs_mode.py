@@ -127,6 +127,21 @@ def test_tokens_chosen_elsewhere_get_the_same_values(mode, batch) -> None:
         assert_values_equal(reported(again, r, logits.shape[1]), ref.values[mode])
 
 
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+@given(batch=batches())
+def test_a_rows_values_do_not_depend_on_the_rows_beside_it(mode, batch) -> None:
+    """Bit for bit, alone or in the batch (what deterministic mode needs of them)."""
+    logits, params = batch
+    together = sample(logits, params, [0] * len(params), keys=range(len(params)),
+                      logprobs_mode=mode)  # fmt: skip
+    for r, p in enumerate(params):
+        alone = sample(logits[r : r + 1], [p], [0], keys=[r], logprobs_mode=mode)
+        assert torch.equal(alone.token_ids, together.token_ids[r : r + 1])
+        assert torch.equal(alone.logprobs, together.logprobs[r : r + 1])
+        assert torch.equal(alone.top_logprobs, together.top_logprobs[r : r + 1])
+        assert torch.equal(alone.kept_mass, together.kept_mass[r : r + 1])
+
+
 @given(batch=batches())
 def test_the_sampled_token_is_always_one_the_truncation_kept(batch) -> None:
     logits, params = batch

@@ -88,3 +88,50 @@ def test_a_score_only_request_has_no_output_kept_mass(serve_home, stream) -> Non
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.split("\n")
+            if line.startswith("data: {")]  # fmt: skip
+
+
+def test_completions_and_chat_return_each_choices_kept_mass(serve_home) -> None:
+    """OpenAI's routes: ``return_kept_mass`` gives every choice ``kept_mass``, one per
+    output token; streamed, each chunk carries its own tokens' (joined: the whole)."""
+
+    async def run() -> None:
+        engine = AsyncLLM(**ENGINE_KWARGS, logprobs_mode="processed_logprobs")
+        try:
+            transport = httpx.ASGITransport(app=build_app(engine, ServeSettings()))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                want = await in_process(engine)
+                sampling = {"model": "tiny-qwen3", "max_tokens": 5, "temperature": 0.7,
+                            "top_k": 4, "top_p": 0.8, "seed": 11, "ignore_eos": True,
+                            "logprobs": 0, "return_kept_mass": True}  # fmt: skip
+                completion = (await client.post("/v1/completions", json=sampling | {
+                    "prompt": PROMPT})).json()["choices"][0]  # fmt: skip
+                assert completion["kept_mass"] == want.kept_mass
+                assert completion["logprobs"]["token_logprobs"] == want.logprobs
+                streamed = await client.post("/v1/completions", json=sampling | {
+                    "prompt": PROMPT, "stream": True})  # fmt: skip
+                joined = [m for e in _events(streamed.text) for c in e["choices"]
+                          for m in c["kept_mass"]]  # fmt: skip
+                assert joined == want.kept_mass
+                plain = (await client.post("/v1/completions", json=sampling | {
+                    "prompt": PROMPT, "return_kept_mass": False})).json()  # fmt: skip
+                assert "kept_mass" not in plain["choices"][0]
+
+                chat = sampling | {"messages": [{"role": "user", "content": "hi"}],
+                                   "logprobs": True}  # fmt: skip
+                answer = (await client.post("/v1/chat/completions", json=chat)).json()
+                choice = answer["choices"][0]
+                assert len(choice["kept_mass"]) == answer["usage"]["completion_tokens"] == 5
+                assert all(0 < m <= 1 for m in choice["kept_mass"])
+                streamed = await client.post("/v1/chat/completions", json=chat | {"stream": True})
+                joined = [m for e in _events(streamed.text) for c in e["choices"]
+                          for m in c["kept_mass"]]  # fmt: skip
+                assert joined == choice["kept_mass"]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
