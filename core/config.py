@@ -45,6 +45,13 @@ def _one_of(*choices: str):
     return check
 
 
+#: what a token's logprob is (vLLM's ``logprobs_mode``, the default first):
+#: ``layers/logprobs_mode.py``
+LOGPROBS_MODES: tuple[str, ...] = (
+    "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits",
+)  # fmt: skip
+
+
 @attrs.frozen(kw_only=True)
 class CacheConfig:
     block_size: int = attrs.field(default=16, validator=_in_range(1, 256))
@@ -231,6 +238,11 @@ class EngineConfig:
     #: MoE routers' logits in float32, so near-tie experts are chosen as a float32
     #: trainer chooses them (``layers/numerics.py``)
     fp32_router_logits: bool = False
+    #: what the returned logprobs are, as vLLM's ``--logprobs-mode``: raw_logprobs
+    #: (the model's, before the request's sampling settings), raw_logits, or
+    #: processed_logprobs / processed_logits (after the logit adjustments, temperature,
+    #: min_p, top-k and top-p, renormalised over the kept tokens): layers/logprobs_mode.py
+    logprobs_mode: str = attrs.field(default="raw_logprobs", validator=_one_of(*LOGPROBS_MODES))
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

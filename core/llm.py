@@ -367,6 +367,7 @@ class LLM:
             error=seq.error,
             sample_index=seq.sample_index,
             stop_reason=seq.stop_reason,
+            kept_mass=list(seq.kept_mass) if seq.sampling_params.return_kept_mass else None,
         )
 
     def _text(self, seq: Any, out: list[int]) -> str:

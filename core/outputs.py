@@ -43,6 +43,11 @@ class RequestOutput:
     #: what ended it with finish reason "stop": the matched stop string, or the stop
     #: token id (EOS included); None for any other finish
     stop_reason: int | str | None = None
+    #: each generated token's kept mass: the probability, at the request's
+    #: temperature, of the tokens min_p / top-k / top-p kept when it was drawn (1 for
+    #: greedy and untruncated rows), when SamplingParams.return_kept_mass was set
+    #: (layers/logprobs_mode.py)
+    kept_mass: list[float] | None = None
     #: the weight version the last token was made under (``AsyncLLM``; None from ``LLM``)
     weight_version: str | int | None = None
     #: ``(version, first output index)`` spans, in order: the tokens from each index up

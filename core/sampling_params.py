@@ -202,8 +202,9 @@ class SamplingParams:
 
     vLLM's logit adjustments, applied in vLLM's order to the logits a token is
     picked from (greedy rows included, ``min_p`` only where the row draws); the
-    logprobs returned stay those of the raw logits, as vLLM's default
-    ``logprobs_mode="raw_logprobs"``: ``allowed_token_ids`` (every other token is
+    logprobs returned are those of the raw logits under the engine's default
+    ``logprobs_mode="raw_logprobs"``, of the adjusted ones under the processed modes
+    (``layers/logprobs_mode.py``): ``allowed_token_ids`` (every other token is
     masked), ``bad_words`` (a word's last token is masked where the output so far
     ends with the rest of it; each word banned as written and with a leading space,
     tokenized by the engine), ``min_tokens`` (the stop token ids and EOS are masked
@@ -217,6 +218,9 @@ class SamplingParams:
     the output text, ``skip_special_tokens`` drops special tokens from it, and
     ``spaces_between_special_tokens`` is taken for vLLM's sake: the tokenizers
     library's decoding has no such switch (as vLLM's fast-tokenizer path).
+    ``return_kept_mass`` reports each sampled token's kept mass
+    (``RequestOutput.kept_mass``): the probability, at the request's temperature, of
+    the tokens ``min_p``, top-k and top-p kept when it was drawn.
 
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
@@ -253,6 +257,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_bool)
     skip_special_tokens: bool = attrs.field(default=True, validator=_bool)
     spaces_between_special_tokens: bool = attrs.field(default=True, validator=_bool)
+    #: report each sampled token's kept mass (``RequestOutput.kept_mass``)
+    return_kept_mass: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

@@ -12,8 +12,8 @@ from kvrunner.outputs import RequestOutput
 class StreamDelta:
     """The new part of one request's output.
 
-    Joining every delta's ``token_ids`` (``logprobs``, ``top_logprobs``, ``text``)
-    gives the final output's. The last delta has a ``finish_reason`` and carries the
+    Joining every delta's ``token_ids`` (``logprobs``, ``top_logprobs``, ``kept_mass``,
+    ``text``) gives the final output's. The last delta has a ``finish_reason`` and carries the
     whole :class:`~kvrunner.llm.RequestOutput` as ``output``; every earlier one has
     neither.
     """
@@ -37,3 +37,5 @@ class StreamDelta:
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     #: each prompt token's rank at its position, on the first delta (None for the first)
     prompt_ranks: list[int | None] | None = None
+    #: the new tokens' kept masses, when ``SamplingParams.return_kept_mass`` was set
+    kept_mass: list[float] | None = None

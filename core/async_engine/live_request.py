@@ -93,6 +93,8 @@ class LiveRequest:
             prompt_logprobs=None if scored is None else [None, *seq.prompt_logprobs],
             prompt_top_logprobs=[None, *seq.prompt_top_logprobs] if scored else None,
             prompt_ranks=None if scored is None else [None, *seq.prompt_ranks],
+            kept_mass=(list(seq.kept_mass[first:end]) if seq.sampling_params.return_kept_mass
+                       else None),
         )
 
     def _new_text(self, tokenizer: Any | None) -> str:

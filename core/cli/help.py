@@ -34,6 +34,9 @@ FIELD_HELP: dict[str, str] = {
     "rounding; SGLang's --enable-fp32-lm-head)",
     "fp32_router_logits": "compute MoE router logits in float32 (near-tie experts chosen "
     "as a float32 trainer chooses them)",
+    "logprobs_mode": "what returned logprobs are: raw_logprobs (the model's), raw_logits, "
+    "processed_logprobs or processed_logits (after penalties, temperature, min_p, top-k "
+    "and top-p, renormalised over the kept tokens), as vLLM's --logprobs-mode",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

@@ -334,6 +334,7 @@ class LLMEngine:
                 keep = seq.num_prompt_tokens + watch.num_seen
                 del seq.token_ids[keep:]
                 del seq.logprobs[watch.num_seen:], seq.top_logprobs[watch.num_seen:]
+                del seq.kept_mass[watch.num_seen:]
                 del self._watched[seq_id]
             elif reason is not None:
                 del self._watched[seq_id]

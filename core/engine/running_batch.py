@@ -51,7 +51,7 @@ class RunningBatch:
     flight that sample for it. ``prompt``, ``limit``: ``num_prompt_tokens``,
     ``length_limit``. ``table_row``, ``state_slot``, ``seq_id``: the sequence's.
     ``temperature``, ``top_k``, ``top_p``, ``seed``, ``has_seed``, ``logprobs``,
-    ``prompt_logprobs``: its ``sampling_params`` as the :class:`SamplingColumns`
+    ``prompt_logprobs``, ``kept_mass``: its ``sampling_params`` as the :class:`SamplingColumns`
     hold them (``step_io.sampling_row``).
     """
 
@@ -84,6 +84,7 @@ class RunningBatch:
         self.has_seed = np.zeros(_INITIAL_ROWS, np.bool_)
         self.logprobs = np.full(_INITIAL_ROWS, -1, np.int64)
         self.prompt_logprobs = np.full(_INITIAL_ROWS, -1, np.int64)
+        self.kept_mass = np.zeros(_INITIAL_ROWS, np.bool_)
         #: every row's sampling columns as the last step took them (copies), until the
         #: rows change: a steady decode step takes the last one's
         self._every_row_sampling: SamplingColumns | None = None
@@ -119,7 +120,8 @@ class RunningBatch:
         self.table_row[i] = seq.table_row
         self.state_slot[i] = seq.state_slot
         (self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i], self.has_seed[i],
-         self.logprobs[i], self.prompt_logprobs[i]) = sampling_row(seq.sampling_params)
+         self.logprobs[i], self.prompt_logprobs[i], self.kept_mass[i]) = sampling_row(
+            seq.sampling_params)
         return i
 
     def remove(self, rows: list[int]) -> np.ndarray:

@@ -278,12 +278,28 @@ class Scheduler:
             self._record_prompt_scores(sampled.prompt_scores)
         finished: list[Sequence] = []
         nonfinite = min(sampled.token_ids, default=0) < 0  # a code: see NONFINITE_CAUSES
+        masses = None if sampled.kept_mass is None else self._masses(sampled)
         gone = self._apply(chunks, tokens, logprobs, tops, nonfinite, finished)
         if gone:
             self._in_flight.renumber(self.batch.remove(gone))
+        if masses:
+            for seq, length, mass in masses:
+                if len(seq.token_ids) > length:  # its token was kept
+                    seq.kept_mass.append(mass)
         return finished
 
     # -- internals --------------------------------------------------------------------
+
+    def _masses(self, sampled: SampledTokens) -> list[tuple[Sequence, int, float]]:
+        """The step's kept masses (``SamplingParams.return_kept_mass``) with their
+        sequences and token counts before the step is applied: a mass is recorded
+        only where its token is (not past the end, not a non-finite row)."""
+        out = []
+        for seq_id, mass in zip(sampled.seq_ids, sampled.kept_mass, strict=True):
+            seq = self._unfinished.get(seq_id) if mass is not None else None
+            if seq is not None:
+                out.append((seq, len(seq.token_ids), mass))
+        return out
 
     def _record_prompt_scores(self, scores: dict[int, PromptScores]) -> None:
         """Append each chunk's prompt scores to its request's; a prompt scored again

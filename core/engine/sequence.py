@@ -70,6 +70,9 @@ class Sequence:
     logprobs: list[float | None] = attrs.field(factory=list, init=False)
     #: the top-N logprobs at each output position (``None`` if not asked)
     top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
+    #: the kept mass of each output token (``SamplingParams.return_kept_mass``; empty
+    #: if not asked)
+    kept_mass: list[float] = attrs.field(factory=list, init=False)
     #: each prompt token's logprob given the tokens before it, from the second prompt
     #: token on, as its prefill chunks are applied (``SamplingParams.prompt_logprobs``)
     prompt_logprobs: list[float] = attrs.field(factory=list, init=False)

@@ -125,10 +125,11 @@ SAMPLING_DTYPES: dict[str, type] = {
     "has_seed": np.bool_,
     "logprobs": np.int64,
     "prompt_logprobs": np.int64,
+    "kept_mass": np.bool_,
 }
 
 #: a row of the :class:`SamplingColumns`: one value per column, in their order
-SamplingRow = tuple[float, int, float, int, bool, int, int]
+SamplingRow = tuple[float, int, float, int, bool, int, int, bool]
 
 
 def sampling_row(params: SamplingParams) -> SamplingRow:
@@ -143,6 +144,7 @@ def sampling_row(params: SamplingParams) -> SamplingRow:
         seed is not None,
         -1 if logprobs is None else min(int(logprobs), _INT64_MAX),
         -1 if prompt_logprobs is None else min(int(prompt_logprobs), _INT64_MAX),
+        bool(params.return_kept_mass),
     )
 
 
@@ -153,7 +155,7 @@ class SamplingColumns:
     The engine keeps them in the running batch from a request's admission
     (``running_batch.py``) and gathers a step's rows from there; the sampler and the
     decode graphs read them as they are, and their device uploads come straight from
-    the arrays. They pickle as seven arrays, whatever the batch. Each column holds a
+    the arrays. They pickle as eight arrays, whatever the batch. Each column holds a
     :class:`~kvrunner.sampling_params.SamplingParams` field in a form an array can
     hold (:func:`sampling_row`).
 
@@ -179,6 +181,9 @@ class SamplingColumns:
     logprobs: np.ndarray
     #: [N] int64: top logprobs reported per prompt token; -1 where it scores no prompt
     prompt_logprobs: np.ndarray
+    #: [N] bool: the row reports each sampled token's kept mass
+    #: (``SamplingParams.return_kept_mass``)
+    kept_mass: np.ndarray
     #: per row its logit rules or None; None when no row has any
     rules: tuple[LogitRules | None, ...] | None = None
 
@@ -210,7 +215,7 @@ class SamplingColumns:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The columns, in their order (:data:`SAMPLING_DTYPES`)."""
         return (self.temperature, self.top_k, self.top_p, self.seed, self.has_seed,
-                self.logprobs, self.prompt_logprobs)  # fmt: skip
+                self.logprobs, self.prompt_logprobs, self.kept_mass)  # fmt: skip
 
     def take(self, rows: np.ndarray | Seq[int]) -> SamplingColumns:
         """The columns of ``rows`` (indices), in that order: new arrays."""
@@ -244,7 +249,7 @@ class SamplingColumns:
         return f"SamplingColumns({fields}{rules})"
 
     def __reduce__(self) -> tuple:
-        # Seven arrays: one buffer each on the wire, whatever the batch (and the rules
+        # Eight arrays: one buffer each on the wire, whatever the batch (and the rules
         # of a batch that has any).
         return (SamplingColumns, (*self.arrays(), self.rules))
 
@@ -264,7 +269,7 @@ class StepInput:
     last token may be :data:`PLACEHOLDER_TOKEN`: the previous step's sample). The
     scheduler builds it this way and the runner reads it this way, so no object per
     sequence is ever built. It pickles as its lists, the block tables' two arrays and
-    the sampling columns' seven.
+    the sampling columns' eight.
     """
 
     seq_id: list[int]
@@ -320,15 +325,16 @@ class SampledToken:
 #: token's logprob, and the top-N logprobs at each (None where N is 0)
 PromptScores = tuple[int, list[float], list[dict[int, float] | None], list[int]]
 
-#: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, and
-#: the prompt scores of the rows that asked for them, by seq id (None: no row asked)
+#: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, the
+#: prompt scores of the rows that asked for them, by seq id (None: no row asked), and
+#: each row's kept mass (None for a row that did not ask; the column None when no row did)
 PackedSampled = tuple[list[int], list[int], list[float | None], list[dict[int, float] | None],
-                      dict[int, PromptScores] | None]
+                      dict[int, PromptScores] | None, list[float | None] | None]
 
 
 def no_samples(prompt_scores: dict[int, PromptScores] | None = None) -> PackedSampled:
     """The columns of a step that sampled nothing (but may have scored prompts)."""
-    return ([], [], [], [], prompt_scores)
+    return ([], [], [], [], prompt_scores, None)
 
 
 class SampledTokens(Seq[SampledToken]):
@@ -339,7 +345,8 @@ class SampledTokens(Seq[SampledToken]):
     one attrs object per sequence per step cost about 1 µs each at batch 1024.
     """
 
-    __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs", "prompt_scores")
+    __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs", "prompt_scores",
+                 "kept_mass")  # fmt: skip
 
     def __init__(
         self,
@@ -348,12 +355,16 @@ class SampledTokens(Seq[SampledToken]):
         logprobs: list[float | None],
         top_logprobs: list[dict[int, float] | None],
         prompt_scores: dict[int, PromptScores] | None = None,
+        kept_mass: list[float | None] | None = None,
     ) -> None:
-        if not len(seq_ids) == len(token_ids) == len(logprobs) == len(top_logprobs):
+        if not len(seq_ids) == len(token_ids) == len(logprobs) == len(top_logprobs) or (
+            kept_mass is not None and len(kept_mass) != len(seq_ids)
+        ):
             raise ValueError(
                 f"sampled columns differ in length: {len(seq_ids)} seq ids, "
                 f"{len(token_ids)} tokens, {len(logprobs)} logprobs, "
                 f"{len(top_logprobs)} top logprobs"
+                + ("" if kept_mass is None else f", {len(kept_mass)} kept masses")
             )
         self.seq_ids = seq_ids
         self.token_ids = token_ids
@@ -361,6 +372,9 @@ class SampledTokens(Seq[SampledToken]):
         self.top_logprobs = top_logprobs
         #: the step's prompt scores by seq id (``SamplingParams.prompt_logprobs``)
         self.prompt_scores = prompt_scores
+        #: each row's kept mass (``SamplingParams.return_kept_mass``; None for a row
+        #: that did not ask), or None when no row asked
+        self.kept_mass = kept_mass
 
     @classmethod
     def of(cls, tokens: Iterable[SampledToken]) -> SampledTokens:
@@ -403,7 +417,7 @@ class SampledTokens(Seq[SampledToken]):
 
     def __reduce__(self) -> tuple:
         return (SampledTokens, (self.seq_ids, self.token_ids, self.logprobs, self.top_logprobs,
-                                self.prompt_scores))
+                                self.prompt_scores, self.kept_mass))
 
 
 def unpack_sampled(packed: PackedSampled) -> SampledTokens:

@@ -27,9 +27,13 @@ included; ``min_p`` masks a drawing row after its temperature, so such a row tak
 the torch draw. The penalties read the token history the :class:`Sampler` keeps on
 the device (``layers/token_history.py``), and each drawn token is added to it at once.
 
-Logprobs are ``log_softmax`` of the *raw* logits (before penalties, temperature and
-filtering), which is what vLLM reports by default (its ``logprobs_mode`` of
-``raw_logprobs``) and what an RL trainer compares against its own forward pass.
+Logprobs are by default ``log_softmax`` of the *raw* logits (before penalties,
+temperature and filtering), vLLM's default ``logprobs_mode`` of ``raw_logprobs`` and
+what an RL trainer's plain forward computes; the engine's ``logprobs_mode`` may ask for
+the raw logits, or the processed logits or logprobs the token was drawn from, and a
+row may ask for its kept mass (``layers/logprobs_mode.py``). Every mode is computed
+here, after the tokens are chosen, from the logits they were chosen from: the same
+for a row the decode graph drew as for one drawn eagerly.
 
 Per-row settings come as the rows' :class:`~kvrunner.engine.step_io.SamplingColumns`
 (the engine's columns, as a step carries them), read as arrays. No host sync: they
@@ -53,6 +57,7 @@ from kvrunner.engine.step_io import (
     as_sampling_columns,
 )
 from kvrunner.layers.logit_processing import adjusted_logits
+from kvrunner.layers.logprobs_mode import check_logprobs_mode, reads_processed, reported_values
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.layers.token_history import TokenHistory
@@ -66,7 +71,8 @@ class SamplerOutput:
 
     ``top_ids`` / ``top_logprobs`` are ``[N, K]`` (most likely first) with ``K`` the
     largest ``logprobs`` any row asked for, or ``None`` when no row asked; row ``i``
-    reports its first ``num_top[i]`` columns.
+    reports its first ``num_top[i]`` columns. Logprobs are what the engine's
+    ``logprobs_mode`` reports (``layers/logprobs_mode.py``).
     """
 
     token_ids: torch.Tensor  # [N] long
@@ -78,6 +84,8 @@ class SamplerOutput:
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     num_top: tuple[int, ...]
+    #: [N] float32, each row's kept mass; None when no row asked for it
+    kept_mass: torch.Tensor | None = None
 
     def top_logprobs_dict(self, row: int) -> dict[int, float] | None:
         """``{token_id: logprob}`` of the ``num_top[row]`` most likely tokens, or ``None``."""
@@ -96,6 +104,7 @@ def sample(
     generator: torch.Generator | None = None,
     keys: Sequence[int] | np.ndarray | None = None,
     history: TokenHistory | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row.
 
@@ -111,6 +120,7 @@ def sample(
         reads ``generator``.
     :param history: the token history the rows' rules read (and each drawn token of
         a row with a history row is added to).
+    :param logprobs_mode: what the logprobs are (``layers/logprobs_mode.py``).
     """
     sampling = as_sampling_columns(sampling)
     n, vocab = logits.shape
@@ -133,19 +143,28 @@ def sample(
         raw_max = raw.max(dim=-1).values.to(row_max.dtype)
         row_max = torch.where(raw_max.isnan() | (raw_max == float("inf")), raw_max, row_max)
     num_drawing = np.count_nonzero(sampling.temperature)  # rows that are not greedy
+    truncated = None
     if num_drawing:
         keys = None if keys is None else np.asarray(keys, np.int64)
+        # the processed values are the drawn rows' truncated logits: kept, not redone
+        keep = reads_processed(sampling, logprobs_mode)
         if num_drawing == n:  # a sampling rollout's steps: no row gather
-            tokens = draw_rows(logits, None, sampling, num_generated, generator, keys)
+            tokens, truncated = draw_rows(logits, None, sampling, num_generated, generator,
+                                          keys, keep_truncated=keep)  # fmt: skip
         else:
             index = np.flatnonzero(sampling.drawing)
             rows = on_device(index, torch.int64, logits.device)
-            tokens[rows] = draw_rows(logits, rows, sampling.take(index),
-                                     np.asarray(num_generated, np.int64)[index], generator,
-                                     None if keys is None else keys[index])  # fmt: skip
+            tokens[rows], truncated = draw_rows(
+                logits, rows, sampling.take(index), np.asarray(num_generated, np.int64)[index],
+                generator, None if keys is None else keys[index], keep_truncated=keep)
+    # Before the history takes this step's tokens: the processed logprobs are those
+    # of the logits the tokens were drawn from.
+    out = with_logprobs(raw, tokens, row_max, sampling, mode=logprobs_mode,
+                        adjusted=None if logits is raw else logits,
+                        truncated=truncated)  # fmt: skip
     if history is not None and sampling.rules is not None:
         _record(history, sampling, tokens)
-    return with_logprobs(raw, tokens, row_max, sampling)
+    return out
 
 
 def _record(history: TokenHistory, sampling: SamplingColumns, tokens: torch.Tensor) -> None:
@@ -162,21 +181,33 @@ def with_logprobs(
     tokens: torch.Tensor,
     row_max: torch.Tensor,
     sampling: SamplingColumns,
+    *,
+    mode: str = "raw_logprobs",
+    adjusted: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """The :class:`SamplerOutput` of rows whose ``tokens`` (and raw ``row_max``) are
-    chosen: the logprobs the rows ask for (``sampling.logprobs``), from the raw
-    ``logits``. Also for tokens a decode graph drew (``runner/capture/graph_sampling.py``)."""
+    chosen: the logprobs the rows ask for (``sampling.logprobs``) as ``mode`` reports
+    them from the raw ``logits`` (and the rule-``adjusted`` ones, where the step has
+    rules; ``truncated``: the drawing rows' truncated logits, where the draw kept
+    them), and the kept masses the rows ask for. Also for tokens a decode graph drew
+    (``runner/capture/graph_sampling.py``)."""
     n, vocab = logits.shape
     asked = sampling.logprobs  # -1: none
     most = int(asked.max(initial=-1))  # one pass: whether any row asks, and for tops
     num_top = tuple(np.minimum(asked.clip(min=0), vocab).tolist()) if most > 0 else (0,) * n
     token_logprobs = top_ids = top_values = None
+    wants_mass = bool(sampling.kept_mass.any())
     # A [N, V] log_softmax is the sampler's largest pass: only when a row asks.
-    if most >= 0:
-        all_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        token_logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    values, mass = None, None
+    if most >= 0 or wants_mass:
+        values, mass = reported_values(logits, sampling, mode, adjusted=adjusted,
+                                       truncated=truncated, values=most >= 0,
+                                       with_mass=wants_mass)  # fmt: skip
+    if values is not None:
+        token_logprobs = values.gather(1, tokens[:, None]).squeeze(1)
         if most > 0:
-            top_values, top_ids = all_logprobs.topk(min(most, vocab), dim=-1)
+            top_values, top_ids = values.topk(min(most, vocab), dim=-1)
     return SamplerOutput(
         token_ids=tokens,
         row_max=row_max,
@@ -184,6 +215,7 @@ def with_logprobs(
         top_ids=top_ids,
         top_logprobs=top_values,
         num_top=num_top,
+        kept_mass=mass,
     )
 
 
@@ -192,8 +224,12 @@ def to_packed(
 ) -> PackedSampled:
     """The sampled tokens as columns; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
+    mass = None
+    if out.kept_mass is not None:
+        mass = [m if w else None for m, w in zip(out.kept_mass.tolist(),
+                                                 sampling.kept_mass.tolist(), strict=True)]
     if out.logprobs is None:  # no row asked: no per-row pass
-        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None
+        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None, mass
     wants = (sampling.logprobs >= 0).tolist()
     logprobs = out.logprobs.tolist()
     return (
@@ -202,6 +238,7 @@ def to_packed(
         [lp if w else None for lp, w in zip(logprobs, wants, strict=True)],
         [out.top_logprobs_dict(row) if w else None for row, w in enumerate(wants)],
         None,
+        mass,
     )
 
 
@@ -227,6 +264,7 @@ def sample_step_rows(
     drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
     engine_seed: int | None = None,
     history: TokenHistory | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> StepSamples:
     """:func:`sample` for the step's sampling chunks; row ``i`` of ``logits`` is the
     ``i``-th chunk with ``sample`` set. Nothing is read back to the host.
@@ -235,6 +273,8 @@ def sample_step_rows(
     decode graph); then only the logprobs are computed here. ``engine_seed``: key the
     unseeded rows by it and their request ids (else they draw from ``generator``).
     ``history``: the token history of the rows' rules (:func:`sample`).
+    ``logprobs_mode``: what the logprobs are (``layers/logprobs_mode.py``), the same
+    whether the rows were drawn here or in a graph.
     """
     if all(step.sample):  # every decode step: the columns themselves, no index passes
         sampling, counts, seq_ids = step.sampling, step.num_output_tokens, list(step.seq_id)
@@ -245,18 +285,20 @@ def sample_step_rows(
         seq_ids = [step.seq_id[i] for i in rows]
     if drawn is None:
         keys = None if engine_seed is None else row_keys(sampling, seq_ids, engine_seed)
-        out = sample(logits, sampling, counts, generator=generator, keys=keys, history=history)
+        out = sample(logits, sampling, counts, generator=generator, keys=keys, history=history,
+                     logprobs_mode=logprobs_mode)
     elif sampling.rules is not None:
         raise ValueError("a step with logit rules is sampled eagerly, not drawn in a graph")
     else:
-        out = with_logprobs(logits, *drawn, sampling)
+        out = with_logprobs(logits, *drawn, sampling, mode=logprobs_mode)
     return StepSamples(out=out, seq_ids=seq_ids, sampling=sampling)
 
 
 class Sampler:
     """The engine's sampler: a step's unseeded rows are keyed by ``seed`` and their
     request ids (:meth:`sample_step_rows`), so two engines built with the same seed
-    draw the same unseeded tokens.
+    draw the same unseeded tokens; every row's logprobs are what ``logprobs_mode``
+    reports (the engine's ``logprobs_mode``).
 
     Called on bare rows (no request ids), unseeded rows draw from a generator created
     on the first call's device and seeded with ``seed``.
@@ -265,8 +307,10 @@ class Sampler:
     (:attr:`history`, made by the first step that starts one).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
         self.seed = seed
+        #: what every row's logprobs are (``layers/logprobs_mode.py``)
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
         self._generator: torch.Generator | None = None
         #: the penalised requests' tokens on the device (``layers/token_history.py``)
         self.history: TokenHistory | None = None
@@ -287,7 +331,8 @@ class Sampler:
         num_generated: Sequence[int],
     ) -> SamplerOutput:
         return sample(logits, sampling, num_generated,
-                      generator=self._generator_for(logits.device))  # fmt: skip
+                      generator=self._generator_for(logits.device),
+                      logprobs_mode=self.logprobs_mode)  # fmt: skip
 
     def sample_step_rows(
         self,
@@ -299,7 +344,8 @@ class Sampler:
         """:func:`sample_step_rows`, unseeded rows keyed by this sampler's seed, the rows'
         rules reading this sampler's token history."""
         return sample_step_rows(logits, step, drawn=drawn, engine_seed=self.seed,
-                                history=self.history)  # fmt: skip
+                                history=self.history,
+                                logprobs_mode=self.logprobs_mode)  # fmt: skip
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

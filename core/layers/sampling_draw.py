@@ -15,6 +15,7 @@ to the device straight from its array.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +50,18 @@ def _filter(scaled: torch.Tensor, raw: torch.Tensor, top_k: np.ndarray,
         ps = on_device(np.where(nucleus, top_p, 2.0), torch.float32, device)
         values = values.masked_fill(mass_before >= ps[:, None], float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+
+def truncate_(scaled: torch.Tensor, raw: torch.Tensor, sampling: SamplingColumns
+              ) -> torch.Tensor:  # fmt: skip
+    """The drawing rows' logits after the temperature (``scaled``, float32, changed in
+    place) with every token the row's ``min_p``, top-k and top-p drop at ``-inf``, in
+    vLLM's order (``min_p`` first, top-p renormalised after top-k); ``raw`` (the logits
+    before the temperature) ranks them. Returns ``scaled`` or a new tensor."""
+    min_p = min_p_of(sampling)
+    if min_p is not None:
+        mask_min_p_(scaled, min_p)
+    return _filter(scaled, raw, sampling.top_k, sampling.top_p)
 
 
 def _gumbel(
@@ -95,6 +108,15 @@ def _gumbel(
     return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: no [N, V] temporaries
 
 
+class Drawn(NamedTuple):
+    """What :func:`draw_rows` drew."""
+
+    tokens: torch.Tensor  # [N] int64
+    #: [N, V] float32: the rows' logits after the temperature and the truncation, as
+    #: drawn from (``truncate_``), when asked for and the torch path drew; else None
+    truncated: torch.Tensor | None
+
+
 def draw_rows(
     logits: torch.Tensor,
     rows: torch.Tensor | None,
@@ -102,12 +124,15 @@ def draw_rows(
     counts: Sequence[int] | np.ndarray,
     generator: torch.Generator | None,
     keys: np.ndarray | None = None,
-) -> torch.Tensor:
+    *,
+    keep_truncated: bool = False,
+) -> Drawn:
     """The tokens drawn for ``logits``' ``rows`` (every row when ``None``), row ``i``
     with ``sampling``'s row ``i`` after ``counts[i]`` generated tokens:
     ``argmax(logits / T + G)`` over the filtered logits, ``G`` Gumbel noise keyed by
     ``keys[i]`` (default: the row's own seed; an unseeded row without a key draws from
-    ``generator``)."""
+    ``generator``). ``keep_truncated``: also the filtered logits (the processed
+    logprobs read them: ``layers/logprobs_mode.py``), at one more ``[N, V]`` tensor."""
     device, vocab = logits.device, logits.shape[1]
     counts = np.asarray(counts, np.int64)
     temps = on_device(sampling.temperature, torch.float32, device)
@@ -125,17 +150,16 @@ def draw_rows(
             )
         else:
             row_keys, row_counts = on_device(np.stack([keys, counts]), torch.int64, device)
-        return gumbel_argmax(logits, rows, temps, row_keys, row_counts)
+        return Drawn(gumbel_argmax(logits, rows, temps, row_keys, row_counts), None)
     raw = logits if rows is None else logits[rows]
     scaled = raw / temps[:, None]  # dividing by float32 temperatures widens in this pass
-    min_p = min_p_of(sampling)
-    if min_p is not None:  # vLLM's order: after the temperature, before top-k / top-p
-        mask_min_p_(scaled, min_p)
-    scaled = _filter(scaled, raw, sampling.top_k, sampling.top_p)
+    scaled = truncate_(scaled, raw, sampling)
     noise = _gumbel(len(sampling), vocab, keys,
                     np.ones(len(sampling), bool) if keyed else sampling.has_seed, counts,
                     generator, device)  # fmt: skip
-    return scaled.add_(noise).argmax(dim=-1)  # scaled is this call's own tensor
+    if keep_truncated:
+        return Drawn(noise.add_(scaled).argmax(dim=-1), scaled)
+    return Drawn(scaled.add_(noise).argmax(dim=-1), None)  # scaled is this call's own tensor
 
 
 def fused_draw_serves(sampling: SamplingColumns, vocab: int, *, keyed: bool = False

@@ -245,7 +245,7 @@ class ModelRunner:
             block_size=config.cache.block_size, device=self.device, group=group,
             model=self.model, backends=self.backends, forward_vars=self.forward_vars,
             step_builder=self.step_builder, graphs=self.graph_capture,
-            sampler=Sampler(config.seed),
+            sampler=Sampler(config.seed, config.logprobs_mode),
             # looked up at each call: a benchmark may swap the runner's forward
             forward_rows=lambda n, ctx: self._forward_rows(n, ctx),
             samples=samples,

@@ -1,7 +1,8 @@
 """``/generate`` in SGLang's shape, the route slime, AReaL and verl's SGLang clients
 call: one prompt or a batch (``input_ids`` or ``text``), SGLang's sampling fields,
 ``return_logprob`` with ``logprob_start_len`` and ``top_logprobs_num``, streamed as
-SGLang streams it. Names and JSON fields are SGLang's, so a client written for
+SGLang streams it; kvrunner's ``return_kept_mass`` adds each output token's kept mass
+(``meta_info.output_token_kept_mass``). Names and JSON fields are SGLang's, so a client written for
 SGLang's http_server works unchanged. The RL control routes beside it (pause,
 continue, flush, release, resume, update from disk) are ``control_routes.py``'s.
 """
@@ -109,6 +110,7 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
         "prompt_logprobs": top if scored else Asked(top.name),
         "ignore_eos": Asked("sampling_params.ignore_eos",
                             sp.ignore_eos if "ignore_eos" in given else None),
+        "return_kept_mass": Asked("return_kept_mass", body.return_kept_mass or None),
     }
     for name in ("stop", "stop_token_ids", "n"):
         asked[name] = Asked(f"sampling_params.{name}", getattr(sp, name))
@@ -212,6 +214,8 @@ def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
         if body.top_logprobs_num:
             meta["output_top_logprobs"] = [_top_triples(state, top, text)
                                            for top in (out.top_logprobs or [])[:kept]]
+    if body.return_kept_mass:
+        meta["output_token_kept_mass"] = [] if only else list(out.kept_mass or [])
     return meta
 
 
@@ -251,6 +255,7 @@ def _batch_items(body: BatchGenerateRequest, prompt_field: str) -> list[Generate
     for i, prompt in enumerate(prompts):
         fields: dict[str, Any] = {prompt_field: prompt, "stream": body.stream,
                                   "return_text_in_logprobs": body.return_text_in_logprobs,
+                                  "return_kept_mass": body.return_kept_mass,
                                   "rid": None if body.rid is None else body.rid[i]}
         for name in _PER_PROMPT:
             value = getattr(body, name)
@@ -308,6 +313,7 @@ class _Progress:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.kept_mass: list[float] = []
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
@@ -321,6 +327,7 @@ class _Progress:
         self.token_ids += list(delta.token_ids)
         self.logprobs += list(delta.logprobs or ())
         self.top_logprobs += list(delta.top_logprobs or ())
+        self.kept_mass += list(delta.kept_mass or ())
         self.text += delta.text or ""
         self.finish_reason = delta.finish_reason
         if delta.prompt_logprobs is not None:  # the first delta: the prompt's scores
@@ -362,6 +369,7 @@ class _OutputView:
         whole = seen.logprobs and len(seen.logprobs) == len(seen.token_ids)
         self.logprobs = seen.logprobs if whole else None
         self.top_logprobs = seen.top_logprobs or None
+        self.kept_mass = seen.kept_mass
         self.text = seen.text
         self.finish_reason = seen.finish_reason
         self.stop_reason = seen.stop_reason

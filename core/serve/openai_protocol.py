@@ -78,6 +78,9 @@ class SamplingFields(StrictModel):
     request_id: str | None = None
     #: vLLM's scheduling priority: 0 only (kvrunner schedules first come, first served)
     priority: int = 0
+    #: kvrunner's: each choice's ``kept_mass``, one per output token
+    #: (``SamplingParams.return_kept_mass``)
+    return_kept_mass: bool = False
 
 
 class CompletionRequest(SamplingFields):

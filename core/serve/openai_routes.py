@@ -198,8 +198,8 @@ async def completions(request: Request) -> Any:
     if body.stream:
         items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(
-            _completion_events(state, items, head, jobs, as_ids=as_ids, usage=usage))
+        return sse.response(_completion_events(state, items, head, jobs, as_ids=as_ids,
+                                               usage=usage, mass=body.return_kept_mass))
     results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS)
     choices, completion_tokens = [], 0
     for (ids, _), outs in zip(jobs, results, strict=True):
@@ -223,6 +223,8 @@ async def completions(request: Request) -> Any:
             if body.return_token_ids:
                 choice["prompt_token_ids"] = list(ids)
                 choice["token_ids"] = list(out.token_ids)
+            if body.return_kept_mass:
+                choice["kept_mass"] = list(out.kept_mass or [])
             choices.append(choice)
             completion_tokens += len(out.token_ids)
     return JSONResponse(dict(head, choices=choices,
@@ -243,7 +245,7 @@ def _echoed_logprobs(state: ServerState, prompt: list[int], out: Any,
 
 async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                              head: dict[str, Any], jobs: list, *, as_ids: bool,
-                             usage: bool) -> AsyncIterator[str]:
+                             usage: bool, mass: bool = False) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
         completion_tokens = 0
@@ -254,10 +256,11 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
             if logprobs is not None:
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             completion_tokens += len(delta.token_ids)
-            yield event(dict(head, choices=[{
-                "index": index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }]))
+            choice = {"index": index, "text": delta.text, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason}
+            if mass:
+                choice["kept_mass"] = list(delta.kept_mass or [])
+            yield event(dict(head, choices=[choice]))
         if usage:
             yield event(dict(head, choices=[], usage=_usage(
                 sum(len(ids) for ids, _ in jobs), completion_tokens)))
@@ -316,10 +319,11 @@ async def chat_completions(request: Request) -> Any:
                 "model": state.model_name}
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids,
-                                         usage=usage, parsing=parsing))
+                                         usage=usage, parsing=parsing,
+                                         mass=body.return_kept_mass))
     outs = (await generation.run(state.engine, jobs, rid, request, fields=_CHAT_FIELDS))[0]
     choices = [_chat_choice(state, k, out, parsing, as_ids=as_ids,
-                            token_ids=body.return_token_ids)
+                            token_ids=body.return_token_ids, mass=body.return_kept_mass)
                for k, out in enumerate(outs)]
     answer = {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
@@ -334,7 +338,7 @@ async def chat_completions(request: Request) -> Any:
 
 
 def _chat_choice(state: ServerState, index: int, out: Any, parsing: ChatParsing | None, *,
-                 as_ids: bool, token_ids: bool) -> dict[str, Any]:
+                 as_ids: bool, token_ids: bool, mass: bool = False) -> dict[str, Any]:
     """One choice of a whole chat answer; with parsers, its reasoning and tool calls
     apart from its content, and finish reason "tool_calls" when it calls any."""
     message: dict[str, Any] = {"role": "assistant", "content": out.text}
@@ -353,12 +357,15 @@ def _chat_choice(state: ServerState, index: int, out: Any, parsing: ChatParsing 
     }
     if token_ids:
         choice["token_ids"] = list(out.token_ids)
+    if mass:
+        choice["kept_mass"] = list(out.kept_mass or [])
     return choice
 
 
 async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                        head: dict[str, Any], prompt_tokens: int, *, as_ids: bool,
-                       usage: bool, parsing: ChatParsing | None) -> AsyncIterator[str]:
+                       usage: bool, parsing: ChatParsing | None,
+                       mass: bool = False) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         # a choice's parser stream (None without parsers), from its first chunk
         streams: dict[int, OutputStream | None] = {}
@@ -385,12 +392,13 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
             completion_tokens += len(delta.token_ids)
             logprobs = _chat_logprobs(state, delta.token_ids, delta.logprobs,
                                       delta.top_logprobs, as_ids=as_ids)
-            if not message and finish_reason is None and logprobs is None:
+            if not message and finish_reason is None and logprobs is None and not mass:
                 continue  # the parser holds this text back (a tag not yet whole)
-            yield event(dict(head, choices=[{
-                "index": index, "delta": message, "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }]))
+            choice = {"index": index, "delta": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+            if mass:
+                choice["kept_mass"] = list(delta.kept_mass or [])
+            yield event(dict(head, choices=[choice]))
         if usage:
             yield event(dict(head, choices=[], usage=_usage(prompt_tokens, completion_tokens)))
 

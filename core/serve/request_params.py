@@ -166,6 +166,8 @@ def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked,
         "n": Asked("n", body.n),
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs or Asked("prompt_logprobs", body.prompt_logprobs),
+        "return_kept_mass": Asked("return_kept_mass", getattr(body, "return_kept_mass", None)
+                                  or None),
     }
     for name in ("temperature", "top_p", "top_k", *VLLM_EXTRAS):
         asked[name] = Asked(name, getattr(body, name) if name in given else None)

@@ -62,6 +62,9 @@ class GenerateRequest(StrictModel):
     top_logprobs_num: NonNegativeInt = 0
     #: each logprob triple's third item is the token's text (else null)
     return_text_in_logprobs: bool = False
+    #: kvrunner's: each output token's kept mass, ``meta_info.output_token_kept_mass``
+    #: (``SamplingParams.return_kept_mass``)
+    return_kept_mass: bool = False
     rid: str | None = None
     stream: bool = False
     # GenerateReqInput's other fields: accepted empty or off only (see generate_routes)
@@ -111,6 +114,7 @@ class BatchGenerateRequest(StrictModel):
     logprob_start_len: StartLen | list[StartLen] = -1
     top_logprobs_num: NonNegativeInt | list[NonNegativeInt] = 0
     return_text_in_logprobs: bool = False
+    return_kept_mass: bool = False
     rid: list[str] | None = None
     stream: bool = False
 

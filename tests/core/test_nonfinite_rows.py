@@ -37,6 +37,23 @@ ERROR = re.compile(
 EMBED = "model.embed_tokens.weight"
 
 
+def test_a_request_ended_by_a_nonfinite_row_keeps_one_kept_mass_per_token(llm, clean) -> None:
+    """The failing row's kept mass is dropped with its token."""
+    params = SamplingParams(max_tokens=5, temperature=0.8, top_k=3, seed=1, ignore_eos=True,
+                            return_kept_mass=True)  # fmt: skip
+    reference = llm.generate([[5, 6, 7]], params)[0]
+    poisoned = clean[EMBED].clone()
+    poisoned[reference.token_ids[1]] = float("nan")  # fed by the third step
+    push(llm, EMBED, poisoned)
+    try:
+        out = llm.generate([[5, 6, 7]], params)[0]
+    finally:
+        push(llm, EMBED, clean[EMBED])
+    assert out.finish_reason == "error"
+    assert out.token_ids == reference.token_ids[:2]
+    assert out.kept_mass == reference.kept_mass[:2]
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("nonfinite") / "m")

@@ -25,7 +25,9 @@ one-pass kernel serves eagerly too, with the same keys, so the tokens are the sa
 A step with a top-k / top-p row (a sort) or a row with rules (greedy rows too: the
 rules change their argmax) is sampled eagerly from the graph's logits, and checked
 after the replay as an eager step is; the graph's own tokens are ignored. Logprobs
-are computed after the replay either way, from the graph's logits and tokens.
+(in the engine's ``logprobs_mode``, processed ones included) and kept masses are
+computed after the replay either way, from the graph's logits and tokens, by the
+sampler's own code (``layers/logprobs_mode.py``).
 
 ``[capture] decode_graph_ends_at`` says where the graph ends: ``tokens`` (default),
 ``logits``, or ``hidden`` (the forward alone, the sampler and logits eager), for

@@ -61,7 +61,7 @@ class LaunchedStep:
                 out,
                 **{
                     name: getattr(out, name).to("cpu", non_blocking=True)
-                    for name in ("token_ids", "logprobs", "top_ids", "top_logprobs")
+                    for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "kept_mass")
                     if getattr(out, name) is not None
                 },
             )
@@ -77,7 +77,7 @@ class LaunchedStep:
         if self._samples is None:
             return no_samples(prompt)
         packed = self._samples.packed()
-        return packed if prompt is None else (*packed[:4], prompt)
+        return packed if prompt is None else (*packed[:4], prompt, *packed[5:])
 
 
 @attrs.frozen
