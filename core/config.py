@@ -224,6 +224,10 @@ class EngineConfig:
     #: whatever else shares its steps (at one tensor-parallel size); refused at start
     #: where a backend does not declare ``batch_invariant`` (docs/determinism.md)
     deterministic: bool = False
+    #: record the experts every mixture-of-experts layer routes each token to, per KV
+    #: slot, so requests may ask for them (``SamplingParams.return_routed_experts``);
+    #: refused at start for a model without sparse layers
+    enable_return_routed_experts: bool = False
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

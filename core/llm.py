@@ -367,6 +367,8 @@ class LLM:
             error=seq.error,
             sample_index=seq.sample_index,
             stop_reason=seq.stop_reason,
+            routed_experts=seq.routed_experts() if seq.sampling_params.return_routed_experts
+            else None,
         )
 
     def _text(self, seq: Any, out: list[int]) -> str:

@@ -218,6 +218,12 @@ class SamplingParams:
     ``spaces_between_special_tokens`` is taken for vLLM's sake: the tokenizers
     library's decoding has no such switch (as vLLM's fast-tokenizer path).
 
+    ``return_routed_experts`` returns, for a mixture-of-experts model served with
+    ``enable_return_routed_experts``, the experts the router chose for every token
+    the model computed: ``RequestOutput.routed_experts``, shaped as SGLang's and
+    vLLM's, ``[prompt + output - 1, num_hidden_layers, top_k]`` (the last output token
+    is never fed back); the prompt's rows come from the prefix cache where it hit.
+
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
 
@@ -253,6 +259,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_bool)
     skip_special_tokens: bool = attrs.field(default=True, validator=_bool)
     spaces_between_special_tokens: bool = attrs.field(default=True, validator=_bool)
+    return_routed_experts: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

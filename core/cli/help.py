@@ -30,6 +30,8 @@ FIELD_HELP: dict[str, str] = {
     " generation_config.json (temperature, top_p, top_k, max_new_tokens); ignore: not",
     "deterministic": "batch-invariant kernels: a request's tokens and logprobs do not "
     "depend on what else shares its steps (slower; refused where a backend cannot)",
+    "enable_return_routed_experts": "record each token's routed experts per KV slot, so "
+    "requests may ask for them (return_routed_experts; mixture-of-experts models only)",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

@@ -284,6 +284,11 @@ class StepInput:
     #: ``SamplingParams.prompt_logprobs``; ``()`` for a row that scores none, and None
     #: for a step where no row does (every step but a scoring request's prefill)
     prompt_targets: list[tuple[int, ...]] | None = None
+    #: for each row, the first position whose routed experts it returns (they run to
+    #: the chunk's end: the positions before it come from earlier steps, or from the
+    #: prefix cache) or -1 for a row that returns none; None for a step where no row
+    #: does (``SamplingParams.return_routed_experts``)
+    route_from: list[int] | None = None
     #: the token histories to (re)start before this step samples, by history row
     #: (``LogitRules.history_row``): the request's prompt length, how many latest
     #: output tokens its bad words compare, and every token it has (prompt, then
@@ -320,15 +325,22 @@ class SampledToken:
 #: token's logprob, and the top-N logprobs at each (None where N is 0)
 PromptScores = tuple[int, list[float], list[dict[int, float] | None], list[int]]
 
-#: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, and
-#: the prompt scores of the rows that asked for them, by seq id (None: no row asked)
+#: one row's routed experts: the position of its first routed token and the expert ids
+#: ``[tokens, sparse layers, top_k]`` int32 of that token and the ones after it
+StepRoutes = tuple[int, np.ndarray]
+
+#: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, then
+#: the prompt scores and the routed experts of the rows that asked for them, by seq id
+#: (None: no row asked)
 PackedSampled = tuple[list[int], list[int], list[float | None], list[dict[int, float] | None],
-                      dict[int, PromptScores] | None]
+                      dict[int, PromptScores] | None, dict[int, StepRoutes] | None]
 
 
-def no_samples(prompt_scores: dict[int, PromptScores] | None = None) -> PackedSampled:
-    """The columns of a step that sampled nothing (but may have scored prompts)."""
-    return ([], [], [], [], prompt_scores)
+def no_samples(prompt_scores: dict[int, PromptScores] | None = None,
+               routes: dict[int, StepRoutes] | None = None) -> PackedSampled:
+    """The columns of a step that sampled nothing (but may have scored prompts or
+    recorded routes)."""
+    return ([], [], [], [], prompt_scores, routes)
 
 
 class SampledTokens(Seq[SampledToken]):
@@ -339,7 +351,7 @@ class SampledTokens(Seq[SampledToken]):
     one attrs object per sequence per step cost about 1 µs each at batch 1024.
     """
 
-    __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs", "prompt_scores")
+    __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs", "prompt_scores", "routes")
 
     def __init__(
         self,
@@ -348,6 +360,7 @@ class SampledTokens(Seq[SampledToken]):
         logprobs: list[float | None],
         top_logprobs: list[dict[int, float] | None],
         prompt_scores: dict[int, PromptScores] | None = None,
+        routes: dict[int, StepRoutes] | None = None,
     ) -> None:
         if not len(seq_ids) == len(token_ids) == len(logprobs) == len(top_logprobs):
             raise ValueError(
@@ -361,6 +374,8 @@ class SampledTokens(Seq[SampledToken]):
         self.top_logprobs = top_logprobs
         #: the step's prompt scores by seq id (``SamplingParams.prompt_logprobs``)
         self.prompt_scores = prompt_scores
+        #: the step's routed experts by seq id (``SamplingParams.return_routed_experts``)
+        self.routes = routes
 
     @classmethod
     def of(cls, tokens: Iterable[SampledToken]) -> SampledTokens:
@@ -403,7 +418,7 @@ class SampledTokens(Seq[SampledToken]):
 
     def __reduce__(self) -> tuple:
         return (SampledTokens, (self.seq_ids, self.token_ids, self.logprobs, self.top_logprobs,
-                                self.prompt_scores))
+                                self.prompt_scores, self.routes))
 
 
 def unpack_sampled(packed: PackedSampled) -> SampledTokens:

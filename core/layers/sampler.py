@@ -193,7 +193,7 @@ def to_packed(
     """The sampled tokens as columns; logprobs only where the request asked."""
     tokens = out.token_ids.tolist()
     if out.logprobs is None:  # no row asked: no per-row pass
-        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None
+        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None, None
     wants = (sampling.logprobs >= 0).tolist()
     logprobs = out.logprobs.tolist()
     return (
@@ -201,6 +201,7 @@ def to_packed(
         tokens,
         [lp if w else None for lp, w in zip(logprobs, wants, strict=True)],
         [out.top_logprobs_dict(row) if w else None for row, w in enumerate(wants)],
+        None,
         None,
     )
 

@@ -78,6 +78,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "include_stop_str_in_output": not_a_bool,
     "skip_special_tokens": not_a_bool,
     "spaces_between_special_tokens": not_a_bool,
+    "return_routed_experts": not_a_bool,
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the
