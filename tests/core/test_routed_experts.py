@@ -5,10 +5,12 @@ Tiny random Qwen3-MoE (a dense layer among sparse ones) and sparse Qwen3-Next
 checkpoints written by transformers; the oracle is transformers' forward over the
 prompt and the output with ``output_router_logits``, top-k of the router softmax.
 Held however the engine schedules the tokens: eagerly, through captured decode
-graphs (the CPU's stand-in) with the capture and step audits on, in chunks,
-with asynchronous steps off, cut into two micro-batches, after a preemption, and
-when the prompt's blocks come from the prefix cache (a group's later samples, and a
-later request sharing the prefix), where a fresh engine is the second oracle.
+graphs (the CPU's stand-in; real CUDA graphs under the ``gpu`` marker) with the
+capture and step audits on, in chunks, with asynchronous steps off, cut into two
+micro-batches, after a preemption, across a sleep and wake, on two ranks, and when
+the prompt's blocks come from the prefix cache (a group's later samples, and a later
+request sharing the prefix), where a fresh engine is the second oracle. A capture
+after serving leaves the routes pool as it was, and the write itself skips PAD rows.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.config import ConfigError
 from kvrunner.errors import RequestError
+from kvrunner.layers.expert_routes import write_routes
 from kvrunner.testing.moe_checkpoints import save_hf_qwen3_moe, save_hf_qwen3_next_moe
 
 transformers = pytest.importorskip("transformers")
@@ -187,6 +192,72 @@ def test_two_ranks_return_the_routes_of_one(tmp_path: Path, settings) -> None:
     llm = LLM(str(tmp_path), **(BASE | settings | {"tensor_parallel_size": 2}))
     try:
         outs = llm.generate(PROMPTS, ROUTED)
+    finally:
+        llm.shutdown()
+    expect_transformers_routes(oracle, outs)
+
+
+def test_a_sleep_and_wake_keep_recording_routes(case) -> None:
+    """The routes pool is released and allocated again with the KV pool."""
+    path, oracle = case
+    llm = LLM(path, **BASE)
+    try:
+        before = llm.generate(PROMPTS[:2], ROUTED)
+        llm.sleep(1)
+        assert "routed_experts.routes" not in llm.executor.runner.cache.pools
+        llm.wake_up()
+        after = llm.generate(PROMPTS[2:], ROUTED)
+    finally:
+        llm.shutdown()
+    expect_transformers_routes(oracle, [*before, *after])
+
+
+def test_a_recapture_after_serving_writes_no_route(case) -> None:
+    """Capturing runs the model over every row, but through a slot mapping at PAD: the
+    routes pool holds the served requests' routes, byte for byte, afterwards."""
+    path, _ = case
+    llm = LLM(path, **BASE)
+    try:
+        llm.generate(PROMPTS, ROUTED)
+        pool = llm.executor.runner.cache.pools["routed_experts.routes"]
+        served = pool.clone()
+        assert served.any(), "precondition: serving recorded routes"
+        llm.recapture()
+        assert torch.equal(pool, served)
+    finally:
+        llm.shutdown()
+
+
+@given(slots=st.lists(st.integers(-1, 7), min_size=1, max_size=12), seed=st.integers(0, 99))
+def test_padded_rows_write_nothing_and_real_rows_land_at_their_slots(slots, seed) -> None:
+    """``write_routes``: every row whose slot is >= 0 writes its ids there, a row at PAD
+    (-1) writes nothing, whichever slots the other rows name (slot 0 included)."""
+    real = [s for s in slots if s >= 0]
+    assume(len(set(real)) == len(real))  # a step's real slots are distinct
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 9, (8, 3), generator=gen, dtype=torch.int32)
+    ids = torch.randint(0, 9, (len(slots), 3), generator=gen, dtype=torch.int64)
+    want = rows.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want[s] = ids[t].to(torch.int32)
+    write_routes(rows, torch.tensor(slots), ids)
+    assert torch.equal(rows, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("settings", [{"enforce_eager": True}, {}, {"overlap": "tbo"}],
+                         ids=["eager", "cuda-graphs", "tbo-graphs"])
+def test_routes_on_cuda_are_transformers_router_choices(tmp_path: Path, settings) -> None:
+    """On CUDA: the Triton router and grouped experts, real decode graphs (replayed with
+    a padded tail), two streams under TBO; float32, so transformers' router decides the
+    same experts."""
+    oracle = Oracle(save_hf_qwen3_moe(tmp_path, seed=1, num_experts=5, num_experts_per_tok=2,
+                                      mlp_only_layers=[0], num_hidden_layers=3))
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32",
+              **(BASE | {"capture_sizes": (1, 2, 4, 8)} | settings))
+    try:
+        outs = llm.generate(PROMPTS[:3], ROUTED)  # three rows: a graph of 4 pads one
     finally:
         llm.shutdown()
     expect_transformers_routes(oracle, outs)
