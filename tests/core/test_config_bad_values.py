@@ -72,6 +72,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "check_finite": (not_a_bool, "load", {}),
     "skip_tokenizer_init": (not_a_bool, "load", {}),
     "deterministic": (not_a_bool, "load", {}),
+    "enable_return_routed_experts": (not_a_bool, "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
@@ -126,6 +127,7 @@ AT_START: dict[str, tuple[st.SearchStrategy, dict]] = {
     "linear_attention": (st.sampled_from(["no-such-backend", "paged"]),
                          {"model": "tiny-qwen3-next"}),
     "overlap": (st.sampled_from(["no-such-plugin", "paged"]), {}),
+    "enable_return_routed_experts": (st.just(True), {}),  # the dense default model
 }
 
 

@@ -27,6 +27,7 @@ from kvrunner import LLM, SamplingParams
 from kvrunner.config import ConfigError
 from kvrunner.errors import RequestError
 from kvrunner.layers.expert_routes import write_routes
+from kvrunner.plugin_api import BackendError
 from kvrunner.testing.moe_checkpoints import save_hf_qwen3_moe, save_hf_qwen3_next_moe
 
 transformers = pytest.importorskip("transformers")
@@ -261,3 +262,9 @@ def test_routes_on_cuda_are_transformers_router_choices(tmp_path: Path, settings
     finally:
         llm.shutdown()
     expect_transformers_routes(oracle, outs)
+
+
+def test_a_layer_type_cannot_select_the_core_s_routes_backend() -> None:
+    with pytest.raises(BackendError, match="'routed_experts'.*the core's own"):
+        LLM("tiny-qwen3-moe", enable_return_routed_experts=True,
+            full_attention="routed_experts")
