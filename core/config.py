@@ -243,6 +243,10 @@ class EngineConfig:
     #: processed_logprobs / processed_logits (after the logit adjustments, temperature,
     #: min_p, top-k and top-p, renormalised over the kept tokens): layers/logprobs_mode.py
     logprobs_mode: str = attrs.field(default="raw_logprobs", validator=_one_of(*LOGPROBS_MODES))
+    #: record the experts every mixture-of-experts layer routes each token to, per KV
+    #: slot, so requests may ask for them (``SamplingParams.return_routed_experts``);
+    #: refused at start for a model without sparse layers
+    enable_return_routed_experts: bool = False
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)

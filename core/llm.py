@@ -368,6 +368,8 @@ class LLM:
             sample_index=seq.sample_index,
             stop_reason=seq.stop_reason,
             kept_mass=list(seq.kept_mass) if seq.sampling_params.return_kept_mass else None,
+            routed_experts=seq.routed_experts() if seq.sampling_params.return_routed_experts
+            else None,
         )
 
     def _text(self, seq: Any, out: list[int]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 
 @attrs.frozen(kw_only=True)
@@ -54,3 +55,9 @@ class RequestOutput:
     #: to the next span's were made under that version (more than one span only when
     #: the request was parked across a weight update); empty from ``LLM``
     weight_versions: tuple[tuple[str | int, int], ...] = ()
+    #: the experts each mixture-of-experts layer routed every computed token to, when
+    #: SamplingParams.return_routed_experts was set: ``[prompt + output - 1,
+    #: num_hidden_layers, top_k]`` int32, as vLLM's ``CompletionOutput.routed_experts``
+    #: (row ``p`` is the token at position ``p``; the last output token is never fed
+    #: back, so it has none); a dense layer's entries are -1
+    routed_experts: np.ndarray | None = attrs.field(default=None, eq=False)

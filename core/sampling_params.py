@@ -222,6 +222,12 @@ class SamplingParams:
     (``RequestOutput.kept_mass``): the probability, at the request's temperature, of
     the tokens ``min_p``, top-k and top-p kept when it was drawn.
 
+    ``return_routed_experts`` returns, for a mixture-of-experts model served with
+    ``enable_return_routed_experts``, the experts the router chose for every token
+    the model computed: ``RequestOutput.routed_experts``, shaped as SGLang's and
+    vLLM's, ``[prompt + output - 1, num_hidden_layers, top_k]`` (the last output token
+    is never fed back); the prompt's rows come from the prefix cache where it hit.
+
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
 
@@ -259,6 +265,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = attrs.field(default=True, validator=_bool)
     #: report each sampled token's kept mass (``RequestOutput.kept_mass``)
     return_kept_mass: bool = attrs.field(default=False, validator=_bool)
+    return_routed_experts: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

@@ -89,6 +89,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "core/distributed/test_heartbeat.py", "core/distributed/test_supervisor_interrupts.py",
         "core/async/test_async_llm_tp.py", "core/test_interrupted_generate.py",
         "core/test_moe_generate.py::test_two_ranks", "tbo/test_tbo_generate.py::test_two_ranks",
+        "core/test_routed_experts.py::test_two_ranks",
         "serve/test_shutdown.py::test_tp2", "core/test_cli_usability.py::test_ctrl_c", "ray/",
         "serve/test_dead_engine.py",
     ),

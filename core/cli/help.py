@@ -37,6 +37,8 @@ FIELD_HELP: dict[str, str] = {
     "logprobs_mode": "what returned logprobs are: raw_logprobs (the model's), raw_logits, "
     "processed_logprobs or processed_logits (after penalties, temperature, min_p, top-k "
     "and top-p, renormalised over the kept tokens), as vLLM's --logprobs-mode",
+    "enable_return_routed_experts": "record each token's routed experts per KV slot, so "
+    "requests may ask for them (return_routed_experts; mixture-of-experts models only)",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "

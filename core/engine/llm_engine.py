@@ -157,6 +157,12 @@ class LLMEngine:
                     f"{name}: SamplingParams.{field}={asked} exceeds "
                     f"max_logprobs={cap} (raise the max_logprobs setting to allow it)"
                 )
+        if params.return_routed_experts and not self.config.enable_return_routed_experts:
+            raise RequestError(
+                f"{name}: SamplingParams.return_routed_experts needs an engine started with "
+                f"enable_return_routed_experts=True (a mixture-of-experts model), which "
+                f"records every token's experts"
+            )
         watch = None
         if params.stop:
             if self.tokenizer is None:

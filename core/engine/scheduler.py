@@ -53,6 +53,7 @@ from kvrunner.engine.step_io import (
     SampledToken,
     SampledTokens,
     StepInput,
+    StepRoutes,
 )
 
 _token_ids = attrgetter("token_ids")
@@ -106,6 +107,9 @@ class Scheduler:
         self._unfinished: dict[int, Sequence] = {}
         #: unfinished requests that score their prompt (SamplingParams.prompt_logprobs)
         self._scoring: set[int] = set()
+        #: unfinished requests that return their routed experts
+        #: (SamplingParams.return_routed_experts)
+        self._routing: set[int] = set()
         self._arrivals = itertools.count()
         # the steps scheduled but not yet updated
         self._in_flight = InFlight()
@@ -139,6 +143,8 @@ class Scheduler:
         self._unfinished[seq.seq_id] = seq
         if seq.sampling_params.prompt_logprobs is not None:
             self._scoring.add(seq.seq_id)
+        if seq.sampling_params.return_routed_experts:
+            self._routing.add(seq.seq_id)
 
     def validate(self, seq: Sequence, *, name: str | None = None) -> None:
         """Raise RequestError naming the request and the limit if it can never run here.
@@ -171,6 +177,7 @@ class Scheduler:
         if seq is None:
             return None
         self._scoring.discard(seq_id)
+        self._routing.discard(seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self._in_flight.renumber(self.batch.remove([self.running.index(seq)]))
             self.block_manager.free(seq)
@@ -252,7 +259,8 @@ class Scheduler:
             return None
         step, seqs, starts, samples = step_columns(batch, rows, sizes,
                                                    self.block_manager.table_rows,
-                                                   score_prompts=bool(self._scoring))  # fmt: skip
+                                                   score_prompts=bool(self._scoring),
+                                                   routes=bool(self._routing))  # fmt: skip
         self._in_flight.push(StepChunks(seqs, step.seq_id, rows, starts, sizes, samples,
                                         step.sample))  # fmt: skip
         return step, seqs
@@ -276,6 +284,8 @@ class Scheduler:
         self._in_flight.pop_oldest()
         if sampled.prompt_scores:  # before _apply: a request this step ends still gets them
             self._record_prompt_scores(sampled.prompt_scores)
+        if sampled.routes:
+            self._record_routes(sampled.routes)
         finished: list[Sequence] = []
         nonfinite = min(sampled.token_ids, default=0) < 0  # a code: see NONFINITE_CAUSES
         masses = None if sampled.kept_mass is None else self._masses(sampled)
@@ -315,6 +325,22 @@ class Scheduler:
             seq.prompt_logprobs.extend(logprobs[skip:])
             seq.prompt_top_logprobs.extend(tops[skip:])
             seq.prompt_ranks.extend(ranks[skip:])
+
+    def _record_routes(self, routes: dict[int, StepRoutes]) -> None:
+        """Append each row's routed experts to its request's; positions it holds
+        already (asked again after a step in flight, or recomputed after a preemption)
+        keep their first routes."""
+        for seq_id, (first, ids) in routes.items():
+            seq = self._unfinished.get(seq_id)
+            if seq is None:
+                continue  # withdrawn while the step ran
+            skip = seq.num_routes - first
+            if skip < 0:
+                raise ValueError(f"sequence {seq_id}: routes from position {first} but only "
+                                 f"{seq.num_routes} recorded before it")
+            if skip < len(ids):
+                seq.routes.append(ids[skip:])
+                seq.num_routes += len(ids) - skip
 
     def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray, total: int
                     ) -> tuple[np.ndarray, np.ndarray, int]:  # fmt: skip
@@ -482,6 +508,7 @@ class Scheduler:
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
         self._scoring.discard(seq.seq_id)
+        self._routing.discard(seq.seq_id)
         finished.append(seq)
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:

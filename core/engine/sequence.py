@@ -11,6 +11,7 @@ import enum
 from typing import TYPE_CHECKING, Literal
 
 import attrs
+import numpy as np
 
 from kvrunner.sampling_params import SamplingParams
 
@@ -80,6 +81,12 @@ class Sequence:
     prompt_top_logprobs: list[dict[int, float] | None] = attrs.field(factory=list, init=False)
     #: each of those prompt tokens' rank among its position's logprobs (1: the likeliest)
     prompt_ranks: list[int] = attrs.field(factory=list, init=False)
+    #: the routed experts of its positions from 0 on, as the steps returned them: one
+    #: ``[tokens, model layers, top_k]`` int32 array each
+    #: (``SamplingParams.return_routed_experts``)
+    routes: list[np.ndarray] = attrs.field(factory=list, init=False)
+    #: the positions :attr:`routes` holds
+    num_routes: int = attrs.field(default=0, init=False)
     #: admission order stamp given by the scheduler on ``add`` (-1 before that)
     arrival: int = attrs.field(default=-1, init=False)
     #: ``len(prompt_token_ids)``, kept: the scheduler reads it for every row of every step
@@ -141,6 +148,16 @@ class Sequence:
             return self.stop_string
         last = self.token_ids[-1] if self.num_output_tokens else None
         return last if last in self.sampling_params.stop_token_ids else None
+
+    def routed_experts(self) -> np.ndarray | None:
+        """Every position's routes but the last token's (never fed back):
+        ``[prompt + output - 1, model layers, top_k]`` int32, as far as the applied
+        steps reach; None before any step returned one."""
+        if not self.routes:
+            return None
+        if len(self.routes) > 1:  # joined once: the next call reads one array
+            self.routes[:] = [np.concatenate(self.routes)]
+        return self.routes[0][: len(self.token_ids) - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,15 @@ def prompt_targets(seq: Sequence, start: int, size: int) -> tuple[int, ...]:
     return tuple(seq.token_ids[start + 1 : end]) if start + 1 < end else ()
 
 
+def route_from(seq: Sequence, start: int) -> int:
+    """The first position whose routed experts a chunk of ``seq`` starting at
+    ``start`` returns: the first the host does not hold (before ``start`` when a
+    prefix came from the cache), or ``start``; -1 if it asked for none."""
+    if not seq.sampling_params.return_routed_experts:
+        return -1
+    return min(start, seq.num_routes)
+
+
 def step_columns(
     batch: RunningBatch,
     rows: np.ndarray,
@@ -38,6 +47,7 @@ def step_columns(
     tables: TableRows,
     *,
     score_prompts: bool = False,
+    routes: bool = False,
 ) -> tuple[StepInput, list[Sequence], np.ndarray, np.ndarray]:
     """The step feeding ``sizes`` tokens to each of the batch's ``rows`` (increasing),
     with the batch moved past it (:meth:`RunningBatch.advance`): the step, its
@@ -47,7 +57,8 @@ def step_columns(
     ends its tokens, counting the one in flight, which it feeds as
     ``PLACEHOLDER_TOKEN`` (only ever a chunk's last token, and then its only one).
     ``score_prompts``: some running request scores its prompt, so the step carries
-    ``prompt_targets`` (else None, at no cost).
+    ``prompt_targets`` (else None, at no cost); ``routes``: some request returns its
+    routed experts, so the step carries ``route_from`` (else None).
     """
     seqs = batch.pick(batch.seqs, rows)
     starts, samples, in_flight, outputs = batch.advance(rows, sizes)
@@ -79,6 +90,9 @@ def step_columns(
             prompt_targets(s, a, n)
             for s, a, n in zip(seqs, starts.tolist(), sizes.tolist(), strict=True)
         ] if score_prompts else None,
+        route_from=[
+            route_from(s, a) for s, a in zip(seqs, starts.tolist(), strict=True)
+        ] if routes else None,
         history_init=batch.take_history_init(),
     )
     return step, seqs, starts, samples

@@ -289,6 +289,11 @@ class StepInput:
     #: ``SamplingParams.prompt_logprobs``; ``()`` for a row that scores none, and None
     #: for a step where no row does (every step but a scoring request's prefill)
     prompt_targets: list[tuple[int, ...]] | None = None
+    #: for each row, the first position whose routed experts it returns (they run to
+    #: the chunk's end: the positions before it come from earlier steps, or from the
+    #: prefix cache) or -1 for a row that returns none; None for a step where no row
+    #: does (``SamplingParams.return_routed_experts``)
+    route_from: list[int] | None = None
     #: the token histories to (re)start before this step samples, by history row
     #: (``LogitRules.history_row``): the request's prompt length, how many latest
     #: output tokens its bad words compare, and every token it has (prompt, then
@@ -325,16 +330,24 @@ class SampledToken:
 #: token's logprob, and the top-N logprobs at each (None where N is 0)
 PromptScores = tuple[int, list[float], list[dict[int, float] | None], list[int]]
 
+#: one row's routed experts: the position of its first routed token and the expert ids
+#: ``[tokens, sparse layers, top_k]`` int32 of that token and the ones after it
+StepRoutes = tuple[int, np.ndarray]
+
 #: a step's sampled tokens as columns: seq ids, token ids, logprobs, top logprobs, the
-#: prompt scores of the rows that asked for them, by seq id (None: no row asked), and
-#: each row's kept mass (None for a row that did not ask; the column None when no row did)
+#: prompt scores of the rows that asked for them, by seq id (None: no row asked), each
+#: row's kept mass (None for a row that did not ask; the column None when no row did),
+#: and the routed experts of the rows that asked for them, by seq id (None: no row asked)
 PackedSampled = tuple[list[int], list[int], list[float | None], list[dict[int, float] | None],
-                      dict[int, PromptScores] | None, list[float | None] | None]
+                      dict[int, PromptScores] | None, list[float | None] | None,
+                      dict[int, StepRoutes] | None]
 
 
-def no_samples(prompt_scores: dict[int, PromptScores] | None = None) -> PackedSampled:
-    """The columns of a step that sampled nothing (but may have scored prompts)."""
-    return ([], [], [], [], prompt_scores, None)
+def no_samples(prompt_scores: dict[int, PromptScores] | None = None,
+               routes: dict[int, StepRoutes] | None = None) -> PackedSampled:
+    """The columns of a step that sampled nothing (but may have scored prompts or
+    recorded routes)."""
+    return ([], [], [], [], prompt_scores, None, routes)
 
 
 class SampledTokens(Seq[SampledToken]):
@@ -346,7 +359,7 @@ class SampledTokens(Seq[SampledToken]):
     """
 
     __slots__ = ("seq_ids", "token_ids", "logprobs", "top_logprobs", "prompt_scores",
-                 "kept_mass")  # fmt: skip
+                 "kept_mass", "routes")  # fmt: skip
 
     def __init__(
         self,
@@ -356,6 +369,7 @@ class SampledTokens(Seq[SampledToken]):
         top_logprobs: list[dict[int, float] | None],
         prompt_scores: dict[int, PromptScores] | None = None,
         kept_mass: list[float | None] | None = None,
+        routes: dict[int, StepRoutes] | None = None,
     ) -> None:
         if not len(seq_ids) == len(token_ids) == len(logprobs) == len(top_logprobs) or (
             kept_mass is not None and len(kept_mass) != len(seq_ids)
@@ -375,6 +389,8 @@ class SampledTokens(Seq[SampledToken]):
         #: each row's kept mass (``SamplingParams.return_kept_mass``; None for a row
         #: that did not ask), or None when no row asked
         self.kept_mass = kept_mass
+        #: the step's routed experts by seq id (``SamplingParams.return_routed_experts``)
+        self.routes = routes
 
     @classmethod
     def of(cls, tokens: Iterable[SampledToken]) -> SampledTokens:
@@ -417,7 +433,7 @@ class SampledTokens(Seq[SampledToken]):
 
     def __reduce__(self) -> tuple:
         return (SampledTokens, (self.seq_ids, self.token_ids, self.logprobs, self.top_logprobs,
-                                self.prompt_scores, self.kept_mass))
+                                self.prompt_scores, self.kept_mass, self.routes))
 
 
 def unpack_sampled(packed: PackedSampled) -> SampledTokens:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrunner.layers.batch_invariant import INVARIANT_MOE_CONFIG
+from kvrunner.layers.expert_routes import RouteRecorder
 from kvrunner.layers.fused.dispatch import batch_invariant, same_kernel_dtype, use_triton
 from kvrunner.layers.linear import (
     SINGLE,
@@ -37,6 +38,7 @@ from kvrunner.layers.moe_align import align_to_blocks
 from kvrunner.layers.moe_experts import grouped_experts_torch
 from kvrunner.layers.moe_routing import topk_softmax
 from kvrunner.layers.weight_copy import copy_weight_
+from kvrunner.plugin_api.step_data import ForwardContext
 
 #: the checkpoint projection names, by the part of ``w13``/``w2`` they fill
 PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -170,6 +172,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, **kw)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        #: records each token's expert ids at its KV slot, when the engine keeps them
+        #: (``layers/expert_routes.py``); None: nothing is recorded
+        self.routes: RouteRecorder | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, k] x's dtype, topk_ids [T, k] int32)``."""
@@ -179,8 +184,12 @@ class SparseMoeBlock(nn.Module):
         weights, ids = topk_softmax(logits, self.top_k, self.renormalize)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.route(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, H]``; ``ctx``: the step's metadata, where routes are recorded."""
+        weights, ids = self.route(x)
+        if self.routes is not None and ctx is not None:
+            self.routes.record(ids, ctx)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             # The gate is replicated, so scaling each rank's partial sum scales the total.
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

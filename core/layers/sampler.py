@@ -229,7 +229,7 @@ def to_packed(
         mass = [m if w else None for m, w in zip(out.kept_mass.tolist(),
                                                  sampling.kept_mass.tolist(), strict=True)]
     if out.logprobs is None:  # no row asked: no per-row pass
-        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None, mass
+        return seq_ids, tokens, [None] * len(tokens), [None] * len(tokens), None, mass, None
     wants = (sampling.logprobs >= 0).tolist()
     logprobs = out.logprobs.tolist()
     return (
@@ -239,6 +239,7 @@ def to_packed(
         [out.top_logprobs_dict(row) if w else None for row, w in enumerate(wants)],
         None,
         mass,
+        None,
     )
 
 

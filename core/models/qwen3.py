@@ -169,7 +169,8 @@ class Qwen3MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, H]``; ``ctx`` is taken as a sparse block takes it, and unused."""
         # SwiGLU; one row fuses the activation into the down projection's launch
         return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
@@ -210,7 +211,7 @@ class Qwen3DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, ctx), residual
 
 
 class Qwen3Model(nn.Module):

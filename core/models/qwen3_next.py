@@ -117,7 +117,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, ctx), residual
 
 
 class Qwen3NextModel(nn.Module):

@@ -36,6 +36,8 @@ from kvrunner.plugin_host.held_tensors import held_tensors
 from kvrunner.plugin_host.overlap_manager import OverlapPlugin
 from kvrunner.plugin_host.plugins import (
     BLOCK_ENV,
+    BackendFactory,
+    DiscoveredBackend,
     blocked_backends,
     discover_backends,
     refuse_unmarked_hooks,
@@ -67,17 +69,28 @@ class BackendManager:
         selection: Mapping[str, str],
         context_for: Callable[[str, tuple[str, ...]], BackendContext],
         overlap: OverlapContext | None = None,
+        core_backends: Mapping[str, BackendFactory] | None = None,
     ) -> None:
         """:param selection: layer type -> backend name, for the layer types the model has.
         :param context_for: builds the context for a backend given the layer types it serves.
         :param overlap: the context of the overlap plugin on top of them, if one is selected.
+        :param core_backends: backends the core itself adds, serving no layer type (the
+            routed-experts pool: ``runner/routes_backend.py``), by name; held to the
+            same contract as an installed one.
         """
         self.pm = pluggy.PluginManager("kvrunner")
         self.pm.add_hookspecs(hookspecs)
         available = discover_backends()
+        own = dict(core_backends or {})
         by_backend: dict[str, list[str]] = {}
         for layer_type, name in selection.items():
+            if name in own:
+                raise BackendError(f"backend name {name!r} (selected for {layer_type!r}) is "
+                                   f"the core's own; it serves no layer type")
             by_backend.setdefault(name, []).append(layer_type)
+        for name, factory in own.items():  # validated at load, as an entry point's is
+            available[name] = DiscoveredBackend(name, "kvrunner", "core", factory=factory)
+            by_backend[name] = []
         self._subset_callers: dict[str, list[tuple[str, Any]]] = {}
         #: each backend's write-target names, from its first answer: later answers must match
         self._target_names: dict[str, frozenset[str]] = {}

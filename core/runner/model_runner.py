@@ -30,6 +30,7 @@ from kvrunner.distributed.group import DistGroup
 from kvrunner.engine.step_io import PackedSampled, StepInput
 from kvrunner.errors import SleepStateError
 from kvrunner.layers.determinism import choose_determinism
+from kvrunner.layers.expert_routes import RoutesPool
 from kvrunner.layers.fused.dispatch import choose_kernels
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.numerics import choose_numerics
@@ -45,6 +46,12 @@ from kvrunner.runner.pools.sizing import (
     cache_budget_bytes,
     num_blocks_for_budget,
     release_unreachable_memory,
+)
+from kvrunner.runner.routes_backend import (
+    ROUTES_BACKEND,
+    attach_route_recorders,
+    routes_backend,
+    routes_pool,
 )
 from kvrunner.runner.setup import (
     resolve_device,
@@ -91,12 +98,15 @@ def _all_reduce_for(config: EngineConfig) -> str:
 
 def build_backends(
     config: EngineConfig, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device,
-    max_tokens: int,
+    max_tokens: int, routes: RoutesPool | None = None,
 ) -> BackendManager:
     """The backend manager of one rank: the backend each layer type is configured
-    for, each given the context of its layers, and the overlap plugin, if any.
+    for, each given the context of its layers, the overlap plugin, if any, and with
+    ``enable_return_routed_experts`` the core's routes backend.
 
     :param max_tokens: the rank's token buffers' size (at least ``max_num_seqs``).
+    :param routes: the routed-experts pool the core's routes backend fills (None: no
+        route is recorded).
     """
     sched = config.scheduler
     use_triton = device.type == "cuda" or config.kernels.triton_on_cpu
@@ -119,9 +129,10 @@ def build_backends(
             deterministic=config.deterministic,
         )
 
+    core_backends = {} if routes is None else {ROUTES_BACKEND: routes_backend(routes)}
     overlap = config.backends.overlap
     return BackendManager(
-        selection, context_for,
+        selection, context_for, core_backends=core_backends,
         overlap=None if overlap == "none" else OverlapContext(
             name=overlap, device=device, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=max_tokens,
@@ -148,6 +159,7 @@ class ModelRunner:
             load_model,
             max_positions,
             model_spec,
+            parse_config,
         )
 
         tp_size = config.parallel.tensor_parallel_size
@@ -186,8 +198,14 @@ class ModelRunner:
         # before anything is built that asks (the backends, the graphs' sampling).
         choose_kernels(config.kernels)
         choose_determinism(config.deterministic, self.device)
+        #: each token's routed experts by KV slot (``enable_return_routed_experts``)
+        self.routes = (
+            routes_pool(parse_config(hf_config)[1], config, self.device)
+            if config.enable_return_routed_experts else None
+        )
         self.backends = build_backends(
-            config, self.spec, dtype=self.dtype, device=self.device, max_tokens=self.max_tokens
+            config, self.spec, dtype=self.dtype, device=self.device, max_tokens=self.max_tokens,
+            routes=self.routes,
         )
         if self.device.type == "cuda":
             _create_library_workspaces(self.device, self.dtype)
@@ -210,6 +228,8 @@ class ModelRunner:
         )
         choose_numerics(self.model, fp32_lm_head=config.fp32_lm_head,
                         fp32_router_logits=config.fp32_router_logits)
+        if self.routes is not None:
+            attach_route_recorders(self.model, self.routes)
         # On CUDA this moves the weights into an allocator pool of their own, so a
         # level-2 sleep returns their segments whatever else the process holds; before
         # the sizing below, which must see the memory the move leaves.
@@ -253,6 +273,7 @@ class ModelRunner:
                 group is not None and group.size > 1 and config.scheduler.async_scheduling
             ),
             max_num_seqs=sched.max_num_seqs, vocab_size=self.model_config.vocab_size,
+            routes=self.routes,
         )
         #: the group's one pool size: every rank allocates it, the engine's block
         #: manager holds it, a wake restores it

@@ -22,6 +22,7 @@ import torch
 
 from kvrunner.distributed.group import DistGroup
 from kvrunner.engine.step_io import PackedSampled, StepInput
+from kvrunner.layers.expert_routes import RoutesPool
 from kvrunner.layers.nonfinite_rows import mark_nonfinite
 from kvrunner.layers.prompt_logprobs import PromptRows, ScoredPrompts, prompt_rows, score_prompts
 from kvrunner.layers.sampler import Sampler
@@ -37,6 +38,7 @@ from kvrunner.runner.step.launched_step import DeviceTokens, LaunchedStep, feed_
 from kvrunner.runner.step.step_audit import StepAudit
 from kvrunner.runner.step.step_batch import prepare_step
 from kvrunner.runner.step.step_metadata import StepMetadataBuilder
+from kvrunner.runner.step.step_routes import ReadRoutes, read_routes, route_plan
 
 #: the model's forward over the first ``num_rows`` rows of the persistent buffers
 ForwardRows = Callable[[int, ForwardContext], torch.Tensor]
@@ -53,6 +55,7 @@ class StepLauncher:
     :param samples: whether this rank draws the tokens (rank 0 only).
     :param shares_samples: whether the draws are broadcast to the other ranks on the
         device (asynchronous steps at TP > 1: the next step feeds them).
+    :param routes: the routed-experts pool (``enable_return_routed_experts``), or None.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class StepLauncher:
         shares_samples: bool,
         max_num_seqs: int,
         vocab_size: int,
+        routes: RoutesPool | None = None,
     ) -> None:
         self.block_size = block_size
         self.device = device
@@ -86,6 +90,8 @@ class StepLauncher:
         self.samples = samples
         self.shares_samples = shares_samples
         self.vocab_size = vocab_size
+        #: the routed-experts pool, read for the rows that ask (None: none recorded)
+        self.routes = routes
         #: the buffers of the graphs' draws, on the rank that samples
         self.graph_sampling = (
             GraphSampling(max_num_seqs, vocab_size, device) if samples else None
@@ -150,8 +156,9 @@ class StepLauncher:
             self.sampler.start_histories(step, self.vocab_size, self.device)
         plan = prompt_rows(step)
         scored = None if plan is None else self._score_prompts(out, plan)
+        routes = self._read_routes(step)
         if not prepared.sample_rows:
-            return LaunchedStep(None, scored)
+            return LaunchedStep(None, scored, routes)
         rows = prepared.sample_rows
         if rows[-1] == len(rows) - 1:  # rows 0..n-1, as in every decode step: no index copy
             index = None
@@ -173,7 +180,7 @@ class StepLauncher:
                 seq_ids = [s for s, wants in zip(step.seq_id, step.sample, strict=True) if wants]
                 tokens = self.group.broadcast_from_first(tokens)
                 self.previous_tokens = DeviceTokens(seq_ids, tokens)
-            return LaunchedStep(None, scored)
+            return LaunchedStep(None, scored, routes)
         # The graph's tokens live in its memory until the next replay: every reader
         # below (the non-finite count, the copy to the host, the next step's placeholder feed)
         # is queued before that replay, on the same stream.
@@ -195,7 +202,20 @@ class StepLauncher:
         # The sampler already listed the sampled rows' ids: the next step's placeholders.
         self.previous_tokens = DeviceTokens(samples.seq_ids, tokens)
         return LaunchedStep(attrs.evolve(samples, out=attrs.evolve(samples.out, token_ids=coded)),
-                            scored)
+                            scored, routes)
+
+    def _read_routes(self, step: StepInput) -> ReadRoutes | None:
+        """The routed experts ``step``'s rows ask for (``runner/step/step_routes.py``),
+        read on the rank that samples, after the forward wrote this step's."""
+        plan = route_plan(step, self.block_size) if self.samples else None
+        if plan is None:
+            return None
+        if self.routes is None:
+            raise RuntimeError(
+                "a step asks for routed experts, but this engine records none (start it "
+                "with enable_return_routed_experts=True)"
+            )
+        return read_routes(self.routes, plan)
 
     def _score_prompts(self, out: DecodeOutputs, plan: PromptRows) -> ScoredPrompts | None:
         """Score the step's prompt tokens (``layers/prompt_logprobs.py``) on the rank that

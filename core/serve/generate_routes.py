@@ -9,12 +9,14 @@ continue, flush, release, resume, update from disk) are ``control_routes.py``'s.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -48,8 +50,7 @@ _NEUTRAL_REQUEST = {"image_data": None, "video_data": None, "audio_data": None,
                     "lora_path": None, "lora_id": None, "return_hidden_states": False,
                     "custom_logit_processor": None, "bootstrap_host": None,
                     "bootstrap_port": None, "bootstrap_room": None, "input_embeds": None,
-                    "token_ids_logprob": None, "return_routed_experts": False,
-                    "data_parallel_rank": None}
+                    "token_ids_logprob": None, "data_parallel_rank": None}
 
 
 def _fields(prompt_field: str) -> dict[str, str]:
@@ -111,6 +112,8 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
         "ignore_eos": Asked("sampling_params.ignore_eos",
                             sp.ignore_eos if "ignore_eos" in given else None),
         "return_kept_mass": Asked("return_kept_mass", body.return_kept_mass or None),
+        "return_routed_experts": Asked("return_routed_experts",
+                                       True if body.return_routed_experts else None),
     }
     for name in ("stop", "stop_token_ids", "n"):
         asked[name] = Asked(f"sampling_params.{name}", getattr(sp, name))
@@ -147,6 +150,13 @@ def _finish_reason(out: Any, score_only: bool) -> dict[str, Any] | None:
         return {"type": "abort", "message": getattr(out, "error", None) or "error",
                 "status_code": 500, "err_type": "InternalServerError"}
     return {"type": "abort", "message": ABORTED, "status_code": None, "err_type": None}
+
+
+def routes_base64(routes: np.ndarray) -> str:
+    """SGLang's ``meta_info.routed_experts``: the ``[tokens, layers, top_k]`` expert
+    ids as little-endian int32 bytes, flat, in base64 (its clients decode them with
+    ``np.frombuffer(..., np.int32)`` and reshape by the model's layers and top-k)."""
+    return base64.b64encode(np.ascontiguousarray(routes, dtype="<i4").tobytes()).decode()
 
 
 def _weight_version(state: ServerState, out: Any) -> Any:
@@ -203,6 +213,9 @@ def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
     spans = getattr(out, "weight_versions", None)
     if spans:  # a finished request: which of its tokens each weight version made
         meta["weight_versions"] = [[version, start] for version, start in spans]
+    routes = getattr(out, "routed_experts", None)
+    if body.return_routed_experts and routes is not None:  # a finished request's
+        meta["routed_experts"] = routes_base64(routes)
     if body.return_logprob and out.logprobs is not None:
         text = body.return_text_in_logprobs
         start = logprob_start(body, len(prompt))
@@ -256,6 +269,7 @@ def _batch_items(body: BatchGenerateRequest, prompt_field: str) -> list[Generate
         fields: dict[str, Any] = {prompt_field: prompt, "stream": body.stream,
                                   "return_text_in_logprobs": body.return_text_in_logprobs,
                                   "return_kept_mass": body.return_kept_mass,
+                                  "return_routed_experts": body.return_routed_experts,
                                   "rid": None if body.rid is None else body.rid[i]}
         for name in _PER_PROMPT:
             value = getattr(body, name)
@@ -322,6 +336,7 @@ class _Progress:
         self.weight_versions: Any = None
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_top_logprobs: list[dict[int, float] | None] | None = None
+        self.routed_experts: Any = None
 
     def add(self, delta: Any) -> None:
         self.token_ids += list(delta.token_ids)
@@ -340,6 +355,7 @@ class _Progress:
             self.error = getattr(final, "error", None)
             self.weight_version = getattr(final, "weight_version", None)
             self.weight_versions = getattr(final, "weight_versions", None)
+            self.routed_experts = getattr(final, "routed_experts", None)
 
 
 async def _events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
@@ -378,3 +394,4 @@ class _OutputView:
         self.weight_versions = seen.weight_versions
         self.prompt_logprobs = seen.prompt_logprobs
         self.prompt_top_logprobs = seen.prompt_top_logprobs
+        self.routed_experts = seen.routed_experts

@@ -123,12 +123,14 @@ def _sglang_server_args(state: ServerState) -> dict[str, Any]:
     (slime's external engines, ``slime/backends/sglang_utils/external.py`` and
     ``sglang_engine.py::_init_external``): its parallel layout, its dtype, and what it
     can do. ``enable_memory_saver`` is true: ``/release_memory_occupation`` always
-    frees the weights' and the KV cache's device memory."""
+    frees the weights' and the KV cache's device memory; ``enable_return_routed_experts``
+    is the engine's (``/generate`` then answers ``return_routed_experts``)."""
     config = state.engine.config
     tp = int(config.parallel.tensor_parallel_size)
     return {"pp_size": 1, "dp_size": 1, "ep_size": 1, "moe_dp_size": 1, "num_gpus": tp,
             "dtype": state.engine.dtype, "random_seed": config.seed,
-            "enable_memory_saver": True, "enable_return_routed_experts": False,
+            "enable_memory_saver": True,
+            "enable_return_routed_experts": bool(config.enable_return_routed_experts),
             "disaggregation_mode": "null", "encoder_only": False}
 
 

@@ -76,6 +76,7 @@ class GenerateRequest(StrictModel):
     input_embeds: Any = None
     token_ids_logprob: Any = None
     return_hidden_states: bool = False
+    #: ``meta_info.routed_experts``: each computed token's experts (SGLang's encoding)
     return_routed_experts: bool = False
     custom_logit_processor: Any = None
     bootstrap_host: Any = None
@@ -115,6 +116,8 @@ class BatchGenerateRequest(StrictModel):
     top_logprobs_num: NonNegativeInt | list[NonNegativeInt] = 0
     return_text_in_logprobs: bool = False
     return_kept_mass: bool = False
+    #: every prompt's routed experts in its answers' ``meta_info``
+    return_routed_experts: bool = False
     rid: list[str] | None = None
     stream: bool = False
 

@@ -32,6 +32,8 @@ class Row(NamedTuple):
     num_output_tokens: int
     #: the prompt tokens its chunk scores (None: the step scores no prompt)
     prompt_targets: tuple[int, ...] | None = None
+    #: the first position whose routed experts it returns (-1: none)
+    route_from: int = -1
 
 
 def _sampling_columns(rows: Sequence[SamplingParams | SamplingColumns]) -> SamplingColumns:
@@ -56,10 +58,13 @@ def step_of(rows: Iterable[Row], *,
         [] for _ in Row._fields]
     sampling = Row._fields.index("sampling")
     columns[sampling] = _sampling_columns(columns[sampling])
-    if all(t is None for t in columns[-1]):
-        columns[-1] = None  # a step that scores no prompt
+    targets = Row._fields.index("prompt_targets")
+    if all(t is None for t in columns[targets]):
+        columns[targets] = None  # a step that scores no prompt
     else:
-        columns[-1] = [() if t is None else tuple(t) for t in columns[-1]]
+        columns[targets] = [() if t is None else tuple(t) for t in columns[targets]]
+    if all(r < 0 for r in columns[-1]):
+        columns[-1] = None  # a step that returns no route
     return StepInput(*columns, history_init=history_init)
 
 
@@ -69,6 +74,9 @@ def rows_of(step: StepInput) -> list[Row]:
     columns = list(attrs.astuple(step, recurse=False))[: len(Row._fields)]
     columns[Row._fields.index("sampling")] = [step.sampling.take([i])
                                               for i in range(step.num_seqs)]
+    targets = Row._fields.index("prompt_targets")
+    if columns[targets] is None:
+        columns[targets] = [None] * step.num_seqs
     if columns[-1] is None:
-        columns[-1] = [None] * step.num_seqs
+        columns[-1] = [-1] * step.num_seqs
     return [Row(*values) for values in zip(*columns, strict=True)]

@@ -74,6 +74,9 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "deterministic": (not_a_bool, "load", {}),
     "fp32_lm_head": (not_a_bool, "load", {}),
     "fp32_router_logits": (not_a_bool, "load", {}),
+    "enable_return_routed_experts": (not_a_bool, "load", {}),
+    "logprobs_mode": (strs_except("raw_logprobs", "raw_logits", "processed_logprobs",
+                                  "processed_logits"), "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
@@ -128,6 +131,7 @@ AT_START: dict[str, tuple[st.SearchStrategy, dict]] = {
     "linear_attention": (st.sampled_from(["no-such-backend", "paged"]),
                          {"model": "tiny-qwen3-next"}),
     "overlap": (st.sampled_from(["no-such-plugin", "paged"]), {}),
+    "enable_return_routed_experts": (st.just(True), {}),  # the dense default model
 }
 
 

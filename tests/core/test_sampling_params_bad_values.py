@@ -78,6 +78,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "include_stop_str_in_output": not_a_bool,
     "skip_special_tokens": not_a_bool,
     "spaces_between_special_tokens": not_a_bool,
+    "return_routed_experts": not_a_bool,
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the
@@ -95,6 +96,8 @@ AT_ADMISSION: dict[str, tuple[st.SearchStrategy, dict]] = {
                                    max_size=3), {}),
     "bad_words": (st.lists(st.text(min_size=1, max_size=4).filter(str.strip), min_size=1,
                            max_size=2), {"skip_tokenizer_init": True}),
+    # an engine started without enable_return_routed_experts records no route
+    "return_routed_experts": (st.just(True), {}),
 }
 
 

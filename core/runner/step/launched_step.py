@@ -27,6 +27,7 @@ from kvrunner.engine.step_io import (
 from kvrunner.layers.prompt_logprobs import ScoredPrompts
 from kvrunner.layers.sampler import StepSamples
 from kvrunner.plugin_api.buffers import on_device
+from kvrunner.runner.step.step_routes import ReadRoutes
 
 
 @attrs.frozen
@@ -45,16 +46,21 @@ class LaunchedStep:
     until :meth:`result`; on the CPU the samples are already there.
     """
 
-    def __init__(self, samples: StepSamples | None, prompt: ScoredPrompts | None = None) -> None:
+    def __init__(self, samples: StepSamples | None, prompt: ScoredPrompts | None = None,
+                 routes: ReadRoutes | None = None) -> None:
         self._samples = samples
         #: the step's prompt scores (``SamplingParams.prompt_logprobs``), if it made any
         self._prompt = prompt
+        #: the step's routed experts (``SamplingParams.return_routed_experts``), if any
+        self._routes = routes
         self._event: torch.cuda.Event | None = None
+        queued = False
         if prompt is not None and prompt.logprobs.is_cuda:
             self._prompt = prompt.to_host()
-            if samples is None:
-                self._event = torch.cuda.Event()
-                self._event.record()
+            queued = True
+        if routes is not None and routes.ids.is_cuda:
+            self._routes = routes.to_host()
+            queued = True
         if samples is not None and samples.out.token_ids.is_cuda:
             out = samples.out
             host = attrs.evolve(
@@ -66,6 +72,8 @@ class LaunchedStep:
                 },
             )
             self._samples = attrs.evolve(samples, out=host)
+            queued = True
+        if queued:
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -74,10 +82,11 @@ class LaunchedStep:
         if self._event is not None:
             self._event.synchronize()
         prompt = None if self._prompt is None else self._prompt.packed()
+        routes = None if self._routes is None else self._routes.packed()
         if self._samples is None:
-            return no_samples(prompt)
+            return no_samples(prompt, routes)
         packed = self._samples.packed()
-        return packed if prompt is None else (*packed[:4], prompt, *packed[5:])
+        return (*packed[:4], prompt, packed[5], routes)
 
 
 @attrs.frozen

@@ -43,16 +43,23 @@ def server_name(replica_rank: int, role: str = "", suffix: str = "") -> str:
 
 def engine_spec(config: Any, model_config: Any) -> RankSpec:
     """The engine every rank of a replica builds, from verl's rollout and model
-    configs; ``engine_kwargs.kvrunner`` adds flat kvrunner overrides."""
+    configs; ``engine_kwargs.kvrunner`` adds flat kvrunner overrides. verl's
+    ``enable_rollout_routing_replay`` (R3) records every token's routed experts."""
     max_len = config.max_model_len or config.prompt_length + config.response_length
     overrides = {
         "max_num_seqs": config.max_num_seqs, "max_model_len": max_len,
         "enforce_eager": config.enforce_eager, "seed": config.seed,
+        **({"enable_return_routed_experts": True} if routing_replay(config) else {}),
         **dict((config.engine_kwargs or {}).get("kvrunner", None) or {}),
     }
     path = getattr(model_config, "local_path", None) or model_config.path
     return RankSpec(model=str(path), config=overrides,
                     tensor_parallel_size=config.tensor_model_parallel_size)
+
+
+def routing_replay(config: Any) -> bool:
+    """Whether verl's rollout config asks for each rollout's routed experts (R3)."""
+    return bool(getattr(config, "enable_rollout_routing_replay", False))
 
 
 def _cluster_has_gpus() -> bool:
@@ -130,7 +137,7 @@ class KvrunnerReplica(RolloutReplica):
             **options[0],
         ).remote(spec, self.replica_rank, default_max_tokens=self.config.response_length,
                  free_cache_engine=self.config.free_cache_engine,
-                 mode=self.rollout_mode.value)
+                 mode=self.rollout_mode.value, routing_replay=routing_replay(self.config))
         self._ranks = [ray.remote(EngineRank).options(**options[k]).remote(spec, k)
                        for k in range(1, self.world_size)]
         await start_replica(server, self._ranks)

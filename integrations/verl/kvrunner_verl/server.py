@@ -39,13 +39,16 @@ class KvrunnerServer:
     """Rank 0 of a kvrunner replica, serving verl (the replica makes it a Ray actor)."""
 
     def __init__(self, spec: RankSpec, replica_rank: int, *, default_max_tokens: int,
-                 free_cache_engine: bool, mode: str = "standalone") -> None:
+                 free_cache_engine: bool, mode: str = "standalone",
+                 routing_replay: bool = False) -> None:
         if mode not in _SLEEP:
             raise ValueError(f"mode={mode!r}: one of {sorted(_SLEEP)} (verl's RolloutMode)")
         self.replica = EngineReplica(spec, replica_rank)
         self.default_max_tokens = default_max_tokens
         self.free_cache_engine = free_cache_engine
         self.mode = mode
+        #: every request returns its routed experts (verl's enable_rollout_routing_replay)
+        self.routing_replay = routing_replay
         self.global_steps: int | None = None
         self._rejecting = False
         self._last_update: dict[str, Any] | None = None
@@ -77,7 +80,9 @@ class KvrunnerServer:
         **kwargs: Any,
     ) -> Any:
         """Generate for ``prompt_ids``; verl's ``TokenOutput`` (``extra_fields`` holds
-        ``global_steps``). Multimodal inputs are refused (text models only)."""
+        ``global_steps``; ``routed_experts`` the ``[prompt + output - 1, layers, top_k]``
+        expert ids under routing replay). Multimodal inputs are refused (text models
+        only)."""
         from kvrunner.errors import RequestError
         from kvrunner_verl.requests import sampling_params as to_params
         from kvrunner_verl.requests import token_output
@@ -90,7 +95,8 @@ class KvrunnerServer:
 
             return TokenOutput(token_ids=[], stop_reason="aborted",
                                extra_fields={"global_steps": self.global_steps})
-        params = to_params(sampling_params, default_max_tokens=self.default_max_tokens)
+        params = to_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                           routed_experts=self.routing_replay)
         out = await self.replica.generate(list(prompt_ids), params, request_id)
         return token_output(out, global_steps=self.global_steps)
 
