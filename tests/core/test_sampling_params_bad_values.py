@@ -79,6 +79,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "skip_special_tokens": not_a_bool,
     "spaces_between_special_tokens": not_a_bool,
     "return_routed_experts": not_a_bool,
+    "return_kept_mass": not_a_bool,
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the
