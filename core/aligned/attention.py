@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrunner.aligned.engine_op import engine_op
+from kvrunner.aligned.rules import AlignmentError
 from kvrunner.layers.fused.dispatch import use_triton
 
 #: positions a pool block holds (any size attends alike: the keys are read by position)
@@ -55,6 +56,11 @@ def _paged_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
 def fixed_order_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           lengths: list[int], scale: float) -> torch.Tensor:
     """The paged backend's deterministic entry over these sequences (no autograd)."""
+    try:
+        import kvrunner_paged  # noqa: F401
+    except ImportError:
+        raise AlignmentError("aligned attention runs the paged backend's fixed-order "
+                             "attention; install backends/paged (kvrunner-paged)") from None
     inputs = _paged_inputs(q, k, v, lengths, scale)
     if use_triton(q):
         from kvrunner_paged.ops.paged_attention.fixed_order import (
