@@ -7,9 +7,6 @@ gradient flows."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,16 +18,6 @@ pytestmark = pytest.mark.gpu
 
 ENGINE = dict(dtype="bfloat16", deterministic=True, max_num_seqs=16, max_model_len=1536,
               max_num_batched_tokens=512, gpu_memory_utilization=0.4)
-
-
-@pytest.fixture(scope="module")
-def qwen3_0_6b(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-    from bench_e2e_decode import write_checkpoint
-
-    path = tmp_path_factory.mktemp("q06") / "m"
-    write_checkpoint(path, max_positions=2048)
-    return path
 
 
 def prompts() -> list[list[int]]:
