@@ -35,10 +35,10 @@ STRANGER = list(range(30, 60))
 class Rollout:
     """One engine run: each sample's prompt, sampled tokens and logprobs."""
 
-    def __init__(self, path, dtype: str) -> None:
+    def __init__(self, path, dtype: str, **engine) -> None:
         # chunks of 8 tokens, blocks of 4: prompts are prefilled in pieces
         llm = LLM(str(path), dtype=dtype, deterministic=True, block_size=4,
-                  max_num_batched_tokens=8, max_num_seqs=4)
+                  max_num_batched_tokens=8, max_num_seqs=4, **engine)
         try:
             params = [SamplingParams(max_tokens=n, temperature=1.0, seed=11 + i, logprobs=0,
                                      prompt_logprobs=0, ignore_eos=True)
@@ -62,13 +62,12 @@ def rollouts(tmp_path_factory):
     """``get(kind, dtype)``: the checkpoint and its engine run, each made once."""
     made: dict[tuple[str, str], tuple] = {}
 
-    def get(kind: str, dtype: str) -> tuple:
-        if (kind, dtype) not in made:
-            path = tmp_path_factory.mktemp(kind) / "m"
-            if not path.exists():
-                write_tiny_checkpoint(path, kind=kind)
-            made[kind, dtype] = path, dtype, Rollout(path, dtype)
-        return made[kind, dtype]
+    def get(kind: str, dtype: str, **engine) -> tuple:
+        key = (kind, dtype, *sorted(engine))
+        if key not in made:
+            path = write_tiny_checkpoint(tmp_path_factory.mktemp(kind) / "m", kind=kind)
+            made[key] = path, dtype, Rollout(path, dtype, **engine)
+        return made[key]
 
     return get
 
@@ -119,6 +118,20 @@ def test_aligned_logprobs_equal_the_engines_bit_for_bit(rollouts, kind, dtype) -
             assert torch.equal(got, want), (
                 f"{name}, sample {i}: {int((got != want).sum())} of {len(want)} tokens differ, "
                 f"max {float((got - want).abs().max()):.3g}")
+
+
+def test_the_engines_fp32_lm_head_and_router_logits_are_followed(rollouts) -> None:
+    """An engine with ``fp32_lm_head`` and ``fp32_router_logits`` (bf16 weights): the
+    aligned trainer takes both products in float32 too, from the engine's config."""
+    switches = dict(fp32_lm_head=True, fp32_router_logits=True)
+    path, dtype, run = rollouts("qwen3-moe", "bfloat16", **switches)
+    model = trainer_model(path, dtype, run.config)
+    for got, want in zip(score(model, run.sequences, left=True), run.logprobs, strict=True):
+        assert torch.equal(got, want)
+    # aligned to an engine without the switches, the trainer misses those bits
+    plain = trainer_model(path, dtype, rollouts("qwen3-moe", "bfloat16")[2].config)
+    assert any(not torch.equal(got, want) for got, want in zip(
+        score(plain, run.sequences, left=True), run.logprobs, strict=True))
 
 
 #: for each op, a case where transformers' own computation of it differs on the CPU
