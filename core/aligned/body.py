@@ -43,7 +43,6 @@ class AlignedBody:
     def __init__(self, causal_lm: nn.Module, plan: AlignedPlan) -> None:
         self.lm, self.body, self.plan = causal_lm, causal_lm.model, plan
         config = causal_lm.config
-        self.eps = config.rms_norm_eps
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
         self.rope_base = rope_theta_of(config.to_dict())
@@ -58,7 +57,10 @@ class AlignedBody:
             return aligned_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The transformers norm ``module``'s function of ``x``; with ``residual``,
+        ``(norm(x + residual), x + residual)``."""
         if self.plan.aligned("norm"):
             return aligned_rmsnorm(x, module.weight, module.variance_epsilon, residual)
         if residual is None:
@@ -67,6 +69,7 @@ class AlignedBody:
         return module(total), total
 
     def attention(self, attn: nn.Module, x: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        """The attention block ``attn`` (a transformers ``Qwen3Attention``) on ``x``."""
         hq, hk = attn.config.num_attention_heads, attn.config.num_key_value_heads
         d = self.head_dim
         qkv = self.linear(x, _cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
@@ -87,6 +90,7 @@ class AlignedBody:
         return self.linear(out.reshape(-1, hq * d), attn.o_proj.weight, attn.o_proj.bias)
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A dense SwiGLU MLP or a sparse block (it has ``experts``) on ``x``."""
         if hasattr(mlp, "experts"):
             if not self.plan.aligned("moe"):
                 return mlp(x[None])[0]
