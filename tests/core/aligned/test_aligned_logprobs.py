@@ -7,7 +7,7 @@ right-padded together, or reordered among a longer stranger.
 Leaving one op on transformers' own computation (``transformers_ops``) breaks the
 equality; each op is shown breaking it in a case where its computation differs from
 the engine's on the CPU (the norms and the activation are the same torch code on the
-CPU, the engine's Triton kernels replace them on CUDA only).
+CPU; ``test_aligned_triton_path.py`` shows them breaking it on the Triton path).
 """
 
 from __future__ import annotations
