@@ -103,6 +103,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "core/models/test_logprobs_mode_generate.py::test_the_mode_leaves_the_tokens_alone",
         "core/test_graph_sampling.py::test_unseeded_draws_are_drawn_in_the_graph",
         "paged/test_fixed_order_attention.py::test_an_engine_on_the_triton_path",
+        "core/aligned/test_aligned_triton_path.py",
         "paged/test_paged_decode_attention.py::test_every_split",
         "core/layers/test_seeded_uniform.py::test_seeded_draws_follow_the_filtered_distribution",
         "core/layers/test_skinny_gemm.py::test_a_model_decodes_the_same_greedy_tokens",

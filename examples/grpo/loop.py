@@ -10,6 +10,9 @@ One step:
 3. train: the trainer recomputes the sampled tokens' logprobs on the weights that
    sampled them (the rollout-vs-trainer gap), takes one policy-gradient step on
    group-normalised advantages;
+   in aligned mode (the default) the engine is deterministic and the trainer's model
+   runs on the engine's kernels (:func:`kvrunner.aligned.align`), in the engine's
+   dtype, so the gap is exactly 0;
 4. push: the trainer's :class:`~kvrunner.weight_sync.BucketSender` streams the new
    weights while the engine receives them with ``LLM.update_weights_from_ipc``.
 """
@@ -45,9 +48,13 @@ class Settings:
     device: str = "cpu"
     #: a key of :data:`grpo.policy.SHAPES`
     shape: str = "tiny"
-    #: the engine's weight dtype: "auto" is the checkpoint's (float32, as the trainer);
-    #: "bfloat16" shows the gap a low-precision rollout engine opens
+    #: the engine's weight dtype: "auto" is the checkpoint's float32 on the CPU and
+    #: bfloat16 on CUDA; unaligned, the trainer stays in float32, so "bfloat16" shows
+    #: the gap a low-precision rollout engine opens
     engine_dtype: str = "auto"
+    #: trainer-aligned mode: a deterministic engine, and the trainer on its kernels in
+    #: its dtype (kvrunner.aligned), so every sampled token's logprob gap is 0
+    aligned: bool = True
     bucket_bytes: int = 64 << 20
     #: torch threads of each process (the engine's and the trainer's)
     threads: int = 1
@@ -78,7 +85,7 @@ def _engine(path: Path, settings: Settings) -> Any:
         sizes |= dict(max_num_batched_tokens=max(256, samples * (settings.length + 2)),
                       block_size=4, num_blocks=samples * 2 + 16)
     return LLM(model=str(path), dtype=settings.engine_dtype, device=settings.device,
-               seed=settings.seed, **sizes)
+               seed=settings.seed, deterministic=settings.aligned, **sizes)
 
 
 def _expect(conn: Any, kind: str, timeout_s: float = 300) -> tuple[Any, ...]:
@@ -112,6 +119,9 @@ def run(settings: Settings) -> list[StepRecord]:
                                      bucket_bytes=settings.bucket_bytes)))
             address, authkey = _expect(conn, "ready")
             llm = _engine(path, settings)
+            if settings.aligned:
+                conn.send(("align", llm.config))
+                _expect(conn, "aligned")
             for step in range(settings.steps):
                 records.append(_step(llm, conn, address, authkey, settings, rng, step,
                                      SamplingParams))

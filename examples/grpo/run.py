@@ -1,6 +1,7 @@
 """Run the GRPO example: ``python examples/grpo/run.py [--steps 300] [--device cuda
---shape large]``. Prints one line per step (mean reward, the rollout-vs-trainer
-logprob gap, rollout/train/push times) and a summary of the reward curve."""
+--shape large] [--no-aligned]``. Prints one line per step (mean reward, the
+rollout-vs-trainer logprob gap, rollout/train/push times) and a summary of the reward
+curve."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=defaults.shape)
     parser.add_argument("--engine-dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         default=defaults.engine_dtype)
+    parser.add_argument("--aligned", action=argparse.BooleanOptionalAction,
+                        default=defaults.aligned,
+                        help="a deterministic engine and the trainer on its kernels "
+                             "(kvrunner.aligned): a logprob gap of exactly 0")
     args = vars(parser.parse_args(argv))
     records = run(Settings(**args))
     window = max(1, len(records) // 10)

@@ -11,6 +11,8 @@ a GPU).
 Each exchange on the pipe is one request and its answers:
 
 * ``("start", settings)`` -> ``("ready", address, authkey)``
+* ``("align", engine_config)`` -> ``("aligned",)``: the model, reloaded in the
+  engine's dtype, runs on the engine's kernels from now on (:func:`kvrunner.aligned.align`)
 * ``("step", batch)`` -> ``("trained", stats)``, then (once the engine has pulled
   the push) ``("pushed", loaded, seconds)``
 * ``None`` -> the process ends.
@@ -37,32 +39,52 @@ def sampled_logprobs(model: torch.nn.Module, prompts: torch.Tensor,
                      completions: torch.Tensor) -> torch.Tensor:
     """The log-probability the model gives each sampled completion token
     (``[samples, completion length]``), computed in one forward pass."""
+    from kvrunner.aligned import token_logprobs
+
     ids = torch.cat([prompts, completions], dim=1)
-    logits = model(input_ids=ids).logits.float()
+    logits = model(input_ids=ids).logits
     width = completions.shape[1]
     # position t's logits predict token t + 1: the completion's come from the
     # prompt's last position up to the completion's second last
     predicting = logits[:, prompts.shape[1] - 1 : prompts.shape[1] - 1 + width]
-    return torch.log_softmax(predicting, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    # the engine's sampler's own log-softmax (float32 whatever the logits' dtype)
+    return token_logprobs(predicting, completions)
 
 
 class Trainer:
     """The policy, its optimiser and its sender (one per trainer process)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        import transformers
-
         from kvrunner.weight_sync import BucketSender
 
         torch.manual_seed(settings["seed"])
+        self.settings = settings
         self.device = torch.device(settings["device"])
-        self.model = transformers.Qwen3ForCausalLM.from_pretrained(
-            settings["path"], dtype=torch.float32).to(self.device)
-        self.model.train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings["lr"])
+        self._load(torch.float32)
         self.group_size: int = settings["group_size"]
         self.sender = BucketSender(device=self.device, bucket_bytes=settings["bucket_bytes"],
                                    timeout_s=120)
+
+    def _load(self, dtype: torch.dtype) -> None:
+        """The policy checkpoint in ``dtype`` on the device, and a fresh optimiser."""
+        import transformers
+
+        self.model = transformers.Qwen3ForCausalLM.from_pretrained(
+            self.settings["path"], dtype=dtype).to(self.device)
+        self.model.train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.settings["lr"])
+
+    def align(self, engine: Any) -> None:
+        """Reload the policy in the engine's dtype (before any step: the same starting
+        weights) and run it on the engine's kernels (``kvrunner.aligned.align``, which
+        refuses an engine it cannot match, naming the difference)."""
+        from kvrunner.aligned import align
+        from kvrunner.runner.setup import resolve_dtype
+
+        dtype = resolve_dtype(engine.dtype, self.device, self.model.config.to_dict())
+        if dtype != self.model.dtype:
+            self._load(dtype)
+        align(self.model, engine)
 
     def step(self, batch: dict[str, Any]) -> dict[str, float]:
         """One GRPO step on ``batch`` (prompts, completions, rewards and the engine's
@@ -103,6 +125,9 @@ def serve(conn: Connection, threads: int) -> None:
         if kind == "start":
             trainer = Trainer(payload)
             conn.send(("ready", trainer.sender.address, trainer.sender.authkey))
+        elif kind == "align" and trainer is not None:
+            trainer.align(payload)
+            conn.send(("aligned",))
         elif kind == "step" and trainer is not None:
             conn.send(("trained", trainer.step(payload)))
             conn.send(("pushed", *trainer.push()))

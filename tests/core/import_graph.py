@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvrunner.launch",),
     ("kvrunner.llm", "kvrunner.call_guard"),
     ("kvrunner.prompts",),
-    ("kvrunner.rl",),
+    ("kvrunner.rl", "kvrunner.aligned"),
     ("kvrunner.runner",),
     ("kvrunner.weight_sync",),
     ("kvrunner.plugin_host",),

@@ -7,7 +7,6 @@ a row the same bits at every row count and in every layout of one reduction."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,6 @@ pytestmark = pytest.mark.gpu
 
 ENGINE = dict(dtype="bfloat16", max_num_seqs=48, max_model_len=640, block_size=16,
               gpu_memory_utilization=0.4, deterministic=True)
-
-
-@pytest.fixture(scope="module")
-def qwen3_0_6b(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-    from bench_e2e_decode import write_checkpoint
-
-    path = tmp_path_factory.mktemp("q06") / "m"
-    write_checkpoint(path, max_positions=1024)
-    return path
 
 
 def crowd(seed: int, n: int, vocab: int = 5000) -> list[list[int]]:
