@@ -302,3 +302,35 @@ def test_the_format_names_and_scales() -> None:
             KVFormat(dtype=FP8_DTYPE, k_scale=bad)
     with pytest.raises(ValueError, match="not 'fp8_e5m2'"):
         KVFormat.for_cache_dtype("fp8_e5m2", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@given(
+    case=paged_cases(head_dims=(128,)),
+    scale=SCALES,
+    magnitude=MAGNITUDES,
+    pads=st.lists(st.booleans(), max_size=40),
+)
+def test_the_compiled_store_writes_the_naive_stores_bytes_on_any_values(
+    case: PagedCase, scale: float, magnitude: float, pads: list[bool]
+) -> None:
+    """Compiled, the Triton store rounds as torch does (ties to even, subnormals): any
+    values, any scale, byte for byte."""
+    _store_both_ways(_store_triton, case, scale, magnitude, pads, on_grid=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["decode_triton", "prefill_triton", "fixed_order_triton"])
+@given(data=st.data(), k_scale=SCALES, v_scale=SCALES)
+def test_bf16_queries_attend_the_dequantized_pool(
+    entry: str, data: st.DataObject, k_scale: float, v_scale: float
+) -> None:
+    """The model's case: bf16 queries over an e4m3 pool (widened to bf16 exactly, the
+    scales folded in float32) give the reference's output to bf16 rounding."""
+    decode, attend = ENTRIES[entry]
+    case = data.draw(paged_cases(decode=decode, head_dims=(128,), max_pad_rows=0))
+    x = _attend_inputs(case, case.generator(), 1.0, k_scale, v_scale)
+    x = attrs.evolve(x, q=x.q.to(torch.bfloat16))
+    values = x.v_cache.float().nan_to_num(0.0).abs().max().item() * v_scale
+    torch.testing.assert_close(attend(x).float(), _dequantized_reference(x), rtol=2**-6,
+                               atol=2**-6 * values)  # fmt: skip
