@@ -99,19 +99,25 @@ def _store_both_ways(
     return before, after, slots, k, v
 
 
+COMPILED_STORE = pytest.param(_store_triton, marks=pytest.mark.gpu, id="compiled")
+
+
+# Compiled, the Triton store rounds as torch does (ties to even, subnormals): it takes
+# any values too, but only on a GPU (module doc).
+@pytest.mark.parametrize("store", [pytest.param(store_kv_torch, id="torch"), COMPILED_STORE])
 @given(
     case=paged_cases(),
     scale=SCALES,
     magnitude=MAGNITUDES,
     pads=st.lists(st.booleans(), max_size=40),
 )
-def test_the_torch_store_writes_the_naive_stores_bytes(
-    case: PagedCase, scale: float, magnitude: float, pads: list[bool]
+def test_a_store_writes_the_naive_stores_bytes(
+    store, case: PagedCase, scale: float, magnitude: float, pads: list[bool]
 ) -> None:
     """Byte for byte, PAD rows anywhere, every other slot (NaN ones too) untouched; and
     what lands is the input within half an e4m3 step (1/16 of it, or 2^-10 times the
     scale below the normals), clamped to ±448 times the scale."""
-    before, after, slots, k, v = _store_both_ways(store_kv_torch, case, scale, magnitude, pads,
+    before, after, slots, k, v = _store_both_ways(store, case, scale, magnitude, pads,
                                                   on_grid=False)  # fmt: skip
     real = slots >= 0
     flat = after.view(2, -1, case.num_kv_heads, case.head_dim)
@@ -302,21 +308,6 @@ def test_the_format_names_and_scales() -> None:
             KVFormat(dtype=FP8_DTYPE, k_scale=bad)
     with pytest.raises(ValueError, match="not 'fp8_e5m2'"):
         KVFormat.for_cache_dtype("fp8_e5m2", torch.bfloat16)
-
-
-@pytest.mark.gpu
-@given(
-    case=paged_cases(head_dims=(128,)),
-    scale=SCALES,
-    magnitude=MAGNITUDES,
-    pads=st.lists(st.booleans(), max_size=40),
-)
-def test_the_compiled_store_writes_the_naive_stores_bytes_on_any_values(
-    case: PagedCase, scale: float, magnitude: float, pads: list[bool]
-) -> None:
-    """Compiled, the Triton store rounds as torch does (ties to even, subnormals): any
-    values, any scale, byte for byte."""
-    _store_both_ways(_store_triton, case, scale, magnitude, pads, on_grid=False)
 
 
 @pytest.mark.gpu
