@@ -13,11 +13,17 @@ A third times one layer's decode KV write plus attention, graphed the same way: 
 ``store_kv`` launch then the decode launch, against the one decode launch that stores
 the step's keys and values itself (``new_kv``, what the paged layer runs).
 
-    python benchmarks/bench_decode_attention.py
+With ``--kv-cache-dtype fp8`` it times FP8 KV instead (``kv_cache_dtype = "fp8"``):
+the tokens a pool of the same bytes holds, and one layer's decode step at batch 256
+(the launch that stores the step's keys and values and attends, as the layer runs it)
+over a bf16 pool against an e4m3 one holding the same sequences.
+
+    python benchmarks/bench_decode_attention.py [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import attrs
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
+from kvrunner_paged.kv_format import FP8_DTYPE
 from kvrunner_paged.ops.paged_attention.decode import choose_num_splits, paged_decode_attention
 from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
 from kvrunner_paged.ops.store_kv.store import store_kv
@@ -36,6 +43,8 @@ SMALL = [(1, 256, 400), (1, 256, 4096), (1, 2048, 4096), (4, 1024, 4096), (8, 51
 CALLS = 20
 #: (batch, context) of the store-then-attend table: the end-to-end bench's decode batches
 STORE = [(1, 256), (64, 256), (256, 256)]
+#: (batch, context) of the FP8 KV table: RL decode batches, a prompt of 1,024 and more
+FP8_CASES = [(256, 1024), (256, 2048)]
 
 
 def paged_pool(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -168,8 +177,50 @@ def run_case(batch: int, ctx: int, num_sms: int) -> dict:
     )
 
 
+def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int) -> float:
+    """µs of one layer's decode launch that stores and attends, over a pool in ``kv_dtype``
+    (the bf16 pool's values, quantized at scale 1.0 for e4m3)."""
+    g = torch.Generator(device="cuda").manual_seed(batch + ctx)
+    tables, k_cache, v_cache = paged_pool(batch, ctx, g)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    kv = torch.randn(batch, 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    slots = (tables[:, -1].long() * BLOCK + BLOCK - 1).contiguous()
+    inputs = PagedAttentionInputs(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, context_lens=lens,
+        scale=D**-0.5, new_kv=NewKV(k=kv[:, :HKV], v=kv[:, HKV:], slot_mapping=slots),
+    )  # fmt: skip
+    splits = choose_num_splits(batch, HKV, ctx, num_sms)
+    return median_ms(lambda: paged_decode_attention(inputs=inputs, num_splits=splits)) * 1e3
+
+
+def fp8_kv(num_sms: int) -> None:
+    """Tokens per GiB of one layer's pool and the decode step at batch 256, bf16 and e4m3."""
+    per_token = {dt: 2 * HKV * D * torch.empty((), dtype=dt).element_size()
+                 for dt in (torch.bfloat16, FP8_DTYPE)}  # fmt: skip
+    tokens = {dt: (1 << 30) // size for dt, size in per_token.items()}
+    print(f"\nFP8 KV: tokens per GiB of one layer's pool: bf16 {tokens[torch.bfloat16]}, "
+          f"fp8 {tokens[FP8_DTYPE]}")  # fmt: skip
+    print(f"{'case':>14} {'bf16 us':>9} {'fp8 us':>9} {'ratio':>6} {'bf16 TB/s':>10} "
+          f"{'fp8 TB/s':>9}")  # fmt: skip
+    for batch, ctx in FP8_CASES:
+        t = {dt: decode_step_us(batch, ctx, dt, num_sms) for dt in per_token}
+        tbps = {dt: batch * ctx * per_token[dt] / (t[dt] * 1e-6) / 1e12 for dt in per_token}
+        print(f"{f'B{batch} ctx{ctx}':>14} {t[torch.bfloat16]:>9.1f} {t[FP8_DTYPE]:>9.1f} "
+              f"{t[FP8_DTYPE] / t[torch.bfloat16]:>6.2f} {tbps[torch.bfloat16]:>10.2f} "
+              f"{tbps[FP8_DTYPE]:>9.2f}")  # fmt: skip
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: the FP8 KV table (bf16 pools against e4m3 ones) alone")
+    args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
+    if args.kv_cache_dtype == "fp8":
+        fp8_kv(props.multi_processor_count)
+        return
     bw = copy_bandwidth_tbps()
     print(f"{props.name}, {props.multi_processor_count} SMs, copy bandwidth {bw:.2f} TB/s")
     print(

@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 
 from kvrunner.config_checks import (
+    KV_CACHE_DTYPES,
+    canonical_kv_cache_dtype,
     capture_sizes_tuple,
     check_capture_sizes,
     check_device,
@@ -63,6 +65,14 @@ class CacheConfig:
         default=None, validator=attrs.validators.optional(_in_range(1, 1 << 40))
     )
     enable_prefix_caching: bool = True
+    #: how full-attention keys and values are stored: "auto" in the model's dtype,
+    #: "fp8" (vLLM's "fp8_e4m3" is the same) one byte an element, float8 e4m3 with a
+    #: per-tensor scale, as vLLM's ``--kv-cache-dtype``; a backend serving layers of
+    #: the engine must accept it (``kv_cache_dtypes`` on its factory, docs/plugins.md)
+    kv_cache_dtype: str = attrs.field(
+        default="auto", converter=canonical_kv_cache_dtype,
+        validator=_one_of(*KV_CACHE_DTYPES),
+    )
 
 
 @attrs.frozen(kw_only=True)

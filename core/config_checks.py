@@ -101,6 +101,17 @@ def capture_sizes_tuple(sizes: Any) -> tuple[int, ...] | None:
     return tuple(sorted({int(s) for s in sizes}))
 
 
+#: ``[cache] kv_cache_dtype`` values: "fp8_e4m3" is vLLM's other name for "fp8"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def canonical_kv_cache_dtype(name: Any) -> Any:
+    """``kv_cache_dtype`` as the config keeps it: vLLM's "fp8_e4m3" is "fp8" (e4m3 is the
+    one FP8 format served); anything else passes through to the field's check."""
+
+    return "fp8" if name == "fp8_e4m3" else name
+
+
 def check_capture_sizes(sizes: tuple[int, ...] | None, *, max_num_seqs: int) -> None:
     """Refuse a capture size above ``max_num_seqs``: no decode step is ever that large,
     so its graph would never replay (a size the user listed would silently do nothing,

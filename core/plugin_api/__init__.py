@@ -8,7 +8,7 @@ and a mismatch is refused at load.
 
 - the hooks: :mod:`~kvrunner.plugin_api.hookspecs` and the :data:`hookimpl` marker;
 - what a factory declares (``layer_types``, ``cache_rows``, ``supports_overlap``,
-  ``batch_invariant``):
+  ``batch_invariant``, ``kv_cache_dtypes``):
   :mod:`~kvrunner.plugin_api.factory`;
 - the data a hook is handed or answers with: :mod:`~kvrunner.plugin_api.step_data`;
 - the data an overlap plugin is handed: :mod:`~kvrunner.plugin_api.overlap`, and what
@@ -27,6 +27,7 @@ from kvrunner.plugin_api.errors import BackendError, BackendHookError, KvrunnerE
 from kvrunner.plugin_api.factory import (
     CacheRows,
     LayerBackendFactory,
+    accepted_kv_cache_dtypes,
     declares_batch_invariance,
     declares_overlap_support,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "StepBatch",
     "StepMetadata",
     "TensorMap",
+    "accepted_kv_cache_dtypes",
     "declares_batch_invariance",
     "declares_overlap_support",
     "fill_head",

@@ -47,6 +47,12 @@ class LayerBackendFactory(Protocol):
     #: refuses ``deterministic`` over a backend that does not declare it (the
     #: engine-level property tests of ``tests/core/determinism`` hold ``paged`` to it).
     batch_invariant: bool
+    #: Optional, ``("auto",)`` when absent. The ``kv_cache_dtype`` values it accepts
+    #: (``"auto"``, ``"fp8"``): one it lists reaches it as ``context.kv_cache_dtype``,
+    #: and the core refuses an engine whose ``kv_cache_dtype`` a selected backend does
+    #: not list. A backend holding no keys and values (recurrent state) may list
+    #: ``"fp8"`` and keep its state in the model's dtype, as vLLM keeps mamba state.
+    kv_cache_dtypes: tuple[str, ...]
 
     def __call__(self, context: BackendContext) -> Any:
         """The backend object, registered on the runner's plugin manager."""
@@ -61,3 +67,8 @@ def declares_overlap_support(factory: object) -> bool:
 def declares_batch_invariance(factory: object) -> bool:
     """Whether ``factory`` declares ``batch_invariant = True`` (absent means no)."""
     return getattr(factory, "batch_invariant", False) is True
+
+
+def accepted_kv_cache_dtypes(factory: object) -> tuple[str, ...]:
+    """The ``kv_cache_dtype`` values ``factory`` accepts (absent means ``("auto",)``)."""
+    return getattr(factory, "kv_cache_dtypes", ("auto",))

@@ -23,7 +23,9 @@ import torch
 #: declares ``supports_overlap``.
 #: 5: :class:`BackendContext` carries ``deterministic``; a layer backend declares
 #: ``batch_invariant``.
-PLUGIN_API_VERSION = 5
+#: 6: :class:`BackendContext` carries ``kv_cache_dtype``; a layer backend declares the
+#: ``kv_cache_dtypes`` it accepts.
+PLUGIN_API_VERSION = 6
 
 #: Value written into every cache-write index buffer for rows that must not write.
 #: Every kernel that writes cache through an index skips an index < 0.
@@ -71,6 +73,10 @@ class BackendContext:
     #: token row as they would with no other row in the step (only ever True for a
     #: backend whose factory declares ``batch_invariant``)
     deterministic: bool = False
+    #: how full-attention keys and values are stored: "auto" (in ``dtype``) or "fp8"
+    #: (float8 e4m3, one byte an element, with a per-tensor scale); only ever a value
+    #: the backend's factory lists in ``kv_cache_dtypes``
+    kv_cache_dtype: str = "auto"
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -21,6 +21,7 @@ from kvrunner.plugin_api import hookspecs
 from kvrunner.plugin_api.errors import BackendError, BackendHookError
 from kvrunner.plugin_api.factory import (
     CacheRows,
+    accepted_kv_cache_dtypes,
     declares_batch_invariance,
     declares_overlap_support,
 )
@@ -141,6 +142,16 @@ class BackendManager:
                     f"{sorted(layer_types)}): {name!r} does not declare batch_invariant = "
                     f"True, so a request's outputs would depend on what shares its steps "
                     f"(docs/plugins.md, 'Batch invariance'); run without deterministic"
+                )
+            kv_cache_dtype = self.contexts[name].kv_cache_dtype
+            if kv_cache_dtype not in accepted_kv_cache_dtypes(factory):
+                # It would store its keys and values in the model's dtype: a pool of
+                # half the tokens, under a setting that says otherwise.
+                raise BackendError(
+                    f"kv_cache_dtype={kv_cache_dtype!r} cannot run over backend {name!r} "
+                    f"(serving {sorted(layer_types)}): {name!r} accepts "
+                    f"{list(accepted_kv_cache_dtypes(factory))} (its kv_cache_dtypes; "
+                    f"docs/plugins.md, 'The factory'); choose one of those or another backend"
                 )
             try:
                 instance = factory(self.contexts[name])

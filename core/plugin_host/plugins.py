@@ -123,6 +123,11 @@ def _validate_factory(name: str, factory: Any) -> None:
     invariant = getattr(factory, "batch_invariant", False)
     if not isinstance(invariant, bool):
         raise BackendError(f"backend {name!r}: batch_invariant must be a bool, got {invariant!r}")
+    kv_dtypes = getattr(factory, "kv_cache_dtypes", ("auto",))
+    if not isinstance(kv_dtypes, tuple) or not all(isinstance(v, str) for v in kv_dtypes):
+        raise BackendError(
+            f"backend {name!r}: kv_cache_dtypes must be a tuple of str, got {kv_dtypes!r}"
+        )
     if layer_types and not callable(getattr(factory, "cache_rows", None)):
         # Required of every layer backend: without it the conformance kit cannot read
         # a slot of its pools, so nothing can show the backend keeps the contract.

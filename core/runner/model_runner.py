@@ -127,6 +127,7 @@ def build_backends(
             use_triton=use_triton,
             options=config.kernels.options_for(name),
             deterministic=config.deterministic,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
         )
 
     core_backends = {} if routes is None else {ROUTES_BACKEND: routes_backend(routes)}

@@ -41,9 +41,11 @@ def backend_manager(
     device: str = "cpu",
     use_triton: bool = False,
     overlap: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> BackendManager:
     """A manager with the selected backends registered, as a runner would build it;
-    with ``overlap``, that overlap plugin on top, splitting every step it can."""
+    with ``overlap``, that overlap plugin on top, splitting every step it can;
+    ``kv_cache_dtype`` reaches every backend's context."""
 
     def context_for(name: str, layer_types: tuple[str, ...]) -> BackendContext:
         return BackendContext(
@@ -57,6 +59,7 @@ def backend_manager(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             use_triton=use_triton,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     overlap_context = None if overlap is None else OverlapContext(

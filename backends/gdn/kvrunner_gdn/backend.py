@@ -41,6 +41,12 @@ class GDNBackend:
     cache_rows = staticmethod(cache_rows)
     #: its layers read everything but the pools from the metadata it returns
     supports_overlap = True
+    #: its recurrent and convolution state stays in the model's dtype whatever
+    #: ``kv_cache_dtype`` says: it holds no keys and values, and a state in FP8 would
+    #: carry its rounding into every later token (vLLM keeps mamba state apart from
+    #: ``--kv-cache-dtype`` too). So an fp8 KV engine over a hybrid model runs, with
+    #: fp8 keys and values in the full-attention layers only.
+    kv_cache_dtypes = ("auto", "fp8")
     #: tokens per chunk of the chunked prefill (rounded up to a power of two >= 16 by
     #: the Triton kernel); an instance attribute may override it before make_layer.
     chunk_size = DEFAULT_CHUNK

@@ -21,6 +21,7 @@ from kvrunner.plugin_api import (
 )
 from kvrunner_paged.builder import PagedMetadataBuilder
 from kvrunner_paged.cache import PagedKVPools, cache_rows
+from kvrunner_paged.kv_format import KVFormat
 from kvrunner_paged.layer import PagedAttention
 from kvrunner_paged.metadata import PagedMetadata
 
@@ -39,6 +40,10 @@ class PagedBackend:
     #: with ``context.deterministic`` every token is attended in one fixed order
     #: (``layer.py``, ``ops/paged_attention/fixed_order_torch.py``)
     batch_invariant = True
+    #: "fp8": keys and values in float8 e4m3 with per-tensor scales (``kv_format.py``),
+    #: quantized by the store and scaled back by every attention entry, deterministic
+    #: mode's included
+    kv_cache_dtypes = ("auto", "fp8")
 
     def __init__(self, context: BackendContext) -> None:
         model = context.model
@@ -57,7 +62,7 @@ class PagedBackend:
             block_size=context.block_size,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
-            dtype=context.dtype,
+            fmt=KVFormat.for_cache_dtype(context.kv_cache_dtype, context.dtype),
             device=context.device,
         )
         #: built by persistent_buffers, which the core calls before any metadata hook

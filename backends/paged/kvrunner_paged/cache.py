@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvrunner_paged.kv_format import KVFormat
+
 #: Name prefix of each layer's pool in the dict ``allocate_cache`` returns.
 POOL_PREFIX = "kv."
 
@@ -22,7 +24,8 @@ class PagedKVPools:
 
     Index 0 holds keys, index 1 values; a slot ``s`` is block ``s // block_size``,
     offset ``s % block_size``. Layers look their pool up on every forward, so a pool
-    re-allocated after a wake is picked up without rebuilding the layers.
+    re-allocated after a wake is picked up without rebuilding the layers. The elements
+    are ``fmt.dtype``: the model's, or FP8 with per-tensor scales (:mod:`.kv_format`).
     """
 
     def __init__(
@@ -32,20 +35,22 @@ class PagedKVPools:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        fmt: KVFormat,
         device: torch.device,
     ) -> None:
         self.layers = layers
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.fmt = fmt
+        self.dtype = fmt.dtype
         self.device = device
         self._pools: dict[int, torch.Tensor] = {}
 
     @property
     def bytes_per_block(self) -> int:
-        """Keys + values of one block, over every served layer."""
+        """Keys + values of one block, over every served layer (one byte an element in
+        FP8; its per-tensor scales are host numbers, no pool bytes)."""
         element = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * element
         return per_layer * len(self.layers)
@@ -64,6 +69,7 @@ class PagedKVPools:
         return {f"{POOL_PREFIX}{layer}": pool for layer, pool in self._pools.items()}
 
     def release(self) -> None:
+        """Drop every pool (a later :meth:`allocate` makes new ones)."""
         self._pools = {}
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ Each forward builds one
 :class:`~kvrunner_paged.ops.paged_attention.inputs.PagedAttentionInputs` and hands it to
 the entry chosen for the step: decode or varlen (prefill), or deterministic mode's
 fixed order for both. On Triton a decode step stores and attends in one launch (the
-record's ``new_kv``); prefill and the torch path store first, then attend.
+record's ``new_kv``); prefill and the torch path store first, then attend. FP8 pools
+(``kv_format.py``) hand every entry and store the pools' per-tensor scales.
 """
 
 from __future__ import annotations
@@ -122,11 +123,14 @@ class PagedAttention:
         # On Triton a decode step's launch stores its keys and values: one launch a layer
         # fewer. Everything else stores first.
         fused = self.use_triton and md.is_decode
+        fmt = self.pools.fmt
         if not fused:
-            self._store(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+            self._store(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                        k_scale=fmt.k_scale, v_scale=fmt.v_scale)
         inputs = PagedAttentionInputs(
             q=unit_last_dim(q) if self.use_triton else q, k_cache=k_cache, v_cache=v_cache,
             block_tables=md.block_tables, context_lens=md.context_lens, scale=self.scale,
+            k_scale=fmt.k_scale, v_scale=fmt.v_scale,
             query_start_loc=md.query_start_loc,
             # A replayed graph's padded rows are empty sequences: they attend nothing.
             num_seqs=md.num_padded_seqs if md.is_decode else md.num_seqs,

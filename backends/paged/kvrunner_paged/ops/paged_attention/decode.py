@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrunner_paged.kv_format import is_fp8
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.tile import LOG2_E, NEG_BIG, attend_tile
 from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
@@ -42,7 +43,7 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,
-    scale_log2,
+    scale_log2, v_scale, k_inv_scale, v_inv_scale,
     stride_qt, stride_qh,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh,
@@ -60,6 +61,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FUSE_STORE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -95,9 +97,10 @@ def _decode_kernel(
         # that slot, so programs need no order between them.
         store_newest_kv(
             row, kv_head, ctx_len - 1, lo, hi, k_new_ptr, v_new_ptr, slot_ptr,
-            k_cache_ptr, v_cache_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+            k_cache_ptr, v_cache_ptr, k_inv_scale, v_inv_scale,
+            stride_knt, stride_knh, stride_vnt, stride_vnh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+            block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, QUANTIZE=QUANTIZE,
         )  # fmt: skip
         tl.debug_barrier()
     for start in range(lo, hi, BLOCK_N):
@@ -110,7 +113,8 @@ def _decode_kernel(
         )  # fmt: skip
 
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    # v_scale: 1.0 but for an FP8 pool, whose values the tiles read unscaled
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
     if not SPLIT:
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -220,7 +224,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, x.context_lens,
         out, part_out, part_lse,
         k_new, v_new, slots,
-        x.scale * LOG2_E,
+        x.scale * x.k_scale * LOG2_E, x.v_scale, 1.0 / x.k_scale, 1.0 / x.v_scale,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         *x.pool_strides(),
@@ -236,6 +240,7 @@ def paged_decode_attention(
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSE_STORE=x.new_kv is not None,
+        QUANTIZE=is_fp8(k_cache),
         num_warps=num_warps,
     )
     if num_splits > 1:

@@ -32,15 +32,20 @@ def paged_decode_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tenso
     # just masked: whatever sits outside a sequence's context cannot reach its output.
     valid = positions < lens[:, None]  # [rows, width]
     keep = valid[:, :, None, None]
-    keys = gather_positions(x.k_cache, x.block_tables[:rows], positions).where(keep, 0)
-    values = gather_positions(x.v_cache, x.block_tables[:rows], positions).where(keep, 0)
+    # Widened to q's dtype first (exact for FP8 values, whose scales fold into the
+    # softmax scale and the output), so the zeroing runs in a dtype every device has.
+    table = x.block_tables[:rows]
+    keys = gather_positions(x.k_cache, table, positions).to(q.dtype).where(keep, 0)
+    values = gather_positions(x.v_cache, table, positions).to(q.dtype).where(keep, 0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [rows, heads, 1, dim]
-        keys.transpose(1, 2).to(q.dtype),  # [rows, kv_heads, width, dim]
-        values.transpose(1, 2).to(q.dtype),
+        keys.transpose(1, 2),  # [rows, kv_heads, width, dim]
+        values.transpose(1, 2),
         attn_mask=valid[:, None, None, :],  # [rows, 1, 1, width]
-        scale=x.scale,
+        scale=x.scale * x.k_scale,
         enable_gqa=True,
     ).squeeze(2)
+    if x.v_scale != 1.0:
+        out = out * x.v_scale
     # A row with every key masked is NaN out of SDPA; such rows are defined as zero.
     return torch.where((lens > 0)[:, None, None], out, torch.zeros((), dtype=q.dtype))

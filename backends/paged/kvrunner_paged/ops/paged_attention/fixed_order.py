@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrunner_paged.kv_format import is_fp8
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.prefill import LAUNCH as PREFILL_LAUNCH
 from kvrunner_paged.ops.paged_attention.prefill import PrefillLaunch, prefill_grid
@@ -77,9 +78,10 @@ def fold_split(m, total, acc, m_s, total_s, acc_s):
 
 
 @triton.jit
-def _finish(acc, l_i):
-    """The attention output of a state: the accumulator over the sum (0 for no keys)."""
-    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+def _finish(acc, l_i, v_scale):
+    """The attention output of a state: the accumulator over the sum (0 for no keys),
+    times the value scale (1.0 but for an FP8 pool, whose values the tiles read unscaled)."""
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
 
 
 @triton.jit
@@ -87,7 +89,7 @@ def _fixed_order_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,
-    scale_log2,
+    scale_log2, v_scale, k_inv_scale, v_inv_scale,
     stride_qt, stride_qh,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh,
@@ -108,6 +110,7 @@ def _fixed_order_kernel(
     SPLIT_PROGRAMS: tl.constexpr,
     TILES_OUTER: tl.constexpr,
     FUSE_STORE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     # Walk: the last (longest) query tiles first, as the prefill kernel orders them.
     # Split programs: one query tile (decode), axis 2 is the split.
@@ -155,9 +158,10 @@ def _fixed_order_kernel(
             store_newest_kv(
                 q_start, kv_head, ctx_len - 1, lo, keys_end,
                 k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                k_inv_scale, v_inv_scale,
                 stride_knt, stride_knh, stride_vnt, stride_vnh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, QUANTIZE=QUANTIZE,
             )  # fmt: skip
             tl.debug_barrier()
         m_i, l_i, acc = walk_keys(
@@ -170,7 +174,7 @@ def _fixed_order_kernel(
         if SPLIT_PROGRAMS:
             # A row of one split is finished here; a longer row's state waits for the fold.
             alone = query_pos < KEY_SPLIT
-            tl.store(dst, _finish(acc, l_i).to(out_ptr.dtype.element_ty),
+            tl.store(dst, _finish(acc, l_i, v_scale).to(out_ptr.dtype.element_ty),
                      mask=q_mask & alone[:, None])
             cell = (tokens * NUM_HEADS + heads) * max_splits + split
             keep = row_mask & ~alone
@@ -196,12 +200,12 @@ def _fixed_order_kernel(
                 m_i = tl.where(seen, m_f, m_i)
                 l_i = tl.where(seen, l_f, l_i)
                 acc = tl.where(seen[:, None], acc_f, acc)
-            tl.store(dst, _finish(acc, l_i).to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(dst, _finish(acc, l_i, v_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
 def _fold_splits_kernel(
-    part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, v_scale,
     stride_ot, stride_oh, max_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -234,7 +238,7 @@ def _fold_splits_kernel(
                             other=0.0)
             m_i, l_i, acc = fold_split(m_i, l_i, acc, m_s, l_s, acc_s)
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, _finish(acc, l_i).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, _finish(acc, l_i, v_scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fixed_order_attention(
@@ -292,7 +296,7 @@ def fixed_order_attention(
         q, k_cache, v_cache, block_tables, x.query_start_loc, x.context_lens,
         out, part_acc, part_ml,
         k_new, v_new, slots,
-        x.scale * LOG2_E,
+        x.scale * x.k_scale * LOG2_E, x.v_scale, 1.0 / x.k_scale, 1.0 / x.v_scale,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         *x.pool_strides(),
@@ -311,11 +315,12 @@ def fixed_order_attention(
         SPLIT_PROGRAMS=split_programs,
         TILES_OUTER=tiles_outer,
         FUSE_STORE=new_kv is not None,
+        QUANTIZE=is_fp8(k_cache),
         num_warps=launch.num_warps,
     )  # fmt: skip
     if split_programs:
         _fold_splits_kernel[(num_seqs, num_kv_heads)](
-            part_acc, part_ml, x.context_lens, out,
+            part_acc, part_ml, x.context_lens, out, x.v_scale,
             out.stride(0), out.stride(1), max_splits,
             NUM_HEADS=num_heads,
             GROUP=group,

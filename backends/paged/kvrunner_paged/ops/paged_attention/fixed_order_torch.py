@@ -56,7 +56,8 @@ def fixed_order_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor
         acc = torch.zeros((q_len, heads, q.shape[2]), device=q.device)
         for start in range(0, ctx, KEY_TILE):
             k_tile = keys[:, start : start + KEY_TILE]  # [heads, tile, dim]
-            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * x.scale
+            # an FP8 pool's key scale folds into the softmax scale (1.0 otherwise)
+            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * (x.scale * x.k_scale)
             seen = (start + tile)[None, :] <= query_pos[:, None]  # [q_len, tile]
             scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
             m_new = torch.maximum(m, scores.amax(-1))
@@ -67,5 +68,5 @@ def fixed_order_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor
             v_tile = values[:, :, start : start + KEY_TILE]  # [heads, dim, tile]
             acc = acc * alpha[..., None] + (p[:, :, None, :] * v_tile[None]).sum(-1)
             m = m_new
-        out[lo:hi] = (acc / total[..., None]).to(q.dtype)
+        out[lo:hi] = (acc / total[..., None] * x.v_scale).to(q.dtype)
     return out

@@ -17,6 +17,10 @@ its query at position ``context_lens[i] - 1``, and they read neither
 ``<= context_lens[s] - q_len + j`` (a decode row is a sequence of one query). Either
 way a sequence with no keys outputs zeros, and no entry reads a slot outside a
 sequence's context.
+
+FP8 caches (``float8_e4m3fn``) hold keys over ``k_scale`` and values over ``v_scale``:
+every entry attends ``stored * scale``, folding ``k_scale`` into the softmax scale and
+``v_scale`` into the output, and an entry that stores (``new_kv``) quantizes by them.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class PagedAttentionInputs:
     block_tables: torch.Tensor  #: ``[>= S, max_blocks_per_seq]`` int32
     context_lens: torch.Tensor  #: ``[>= S]`` int32; 0 for a padded sequence
     scale: float  #: the softmax scale (``head_dim ** -0.5`` for the model)
+    #: a stored key times this is the key (FP8 caches; 1.0 for any other)
+    k_scale: float = 1.0
+    v_scale: float = 1.0  #: likewise, values
     #: varlen entries: ``[>= S + 1]`` int32 cumulative query lengths
     query_start_loc: torch.Tensor | None = None
     #: varlen entries: ``S``, the step's sequences (a host int)

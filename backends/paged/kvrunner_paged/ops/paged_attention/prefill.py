@@ -101,7 +101,7 @@ def launch_for(dtype: torch.dtype, max_query_len: int) -> PrefillLaunch:
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
     out_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -154,7 +154,7 @@ def _prefill_kernel(
             BLOCK_Q * GROUP_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PRECISION,
         )  # fmt: skip
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # 1.0 but for FP8 pools
         dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -211,7 +211,7 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, x.query_start_loc, x.context_lens,
         out,
-        x.scale * LOG2_E,
+        x.scale * x.k_scale * LOG2_E, x.v_scale,
         q.stride(0), q.stride(1),
         *x.pool_strides(),
         out.stride(0), out.stride(1),

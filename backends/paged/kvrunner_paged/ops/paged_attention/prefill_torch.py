@@ -31,7 +31,7 @@ def paged_prefill_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tens
             keys.to(q.dtype),  # [kv_heads, ctx, dim]
             values.to(q.dtype),
             attn_mask=mask,
-            scale=x.scale,
+            scale=x.scale * x.k_scale,  # an FP8 pool's key scale folds in here
             enable_gqa=True,
         ).transpose(0, 1)
-    return out
+    return out * x.v_scale if x.v_scale != 1.0 else out

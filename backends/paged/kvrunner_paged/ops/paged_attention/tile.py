@@ -17,6 +17,10 @@ Two masks, each compiled in or out (``tl.constexpr``), so the tiles that need no
 :func:`walk_keys` walks a range of key positions with it for a tile of query rows,
 and :func:`query_tile` loads such a tile (the prefill and fixed-order kernels).
 
+Keys and values are widened to the queries' dtype as they load: exact for an FP8
+pool, whose scales the callers fold in (``k_scale`` into ``scale_log2``, ``v_scale``
+into the finished output), and nothing at all for a pool in the queries' dtype.
+
 The running max ``m_i`` is kept in scaled units (``scores * scale_log2``) while the
 raw scores are scaled only inside ``exp2``: ``max`` commutes with a positive scale,
 and ``s * scale - m`` is one fused multiply-add per score instead of two operations.
@@ -70,9 +74,11 @@ def attend_tile(
     else:
         block = tl.load(table + pos // block_size).to(tl.int64)
     offset = (pos % block_size).to(tl.int64)
+    # An FP8 pool's keys and values widen to q's dtype exactly (the callers fold their
+    # scales into scale_log2 and the output); for any other pool this is no-op.
     k = _load_kv_rows(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
                       + kv_head * stride_kh + dims[None, :], pos, hi, dims,
-                      MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
+                      MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if CAUSAL:
         # No ``pos < hi`` term: callers set ``hi`` past every real row's position, so
@@ -87,7 +93,7 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv_rows(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
                       + kv_head * stride_vh + dims[None, :], pos, hi, dims,
-                      MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
+                      MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

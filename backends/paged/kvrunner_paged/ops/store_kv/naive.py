@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+#: e4m3's largest finite magnitude, written out here so the oracle shares no code
+E4M3_MAX = 448.0
+
 
 def naive_store_kv(
     k: torch.Tensor,
@@ -11,12 +14,23 @@ def naive_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write row ``t`` of ``k``/``v`` to slot ``slot_mapping[t]``; skip slots < 0."""
+    """Write row ``t`` of ``k``/``v`` to slot ``slot_mapping[t]``; skip slots < 0.
+
+    Into a ``float8_e4m3fn`` cache a row goes as ``x * (1 / scale)`` in float32, clamped
+    to ``±448`` and rounded to e4m3; into any other cache as it is (cast to its dtype).
+    """
     block_size = k_cache.shape[1]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        k_cache[block, offset] = k[t]
-        v_cache[block, offset] = v[t]
+        for cache, rows, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+            row = rows[t]
+            if fp8:
+                inverse = torch.tensor(1.0 / scale, dtype=torch.float32)
+                row = torch.clamp(row.to(torch.float32) * inverse, -E4M3_MAX, E4M3_MAX)
+            cache[block, offset] = row.to(cache.dtype)

@@ -16,8 +16,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrunner_paged.kv_format import FP8_MAX, is_fp8
 from kvrunner_paged.ops.paged_attention.inputs import NewKV
 from kvrunner_paged.ops.utils import unit_last_dim
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_cache(x, inv_scale, cache_ptr, QUANTIZE: tl.constexpr):
+    """``x`` as the pool at ``cache_ptr`` stores it: cast, or quantized to FP8."""
+    if QUANTIZE:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -_FP8_MAX, _FP8_MAX,
+                     propagate_nan=tl.PropagateNan.ALL)
+        return x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -27,6 +40,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_inv_scale,
+    v_inv_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -42,6 +57,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -63,19 +79,23 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
     v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
-    tl.store(k_dst + heads * stride_kc_head + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + heads * stride_vc_head + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst + heads * stride_kc_head + dims, to_cache(k, k_inv_scale, k_cache_ptr, QUANTIZE),
+             mask=mask)
+    tl.store(v_dst + heads * stride_vc_head + dims, to_cache(v, v_inv_scale, v_cache_ptr, QUANTIZE),
+             mask=mask)
 
 
 @triton.jit
 def store_newest_kv(
     row, kv_head, newest, lo, hi,
     k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    k_inv_scale, v_inv_scale,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     block_size,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     """One decode row's key and value of one KV head, written to the row's slot, from
     inside the decode kernel: only by the program whose key slice ``[lo, hi)`` holds
@@ -92,8 +112,8 @@ def store_newest_kv(
     v = tl.load(v_new_ptr + row * stride_vnt + kv_head * stride_vnh + dims, mask=writes)
     k_dst = k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
     v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh
-    tl.store(k_dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=writes)
-    tl.store(v_dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
+    tl.store(k_dst + dims, to_cache(k, k_inv_scale, k_cache_ptr, QUANTIZE), mask=writes)
+    tl.store(v_dst + dims, to_cache(v, v_inv_scale, v_cache_ptr, QUANTIZE), mask=writes)
 
 
 def newest_kv_args(
@@ -108,8 +128,9 @@ def newest_kv_args(
 
 
 def store_kv(*, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``k[t]``/``v[t]`` to slot ``slot_mapping[t]``; rows with a slot < 0 write nothing.
+    Into FP8 caches the rows go quantized by ``k_scale`` / ``v_scale`` (module doc).
 
     :param k: ``[num_tokens, num_kv_heads, head_dim]``; any token/head strides (``v`` too).
     :param k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache`` too).
@@ -127,6 +148,8 @@ def store_kv(*, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
         k_cache,
         v_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -142,4 +165,5 @@ def store_kv(*, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANTIZE=is_fp8(k_cache),
     )
