@@ -73,6 +73,8 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "skip_tokenizer_init": (not_a_bool, "load", {}),
     "deterministic": (not_a_bool, "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
+    "logprobs_mode": (strs_except("raw_logprobs", "raw_logits", "processed_logprobs",
+                                  "processed_logits"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
     "gpu_memory_utilization": (floats_outside(0.01, 1.0), "load", {}),
