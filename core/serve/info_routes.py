@@ -136,6 +136,7 @@ def _vllm_config(state: ServerState) -> dict[str, dict[str, Any]]:
     """The engine's settings under the names of vLLM's config sections."""
     config = state.engine.config
     tp = int(config.parallel.tensor_parallel_size)
+    backend = state.settings.weight_transfer_backend
     return {
         "model_config": {"model": str(state.model_path or state.model_name),
                          "served_model_name": state.model_name,
@@ -145,4 +146,5 @@ def _vllm_config(state: ServerState) -> dict[str, dict[str, Any]]:
                             "data_parallel_size": 1, "world_size": tp},
         "scheduler_config": {"max_num_seqs": int(config.scheduler.max_num_seqs)},
         "cache_config": {"block_size": int(config.cache.block_size)},
+        "weight_transfer_config": (None if backend is None else {"backend": backend}),
     }

@@ -26,6 +26,18 @@ order, with its bodies.
   travel in shared memory by file name (``set_sharing_strategy("file_system")``).
 * ``sglang_pairs``: SGLang's plain form, a list of ``(name, tensor)``
   (``load_format`` null), as SGLang's ``Engine.update_weights_from_tensor`` writes it.
+* ``trl_vllm``: TRL 1.16.0's ``VLLMClient`` (``trl/generation/vllm_client.py``:
+  ``init_communicator``, ``weight_update``, ``update_named_param``,
+  ``update_named_params``, ``update_model_params``) against vLLM's weight-transfer
+  routes, its bodies as it writes them for vLLM >= 0.28 (``packed`` in the init info)
+  or before (``packed`` in each update's info); the data plane is vLLM's
+  (vllm-project/vllm 00a9ccfb4cefdaf0092392b0afba5721b33886e6,
+  ``vllm/distributed/weight_transfer/packed_tensor.py``: ``pack_tensors``,
+  ``packed_nccl_broadcast_producer``; unpacked, one broadcast per tensor, as
+  ``NCCLWeightTransferEngine.trainer_send_weights``). TRL builds that group with
+  vLLM's ``trainer_init`` (``StatelessProcessGroup`` and ``PyNcclCommunicator``,
+  CUDA only); on the CPU the trainer joins the engine's group as torch's tcp://
+  rendezvous meets it, over gloo.
 
 Run as ``python peer_trainers.py '<job as JSON>'``; prints one JSON line per step.
 """
@@ -269,8 +281,70 @@ def sglang_pairs(server: Server, job: dict[str, Any]) -> None:
     say(step="pairs", answer=answer)
 
 
+def vllm_packed_producer(pairs: list[tuple[str, torch.Tensor]], group: Any,
+                         buffer_bytes: int) -> None:
+    """vLLM's ``packed_nccl_broadcast_producer``: each tensor's bytes appended to the
+    chunk, the chunk broadcast from rank 0 once its size passes ``buffer_bytes``, the
+    rest as one last chunk."""
+    pending: list[torch.Tensor] = []
+    total = 0
+    for _, tensor in pairs:
+        flat = tensor.contiguous().view(torch.uint8).view(-1)
+        pending.append(flat)
+        total += flat.numel()
+        if total > buffer_bytes:
+            dist.broadcast(torch.cat(pending), src=0, group=group)
+            pending, total = [], 0
+    if pending:
+        dist.broadcast(torch.cat(pending), src=0, group=group)
+
+
+def trl_vllm(server: Server, job: dict[str, Any]) -> None:
+    config = server.get("server_info?config_format=json")["vllm_config"]
+    assert config["weight_transfer_config"] is not None, config
+    world_size = server.get("get_world_size")["world_size"] + 1
+    init_info = {"master_address": "127.0.0.1", "master_port": job["port"],
+                 "rank_offset": 1, "world_size": world_size}
+    packed, legacy = job["packing"] != "unpacked", job["packing"] == "legacy"
+    buffer_bytes = job.get("buffer_bytes", 1024 ** 3)
+    if packed and not legacy:
+        init_info |= {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
+    pending = server.post_in_thread("init_weight_transfer_engine", {"init_info": init_info})
+    group = trainers_group(backend="gloo", address="127.0.0.1", port=job["port"],
+                           world_size=world_size, group_name="kvrunner_weights")
+    say(step="init", answer=pending.result())
+
+    def update_named_params(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        info: dict[str, Any] = {"names": [n for n, _ in pairs],
+                                "dtype_names": [str(t.dtype).removeprefix("torch.")
+                                                for _, t in pairs],
+                                "shapes": [list(t.shape) for _, t in pairs]}
+        if legacy:
+            info |= {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
+        pending = server.post_in_thread("update_weights", {"update_info": info})
+        if packed:
+            vllm_packed_producer(pairs, group, buffer_bytes)
+        else:
+            for _, tensor in pairs:
+                dist.broadcast(tensor, src=0, group=group)
+        return pending.result()
+
+    pairs = pushed_tensors(job["path"], job["mixed"])
+    if job["calls"] == "weight_update":  # with client.weight_update(): update_named_param
+        server.post("start_weight_update", {})
+        for pair in pairs:
+            say(step="param", answer=update_named_params([pair]))
+        say(step="finish", answer=server.post("finish_weight_update",
+                                              {"weight_version": job["version"]}))
+    else:  # update_model_params: start, one update of every tensor, finish
+        server.post("start_weight_update", {})
+        say(step="model", answer=update_named_params(pairs))
+        say(step="finish", answer=server.post("finish_weight_update", {}))
+    dist.destroy_process_group(group)
+
+
 JOBS = {"areal": areal, "slime_group": slime_group, "slime_tensor": slime_tensor,
-        "sglang_pairs": sglang_pairs}
+        "sglang_pairs": sglang_pairs, "trl_vllm": trl_vllm}
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
