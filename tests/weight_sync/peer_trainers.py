@@ -281,22 +281,38 @@ def sglang_pairs(server: Server, job: dict[str, Any]) -> None:
     say(step="pairs", answer=answer)
 
 
-def vllm_packed_producer(pairs: list[tuple[str, torch.Tensor]], group: Any,
-                         buffer_bytes: int) -> None:
-    """vLLM's ``packed_nccl_broadcast_producer``: each tensor's bytes appended to the
-    chunk, the chunk broadcast from rank 0 once its size passes ``buffer_bytes``, the
-    rest as one last chunk."""
+class Communicator:
+    """The trainer's end of the group as vLLM's ``PyNcclCommunicator`` is used by its
+    callers (``broadcast(tensor, src=0)``; ``.group`` holding the store, which TRL's
+    ``close_communicator`` drops), over a gloo group on the CPU."""
+
+    def __init__(self, group: Any) -> None:
+        self.process_group = group
+        self.group = types.SimpleNamespace(store=None, socket=None)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        dist.broadcast(tensor, src=src, group=self.process_group)
+
+
+def packed_nccl_broadcast_producer(iterator: Any, group: Communicator, src: int,
+                                   post_iter_func: Any,
+                                   buffer_size_bytes: int = 1024 ** 3,
+                                   num_buffers: int = 2) -> None:
+    """vLLM's ``packed_nccl_broadcast_producer`` (its signature; ``pack_tensors``'s
+    rule): each tensor's bytes appended to the chunk, the chunk broadcast once its size
+    passes ``buffer_size_bytes``, the rest as one last chunk. ``num_buffers`` only
+    sets vLLM's CUDA streams."""
     pending: list[torch.Tensor] = []
     total = 0
-    for _, tensor in pairs:
-        flat = tensor.contiguous().view(torch.uint8).view(-1)
+    for item in iterator:
+        flat = post_iter_func(item).contiguous().view(torch.uint8).view(-1)
         pending.append(flat)
         total += flat.numel()
-        if total > buffer_bytes:
-            dist.broadcast(torch.cat(pending), src=0, group=group)
+        if total > buffer_size_bytes:
+            group.broadcast(torch.cat(pending), src=src)
             pending, total = [], 0
     if pending:
-        dist.broadcast(torch.cat(pending), src=0, group=group)
+        group.broadcast(torch.cat(pending), src=src)
 
 
 def trl_vllm(server: Server, job: dict[str, Any]) -> None:
@@ -310,8 +326,9 @@ def trl_vllm(server: Server, job: dict[str, Any]) -> None:
     if packed and not legacy:
         init_info |= {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
     pending = server.post_in_thread("init_weight_transfer_engine", {"init_info": init_info})
-    group = trainers_group(backend="gloo", address="127.0.0.1", port=job["port"],
-                           world_size=world_size, group_name="kvrunner_weights")
+    group = Communicator(trainers_group(backend="gloo", address="127.0.0.1",
+                                        port=job["port"], world_size=world_size,
+                                        group_name="kvrunner_weights"))
     say(step="init", answer=pending.result())
 
     def update_named_params(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -323,10 +340,11 @@ def trl_vllm(server: Server, job: dict[str, Any]) -> None:
             info |= {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
         pending = server.post_in_thread("update_weights", {"update_info": info})
         if packed:
-            vllm_packed_producer(pairs, group, buffer_bytes)
+            packed_nccl_broadcast_producer(iter(pairs), group, 0, lambda item: item[1],
+                                           buffer_bytes)
         else:
             for _, tensor in pairs:
-                dist.broadcast(tensor, src=0, group=group)
+                group.broadcast(tensor, src=0)
         return pending.result()
 
     pairs = pushed_tensors(job["path"], job["mixed"])
@@ -340,7 +358,7 @@ def trl_vllm(server: Server, job: dict[str, Any]) -> None:
         server.post("start_weight_update", {})
         say(step="model", answer=update_named_params(pairs))
         say(step="finish", answer=server.post("finish_weight_update", {}))
-    dist.destroy_process_group(group)
+    dist.destroy_process_group(group.process_group)
 
 
 JOBS = {"areal": areal, "slime_group": slime_group, "slime_tensor": slime_tensor,
