@@ -87,9 +87,10 @@ async def server_info(request: Request) -> dict[str, Any]:
     settings = state.settings
     vllm_config = _vllm_config(state)
     if request.query_params.get("config_format", "text") != "json":
-        vllm_config = ", ".join(f"{section}.{key}={value}"
-                                for section, values in vllm_config.items()
-                                for key, value in values.items())
+        vllm_config = ", ".join(
+            f"{section}={values}" if not isinstance(values, dict) else
+            ", ".join(f"{section}.{key}={value}" for key, value in values.items())
+            for section, values in vllm_config.items())
     return {
         "vllm_config": vllm_config,
         "version": __version__,

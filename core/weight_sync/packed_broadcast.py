@@ -38,9 +38,16 @@ class PackedChunk:
         return sum(self.sizes)
 
     def unpack(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The chunk's tensors as views of the received ``uint8`` buffer ``flat``."""
-        return [(spec.name, part.view(DTYPES[spec.dtype]).view(spec.shape))
-                for spec, part in zip(self.specs, flat.split(list(self.sizes)), strict=True)]
+        """The chunk's tensors as views of the received ``uint8`` buffer ``flat`` (a
+        copy where a tensor's bytes start off its dtype's alignment, as after a
+        bfloat16 tensor of odd length in a mixed chunk)."""
+        pairs = []
+        for spec, part in zip(self.specs, flat.split(list(self.sizes)), strict=True):
+            dtype = DTYPES[spec.dtype]
+            if part.storage_offset() % dtype.itemsize:
+                part = part.clone()
+            pairs.append((spec.name, part.view(dtype).view(spec.shape)))
+        return pairs
 
 
 def packed_chunks(specs: list[TensorSpec], buffer_bytes: int) -> list[PackedChunk]:
