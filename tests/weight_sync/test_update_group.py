@@ -114,11 +114,13 @@ def test_an_open_update_of_packed_parts_lands_in_every_rank_as_one_update(
 
     pairs = checkpoint_tensors(str(checkpoints.path(4)), 0)
     port = free_port()
-    sender = WeightBroadcaster("127.0.0.1", port, world_size=3, timeout_s=30)
+    # a name of its own: this process may hold a TP=1 engine's rank in another group
+    sender = WeightBroadcaster("127.0.0.1", port, world_size=3, timeout_s=30,
+                               group_name="open_update")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         connected = pool.submit(sender.connect)
         llm_tp2.init_weights_update_group("127.0.0.1", port, 1, 3, backend="gloo",
-                                          timeout_s=30)
+                                          group_name="open_update", timeout_s=30)
         connected.result()
         llm_tp2.start_weight_update()
         for part in (pairs[:5], pairs[5:]):
