@@ -136,3 +136,4 @@ def test_an_open_update_of_packed_parts_lands_in_every_rank_as_one_update(
     llm_tp2.destroy_weights_update_group()
     assert [o.token_ids for o in llm_tp2.generate(PROMPTS, GREEDY)] == \
         checkpoints.expected(4, "float32")
+
