@@ -106,8 +106,11 @@ class AsyncLLM:
         self.tokenizer = llm.tokenizer
         self.default_sampling_params: SamplingParams = llm.default_sampling_params
         self.model_name: str = str(llm.config.model)
+        described = llm.executor.describe_ranks()[0]
         #: the dtype the ranks resolved (``bfloat16``, ``float32`` ...), read once
-        self.dtype: str = llm.executor.describe_ranks()[0]["dtype"]
+        self.dtype: str = described["dtype"]
+        #: the device of rank 0 (``cpu``, ``cuda:0`` ...), read once
+        self.device: str = described["device"]
         self._engine = EngineLoop(llm, owns_llm=owns_llm)
 
     # -- requests ------------------------------------------------------------------------
@@ -350,18 +353,39 @@ class AsyncLLM:
 
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-        weight_version: str | int | None = None,
+        weight_version: str | int | None = None, packed_bytes: int | None = None,
     ) -> int:
-        """``LLM.update_weights_from_distributed`` on the engine thread, versioned and
-        refused as :meth:`update_weights`."""
+        """``LLM.update_weights_from_distributed`` on the engine thread, refused as
+        :meth:`update_weights`; versioned unless it is a part of an open update (whose
+        :meth:`finish_weight_update` moves the version)."""
         llm = self._engine.llm
 
         def push() -> int:
-            loaded = llm.update_weights_from_distributed(names, dtypes, shapes)
-            self._engine.weights_changed(weight_version)
+            part = llm.weight_update_open
+            loaded = llm.update_weights_from_distributed(names, dtypes, shapes,
+                                                         packed_bytes=packed_bytes)
+            if not part:
+                self._engine.weights_changed(weight_version)
             return loaded
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
+
+    async def start_weight_update(self) -> None:
+        """``LLM.start_weight_update`` on the engine thread, refused while requests run
+        unpaused (parked ones wait for the end of the update)."""
+        await self._call(self._engine.call("start_weight_update", "quiet",
+                                           self._engine.llm.start_weight_update))
+
+    async def finish_weight_update(self, *, weight_version: str | int | None = None) -> None:
+        """``LLM.finish_weight_update`` on the engine thread; the served version becomes
+        ``weight_version`` (unset: the count of updates so far)."""
+        llm = self._engine.llm
+
+        def finish() -> None:
+            llm.finish_weight_update()
+            self._engine.weights_changed(weight_version)
+
+        await self._call(self._engine.call("finish_weight_update", "any", finish))
 
     async def destroy_weights_update_group(self) -> None:
         """``LLM.destroy_weights_update_group`` on the engine thread."""

@@ -291,17 +291,44 @@ class LLM:
 
     @exclusive
     def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+        packed_bytes: int | None = None,
     ) -> int:
-        """Receive one broadcast per tensor from the group's rank 0 (full tensors;
-        each rank keeps its shard), as one weight update: the announced names,
-        dtypes and shapes are judged before the first broadcast is received (a
-        refusal loads nothing); a failure part way leaves the weights ``"partial"``,
-        as :meth:`update_weights_from_ipc`. Returns how many tensors loaded."""
+        """Receive the announced tensors from the group's rank 0 (full tensors; each
+        rank keeps its shard): one broadcast per tensor, or with ``packed_bytes`` vLLM's
+        packed chunks of about that many bytes
+        (:mod:`kvrunner.weight_sync.packed_broadcast`). The announced names, dtypes and
+        shapes are judged before the first broadcast is received (a refusal loads
+        nothing); a failure part way leaves the weights ``"partial"``, as
+        :meth:`update_weights_from_ipc`. Inside an update opened by
+        :meth:`start_weight_update` the call is one part of it; otherwise it is one
+        weight update by itself. Returns how many tensors loaded."""
         ranks = self._sleep_wake.ranks
-        with self._sleep_wake.push_session("update_weights_from_distributed"):
-            return ranks.update_weights_from_distributed(list(names), list(dtypes),
-                                                         [list(s) for s in shapes])[0]
+        return self._sleep_wake.in_update("update_weights_from_distributed", lambda: (
+            ranks.update_weights_from_distributed(list(names), list(dtypes),
+                                                  [list(s) for s in shapes],
+                                                  packed_bytes)[0]))
+
+    @exclusive
+    def start_weight_update(self) -> None:
+        """Open one weight update that spans calls (vLLM's ``start_weight_update``):
+        each :meth:`update_weights_from_distributed` until :meth:`finish_weight_update`
+        is a part of it, and the whole is one push (one prefix-cache reset and
+        recapture, at the end; a part that fails closes it as a failed push). While
+        it is open, generation, sleep and every other weight change are refused.
+        Refused while requests run unpaused, as :meth:`update_weights`."""
+        self._sleep_wake.start_update()
+
+    @exclusive
+    def finish_weight_update(self) -> None:
+        """Close the update :meth:`start_weight_update` opened: generation resumes on
+        the new weights. Refused (``SleepStateError``) when none is open."""
+        self._sleep_wake.finish_update()
+
+    @property
+    def weight_update_open(self) -> bool:
+        """Whether :meth:`start_weight_update` opened an update not finished yet."""
+        return self._sleep_wake.state.update_open
 
     @exclusive
     def destroy_weights_update_group(self) -> None:

@@ -257,7 +257,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from kvrunner.serve.server import serve_forever
-        from kvrunner.serve.settings import ServeSettings
+        from kvrunner.serve.settings import ServeSettings, weight_transfer_backend
     except ImportError as e:  # fastapi, uvicorn, prometheus-client: an optional extra
         print(f"kvrunner: serve needs {e.name}: pip install 'kvrunner[serve]'", file=sys.stderr)
         return 2
@@ -270,6 +270,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        weight_transfer_backend=(None if args.weight_transfer_config is None
+                                 else weight_transfer_backend(args.weight_transfer_config)),
     )
     config = _config_kwargs(args)
 
@@ -295,6 +297,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-rl-endpoints", action="store_true",
                        help="serve the control routes (weights, memory, pause, flush, abort); "
                        "off, they answer 403")
+    group.add_argument("--weight-transfer-config", default=None, metavar="JSON",
+                       help="vLLM's weight transfer: '{\"backend\": \"nccl\"}' serves "
+                       "/init_weight_transfer_engine, /start_weight_update, /update_weights "
+                       "and /finish_weight_update over a weight-update group (gloo on a CPU "
+                       "engine)")
     group.add_argument("--served-model-name", default=None,
                        help="the model name clients pass (default: the --model setting)")
     group.add_argument("--max-n", type=_positive_int, default=16,

@@ -79,6 +79,8 @@ class SleepWakeControl:
         #: what is resident and what may be called: the one record of it
         self.state = SleepState()
         self.timings = SleepTimings()
+        #: the weight update held open across calls (:meth:`start_update`), if any
+        self._open_update: contextlib.ExitStack | None = None
 
     def _require_idle(self, what: str, *, parked_ok: bool = False) -> None:
         """Refuse ``what`` (a method's name) while a request is unfinished or a step
@@ -105,6 +107,7 @@ class SleepWakeControl:
     def sleep(self, level: int = 1, *, discard_weights: bool = False) -> float:
         """See :meth:`kvrunner.LLM.sleep`."""
         self.executor.check()
+        self.state.require_no_open_update("sleep")
         self.state.require_can_sleep(level, discard_weights)
         self._require_idle("sleep")
         reports = self.ranks.sleep(level, discard_weights)
@@ -154,6 +157,7 @@ class SleepWakeControl:
     ) -> int:
         """See :meth:`kvrunner.LLM.update_weights`."""
         self.executor.check()
+        self.state.require_no_open_update("update_weights")
         self.state.require_weights_resident("update_weights")
         self._require_idle("update_weights", parked_ok=True)
         pairs = checked_pairs(weights, check_finite=check_finite)  # a list: checked whole
@@ -174,6 +178,7 @@ class SleepWakeControl:
         When a part's call returns, every rank has copied it (in process: the copies
         are queued on the device; the caller waits for them)."""
         self.executor.check()
+        self.state.require_no_open_update(what)
         self.state.require_weights_resident(what)
         self._require_idle(what, parked_ok=True)
         with self._weight_change():
@@ -192,12 +197,49 @@ class SleepWakeControl:
     def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
         """See :meth:`kvrunner.LLM.load_weights`."""
         self.executor.check()
+        self.state.require_no_open_update("load_weights")
         self.state.require_weights_resident("load_weights")
         self._require_idle("load_weights", parked_ok=True)
         if not Path(path).is_dir():
             raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
         with self._weight_change():
             return self.ranks.load_weights(str(path), check_finite)[0]
+
+    def start_update(self) -> None:
+        """Open one weight update that spans calls (vLLM's ``start_weight_update``):
+        :meth:`in_update` parts join it and :meth:`finish_update` closes it, as one
+        :meth:`push_session`. While it is open nothing generates and no other weight
+        change, sleep or second update starts."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.push_session("start_weight_update"))
+        self._open_update = stack
+        self.state.update_open = True
+
+    def in_update(self, what: str, part: Callable[[], int]) -> int:
+        """Run ``part`` (it loads through the ranks) inside the open update, or, none
+        open, as one update by itself. A part that fails closes the open update as a
+        failed push (``"partial"`` if anything of it loaded) and raises."""
+        stack = self._open_update
+        if stack is None:
+            with self.push_session(what):
+                return part()
+        try:
+            return part()
+        except BaseException as e:
+            self._open_update, self.state.update_open = None, False
+            stack.__exit__(type(e), e, e.__traceback__)
+            raise
+
+    def finish_update(self) -> None:
+        """Close the open update (vLLM's ``finish_weight_update``): the end of a push,
+        its prefix-cache reset and recapture."""
+        stack = self._open_update
+        if stack is None:
+            raise SleepStateError("finish_weight_update: no weight update is open "
+                                  "(start_weight_update opens one; a part that failed "
+                                  "closed it)")
+        self._open_update, self.state.update_open = None, False
+        stack.close()
 
     @contextlib.contextmanager
     def _weight_change(self) -> Iterator[None]:

@@ -52,6 +52,9 @@ class SleepState:
     weights_partial: bool = False
     #: the level of the sleep in progress (0: awake)
     level: int = 0
+    #: a weight update is open across calls (``start_weight_update`` ...
+    #: ``finish_weight_update``): the weights are changing, nothing generates
+    update_open: bool = False
 
     @property
     def awake(self) -> bool:
@@ -71,8 +74,18 @@ class SleepState:
     def asleep_tags(self) -> list[str]:
         return [t for t in TAGS if getattr(self, t) != "resident"]
 
+    def require_no_open_update(self, what: str) -> None:
+        """Raise while a weight update is open (its parts may still come)."""
+        if self.update_open:
+            raise SleepStateError(
+                f"cannot {what}: a weight update is open (start_weight_update) and the "
+                f"weights are changing; finish_weight_update first"
+            )
+
     def require_servable(self, what: str) -> None:
-        """Raise unless every part is resident and the weights are whole."""
+        """Raise unless every part is resident, the weights are whole and no weight
+        update is open."""
+        self.require_no_open_update(what)
         asleep = self.asleep_tags()
         if asleep:
             raise SleepStateError(

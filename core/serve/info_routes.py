@@ -87,9 +87,10 @@ async def server_info(request: Request) -> dict[str, Any]:
     settings = state.settings
     vllm_config = _vllm_config(state)
     if request.query_params.get("config_format", "text") != "json":
-        vllm_config = ", ".join(f"{section}.{key}={value}"
-                                for section, values in vllm_config.items()
-                                for key, value in values.items())
+        vllm_config = ", ".join(
+            f"{section}={values}" if not isinstance(values, dict) else
+            ", ".join(f"{section}.{key}={value}" for key, value in values.items())
+            for section, values in vllm_config.items())
     return {
         "vllm_config": vllm_config,
         "version": __version__,
@@ -138,6 +139,7 @@ def _vllm_config(state: ServerState) -> dict[str, dict[str, Any]]:
     """The engine's settings under the names of vLLM's config sections."""
     config = state.engine.config
     tp = int(config.parallel.tensor_parallel_size)
+    backend = state.settings.weight_transfer_backend
     return {
         "model_config": {"model": str(state.model_path or state.model_name),
                          "served_model_name": state.model_name,
@@ -148,4 +150,5 @@ def _vllm_config(state: ServerState) -> dict[str, dict[str, Any]]:
                             "data_parallel_size": 1, "world_size": tp},
         "scheduler_config": {"max_num_seqs": int(config.scheduler.max_num_seqs)},
         "cache_config": {"block_size": int(config.cache.block_size)},
+        "weight_transfer_config": (None if backend is None else {"backend": backend}),
     }

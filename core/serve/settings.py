@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import attrs
@@ -43,6 +44,32 @@ def _port(_instance: object, attribute: attrs.Attribute, value: object) -> None:
         raise ConfigError(f"serve: port must be an integer in [0, 65535], got {value!r}")
 
 
+#: the backends of vLLM's ``--weight-transfer-config`` kvrunner serves
+WEIGHT_TRANSFER_BACKENDS = ("nccl",)
+
+
+def weight_transfer_backend(text: str) -> str:
+    """The backend a ``--weight-transfer-config`` JSON object names (vLLM's
+    ``WeightTransferConfig``: ``{"backend": "nccl"}``); anything else is refused by
+    name."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"serve: --weight-transfer-config is not JSON: {e}") from None
+    if not isinstance(config, dict) or set(config) != {"backend"}:
+        raise ConfigError(f"serve: --weight-transfer-config must be an object with the one "
+                          f"key 'backend', got {text!r}")
+    backend = config["backend"]
+    if backend == "ipc":
+        raise ConfigError("serve: --weight-transfer-config backend 'ipc' (vLLM's CUDA IPC "
+                          "handles in the body) is not served; a trainer on the same GPU "
+                          "pushes through /update_weights_from_tensor instead")
+    if backend not in WEIGHT_TRANSFER_BACKENDS:
+        raise ConfigError(f"serve: --weight-transfer-config backend must be one of "
+                          f"{list(WEIGHT_TRANSFER_BACKENDS)}, got {backend!r}")
+    return backend
+
+
 @attrs.frozen(kw_only=True)
 class ServeSettings:
     """The server's own settings (the engine's are an ``EngineConfig``).
@@ -58,6 +85,11 @@ class ServeSettings:
     api_key: str | None = None
     #: serve the routes that change the engine's weights, memory or schedule
     enable_rl_endpoints: bool = False
+    #: vLLM's weight-transfer backend (``--weight-transfer-config``): ``"nccl"`` serves
+    #: ``/init_weight_transfer_engine`` and the update routes over a weight-update group
+    #: (gloo on a CPU engine); None: those routes answer 400 naming the flag
+    weight_transfer_backend: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_choice(*WEIGHT_TRANSFER_BACKENDS)))
     #: the name clients pass as ``model``; None: the model setting as given
     served_model_name: str | None = None
     #: the most samples one request may ask for (``n``): a bound on what one client

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from prometheus_client import CollectorRegistry
@@ -41,6 +41,9 @@ class ServerState:
     chat_template: ChatTemplate | None
     #: the tokenizer's work off the event loop; None for a model without a tokenizer
     tokens: ServerTokenizer | None
+    #: how the trainer of vLLM's weight transfer packs its broadcasts
+    #: (``weight_transfer_routes.Packing``), once ``/init_weight_transfer_engine`` joined
+    weight_transfer: Any = None
 
     def check_model(self, name: str | None) -> None:
         """A 404 naming ``model`` unless it is the served model (None: not given)."""

@@ -2,9 +2,10 @@
 every engine rank, over a store of its own (never the engine's TP group).
 
 Rank ``0`` is the trainer's sender; engine rank ``r`` joins as ``rank_offset + r``. A
-push is a sequence of broadcasts from rank 0, one per tensor, in the order of the
-names the engine was given; each engine rank receives the full tensor and keeps its
-shard.
+push is a sequence of broadcasts from rank 0, one per tensor (or, vLLM's packed
+form, one per chunk of tensors: :mod:`~kvrunner.weight_sync.packed_broadcast`), in
+the order of the names the engine was given; each engine rank receives the full
+tensor and keeps its shard.
 
 The group is the one the RL trainers make: AReaL's ``init_custom_process_group``,
 slime's and OpenRLHF's ``init_process_group`` (torch's ``init_process_group`` made
@@ -30,6 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.weight_sync.errors import WeightSyncError
 from kvrunner.weight_sync.layout import DTYPES
+from kvrunner.weight_sync.packed_broadcast import packed_chunks
 
 
 def make_group(*, master_address: str, master_port: int, rank: int, world_size: int,
@@ -82,6 +84,23 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
                               f"has probably gone): {e}") from None
 
 
+def announced_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]
+                    ) -> list[TensorSpec]:
+    """The specs of an announced push (dtypes as ``"bfloat16"`` or ``"torch.bfloat16"``);
+    lists of different lengths or a dtype weights cannot have are refused by name."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise WeightSyncError(f"names, dtypes and shapes differ in length "
+                              f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+    specs = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = str(dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise WeightSyncError(f"tensor {name!r}: dtype {dtype!r} is not one of "
+                                  f"{sorted(DTYPES)}")
+        specs.append(TensorSpec(name, tuple(shape), dtype, DTYPES[dtype].is_floating_point))
+    return specs
+
+
 class UpdateGroup:
     """One engine rank's membership of a weight-update group."""
 
@@ -91,24 +110,27 @@ class UpdateGroup:
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 load: Callable[[list[tuple[str, torch.Tensor]]], int],
-                check: Callable[[list[TensorSpec]], None]) -> int:
-        """Receive one broadcast per name (full tensors, on this rank's device) and
-        load each; returns how many loaded. The announced names, dtypes and shapes
-        are judged whole (``check``) before the first broadcast is received, so a
-        refusal there loads nothing; a tensor's values are checked only as it
-        arrives (``load``), after the ones before it loaded."""
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise WeightSyncError(f"names, dtypes and shapes differ in length "
-                                  f"({len(names)}, {len(dtypes)}, {len(shapes)})")
-        specs = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            dtype = str(dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise WeightSyncError(f"tensor {name!r}: dtype {dtype!r} is not one of "
-                                      f"{sorted(DTYPES)}")
-            specs.append(TensorSpec(name, tuple(shape), dtype, DTYPES[dtype].is_floating_point))
+                check: Callable[[list[TensorSpec]], None], *,
+                packed_bytes: int | None = None) -> int:
+        """Receive the announced tensors (full tensors, on this rank's device) and load
+        each; returns how many loaded. Unpacked (``packed_bytes`` None), one broadcast
+        per tensor; packed, vLLM's chunks of about ``packed_bytes``
+        (:mod:`~kvrunner.weight_sync.packed_broadcast`), each loaded as one list. The
+        announced names, dtypes and shapes are judged whole (``check``) before the
+        first broadcast is received, so a refusal there loads nothing; a tensor's
+        values are checked only as it arrives (``load``), after the ones before it
+        loaded."""
+        specs = announced_specs(names, dtypes, shapes)
+        if packed_bytes is not None and packed_bytes < 1:
+            raise WeightSyncError(f"packed_bytes must be at least 1, got {packed_bytes}")
         check(specs)
         loaded = 0
+        if packed_bytes is not None:
+            for chunk in packed_chunks(specs, packed_bytes):
+                flat = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
+                broadcast(self.group, flat)
+                loaded += load(chunk.unpack(flat))
+            return loaded
         for spec in specs:
             tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
             broadcast(self.group, tensor)

@@ -45,12 +45,14 @@ def compat_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def vllm_like_server(tmp_path_factory: pytest.TempPathFactory, compat_home: Path
                      ) -> Iterator[ServeProcess]:
-    """A server as an RL team starts vLLM for TRL: no API key, the RL routes on."""
+    """A server as an RL team starts vLLM for TRL: no API key, the RL routes and vLLM's
+    weight transfer on (``--weight-transfer-config '{"backend": "nccl"}'``)."""
     from kvrunner.models.tiny import ensure_default_model
 
     ensure_default_model("tiny-qwen3")
     server = start_server(tmp_path_factory.mktemp("compat_logs"), compat_home, "compat",
-                          ["--enable-rl-endpoints"], api_key=None).wait_ready()
+                          ["--enable-rl-endpoints", "--weight-transfer-config",
+                           '{"backend": "nccl"}'], api_key=None).wait_ready()
     yield server
     assert server.stop() == 0
 

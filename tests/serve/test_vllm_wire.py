@@ -280,6 +280,15 @@ def test_world_size_and_vllm_config(http) -> None:
     assert isinstance(http.get("/server_info").json()["vllm_config"], str)
 
 
+def test_without_weight_transfer_config_the_transfer_routes_name_the_flag(http) -> None:
+    config = http.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
+    assert config["weight_transfer_config"] is None  # TRL's init_communicator stops here
+    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                  "/finish_weight_update"):
+        r = http.post(route, json={})
+        assert r.status_code == 400 and "--weight-transfer-config" in r.text, (route, r.text)
+
+
 def test_tokens_in_tokens_out_generate_equals_llm_generate(http, reference_llm) -> None:
     body = {"model": MODEL, "token_ids": [5, 6, 7], "request_id": "trl-1",
             "sampling_params": {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 4,

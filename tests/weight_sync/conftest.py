@@ -132,13 +132,14 @@ def fresh_trainer() -> Iterator[Trainer]:
 
 @pytest.fixture(scope="module")
 def server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A live ``kvrunner serve`` on checkpoint seed 1 with the RL routes on, one per
-    test module."""
+    """A live ``kvrunner serve`` on checkpoint seed 1 with the RL routes and vLLM's
+    weight transfer on, one per test module."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
     from serve_kit import start_server
 
     tmp = tmp_path_factory.mktemp("weights_server")
-    started = start_server(tmp, tmp, "weights", ["--enable-rl-endpoints"], api_key=SERVER_KEY,
+    flags = ["--enable-rl-endpoints", "--weight-transfer-config", '{"backend": "nccl"}']
+    started = start_server(tmp, tmp, "weights", flags, api_key=SERVER_KEY,
                            model=str(checkpoints.path(1)), engine_flags=SERVER_FLAGS)
     started.wait_ready()
     yield started

@@ -26,6 +26,18 @@ order, with its bodies.
   travel in shared memory by file name (``set_sharing_strategy("file_system")``).
 * ``sglang_pairs``: SGLang's plain form, a list of ``(name, tensor)``
   (``load_format`` null), as SGLang's ``Engine.update_weights_from_tensor`` writes it.
+* ``trl_vllm``: TRL 1.16.0's ``VLLMClient`` (``trl/generation/vllm_client.py``:
+  ``init_communicator``, ``weight_update``, ``update_named_param``,
+  ``update_named_params``, ``update_model_params``) against vLLM's weight-transfer
+  routes, its bodies as it writes them for vLLM >= 0.28 (``packed`` in the init info)
+  or before (``packed`` in each update's info); the data plane is vLLM's
+  (vllm-project/vllm 00a9ccfb4cefdaf0092392b0afba5721b33886e6,
+  ``vllm/distributed/weight_transfer/packed_tensor.py``: ``pack_tensors``,
+  ``packed_nccl_broadcast_producer``; unpacked, one broadcast per tensor, as
+  ``NCCLWeightTransferEngine.trainer_send_weights``). TRL builds that group with
+  vLLM's ``trainer_init`` (``StatelessProcessGroup`` and ``PyNcclCommunicator``,
+  CUDA only); on the CPU the trainer joins the engine's group as torch's tcp://
+  rendezvous meets it, over gloo.
 
 Run as ``python peer_trainers.py '<job as JSON>'``; prints one JSON line per step.
 """
@@ -269,8 +281,88 @@ def sglang_pairs(server: Server, job: dict[str, Any]) -> None:
     say(step="pairs", answer=answer)
 
 
+class Communicator:
+    """The trainer's end of the group as vLLM's ``PyNcclCommunicator`` is used by its
+    callers (``broadcast(tensor, src=0)``; ``.group`` holding the store, which TRL's
+    ``close_communicator`` drops), over a gloo group on the CPU."""
+
+    def __init__(self, group: Any) -> None:
+        self.process_group = group
+        self.group = types.SimpleNamespace(store=None, socket=None)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        dist.broadcast(tensor, src=src, group=self.process_group)
+
+
+def packed_nccl_broadcast_producer(iterator: Any, group: Communicator, src: int,
+                                   post_iter_func: Any,
+                                   buffer_size_bytes: int = 1024 ** 3,
+                                   num_buffers: int = 2) -> None:
+    """vLLM's ``packed_nccl_broadcast_producer`` (its signature; ``pack_tensors``'s
+    rule): each tensor's bytes appended to the chunk, the chunk broadcast once its size
+    passes ``buffer_size_bytes``, the rest as one last chunk. ``num_buffers`` only
+    sets vLLM's CUDA streams."""
+    pending: list[torch.Tensor] = []
+    total = 0
+    for item in iterator:
+        flat = post_iter_func(item).contiguous().view(torch.uint8).view(-1)
+        pending.append(flat)
+        total += flat.numel()
+        if total > buffer_size_bytes:
+            group.broadcast(torch.cat(pending), src=src)
+            pending, total = [], 0
+    if pending:
+        group.broadcast(torch.cat(pending), src=src)
+
+
+def trl_vllm(server: Server, job: dict[str, Any]) -> None:
+    config = server.get("server_info?config_format=json")["vllm_config"]
+    assert config["weight_transfer_config"] is not None, config
+    world_size = server.get("get_world_size")["world_size"] + 1
+    init_info = {"master_address": "127.0.0.1", "master_port": job["port"],
+                 "rank_offset": 1, "world_size": world_size}
+    packed, legacy = job["packing"] != "unpacked", job["packing"] == "legacy"
+    buffer_bytes = job.get("buffer_bytes", 1024 ** 3)
+    if packed and not legacy:
+        init_info |= {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
+    pending = server.post_in_thread("init_weight_transfer_engine", {"init_info": init_info})
+    group = Communicator(trainers_group(backend="gloo", address="127.0.0.1",
+                                        port=job["port"], world_size=world_size,
+                                        group_name="kvrunner_weights"))
+    say(step="init", answer=pending.result())
+
+    def update_named_params(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        info: dict[str, Any] = {"names": [n for n, _ in pairs],
+                                "dtype_names": [str(t.dtype).removeprefix("torch.")
+                                                for _, t in pairs],
+                                "shapes": [list(t.shape) for _, t in pairs]}
+        if legacy:
+            info |= {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
+        pending = server.post_in_thread("update_weights", {"update_info": info})
+        if packed:
+            packed_nccl_broadcast_producer(iter(pairs), group, 0, lambda item: item[1],
+                                           buffer_bytes)
+        else:
+            for _, tensor in pairs:
+                group.broadcast(tensor, src=0)
+        return pending.result()
+
+    pairs = pushed_tensors(job["path"], job["mixed"])
+    if job["calls"] == "weight_update":  # with client.weight_update(): update_named_param
+        server.post("start_weight_update", {})
+        for pair in pairs:
+            say(step="param", answer=update_named_params([pair]))
+        say(step="finish", answer=server.post("finish_weight_update",
+                                              {"weight_version": job["version"]}))
+    else:  # update_model_params: start, one update of every tensor, finish
+        server.post("start_weight_update", {})
+        say(step="model", answer=update_named_params(pairs))
+        say(step="finish", answer=server.post("finish_weight_update", {}))
+    dist.destroy_process_group(group.process_group)
+
+
 JOBS = {"areal": areal, "slime_group": slime_group, "slime_tensor": slime_tensor,
-        "sglang_pairs": sglang_pairs}
+        "sglang_pairs": sglang_pairs, "trl_vllm": trl_vllm}
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])

@@ -1,6 +1,7 @@
 """The RL trainers' own weight pushes against a live ``kvrunner serve``: AReaL's and
 slime's process-group rendezvous and broadcasts (gloo), slime's flattened tensor
-buckets and SGLang's (name, tensor) lists in shared memory, each replayed from the
+buckets and SGLang's (name, tensor) lists in shared memory, TRL's calls of vLLM's
+weight-transfer routes with vLLM's packed broadcasts (gloo), each replayed from the
 peer's source in a process of its own (tests/weight_sync/peer_trainers.py, the
 commits cited there). After each push the server's greedy tokens equal a fresh
 engine's on the pushed weights, and the weight version is the one pushed."""
@@ -81,6 +82,35 @@ def test_a_trainers_own_group_is_joined_and_its_broadcasts_land(
             assert weight_version(client) == "1"
     assert after != before
     assert after == fresh_engine_tokens(path, tmp_path, mixed=False)
+
+
+@pytest.mark.parametrize(("packing", "calls", "buffer_bytes"), [
+    ("init", "weight_update", 1024 ** 3),   # TRL on vLLM >= 0.28, one param per update
+    ("init", "model", 4096),                # update_model_params, many packed chunks
+    ("legacy", "model", 4096),              # TRL on vLLM < 0.28: packed per update
+    ("unpacked", "model", 0),               # vLLM's default: one broadcast per tensor
+])
+def test_trls_weight_transfer_calls_land_as_one_update_each(
+    packing, calls, buffer_bytes, server, checkpoints, tmp_path
+) -> None:
+    path = checkpoints.path(5)
+    with server.client() as client:
+        before = greedy(client)
+        steps = run_trainer(server, tmp_path, peer="trl_vllm", path=str(path), mixed=True,
+                            port=free_port(), packing=packing, calls=calls,
+                            buffer_bytes=buffer_bytes, version="trl-1")
+        assert steps[0]["answer"] == {"message": "Weight transfer initialized"}
+        parts = [s["answer"] for s in steps[1:-1]]
+        assert sum(p["loaded"] for p in parts) == len(checkpoint_tensors(str(path), 0))
+        assert steps[-1]["answer"] == {"message": "Weight update finished"}
+        after = greedy(client)
+        if calls == "weight_update":
+            assert weight_version(client) == "trl-1"
+        restored = client.post("/update_weights_from_disk",
+                               json={"model_path": str(checkpoints.path(1))})
+        assert restored.status_code == 200, restored.text
+    assert after != before
+    assert after == fresh_engine_tokens(path, tmp_path, mixed=True)
 
 
 @pytest.mark.parametrize(("peer", "mixed", "as_bytes"), [

@@ -101,3 +101,39 @@ def test_the_announced_names_and_shapes_are_judged_before_the_first_broadcast() 
     assert [(s.name, s.shape, s.dtype) for s in judged] == [
         ("model.norm.weight", (64,), "float32"), ("model.nope.weight", (2, 2), "bfloat16")]
 
+
+
+def test_an_open_update_of_packed_parts_lands_in_every_rank_as_one_update(
+    llm_tp2, checkpoints
+) -> None:
+    """vLLM's start / update / finish on the engine: two parts in vLLM's packed chunks
+    (a small buffer: many chunks), nothing served between, every rank's shard loaded."""
+    import concurrent.futures
+
+    from peer_trainers import Communicator, packed_nccl_broadcast_producer
+
+    pairs = checkpoint_tensors(str(checkpoints.path(4)), 0)
+    port = free_port()
+    # a name of its own: this process may hold a TP=1 engine's rank in another group
+    sender = WeightBroadcaster("127.0.0.1", port, world_size=3, timeout_s=30,
+                               group_name="open_update")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        connected = pool.submit(sender.connect)
+        llm_tp2.init_weights_update_group("127.0.0.1", port, 1, 3, backend="gloo",
+                                          group_name="open_update", timeout_s=30)
+        connected.result()
+        llm_tp2.start_weight_update()
+        for part in (pairs[:5], pairs[5:]):
+            sent = pool.submit(packed_nccl_broadcast_producer, iter(part),
+                               Communicator(sender.group), 0, lambda item: item[1], 2048)
+            assert llm_tp2.update_weights_from_distributed(
+                *WeightBroadcaster.spec(part), packed_bytes=2048) == len(part)
+            sent.result()
+            with pytest.raises(SleepStateError, match="a weight update is open"):
+                llm_tp2.generate(PROMPTS, GREEDY)
+        llm_tp2.finish_weight_update()
+    sender.close()
+    llm_tp2.destroy_weights_update_group()
+    assert [o.token_ids for o in llm_tp2.generate(PROMPTS, GREEDY)] == \
+        checkpoints.expected(4, "float32")
+

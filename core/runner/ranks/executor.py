@@ -137,10 +137,13 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         """Release the runner: weights, pools and graphs go, and so does their memory
-        once nothing else holds them (idempotent)."""
+        once nothing else holds them, and the rank leaves its weight-update group
+        (idempotent)."""
         if self.runner is None:
             return
         device = self.runner.device
+        if self._rank is not None:  # its group's name is this process's to reuse
+            self._rank.destroy_weights_update_group()
         self.runner = self._rank = None
         release_unreachable_memory(device)  # graphs and modules hold reference cycles
 

@@ -156,13 +156,16 @@ class RankCalls:
         self.update_group = UpdateGroup(group, self.runner.device)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]]) -> int:
-        """Receive one broadcast per tensor from the group's rank 0 and load it."""
+                                        shapes: list[list[int]],
+                                        packed_bytes: int | None = None) -> int:
+        """Receive the announced tensors from the group's rank 0 (one broadcast each,
+        or vLLM's packed chunks) and load them."""
         group = self.update_group
         if group is None:
             raise SleepStateError("no weight-update group: call init_weights_update_group")
         weights = self.runner.weights
-        return group.receive(names, dtypes, shapes, weights.update, check=weights.check)
+        return group.receive(names, dtypes, shapes, weights.update, check=weights.check,
+                             packed_bytes=packed_bytes)
 
     def destroy_weights_update_group(self) -> None:
         """Leave the weight-update group, if this rank is in one."""

@@ -65,8 +65,10 @@ class RankClient:
         self._call(RankCalls.init_weights_update_group, *args)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]]) -> list[int]:
-        return self._call(RankCalls.update_weights_from_distributed, names, dtypes, shapes)
+                                        shapes: list[list[int]],
+                                        packed_bytes: int | None = None) -> list[int]:
+        return self._call(RankCalls.update_weights_from_distributed, names, dtypes, shapes,
+                          packed_bytes)
 
     def destroy_weights_update_group(self) -> None:
         self._call(RankCalls.destroy_weights_update_group)
