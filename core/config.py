@@ -56,6 +56,10 @@ class CacheConfig:
         default=None, validator=attrs.validators.optional(_in_range(1, 1 << 40))
     )
     enable_prefix_caching: bool = True
+    #: salt every request's prefix-cache hashes with the weight version it is admitted
+    #: under, so KV computed under other weights is never reused (even where a weight
+    #: update keeps the prefix cache: SGLang's ``flush_cache: false``)
+    salt_prefix_cache_by_weight_version: bool = True
 
 
 @attrs.frozen(kw_only=True)

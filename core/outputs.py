@@ -43,9 +43,13 @@ class RequestOutput:
     #: what ended it with finish reason "stop": the matched stop string, or the stop
     #: token id (EOS included); None for any other finish
     stop_reason: int | str | None = None
-    #: the weight version the last token was made under (``AsyncLLM``; None from ``LLM``)
+    #: the weight version the last token was made under (``LLM.weight_version``: 0
+    #: from start-up, then what each update named)
     weight_version: str | int | None = None
     #: ``(version, first output index)`` spans, in order: the tokens from each index up
     #: to the next span's were made under that version (more than one span only when
-    #: the request was parked across a weight update); empty from ``LLM``
+    #: the request was parked across a weight update)
     weight_versions: tuple[tuple[str | int, int], ...] = ()
+    #: prompt tokens whose KV came from the prefix cache rather than being computed
+    #: (vLLM's ``num_cached_tokens``; SGLang's ``cached_tokens``)
+    num_cached_tokens: int = 0

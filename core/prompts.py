@@ -90,6 +90,22 @@ def normalize_requests(
     return prompts, params
 
 
+def per_prompt_salts(cache_salt: Any, count: int) -> list[str | None]:
+    """``LLM.generate``'s ``cache_salt`` as one entry per prompt: one salt (or None)
+    for every prompt, or a list of one per prompt (each checked when its request is
+    made)."""
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * count
+    if not isinstance(cache_salt, Sequence):
+        raise RequestError(
+            f"cache_salt must be a string, None, or a list of one per prompt; got "
+            f"{type(cache_salt).__name__}"
+        )
+    if len(cache_salt) != count:
+        raise RequestError(f"{count} prompts but {len(cache_salt)} cache salts")
+    return list(cache_salt)
+
+
 def prompt_token_ids(prompt: Any, index: int | str, tokenizer: Any | None) -> list[int]:
     """The token ids of one prompt; RequestError naming request ``index`` if it has none.
 

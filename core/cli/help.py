@@ -37,6 +37,8 @@ FIELD_HELP: dict[str, str] = {
     "cpu_cache_bytes": "bytes for all cache pools on the CPU",
     "num_blocks": "fixed number of KV blocks (skips sizing; 'none' to size)",
     "enable_prefix_caching": "reuse KV blocks of prompts that share a prefix",
+    "salt_prefix_cache_by_weight_version": "share cached KV only among requests admitted "
+    "under the same weight version (also where an update keeps the prefix cache)",
     # [scheduler]
     "max_num_seqs": "most sequences in one step (and most decode graphs' batch size)",
     "max_num_batched_tokens": "most tokens in one step (unset: 16384 on a GPU of "

@@ -38,6 +38,7 @@ from kvrunner.runner.ranks.rank_reports import PushReport
 
 if TYPE_CHECKING:
     from kvrunner.config import EngineConfig
+    from kvrunner.engine.cache_salt import WeightVersion
     from kvrunner.engine.llm_engine import LLMEngine
     from kvrunner.runner.ranks.executor import DriverExecutor
 
@@ -151,18 +152,22 @@ class SleepWakeControl:
         weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         *,
         check_finite: bool = True,
+        weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
     ) -> int:
         """See :meth:`kvrunner.LLM.update_weights`."""
         self.executor.check()
         self.state.require_weights_resident("update_weights")
         self._require_idle("update_weights", parked_ok=True)
         pairs = checked_pairs(weights, check_finite=check_finite)  # a list: checked whole
-        with self._weight_change():
+        with self._weight_change(weight_version, reset_prefix_cache):
             return self._load_pairs(pairs)
 
     @contextlib.contextmanager
-    def push_session(self, what: str) -> Iterator[Callable[[Iterable[tuple[str, torch.Tensor]]],
-                                                          int]]:
+    def push_session(
+        self, what: str, *, weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
+    ) -> Iterator[Callable[[Iterable[tuple[str, torch.Tensor]]], int]]:
         """One weight update arriving in parts (``kvrunner.weight_sync``'s buckets):
         checked as :meth:`update_weights` is, then yields a function loading one
         part (a list: its values already checked, no finiteness pass here) and
@@ -170,13 +175,14 @@ class SleepWakeControl:
         whole before any of it loads, so a refused part loads nothing; but the parts
         count as one push, so a failure in a later part, or in the caller between
         parts, leaves the weights ``"partial"`` (the earlier parts loaded) until a full
-        push, and the error says so; the end resets the prefix cache and recaptures.
+        push, and the error says so; the end records ``weight_version``, resets the
+        prefix cache (unless ``reset_prefix_cache`` is false) and recaptures.
         When a part's call returns, every rank has copied it (in process: the copies
         are queued on the device; the caller waits for them)."""
         self.executor.check()
         self.state.require_weights_resident(what)
         self._require_idle(what, parked_ok=True)
-        with self._weight_change():
+        with self._weight_change(weight_version, reset_prefix_cache):
             yield self._load_pairs
 
     def _load_pairs(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -189,20 +195,26 @@ class SleepWakeControl:
             loaded = loaded + self.ranks.update_weights(bucket)[0]
         return loaded
 
-    def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
+    def load_weights(
+        self, path: str | Path, *, check_finite: bool = True,
+        weight_version: WeightVersion | None = None, reset_prefix_cache: bool = True,
+    ) -> int:
         """See :meth:`kvrunner.LLM.load_weights`."""
         self.executor.check()
         self.state.require_weights_resident("load_weights")
         self._require_idle("load_weights", parked_ok=True)
         if not Path(path).is_dir():
             raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
-        with self._weight_change():
+        with self._weight_change(weight_version, reset_prefix_cache):
             return self.ranks.load_weights(str(path), check_finite)[0]
 
     @contextlib.contextmanager
-    def _weight_change(self) -> Iterator[None]:
+    def _weight_change(self, version: WeightVersion | None, reset: bool) -> Iterator[None]:
         """Around one push: the ranks count what it loads; a failure leaves the state
-        saying which tensors are still to push; success resets and recaptures."""
+        saying which tensors are still to push; success records ``version`` (unset:
+        the count of updates), resets the prefix cache (unless ``reset`` is false:
+        then the engine's salting by weight version is what keeps the old KV from
+        being reused) and recaptures."""
         self.ranks.begin_weight_update()
         try:
             yield
@@ -212,7 +224,9 @@ class SleepWakeControl:
             raise
         finished = self.ranks.finish_weight_update()
         self._note_pending(finished[0])
-        self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        self.engine.weights_changed(version)
+        if reset:
+            self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
         recapture = max(f.recapture_s for f in finished)
         if recapture:
             self.timings.recapture_s = recapture

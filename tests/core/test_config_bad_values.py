@@ -79,6 +79,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "cpu_cache_bytes": (ints_outside(1, 1 << 50), "load", {}),
     "num_blocks": (ints_outside(1, 1 << 40), "load", {}),
     "enable_prefix_caching": (not_a_bool, "load", {}),
+    "salt_prefix_cache_by_weight_version": (not_a_bool, "load", {}),
     # [scheduler]
     "max_num_seqs": (ints_outside(1, 1 << 16), "load", {}),
     "max_num_batched_tokens": (ints_outside(1, 1 << 24), "load", {}),
