@@ -78,6 +78,8 @@ class SamplingFields(StrictModel):
     request_id: str | None = None
     #: vLLM's scheduling priority: 0 only (kvrunner schedules first come, first served)
     priority: int = 0
+    #: vLLM's prefix-cache namespace: only requests with the same salt share cached KV
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class CompletionRequest(SamplingFields):
