@@ -130,6 +130,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "end-to-end jobs": (
         "core/test_moe_generate.py::test_batched_greedy_matches_transformers",
         "serve/test_load.py", "examples/test_grpo_example.py",
+        "serve/test_stale_reuse_wire.py",
         "core/test_without_triton.py::test_rollout_of_the_hybrid",
         "core/test_rollout.py::test_perturbed_rounds_alternate",
         "core/test_rollout.py::test_every_round_repeats_round_1",

@@ -6,10 +6,10 @@ sampled token's logprob under the distribution it was drawn from, as
 ``LLM.generate`` returns them); ``top_logprobs`` keys are token texts, or
 ``token_id:<id>`` with vLLM's ``return_tokens_as_token_ids``.
 
-Beside OpenAI's fields every answer and stream chunk carries ``weight_version``:
-the weight version its (last) tokens were made under; a choice also has its own, and
-``weight_versions`` (``[version, first token index]`` spans) when its tokens came
-from more than one. ``usage.prompt_tokens_details.cached_tokens`` counts the prompt
+Beside OpenAI's fields every answer carries ``weight_version`` (its last choice's:
+the version that choice's last token was made under), every stream chunk the version
+its tokens were made under, and every choice its own, with ``weight_versions``
+(``[version, first token index]`` spans) when its tokens came from more than one. ``usage.prompt_tokens_details.cached_tokens`` counts the prompt
 tokens taken from the prefix cache, which vLLM's ``cache_salt`` scopes.
 """
 
