@@ -9,8 +9,9 @@ sampled token's logprob under the distribution it was drawn from, as
 Beside OpenAI's fields every answer carries ``weight_version`` (its last choice's:
 the version that choice's last token was made under), every stream chunk the version
 its tokens were made under, and every choice its own, with ``weight_versions``
-(``[version, first token index]`` spans) when its tokens came from more than one. ``usage.prompt_tokens_details.cached_tokens`` counts the prompt
-tokens taken from the prefix cache, which vLLM's ``cache_salt`` scopes.
+(``[version, first token index]`` spans) when its tokens came from more than one.
+``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the
+prefix cache, which vLLM's ``cache_salt`` scopes.
 """
 
 from __future__ import annotations

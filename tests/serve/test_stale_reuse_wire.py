@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_kit import API_KEY, ServeProcess, start_server, stream_events
+from serve_kit import API_KEY, ServeProcess, running, start_server, stream_events
 
 from kvrunner.models.tiny import write_tiny_checkpoint
 
@@ -33,25 +33,31 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
 def servers(tmp_path_factory, serve_home, checkpoints) -> Iterator[dict[str, ServeProcess]]:
     logs = tmp_path_factory.mktemp("stale_wire_logs")
     started = {
-        "salted": start_server(logs, serve_home, "salted", ["--enable-rl-endpoints"],
-                               api_key=API_KEY, model=str(checkpoints[0])),
-        "unsalted": start_server(logs, serve_home, "unsalted",
-                                 ["--enable-rl-endpoints",
-                                  "--no-salt-prefix-cache-by-weight-version"],
-                                 api_key=API_KEY, model=str(checkpoints[0])),
+        "salted": start_server(
+            logs,
+            serve_home,
+            "salted",
+            ["--enable-rl-endpoints"],
+            api_key=API_KEY,
+            model=str(checkpoints[0]),
+        ),
+        "unsalted": start_server(
+            logs,
+            serve_home,
+            "unsalted",
+            ["--enable-rl-endpoints", "--no-salt-prefix-cache-by-weight-version"],
+            api_key=API_KEY,
+            model=str(checkpoints[0]),
+        ),
     }
-    try:
-        for server in started.values():
-            server.wait_ready()
+    with running(started):
         yield started
-    finally:
-        codes = {name: server.stop() for name, server in started.items()}
-        assert codes == {"salted": 0, "unsalted": 0}, codes
 
 
 def _meta(http, prompt: list[int]) -> dict:
-    response = http.post("/generate", json={"input_ids": prompt, "return_logprob": True,
-                                            "sampling_params": SAMPLING})
+    response = http.post(
+        "/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": SAMPLING}
+    )
     assert response.status_code == 200, response.text
     return response.json()["meta_info"]
 
@@ -61,8 +67,10 @@ def _after_unflushed_update(server: ServeProcess, checkpoint: Path) -> tuple[dic
     an empty cache under the same new weights."""
     with server.client() as http:
         _meta(http, PROMPT)  # its blocks, under the old weights, are cached
-        response = http.post("/update_weights_from_disk", json={
-            "model_path": str(checkpoint), "weight_version": "b", "flush_cache": False})
+        response = http.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(checkpoint), "weight_version": "b", "flush_cache": False},
+        )
         assert response.status_code == 200 and response.json()["success"], response.text
         after = _meta(http, PROMPT)
         assert http.post("/flush_cache").status_code == 200
@@ -96,14 +104,29 @@ def test_a_completion_parked_across_an_update_names_both_versions(servers, check
             version = (await http.get("/get_weight_version")).json()["weight_version"]
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
             first = asyncio.Event()
-            stream = asyncio.create_task(stream_events(http, "/v1/completions", {
-                "model": model, "prompt": PROMPT[:8], "max_tokens": 200,
-                "temperature": 0.0, "ignore_eos": True}, first))
+            stream = asyncio.create_task(
+                stream_events(
+                    http,
+                    "/v1/completions",
+                    {
+                        "model": model,
+                        "prompt": PROMPT[:8],
+                        "max_tokens": 200,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                    first,
+                )
+            )
             await asyncio.wait_for(first.wait(), 60)
-            for path, body in (("/pause_generation", {"mode": "in_place"}),
-                               ("/update_weights_from_disk",
-                                {"model_path": str(checkpoints[0]), "weight_version": "c"}),
-                               ("/continue_generation", {})):
+            for path, body in (
+                ("/pause_generation", {"mode": "in_place"}),
+                (
+                    "/update_weights_from_disk",
+                    {"model_path": str(checkpoints[0]), "weight_version": "c"},
+                ),
+                ("/continue_generation", {}),
+            ):
                 response = await http.post(path, json=body)
                 assert response.status_code == 200, (path, response.text)
             return version, await stream
