@@ -69,8 +69,10 @@ class BlockManager:
         #: tokens admission took from the prefix cache rather than computing, ever
         self.prefix_hit_tokens = 0
         self.salt_by_weight_version = salt_by_weight_version
-        #: the version of the weights the runner holds (``LLMEngine.weights_changed``)
-        self.weight_version: WeightVersion = 0
+        self._weight_version: WeightVersion = 0
+        # counts weight-version changes: a sequence keyed in this epoch has its salt
+        # (admission probes run every step for every waiting sequence: they skip it)
+        self._salt_epoch = 0
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -236,6 +238,16 @@ class BlockManager:
 
     # -- internals --------------------------------------------------------------------
 
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version of the weights the runner holds (``LLMEngine.weights_changed``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: WeightVersion) -> None:
+        self._weight_version = version
+        self._salt_epoch += 1
+
     def admission_salt(self, seq: Sequence) -> bytes | None:
         """The salt ``seq`` would be admitted with now (see the class docstring)."""
         version = self.weight_version if self.salt_by_weight_version else None
@@ -244,6 +256,9 @@ class BlockManager:
     def _rekey(self, seq: Sequence) -> None:
         """Key a sequence being admitted: hashes of another salt (a weight change since
         it last ran) are dropped, to be recomputed under this one."""
+        if seq.salt_epoch == self._salt_epoch:
+            return
+        seq.salt_epoch = self._salt_epoch
         salt = self.admission_salt(seq)
         if salt != seq.hash_salt:
             seq.hash_salt = salt

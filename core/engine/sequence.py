@@ -64,6 +64,8 @@ class Sequence:
     #: the salt ``block_hashes`` were computed with (``engine/cache_salt.py``: the
     #: ``cache_salt`` and the weight version at its last admission)
     hash_salt: bytes | None = attrs.field(default=None, init=False)
+    #: the block manager's salt epoch ``hash_salt`` was found in (-1: never keyed)
+    salt_epoch: int = attrs.field(default=-1, init=False)
     #: prompt tokens its first admission took from the prefix cache (-1 before it)
     num_cached_tokens: int = attrs.field(default=-1, init=False)
     #: recurrent-state slot while running, ``-1`` when the sequence holds none
