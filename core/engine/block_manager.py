@@ -96,6 +96,23 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens of KV."""
         return -(-num_tokens // self.block_size)
 
+    # -- salts ------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version of the weights the runner holds (``LLMEngine.weights_changed``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: WeightVersion) -> None:
+        self._weight_version = version
+        self._salt_epoch += 1
+
+    def admission_salt(self, seq: Sequence) -> bytes | None:
+        """The salt ``seq`` would be admitted with now (see the class docstring)."""
+        version = self.weight_version if self.salt_by_weight_version else None
+        return salt_bytes(seq.cache_salt, version)
+
     # -- admission --------------------------------------------------------------------
 
     def num_cached_tokens(self, seq: Sequence) -> int:
@@ -237,21 +254,6 @@ class BlockManager:
         return self.pool.reset_prefix_cache()
 
     # -- internals --------------------------------------------------------------------
-
-    @property
-    def weight_version(self) -> WeightVersion:
-        """The version of the weights the runner holds (``LLMEngine.weights_changed``)."""
-        return self._weight_version
-
-    @weight_version.setter
-    def weight_version(self, version: WeightVersion) -> None:
-        self._weight_version = version
-        self._salt_epoch += 1
-
-    def admission_salt(self, seq: Sequence) -> bytes | None:
-        """The salt ``seq`` would be admitted with now (see the class docstring)."""
-        version = self.weight_version if self.salt_by_weight_version else None
-        return salt_bytes(seq.cache_salt, version)
 
     def _rekey(self, seq: Sequence) -> None:
         """Key a sequence being admitted: hashes of another salt (a weight change since
