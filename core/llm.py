@@ -17,8 +17,14 @@ from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
 from kvrunner.engine.cache_salt import WeightVersion
 from kvrunner.engine.llm_engine import LLMEngine
+from kvrunner.errors import RequestError
 from kvrunner.outputs import RequestOutput
-from kvrunner.prompts import normalize_requests, per_prompt_salts, prompt_token_ids
+from kvrunner.prompts import (
+    normalize_requests,
+    per_prompt_salts,
+    prompt_token_ids,
+    unpack_prompt,
+)
 from kvrunner.rl.sleep import SleepWakeControl
 from kvrunner.rl.sleep_state import CacheInfo, SleepState
 from kvrunner.sampling_params import SamplingParams
@@ -142,7 +148,9 @@ class LLM:
         ``cache_salt`` (vLLM's request field; one for every prompt, or a list of one
         per prompt, None for none) scopes a request's prefix-cache hits: requests
         share cached blocks only with requests of the same salt
-        (``engine/cache_salt.py``).
+        (``engine/cache_salt.py``). A prompt may also be vLLM's dict,
+        ``{"prompt_token_ids": ids, "cache_salt": "tenant-a"}`` (or ``"prompt"``:
+        text), carrying its own salt.
 
         Every prompt is checked before any is queued, so a bad one raises a
         :class:`~kvrunner.errors.RequestError` (a ``ValueError``) naming it and leaves
@@ -154,6 +162,13 @@ class LLM:
             sampling_params = self.default_sampling_params
         prompts, params = normalize_requests(prompts, sampling_params)
         salts = per_prompt_salts(cache_salt, len(prompts))
+        for i, (prompt, salt) in enumerate(zip(prompts, salts, strict=True)):
+            prompts[i], own = unpack_prompt(prompt, i)
+            if own is not None:
+                if salt is not None:
+                    raise RequestError(f"request {i}: cache_salt is given twice (in its "
+                                       f"prompt dict and as generate's cache_salt)")
+                salts[i] = own
         token_lists = [prompt_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
         groups = [
             self.engine.make_group(ids, sp, i, cache_salt=salt)
