@@ -120,16 +120,20 @@ class AsyncLLM:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
         """Generate for one prompt (text or token ids); returns its output when it ends.
 
         Raises :class:`~kvrunner.errors.RequestError` for a bad prompt or params (or
         an id already live), before anything is queued. Cancelling the awaiting task
         aborts the request. An aborted request returns with finish reason
-        ``"abort"`` and the tokens it had.
+        ``"abort"`` and the tokens it had. ``cache_salt`` scopes its prefix-cache
+        hits to requests of the same salt (vLLM's field; see ``LLM.generate``).
         """
         params = self._params(params, "generate")
-        request_id, channel = await self._start(prompt, params, request_id, stream=False)
+        request_id, channel = await self._start(prompt, params, request_id, stream=False,
+                                                cache_salt=cache_salt)
         try:
             item = await channel.queue.get()
         except asyncio.CancelledError:
@@ -144,16 +148,20 @@ class AsyncLLM:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield the request's output as it grows, one :class:`StreamDelta` per engine
         step that gave it tokens; the last has ``finish_reason`` and ``output``.
 
         Leaving the iteration early (``break``, cancellation, ``aclose()``) aborts
         the request; wrap it in ``contextlib.aclosing`` for the abort to happen at
-        once rather than when the generator is collected.
+        once rather than when the generator is collected. ``cache_salt`` as for
+        :meth:`generate`.
         """
         params = self._params(params, "generate_stream")
-        request_id, channel = await self._start(prompt, params, request_id, stream=True)
+        request_id, channel = await self._start(prompt, params, request_id, stream=True,
+                                                cache_salt=cache_salt)
         ended = False
         try:
             while True:
@@ -174,11 +182,14 @@ class AsyncLLM:
         prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """The ``params.n`` samples of one prompt, in sample order: sample ``k`` is
         drawn with ``params.for_sample(k)`` under the id ``<request_id>-<k>`` (each
         abortable alone) and shares the prompt's KV, as ``LLM.generate`` does.
-        Cancelling the call aborts every sample."""
+        Cancelling the call aborts every sample. ``cache_salt`` as for
+        :meth:`generate`, on every sample."""
         if not isinstance(params, SamplingParams):
             raise RequestError(
                 f"generate_group: params must be a SamplingParams, got {type(params).__name__}"
@@ -187,7 +198,7 @@ class AsyncLLM:
         ids = [f"{base}-{k}" for k in range(group_size(params))]
         loop = asyncio.get_running_loop()
         channels = [Channel(loop) for _ in ids]
-        await self._add(ids, prompt, params, channels, stream=False)
+        await self._add(ids, prompt, params, channels, stream=False, cache_salt=cache_salt)
         outputs = []
         try:
             for k, channel in enumerate(channels):
@@ -225,19 +236,22 @@ class AsyncLLM:
         return request_id
 
     async def _start(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None, *, stream: bool
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, *, stream: bool,
+        cache_salt: str | None,
     ) -> tuple[str, Channel]:
         request_id = self._request_id(request_id)
         channel = Channel(asyncio.get_running_loop())
-        await self._add([request_id], prompt, params, [channel], stream=stream)
+        await self._add([request_id], prompt, params, [channel], stream=stream,
+                        cache_salt=cache_salt)
         return request_id, channel
 
     async def _add(
         self, ids: list[str], prompt: Prompt, params: SamplingParams, channels: list[Channel],
-        *, stream: bool,
+        *, stream: bool, cache_salt: str | None = None,
     ) -> None:
         try:
-            await self._call(self._engine.add(ids, prompt, params, channels, stream))
+            await self._call(self._engine.add(ids, prompt, params, channels, stream,
+                                              cache_salt))
         except asyncio.CancelledError:
             for request_id, channel in zip(ids, channels, strict=True):
                 self._abort_soon(request_id, channel)
@@ -311,13 +325,15 @@ class AsyncLLM:
         **kwargs: Any,
     ) -> int:
         """``LLM.update_weights`` on the engine thread, then the served version becomes
-        ``weight_version`` (unset: the count of updates so far, 1, 2, ...); refused
-        while requests run unpaused. Returns how many tensors were loaded."""
+        ``weight_version`` (unset: the count of updates so far, 1, 2, ...), recorded
+        on every live request; refused while requests run unpaused. Returns how many
+        tensors were loaded. ``reset_prefix_cache=False`` keeps the prefix cache (see
+        ``LLM.update_weights``)."""
         llm = self._engine.llm
 
         def push() -> int:
-            loaded = llm.update_weights(weights, **kwargs)
-            self._engine.weights_changed(weight_version)
+            loaded = llm.update_weights(weights, weight_version=weight_version, **kwargs)
+            self._engine.weights_changed()
             return loaded
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
@@ -336,8 +352,9 @@ class AsyncLLM:
         llm = self._engine.llm
 
         def push() -> int:
-            loaded = llm.update_weights_from_ipc(address, authkey=authkey, **kwargs)
-            self._engine.weights_changed(weight_version)
+            loaded = llm.update_weights_from_ipc(address, authkey=authkey,
+                                                 weight_version=weight_version, **kwargs)
+            self._engine.weights_changed()
             return loaded
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
@@ -354,6 +371,7 @@ class AsyncLLM:
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
         weight_version: str | int | None = None, packed_bytes: int | None = None,
+        reset_prefix_cache: bool = True,
     ) -> int:
         """``LLM.update_weights_from_distributed`` on the engine thread, refused as
         :meth:`update_weights`; versioned unless it is a part of an open update (whose
@@ -361,11 +379,10 @@ class AsyncLLM:
         llm = self._engine.llm
 
         def push() -> int:
-            part = llm.weight_update_open
-            loaded = llm.update_weights_from_distributed(names, dtypes, shapes,
-                                                         packed_bytes=packed_bytes)
-            if not part:
-                self._engine.weights_changed(weight_version)
+            loaded = llm.update_weights_from_distributed(
+                names, dtypes, shapes, packed_bytes=packed_bytes,
+                weight_version=weight_version, reset_prefix_cache=reset_prefix_cache)
+            self._engine.weights_changed()
             return loaded
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
@@ -382,8 +399,8 @@ class AsyncLLM:
         llm = self._engine.llm
 
         def finish() -> None:
-            llm.finish_weight_update()
-            self._engine.weights_changed(weight_version)
+            llm.finish_weight_update(weight_version=weight_version)
+            self._engine.weights_changed()
 
         await self._call(self._engine.call("finish_weight_update", "any", finish))
 
@@ -406,8 +423,8 @@ class AsyncLLM:
         llm = self._engine.llm
 
         def load() -> int:
-            loaded = llm.load_weights(path, **kwargs)
-            self._engine.weights_changed(weight_version)
+            loaded = llm.load_weights(path, weight_version=weight_version, **kwargs)
+            self._engine.weights_changed()
             return loaded
 
         return await self._call(self._engine.call("load_weights", "quiet", load))

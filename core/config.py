@@ -73,6 +73,10 @@ class CacheConfig:
         default="auto", converter=canonical_kv_cache_dtype,
         validator=_one_of(*KV_CACHE_DTYPES),
     )
+    #: salt every request's prefix-cache hashes with the weight version it is admitted
+    #: under, so KV computed under other weights is never reused (even where a weight
+    #: update keeps the prefix cache: SGLang's ``flush_cache: false``)
+    salt_prefix_cache_by_weight_version: bool = True
 
 
 @attrs.frozen(kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
@@ -14,9 +15,16 @@ from tqdm.auto import tqdm
 
 from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
+from kvrunner.engine.cache_salt import WeightVersion
 from kvrunner.engine.llm_engine import LLMEngine
+from kvrunner.errors import RequestError
 from kvrunner.outputs import RequestOutput
-from kvrunner.prompts import normalize_requests, prompt_token_ids
+from kvrunner.prompts import (
+    normalize_requests,
+    per_prompt_salts,
+    prompt_token_ids,
+    unpack_prompt,
+)
 from kvrunner.rl.sleep import SleepWakeControl
 from kvrunner.rl.sleep_state import CacheInfo, SleepState
 from kvrunner.sampling_params import SamplingParams
@@ -124,6 +132,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        cache_salt: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
@@ -136,6 +145,13 @@ class LLM:
         :attr:`default_sampling_params` (the checkpoint's ``generation_config.json``
         where it sets any; see the ``generation_config`` setting).
 
+        ``cache_salt`` (vLLM's request field; one for every prompt, or a list of one
+        per prompt, None for none) scopes a request's prefix-cache hits: requests
+        share cached blocks only with requests of the same salt
+        (``engine/cache_salt.py``). A prompt may also be vLLM's dict,
+        ``{"prompt_token_ids": ids, "cache_salt": "tenant-a"}`` (or ``"prompt"``:
+        text), carrying its own salt.
+
         Every prompt is checked before any is queued, so a bad one raises a
         :class:`~kvrunner.errors.RequestError` (a ``ValueError``) naming it and leaves
         the engine as it was.
@@ -145,10 +161,18 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.default_sampling_params
         prompts, params = normalize_requests(prompts, sampling_params)
+        salts = per_prompt_salts(cache_salt, len(prompts))
+        for i, (prompt, salt) in enumerate(zip(prompts, salts, strict=True)):
+            prompts[i], own = unpack_prompt(prompt, i)
+            if own is not None:
+                if salt is not None:
+                    raise RequestError(f"request {i}: cache_salt is given twice (in its "
+                                       f"prompt dict and as generate's cache_salt)")
+                salts[i] = own
         token_lists = [prompt_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
         groups = [
-            self.engine.make_group(ids, sp, i)
-            for i, (ids, sp) in enumerate(zip(token_lists, params, strict=True))
+            self.engine.make_group(ids, sp, i, cache_salt=salt)
+            for i, (ids, sp, salt) in enumerate(zip(token_lists, params, salts, strict=True))
         ]
         # Only once every request passed. Every group's first sample is queued before
         # the others, which wait for its prefill to share the prompt's KV.
@@ -220,6 +244,8 @@ class LLM:
         weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         *,
         check_finite: bool = True,
+        weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
     ) -> int:
         """Load ``(name, tensor)`` pairs, or a Mapping of them (a ``state_dict``), with
         Hugging Face names and full (unsharded) tensors of any floating dtype, on the
@@ -238,10 +264,16 @@ class LLM:
         pair is checked as it is drawn, after the ones before it loaded; refused after
         some loaded, the weights are ``"partial"`` (``cache_info().weights``), the
         error says so, and generation is refused until every tensor this call did not
-        load has been pushed. After a call completes the prefix cache is reset and, if
+        load has been pushed. After a call completes the served version is
+        ``weight_version`` (unset: the count of updates so far, 1, 2, ...; see
+        :attr:`weight_version`), the prefix cache is reset (``reset_prefix_cache=False``
+        keeps it, as SGLang's ``flush_cache: false``: then only
+        ``salt_prefix_cache_by_weight_version`` keeps old KV from being reused) and, if
         the engine is awake, the graphs are recaptured.
         """
-        return self._sleep_wake.update_weights(weights, check_finite=check_finite)
+        return self._sleep_wake.update_weights(weights, check_finite=check_finite,
+                                               weight_version=weight_version,
+                                               reset_prefix_cache=reset_prefix_cache)
 
     @exclusive
     def update_weights_from_ipc(
@@ -251,6 +283,8 @@ class LLM:
         authkey: bytes,
         check_finite: bool = True,
         timeout_s: float = 300.0,
+        weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
     ) -> int:
         """Receive one whole push from a trainer's
         :class:`~kvrunner.weight_sync.BucketSender` listening at ``address`` (in
@@ -264,13 +298,17 @@ class LLM:
         it leaves the weights ``"partial"``: generation is refused until a full push.
         A :class:`~kvrunner.weight_sync.DirectSender`'s push reads the trainer's own
         storages instead of buckets; they stay mapped until that sender closes or a
-        push no longer names them, or :meth:`shutdown`. See docs/weight_sync.md."""
+        push no longer names them, or :meth:`shutdown`. ``weight_version`` and
+        ``reset_prefix_cache`` as for :meth:`update_weights`. See docs/weight_sync.md."""
         from kvrunner.weight_sync.mapped_storages import MappedStorages
         from kvrunner.weight_sync.receiver import receive_push
 
         if self._mapped_storages is None:
             self._mapped_storages = MappedStorages()
-        return receive_push(self._sleep_wake.push_session, address, authkey,
+        session = functools.partial(self._sleep_wake.push_session,
+                                    weight_version=weight_version,
+                                    reset_prefix_cache=reset_prefix_cache)
+        return receive_push(session, address, authkey,
                             check_finite_values=check_finite, timeout_s=timeout_s,
                             storages=self._mapped_storages)
 
@@ -293,6 +331,7 @@ class LLM:
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
         packed_bytes: int | None = None,
+        weight_version: WeightVersion | None = None, reset_prefix_cache: bool = True,
     ) -> int:
         """Receive the announced tensors from the group's rank 0 (full tensors; each
         rank keeps its shard): one broadcast per tensor, or with ``packed_bytes`` vLLM's
@@ -302,12 +341,14 @@ class LLM:
         nothing); a failure part way leaves the weights ``"partial"``, as
         :meth:`update_weights_from_ipc`. Inside an update opened by
         :meth:`start_weight_update` the call is one part of it; otherwise it is one
-        weight update by itself. Returns how many tensors loaded."""
+        weight update by itself, and ``weight_version`` and ``reset_prefix_cache`` are as
+        for :meth:`update_weights`. Returns how many tensors loaded."""
         ranks = self._sleep_wake.ranks
-        return self._sleep_wake.in_update("update_weights_from_distributed", lambda: (
-            ranks.update_weights_from_distributed(list(names), list(dtypes),
-                                                  [list(s) for s in shapes],
-                                                  packed_bytes)[0]))
+        return self._sleep_wake.in_update(
+            "update_weights_from_distributed",
+            lambda: ranks.update_weights_from_distributed(
+                list(names), list(dtypes), [list(s) for s in shapes], packed_bytes)[0],
+            weight_version=weight_version, reset_prefix_cache=reset_prefix_cache)
 
     @exclusive
     def start_weight_update(self) -> None:
@@ -320,10 +361,11 @@ class LLM:
         self._sleep_wake.start_update()
 
     @exclusive
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, *, weight_version: WeightVersion | None = None) -> None:
         """Close the update :meth:`start_weight_update` opened: generation resumes on
-        the new weights. Refused (``SleepStateError``) when none is open."""
-        self._sleep_wake.finish_update()
+        the new weights, served as ``weight_version`` (unset: the count of updates).
+        Refused (``SleepStateError``) when none is open."""
+        self._sleep_wake.finish_update(weight_version)
 
     @property
     def weight_update_open(self) -> bool:
@@ -349,7 +391,10 @@ class LLM:
         return merge_digests(self._sleep_wake.ranks.weight_digests())
 
     @exclusive
-    def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
+    def load_weights(
+        self, path: str | Path, *, check_finite: bool = True,
+        weight_version: WeightVersion | None = None, reset_prefix_cache: bool = True,
+    ) -> int:
         """Load every tensor of a safetensors checkpoint directory (each rank reads it),
         as :meth:`update_weights` does; returns how many were loaded. The directory
         must hold the whole model: a wrong shape, a missing, unexpected, duplicated or
@@ -357,8 +402,18 @@ class LLM:
         NaN or inf raises :class:`~kvrunner.errors.CheckpointError` naming the file
         and the tensor. It is a transaction: everything is checked before the first
         tensor loads (the values in a pass of their own), so a refused checkpoint
-        leaves the weights as they were."""
-        return self._sleep_wake.load_weights(path, check_finite=check_finite)
+        leaves the weights as they were. ``weight_version`` and ``reset_prefix_cache``
+        as for :meth:`update_weights`."""
+        return self._sleep_wake.load_weights(path, check_finite=check_finite,
+                                             weight_version=weight_version,
+                                             reset_prefix_cache=reset_prefix_cache)
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version of the weights served: 0 from start-up, then what the last
+        completed update named (unnamed: the count of updates, 1, 2, ...). Every
+        output carries the version it was made under."""
+        return self.engine.weight_version
 
     @exclusive
     def reset_prefix_cache(self) -> int:
@@ -397,6 +452,9 @@ class LLM:
             kept_mass=list(seq.kept_mass) if seq.sampling_params.return_kept_mass else None,
             routed_experts=seq.routed_experts() if seq.sampling_params.return_routed_experts
             else None,
+            weight_version=self.engine.weight_version,
+            weight_versions=((self.engine.weight_version, 0),),
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
         )
 
     def _text(self, seq: Any, out: list[int]) -> str:

@@ -49,11 +49,12 @@ class RequestOutput:
     #: greedy and untruncated rows), when SamplingParams.return_kept_mass was set
     #: (layers/logprobs_mode.py)
     kept_mass: list[float] | None = None
-    #: the weight version the last token was made under (``AsyncLLM``; None from ``LLM``)
+    #: the weight version the last token was made under (``LLM.weight_version``: 0
+    #: from start-up, then what each update named)
     weight_version: str | int | None = None
     #: ``(version, first output index)`` spans, in order: the tokens from each index up
     #: to the next span's were made under that version (more than one span only when
-    #: the request was parked across a weight update); empty from ``LLM``
+    #: the request was parked across a weight update)
     weight_versions: tuple[tuple[str | int, int], ...] = ()
     #: the experts each mixture-of-experts layer routed every computed token to, when
     #: SamplingParams.return_routed_experts was set: ``[prompt + output - 1,
@@ -61,3 +62,6 @@ class RequestOutput:
     #: (row ``p`` is the token at position ``p``; the last output token is never fed
     #: back, so it has none); a dense layer's entries are -1
     routed_experts: np.ndarray | None = attrs.field(default=None, eq=False)
+    #: prompt tokens whose KV came from the prefix cache rather than being computed
+    #: (vLLM's ``num_cached_tokens``; SGLang's ``cached_tokens``)
+    num_cached_tokens: int = 0

@@ -1,15 +1,17 @@
 """Turning what a caller passes to ``LLM.generate`` into checked token-id requests.
 
-A prompt is text or a sequence of token ids; one prompt or a list of them may be
-passed, with one ``SamplingParams`` for all or one each. Everything is checked
-before anything is queued, and a fault is a :class:`~kvrunner.errors.RequestError`
+A prompt is text or a sequence of token ids, or vLLM's dict of one of them
+(``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with an optional
+``"cache_salt"``); one prompt or a list of them may be passed, with one
+``SamplingParams`` for all or one each. Everything is checked before anything is
+queued, and a fault is a :class:`~kvrunner.errors.RequestError`
 naming the request by its position: a float token id is refused rather than
 truncated, and a text prompt for a model without a tokenizer says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +49,7 @@ def _as_list(value: Any) -> Any:
 
 
 def _is_one_prompt(prompts: Any) -> bool:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return True
     if isinstance(prompts, Sequence) and prompts:
         first = prompts[0]
@@ -67,7 +69,7 @@ def normalize_requests(
             f"prompts must be a string, a list of token ids, or a list of those; "
             f"got {type(prompts).__name__}"
         )
-    prompts = [_as_list(p) for p in prompts]
+    prompts = [p if isinstance(p, Mapping) else _as_list(p) for p in prompts]
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
@@ -88,6 +90,53 @@ def normalize_requests(
                 f"got {type(sp).__name__}"
             )
     return prompts, params
+
+
+#: the keys of vLLM's prompt dicts kvrunner reads (``TextPrompt``, ``TokensPrompt``)
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def unpack_prompt(prompt: Any, index: int) -> tuple[Any, str | None]:
+    """``(prompt, its cache_salt)``: a vLLM prompt dict's prompt and salt, any other
+    prompt as it is with no salt.
+
+    :raises RequestError: a dict with neither or both of ``prompt`` and
+        ``prompt_token_ids``, or with a key kvrunner does not read (multimodal data),
+        naming the request.
+    """
+    if not isinstance(prompt, Mapping):
+        return prompt, None
+    unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+    if unknown:
+        raise RequestError(
+            f"request {index}: prompt dict key(s) {unknown} are not supported by kvrunner "
+            f"(it reads {', '.join(_PROMPT_KEYS)})"
+        )
+    given = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
+    if len(given) != 1:
+        raise RequestError(
+            f"request {index}: a prompt dict needs exactly one of 'prompt' and "
+            f"'prompt_token_ids', got {given or 'neither'}"
+        )
+    inner = prompt[given[0]]
+    return (_as_list(inner) if given[0] == "prompt_token_ids" else inner,
+            prompt.get("cache_salt"))
+
+
+def per_prompt_salts(cache_salt: Any, count: int) -> list[str | None]:
+    """``LLM.generate``'s ``cache_salt`` as one entry per prompt: one salt (or None)
+    for every prompt, or a list of one per prompt (each checked when its request is
+    made)."""
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * count
+    if not isinstance(cache_salt, Sequence):
+        raise RequestError(
+            f"cache_salt must be a string, None, or a list of one per prompt; got "
+            f"{type(cache_salt).__name__}"
+        )
+    if len(cache_salt) != count:
+        raise RequestError(f"{count} prompts but {len(cache_salt)} cache salts")
+    return list(cache_salt)
 
 
 def prompt_token_ids(prompt: Any, index: int | str, tokenizer: Any | None) -> list[int]:

@@ -137,6 +137,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "serve/test_load.py", "examples/test_grpo_example.py",
         # a second scripted server (the hermes one and the parsers' own tests stay fast)
         "serve/test_chat_parsers_live.py::test_qwen3_coder",
+        "serve/test_stale_reuse_wire.py",
         "core/test_without_triton.py::test_rollout_of_the_hybrid",
         "core/test_rollout.py::test_perturbed_rounds_alternate",
         "core/test_rollout.py::test_every_round_repeats_round_1",

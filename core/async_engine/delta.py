@@ -28,6 +28,9 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    #: the weight version the delta's last token was made under (for a delta without a
+    #: new token, the output's last token's; for an output without any, its first one's)
+    weight_version: str | int | None = None
     #: the prompt's logprobs (``SamplingParams.prompt_logprobs``; None for its first
     #: token), on the request's first delta only: the prefill that scored them is done
     #: by the time the first token is sampled

@@ -90,8 +90,6 @@ class EngineLoop:
         self.pause_mode: str | None = None
         self._pause_waiters: list[Reply] = []
         self._drain_waiters: list[Reply] = []
-        self.weight_version: str | int = 0
-        self._num_updates = 0
         self._done_tokens = 0
         self._prompt_tokens = 0
         self._num_aborted = 0
@@ -220,11 +218,12 @@ class EngineLoop:
 
     def add(
         self, request_ids: list[str], prompt: Any, params: SamplingParams,
-        channels: list[Channel], stream: bool,
+        channels: list[Channel], stream: bool, cache_salt: str | None = None,
     ) -> Command:
         """The command that checks and queues the samples of one request (the engine's
-        group: ``LLMEngine.make_group``), ``request_ids[k]`` and ``channels[k]`` for
-        sample ``k``, held while paused. Nothing is queued unless every sample passes."""
+        group: ``LLMEngine.make_group``, every sample with ``cache_salt``),
+        ``request_ids[k]`` and ``channels[k]`` for sample ``k``, held while paused.
+        Nothing is queued unless every sample passes."""
 
         def command(_reply: Reply) -> None:
             for request_id in request_ids:
@@ -237,7 +236,7 @@ class EngineLoop:
                 self.llm.sleep_state.require_servable("generate")
             name = request_ids[0]  # RequestError messages name the request by it
             ids = prompt_token_ids(prompt, name, self.llm.tokenizer)
-            seqs = self.engine.make_group(ids, params, name)
+            seqs = self.engine.make_group(ids, params, name, cache_salt=cache_salt)
             if len(seqs) != len(request_ids):
                 raise RequestError(
                     f"request {name!r}: {len(request_ids)} request id(s) for a group of "
@@ -245,7 +244,7 @@ class EngineLoop:
                 )
             for request_id, seq, channel in zip(request_ids, seqs, channels, strict=True):
                 live = LiveRequest(request_id, prompt, seq, channel, stream,
-                                   versions=[(self.weight_version, 0)])  # fmt: skip
+                                   versions=[(self.engine.weight_version, 0)])  # fmt: skip
                 self._live[request_id] = live
                 self._by_seq[seq.seq_id] = live
                 if stream:
@@ -449,12 +448,11 @@ class EngineLoop:
 
         return command
 
-    def weights_changed(self, version: str | int | None) -> None:
-        """Record a completed weight change: the new version on every live request."""
-        self._num_updates += 1
-        self.weight_version = self._num_updates if version is None else version
+    def weights_changed(self) -> None:
+        """After a completed weight change: the engine's new version
+        (``LLMEngine.weight_version``) on every live request."""
         for live in self._live.values():
-            live.note_version(self.weight_version)
+            live.note_version(self.engine.weight_version)
 
     def stop(self) -> Command:
         """The last command: abort every request, settle, release the LLM if owned."""
@@ -494,7 +492,7 @@ class EngineLoop:
             num_steps=self._num_steps,
             last_step_s=self._last_step_s,
             sleep_state="awake" if not asleep else "asleep: " + ", ".join(asleep),
-            weight_version=self.weight_version,
+            weight_version=self.engine.weight_version,
             nonfinite_rows=scheduler.nonfinite_rows,
             num_aborted=self._num_aborted,
             paused=self.paused,

@@ -52,6 +52,11 @@ class LiveRequest:
         else:
             self.versions.append((version, start))
 
+    def version_of(self, index: int) -> Version:
+        """The version output token ``index`` was (or will be) made under."""
+        return next((v for v, start in reversed(self.versions) if start <= index),
+                    self.versions[0][0])
+
     def spans(self) -> tuple[tuple[Version, int], ...]:
         """The spans that made at least one token (just the first for no token)."""
         n = self.num_output_tokens
@@ -89,6 +94,7 @@ class LiveRequest:
             logprobs=list(seq.logprobs[first:end]) if wants is not None else None,
             top_logprobs=list(seq.top_logprobs[first:end]) if wants else None,
             text=text,
+            weight_version=self.version_of(max(end - 1, 0)),
             # as RequestOutput gives them (LLM._output): None for the first prompt token
             prompt_logprobs=None if scored is None else [None, *seq.prompt_logprobs],
             prompt_top_logprobs=[None, *seq.prompt_top_logprobs] if scored else None,

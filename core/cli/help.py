@@ -48,6 +48,8 @@ FIELD_HELP: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of prompts that share a prefix",
     "kv_cache_dtype": "how full-attention keys and values are stored: auto (the model's "
     "dtype) or fp8 (float8 e4m3, one byte an element, per-tensor scale; fp8_e4m3 is the same)",
+    "salt_prefix_cache_by_weight_version": "share cached KV only among requests admitted "
+    "under the same weight version (also where an update keeps the prefix cache)",
     # [scheduler]
     "max_num_seqs": "most sequences in one step (and most decode graphs' batch size)",
     "max_num_batched_tokens": "most tokens in one step (unset: 16384 on a GPU of "

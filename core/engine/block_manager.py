@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from kvrunner.engine.block_pool import BlockPool, NoFreeBlocksError, hash_block_tokens
+from kvrunner.engine.cache_salt import WeightVersion, salt_bytes
 from kvrunner.engine.sequence import Sequence
 from kvrunner.engine.state_slots import NoFreeStateSlotError, StateSlotPool
 from kvrunner.engine.table_rows import TableRows
@@ -26,6 +27,16 @@ class BlockManager:
     :param enable_prefix_caching: reuse full blocks whose whole prefix matches.
     :param num_state_slots: per-request recurrent-state slots (0: the model has no
         recurrent layers). A running sequence holds one slot when this is > 0.
+    :param salt_by_weight_version: salt every sequence's hashes with
+        :attr:`weight_version` as of its admission (``engine/cache_salt.py``), so KV
+        computed under other weights is never a prefix hit.
+
+    A sequence is keyed at admission (``allocate``, and the ``can_allocate`` /
+    ``num_cached_tokens`` probes before it): its salt is its ``cache_salt`` and, when
+    salting by version, the weight version then. A running sequence keeps that salt,
+    also across a weight change: the blocks it fills afterwards attend to KV of the
+    old weights, so they are published under the old version, where no request
+    admitted later looks.
 
     Prefix caching is switched off whenever ``num_state_slots > 0``: a cached KV block
     lets attention skip a prefix, but a recurrent layer's state after that prefix is
@@ -42,6 +53,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
+        salt_by_weight_version: bool = False,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.state_slots = StateSlotPool(num_state_slots)
@@ -56,6 +68,11 @@ class BlockManager:
         self.table_rows = TableRows()
         #: tokens admission took from the prefix cache rather than computing, ever
         self.prefix_hit_tokens = 0
+        self.salt_by_weight_version = salt_by_weight_version
+        self._weight_version: WeightVersion = 0
+        # counts weight-version changes: a sequence keyed in this epoch has its salt
+        # (admission probes run every step for every waiting sequence: they skip it)
+        self._salt_epoch = 0
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -78,6 +95,23 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens of KV."""
         return -(-num_tokens // self.block_size)
+
+    # -- salts ------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version of the weights the runner holds (``LLMEngine.weights_changed``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: WeightVersion) -> None:
+        self._weight_version = version
+        self._salt_epoch += 1
+
+    def admission_salt(self, seq: Sequence) -> bytes | None:
+        """The salt ``seq`` would be admitted with now (see the class docstring)."""
+        version = self.weight_version if self.salt_by_weight_version else None
+        return salt_bytes(seq.cache_salt, version)
 
     # -- admission --------------------------------------------------------------------
 
@@ -131,6 +165,8 @@ class BlockManager:
         seq.num_computed_tokens = hit_tokens
         self._num_published[seq.seq_id] = len(hits)
         self.prefix_hit_tokens += hit_tokens
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = hit_tokens
         if self.num_state_slots > 0:
             seq.state_slot = self.state_slots.allocate()
 
@@ -219,7 +255,19 @@ class BlockManager:
 
     # -- internals --------------------------------------------------------------------
 
+    def _rekey(self, seq: Sequence) -> None:
+        """Key a sequence being admitted: hashes of another salt (a weight change since
+        it last ran) are dropped, to be recomputed under this one."""
+        if seq.salt_epoch == self._salt_epoch:
+            return
+        seq.salt_epoch = self._salt_epoch
+        salt = self.admission_salt(seq)
+        if salt != seq.hash_salt:
+            seq.hash_salt = salt
+            seq.block_hashes.clear()
+
     def _prefix_hits(self, seq: Sequence) -> list[int]:
+        self._rekey(seq)
         # A request scoring its prompt needs every prompt position's logits: a cached
         # block has none, so it computes its whole prompt (and still publishes it).
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
@@ -254,5 +302,8 @@ class BlockManager:
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             if len(tokens) != bs:
                 raise ValueError(f"sequence {seq.seq_id}: block {i} is not full")
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+            if hashes:
+                hashes.append(hash_block_tokens(hashes[-1], tokens))
+            else:
+                hashes.append(hash_block_tokens(None, tokens, seq.hash_salt))
         return hashes[index]

@@ -6,7 +6,10 @@ hash keeps its contents and can be revived by a later request with the same pref
 plain free block is left, oldest-freed first (LRU).
 
 Prefix hashes chain: a block's hash covers its parent's hash and its own tokens, so
-equal hashes mean equal *whole prefixes*, not just equal blocks.
+equal hashes mean equal *whole prefixes*, not just equal blocks. A request's salt
+(``engine/cache_salt.py``: its ``cache_salt``, and the weight version when the engine
+salts by it) enters the first block's hash only, and so, through the chain, every
+block after it: requests with different salts never share a block, equal salts do.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ class NoFreeBlocksError(RuntimeError):
     """The pool has neither a plain free block nor an evictable cached one."""
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Prefix hash of one full block: a 128-bit BLAKE2b digest of (parent, tokens).
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: Sequence[int], salt: bytes | None = None
+) -> int:
+    """Prefix hash of one full block: a 128-bit BLAKE2b digest of (parent, tokens), the
+    first block's (no parent) also of its request's ``salt`` (None: unsalted).
 
     Why not Python's ``hash`` of a tuple: it is a 64-bit non-cryptographic hash whose
     collisions are easy to construct, and a collision here is not a slow path but a
@@ -31,11 +37,16 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     versions and ``PYTHONHASHSEED``, so every rank and every run agrees on it.
     """
     h = hashlib.blake2b(digest_size=16)
-    # A flag byte keeps "no parent" distinct from any parent digest.
-    if parent_hash is None:
+    # A flag byte keeps "no parent", "no parent, salted" and any parent digest apart;
+    # the salt's length before it keeps where the salt ends and the tokens begin.
+    if parent_hash is not None:
+        if salt is not None:
+            raise ValueError("a salt enters the first block's hash only (it has no parent)")
+        h.update(b"\x01" + parent_hash.to_bytes(16, "little"))
+    elif salt is None:
         h.update(b"\x00" + bytes(16))
     else:
-        h.update(b"\x01" + parent_hash.to_bytes(16, "little"))
+        h.update(b"\x02" + len(salt).to_bytes(8, "little") + salt)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return int.from_bytes(h.digest(), "little")
 

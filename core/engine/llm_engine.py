@@ -23,6 +23,7 @@ import attrs
 
 from kvrunner.config import EngineConfig
 from kvrunner.engine.block_manager import BlockManager
+from kvrunner.engine.cache_salt import WeightVersion, check_cache_salt
 from kvrunner.engine.logit_rules import bad_word_token_ids
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
@@ -96,6 +97,7 @@ class LLMEngine:
             block_size=config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             num_state_slots=config.scheduler.max_num_seqs if uses_state_slots else 0,
+            salt_by_weight_version=config.cache.salt_prefix_cache_by_weight_version,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_id=eos_token_ids)
         self._ids = itertools.count()
@@ -107,9 +109,27 @@ class LLMEngine:
         #: requests are parked (``park``): they keep their KV blocks and state slots,
         #: nothing is in flight, and ``step`` refuses until ``unpark``
         self.parked = False
+        #: weight updates completed since start (the default version of the next)
+        self.num_weight_updates = 0
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version of the weights the runner holds: 0 at start, then what the last
+        completed update named (unnamed: the count of updates, 1, 2, ...)."""
+        return self.block_manager.weight_version
+
+    def weights_changed(self, version: WeightVersion | None = None) -> WeightVersion:
+        """Record a completed weight update; returns the version now in force. Requests
+        admitted from here on are keyed under it (``BlockManager``); running ones keep
+        the version they were admitted under."""
+        self.num_weight_updates += 1
+        new = self.num_weight_updates if version is None else version
+        self.block_manager.weight_version = new
+        return new
 
     def make_request(
-        self, token_ids: Seq[int], params: SamplingParams, index: int | str
+        self, token_ids: Seq[int], params: SamplingParams, index: int | str, *,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """A checked, not yet queued request of one sample; raises ``RequestError``
         naming it as ``request <index>`` (its position in a call, or its request id).
@@ -117,11 +137,13 @@ class LLMEngine:
         Every check a request needs is made here, once: the prompt's token ids against
         the vocabulary, what ``SamplingParams`` cannot know itself (the vocabulary,
         ``max_logprobs``, a tokenizer for stop strings; it checked its own fields when
-        it was built), then the scheduler's limits (``Scheduler.validate``: an empty
-        prompt, one past ``max_model_len - 1``, the token budget, the pool).
+        it was built), the ``cache_salt`` (``engine/cache_salt.py``), then the
+        scheduler's limits (``Scheduler.validate``: an empty prompt, one past
+        ``max_model_len - 1``, the token budget, the pool).
         :meth:`add_request` queues the request without checking it again.
         """
         name = f"request {index}"
+        cache_salt = check_cache_salt(cache_salt, name)
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(
@@ -176,7 +198,7 @@ class LLMEngine:
                                     include_stop=params.include_stop_str_in_output,
                                     skip_special_tokens=params.skip_special_tokens)
         seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch,
-                       bad_word_ids=bad_word_ids)
+                       bad_word_ids=bad_word_ids, cache_salt=cache_salt)
         self.scheduler.validate(seq, name=name)
         return seq
 
@@ -201,11 +223,12 @@ class LLMEngine:
         return ids
 
     def make_group(
-        self, token_ids: Seq[int], params: SamplingParams, index: int | str
+        self, token_ids: Seq[int], params: SamplingParams, index: int | str, *,
+        cache_salt: str | None = None,
     ) -> list[Sequence]:
         """The samples of one request, checked and not yet queued: ``group_size(params)``
         of them, sample ``k`` with ``params.for_sample(k)``; raises ``RequestError``
-        naming ``index`` (see :meth:`make_request`).
+        naming ``index`` (see :meth:`make_request`). Every sample has ``cache_salt``.
 
         This is where a request's ``n`` is dealt with; everything else asks the group
         it returns (or :func:`group_size`). Samples after the first wait for the first
@@ -213,14 +236,15 @@ class LLMEngine:
         share a block of the prompt: queue every group's first sample before the
         others, or a waiting sample holds up the queue behind it for that step.
         """
-        first = self.make_request(token_ids, params.for_sample(0), index)
+        first = self.make_request(token_ids, params.for_sample(0), index, cache_salt=cache_salt)
         group = [first]
         shares = (
             self.block_manager.enable_prefix_caching
             and len(token_ids) - 1 >= self.block_manager.block_size
         )
         for k in range(1, group_size(params)):
-            seq = self.make_request(token_ids, params.for_sample(k), index)
+            seq = self.make_request(token_ids, params.for_sample(k), index,
+                                    cache_salt=cache_salt)
             seq.sample_index = k
             seq.prefix_leader = first if shares else None
             group.append(seq)

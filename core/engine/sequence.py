@@ -56,8 +56,19 @@ class Sequence:
     #: physical KV block ids, in logical order
     block_table: list[int] = attrs.field(factory=list, init=False)
     #: prefix-cache hashes of the leading full blocks of ``token_ids``; they depend on
-    #: the tokens only, so they stay valid across preemption and are reused
+    #: the tokens and ``hash_salt`` only, so they are reused across a preemption
+    #: unless the salt changed (the block manager rekeys a sequence at admission)
     block_hashes: list[int] = attrs.field(factory=list, init=False)
+    #: the caller's prefix-cache namespace (vLLM's ``cache_salt``, SGLang's
+    #: ``extra_key``): only requests with the same one share cached blocks
+    cache_salt: str | None = attrs.field(default=None, kw_only=True)
+    #: the salt ``block_hashes`` were computed with (``engine/cache_salt.py``: the
+    #: ``cache_salt`` and the weight version at its last admission)
+    hash_salt: bytes | None = attrs.field(default=None, init=False)
+    #: the block manager's salt epoch ``hash_salt`` was found in (-1: never keyed)
+    salt_epoch: int = attrs.field(default=-1, init=False)
+    #: prompt tokens its first admission took from the prefix cache (-1 before it)
+    num_cached_tokens: int = attrs.field(default=-1, init=False)
     #: recurrent-state slot while running, ``-1`` when the sequence holds none
     state_slot: int = attrs.field(default=-1, init=False)
     #: the block manager's row holding ``block_table`` again (``-1`` while none)

@@ -38,6 +38,7 @@ from kvrunner.runner.ranks.rank_reports import PushReport
 
 if TYPE_CHECKING:
     from kvrunner.config import EngineConfig
+    from kvrunner.engine.cache_salt import WeightVersion
     from kvrunner.engine.llm_engine import LLMEngine
     from kvrunner.runner.ranks.executor import DriverExecutor
 
@@ -81,6 +82,7 @@ class SleepWakeControl:
         self.timings = SleepTimings()
         #: the weight update held open across calls (:meth:`start_update`), if any
         self._open_update: contextlib.ExitStack | None = None
+        self._finish_version: WeightVersion | None = None  # named by finish_update
 
     def _require_idle(self, what: str, *, parked_ok: bool = False) -> None:
         """Refuse ``what`` (a method's name) while a request is unfinished or a step
@@ -154,6 +156,8 @@ class SleepWakeControl:
         weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         *,
         check_finite: bool = True,
+        weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
     ) -> int:
         """See :meth:`kvrunner.LLM.update_weights`."""
         self.executor.check()
@@ -161,12 +165,15 @@ class SleepWakeControl:
         self.state.require_weights_resident("update_weights")
         self._require_idle("update_weights", parked_ok=True)
         pairs = checked_pairs(weights, check_finite=check_finite)  # a list: checked whole
-        with self._weight_change():
+        with self._weight_change(weight_version, reset_prefix_cache):
             return self._load_pairs(pairs)
 
     @contextlib.contextmanager
-    def push_session(self, what: str) -> Iterator[Callable[[Iterable[tuple[str, torch.Tensor]]],
-                                                          int]]:
+    def push_session(
+        self, what: str, *,
+        weight_version: WeightVersion | None | Callable[[], WeightVersion | None] = None,
+        reset_prefix_cache: bool = True,
+    ) -> Iterator[Callable[[Iterable[tuple[str, torch.Tensor]]], int]]:
         """One weight update arriving in parts (``kvrunner.weight_sync``'s buckets):
         checked as :meth:`update_weights` is, then yields a function loading one
         part (a list: its values already checked, no finiteness pass here) and
@@ -174,14 +181,15 @@ class SleepWakeControl:
         whole before any of it loads, so a refused part loads nothing; but the parts
         count as one push, so a failure in a later part, or in the caller between
         parts, leaves the weights ``"partial"`` (the earlier parts loaded) until a full
-        push, and the error says so; the end resets the prefix cache and recaptures.
+        push, and the error says so; the end records ``weight_version``, resets the
+        prefix cache (unless ``reset_prefix_cache`` is false) and recaptures.
         When a part's call returns, every rank has copied it (in process: the copies
         are queued on the device; the caller waits for them)."""
         self.executor.check()
         self.state.require_no_open_update(what)
         self.state.require_weights_resident(what)
         self._require_idle(what, parked_ok=True)
-        with self._weight_change():
+        with self._weight_change(weight_version, reset_prefix_cache):
             yield self._load_pairs
 
     def _load_pairs(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -194,7 +202,10 @@ class SleepWakeControl:
             loaded = loaded + self.ranks.update_weights(bucket)[0]
         return loaded
 
-    def load_weights(self, path: str | Path, *, check_finite: bool = True) -> int:
+    def load_weights(
+        self, path: str | Path, *, check_finite: bool = True,
+        weight_version: WeightVersion | None = None, reset_prefix_cache: bool = True,
+    ) -> int:
         """See :meth:`kvrunner.LLM.load_weights`."""
         self.executor.check()
         self.state.require_no_open_update("load_weights")
@@ -202,7 +213,7 @@ class SleepWakeControl:
         self._require_idle("load_weights", parked_ok=True)
         if not Path(path).is_dir():
             raise FileNotFoundError(f"load_weights: {str(path)!r} is not a directory")
-        with self._weight_change():
+        with self._weight_change(weight_version, reset_prefix_cache):
             return self.ranks.load_weights(str(path), check_finite)[0]
 
     def start_update(self) -> None:
@@ -211,17 +222,24 @@ class SleepWakeControl:
         :meth:`push_session`. While it is open nothing generates and no other weight
         change, sleep or second update starts."""
         stack = contextlib.ExitStack()
-        stack.enter_context(self.push_session("start_weight_update"))
-        self._open_update = stack
+        # the version is named when the update is finished
+        stack.enter_context(self.push_session("start_weight_update",
+                                              weight_version=lambda: self._finish_version))
+        self._open_update, self._finish_version = stack, None
         self.state.update_open = True
 
-    def in_update(self, what: str, part: Callable[[], int]) -> int:
+    def in_update(self, what: str, part: Callable[[], int], *,
+                  weight_version: WeightVersion | None = None,
+                  reset_prefix_cache: bool = True) -> int:
         """Run ``part`` (it loads through the ranks) inside the open update, or, none
-        open, as one update by itself. A part that fails closes the open update as a
-        failed push (``"partial"`` if anything of it loaded) and raises."""
+        open, as one update by itself (recording ``weight_version``; resetting the
+        prefix cache unless ``reset_prefix_cache`` is false). A part that fails closes
+        the open update as a failed push (``"partial"`` if anything of it loaded) and
+        raises."""
         stack = self._open_update
         if stack is None:
-            with self.push_session(what):
+            with self.push_session(what, weight_version=weight_version,
+                                   reset_prefix_cache=reset_prefix_cache):
                 return part()
         try:
             return part()
@@ -230,21 +248,27 @@ class SleepWakeControl:
             stack.__exit__(type(e), e, e.__traceback__)
             raise
 
-    def finish_update(self) -> None:
+    def finish_update(self, weight_version: WeightVersion | None = None) -> None:
         """Close the open update (vLLM's ``finish_weight_update``): the end of a push,
-        its prefix-cache reset and recapture."""
+        recording ``weight_version`` (unset: the count of updates), its prefix-cache
+        reset and recapture."""
         stack = self._open_update
         if stack is None:
             raise SleepStateError("finish_weight_update: no weight update is open "
                                   "(start_weight_update opens one; a part that failed "
                                   "closed it)")
+        self._finish_version = weight_version
         self._open_update, self.state.update_open = None, False
         stack.close()
 
     @contextlib.contextmanager
-    def _weight_change(self) -> Iterator[None]:
+    def _weight_change(self, version: WeightVersion | None | Callable[[], WeightVersion | None],
+                       reset: bool) -> Iterator[None]:
         """Around one push: the ranks count what it loads; a failure leaves the state
-        saying which tensors are still to push; success resets and recaptures."""
+        saying which tensors are still to push; success records ``version`` (unset:
+        the count of updates), resets the prefix cache (unless ``reset`` is false:
+        then the engine's salting by weight version is what keeps the old KV from
+        being reused) and recaptures."""
         self.ranks.begin_weight_update()
         try:
             yield
@@ -254,7 +278,9 @@ class SleepWakeControl:
             raise
         finished = self.ranks.finish_weight_update()
         self._note_pending(finished[0])
-        self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        self.engine.weights_changed(version() if callable(version) else version)
+        if reset:
+            self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
         recapture = max(f.recapture_s for f in finished)
         if recapture:
             self.timings.recapture_s = recapture

@@ -127,9 +127,8 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
     if body.abort_all_requests:
         await engine.abort_all()
     try:
-        await engine.load_weights(body.model_path, weight_version=body.weight_version)
-        if body.flush_cache:
-            await engine.reset_prefix_cache()
+        await engine.load_weights(body.model_path, weight_version=body.weight_version,
+                                  reset_prefix_cache=body.flush_cache)
     except (CheckpointError, FileNotFoundError) as e:
         return _update_failed(400, str(e), "model_path")
     except KvrunnerError as e:

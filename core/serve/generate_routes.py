@@ -206,7 +206,7 @@ def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
         "finish_reason": _finish_reason(out, only),
         "prompt_tokens": len(prompt),
         "completion_tokens": 0 if only else len(out.token_ids),
-        "cached_tokens": 0,
+        "cached_tokens": getattr(out, "num_cached_tokens", 0),
         "weight_version": _weight_version(state, out),
         "e2e_latency": time.perf_counter() - started,
     }
@@ -241,7 +241,8 @@ def _one(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
 
 
 #: ``/generate``'s fields that a batch gives per prompt (one value, or a list of them)
-_PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+_PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+               "extra_key")
 
 
 async def _generate_body(request: Request) -> GenerateRequest | BatchGenerateRequest:
@@ -308,12 +309,15 @@ async def generate(request: Request) -> Any:
     choices = [(item, ids, rid if item.sampling_params.n == 1 else f"{rid}-{k}")
                for item, ids, rid in zip(items, prompts, rids, strict=True)
                for k in range(item.sampling_params.n)]
+    salts = [item.extra_key for item in items]
     started = time.perf_counter()
     if body.stream:
-        events = await generation.start_stream(state.engine, jobs, rids, fields=_fields(field))
+        events = await generation.start_stream(state.engine, jobs, rids, fields=_fields(field),
+                                               cache_salt=salts)
         return sse.response(_events(state, events, choices, started,
                                     many=len(choices) > 1, fields=_fields(field)))
-    results = await generation.run(state.engine, jobs, rids, request, fields=_fields(field))
+    results = await generation.run(state.engine, jobs, rids, request, fields=_fields(field),
+                                   cache_salt=salts)
     outs = [out for job_outs in results for out in job_outs]
     answers = [_one(state, item, out, rid, prompt=ids, started=started)
                for (item, ids, rid), out in zip(choices, outs, strict=True)]
@@ -334,6 +338,7 @@ class _Progress:
         self.error: str | None = None
         self.weight_version: Any = None
         self.weight_versions: Any = None
+        self.num_cached_tokens = 0
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_top_logprobs: list[dict[int, float] | None] | None = None
         self.routed_experts: Any = None
@@ -345,6 +350,7 @@ class _Progress:
         self.kept_mass += list(delta.kept_mass or ())
         self.text += delta.text or ""
         self.finish_reason = delta.finish_reason
+        self.weight_version = delta.weight_version
         if delta.prompt_logprobs is not None:  # the first delta: the prompt's scores
             self.prompt_logprobs = delta.prompt_logprobs
             self.prompt_top_logprobs = delta.prompt_top_logprobs
@@ -356,6 +362,7 @@ class _Progress:
             self.weight_version = getattr(final, "weight_version", None)
             self.weight_versions = getattr(final, "weight_versions", None)
             self.routed_experts = getattr(final, "routed_experts", None)
+            self.num_cached_tokens = final.num_cached_tokens
 
 
 async def _events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
@@ -392,6 +399,7 @@ class _OutputView:
         self.error = seen.error
         self.weight_version = seen.weight_version
         self.weight_versions = seen.weight_versions
+        self.num_cached_tokens = seen.num_cached_tokens
         self.prompt_logprobs = seen.prompt_logprobs
         self.prompt_top_logprobs = seen.prompt_top_logprobs
         self.routed_experts = seen.routed_experts

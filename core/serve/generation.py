@@ -28,6 +28,17 @@ Job = tuple[list[int], SamplingParams]
 RequestIds = str | Sequence[str]
 
 
+#: a call's prefix-cache salt (vLLM's ``cache_salt``, SGLang's ``extra_key``): one for
+#: every job, or one per job; None for none
+Salts = str | None | Sequence[str | None]
+
+
+def _salt(cache_salt: Salts, index: int) -> str | None:
+    if cache_salt is None or isinstance(cache_salt, str):
+        return cache_salt
+    return cache_salt[index]
+
+
 def _rid(request_id: RequestIds, jobs: Sequence[Job], index: int) -> str:
     if not isinstance(request_id, str):
         return request_id[index]
@@ -35,16 +46,17 @@ def _rid(request_id: RequestIds, jobs: Sequence[Job], index: int) -> str:
 
 
 async def outputs(engine: Any, jobs: Sequence[Job], request_id: RequestIds,
-                  request: Request) -> list[list[Any]]:
+                  request: Request, cache_salt: Salts = None) -> list[list[Any]]:
     """Every job's outputs (``n`` each), cancelled if the client disconnects.
 
     :raises RequestError: a prompt or its parameters cannot be served.
     """
     async def one(index: int, ids: list[int], params: SamplingParams) -> list[Any]:
-        rid = _rid(request_id, jobs, index)
+        rid, salt = _rid(request_id, jobs, index), _salt(cache_salt, index)
         if group_size(params) > 1:
-            return list(await engine.generate_group(ids, params, request_id=rid))
-        return [await engine.generate(ids, params, request_id=rid)]
+            return list(await engine.generate_group(ids, params, request_id=rid,
+                                                    cache_salt=salt))
+        return [await engine.generate(ids, params, request_id=rid, cache_salt=salt)]
 
     work = asyncio.ensure_future(
         asyncio.gather(*(one(i, ids, params) for i, (ids, params) in enumerate(jobs)))
@@ -74,8 +86,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def streams(engine: Any, jobs: Sequence[Job], request_id: RequestIds
-            ) -> list[AsyncIterator[Any]]:
+def streams(engine: Any, jobs: Sequence[Job], request_id: RequestIds,
+            cache_salt: Salts = None) -> list[AsyncIterator[Any]]:
     """One delta stream per (job, sample), in choice order (job-major)."""
     out = []
     for index, (ids, params) in enumerate(jobs):
@@ -83,7 +95,8 @@ def streams(engine: Any, jobs: Sequence[Job], request_id: RequestIds
         for k in range(n):
             rid = _rid(request_id, jobs, index) + (f"-{k}" if n > 1 else "")
             sample = params.for_sample(k) if n > 1 else params
-            out.append(engine.generate_stream(ids, sample, request_id=rid))
+            out.append(engine.generate_stream(ids, sample, request_id=rid,
+                                              cache_salt=_salt(cache_salt, index)))
     return out
 
 
@@ -156,20 +169,21 @@ async def _close(stream: AsyncIterator[Any]) -> None:
 
 
 async def run(engine: Any, jobs: Sequence[Job], request_id: RequestIds, request: Request, *,
-              fields: Mapping[str, str]) -> list[list[Any]]:
+              fields: Mapping[str, str], cache_salt: Salts = None) -> list[list[Any]]:
     """:func:`outputs`, an engine's refusal turned into the HTTP error naming the field
     (``fields``: see :func:`~kvrunner.serve.errors.engine_error`)."""
     try:
-        return await outputs(engine, jobs, request_id, request)
+        return await outputs(engine, jobs, request_id, request, cache_salt)
     except KvrunnerError as e:
         raise engine_error(e, fields=fields) from None
 
 
 async def start_stream(engine: Any, jobs: Sequence[Job], request_id: RequestIds, *,
-                       fields: Mapping[str, str]) -> AsyncIterator[tuple[int, Any]]:
+                       fields: Mapping[str, str], cache_salt: Salts = None
+                       ) -> AsyncIterator[tuple[int, Any]]:
     """The merged, primed delta streams of ``jobs``: a request the engine refuses is
     an HTTP error here, before the response starts."""
     try:
-        return await primed(merged(streams(engine, jobs, request_id)))
+        return await primed(merged(streams(engine, jobs, request_id, cache_salt)))
     except KvrunnerError as e:
         raise engine_error(e, fields=fields) from None

@@ -81,6 +81,8 @@ class SamplingFields(StrictModel):
     #: kvrunner's: each choice's ``kept_mass``, one per output token
     #: (``SamplingParams.return_kept_mass``)
     return_kept_mass: bool = False
+    #: vLLM's prefix-cache namespace: only requests with the same salt share cached KV
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class CompletionRequest(SamplingFields):

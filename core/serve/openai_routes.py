@@ -5,6 +5,13 @@ server-sent events ending in ``data: [DONE]``. Logprobs are the engine's own (th
 sampled token's logprob under the distribution it was drawn from, as
 ``LLM.generate`` returns them); ``top_logprobs`` keys are token texts, or
 ``token_id:<id>`` with vLLM's ``return_tokens_as_token_ids``.
+
+Beside OpenAI's fields every answer carries ``weight_version`` (its last choice's:
+the version that choice's last token was made under), every stream chunk the version
+its tokens were made under, and every choice its own, with ``weight_versions``
+(``[version, first token index]`` spans) when its tokens came from more than one.
+``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the
+prefix cache, which vLLM's ``cache_salt`` scopes.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvrunner.serve import generation, sse
+from kvrunner.serve import answer_fields, generation, sse
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.chat_messages import render_messages
 from kvrunner.serve.chat_parsing import ChatParsing, chat_parsing
@@ -147,11 +154,6 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list[floa
     return {"content": content}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 async def _prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
     """The completion body's prompt as a list of token-id prompts, each truncated as
     ``truncate_prompt_tokens`` asks."""
@@ -196,11 +198,13 @@ async def completions(request: Request) -> Any:
             "model": state.model_name}
     as_ids = body.return_tokens_as_token_ids
     if body.stream:
-        items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS)
+        items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS,
+                                              cache_salt=body.cache_salt)
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_completion_events(state, items, head, jobs, as_ids=as_ids,
                                                usage=usage, mass=body.return_kept_mass))
-    results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS)
+    results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS,
+                                   cache_salt=body.cache_salt)
     choices, completion_tokens = [], 0
     for (ids, _), outs in zip(jobs, results, strict=True):
         echoed = await state.tokens.decode(ids, skip_special_tokens=False) \
@@ -217,7 +221,7 @@ async def completions(request: Request) -> Any:
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason,
                 "stop_reason": getattr(out, "stop_reason", None),
-            }
+            } | answer_fields.choice_versions(out)
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(state, ids, out)
             if body.return_token_ids:
@@ -227,8 +231,11 @@ async def completions(request: Request) -> Any:
                 choice["kept_mass"] = list(out.kept_mass or [])
             choices.append(choice)
             completion_tokens += len(out.token_ids)
+    cached = sum(out.num_cached_tokens for outs in results for out in outs)
     return JSONResponse(dict(head, choices=choices,
-                             usage=_usage(sum(len(p) for p in prompts), completion_tokens)))
+                             weight_version=results[-1][-1].weight_version,
+                             usage=answer_fields.usage(sum(len(p) for p in prompts),
+                                                       completion_tokens, cached)))
 
 
 def _echoed_logprobs(state: ServerState, prompt: list[int], out: Any,
@@ -248,7 +255,7 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
                              usage: bool, mass: bool = False) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
-        completion_tokens = 0
+        completion_tokens = cached = 0
         async for index, delta in items:
             logprobs = _completion_logprobs(state, delta.token_ids, delta.logprobs,
                                             delta.top_logprobs, as_ids=as_ids,
@@ -256,14 +263,16 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
             if logprobs is not None:
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             completion_tokens += len(delta.token_ids)
+            cached += delta.output.num_cached_tokens if delta.output is not None else 0
             choice = {"index": index, "text": delta.text, "logprobs": logprobs,
                       "finish_reason": delta.finish_reason}
             if mass:
                 choice["kept_mass"] = list(delta.kept_mass or [])
-            yield event(dict(head, choices=[choice]))
+            yield event(dict(head, weight_version=delta.weight_version,
+                             choices=[choice | answer_fields.final_choice_versions(delta)]))
         if usage:
-            yield event(dict(head, choices=[], usage=_usage(
-                sum(len(ids) for ids, _ in jobs), completion_tokens)))
+            yield event(dict(head, choices=[], usage=answer_fields.usage(
+                sum(len(ids) for ids, _ in jobs), completion_tokens, cached)))
 
     async for item in sse.guarded(events(), fields=_FIELDS):
         yield item
@@ -314,21 +323,24 @@ async def chat_completions(request: Request) -> Any:
     rid, created = new_id("chatcmpl"), int(time.time())
     as_ids = body.return_tokens_as_token_ids
     if body.stream:
-        items = await generation.start_stream(state.engine, jobs, rid, fields=_CHAT_FIELDS)
+        items = await generation.start_stream(state.engine, jobs, rid, fields=_CHAT_FIELDS,
+                                              cache_salt=body.cache_salt)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": state.model_name}
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids,
                                          usage=usage, parsing=parsing,
                                          mass=body.return_kept_mass))
-    outs = (await generation.run(state.engine, jobs, rid, request, fields=_CHAT_FIELDS))[0]
+    outs = (await generation.run(state.engine, jobs, rid, request, fields=_CHAT_FIELDS,
+                                 cache_salt=body.cache_salt))[0]
     choices = [_chat_choice(state, k, out, parsing, as_ids=as_ids,
                             token_ids=body.return_token_ids, mass=body.return_kept_mass)
                for k, out in enumerate(outs)]
     answer = {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-        "choices": choices,
-        "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs)),
+        "choices": choices, "weight_version": outs[-1].weight_version,
+        "usage": answer_fields.usage(len(ids), sum(len(o.token_ids) for o in outs),
+                        sum(o.num_cached_tokens for o in outs)),
     }
     if body.return_token_ids:
         answer["prompt_token_ids"] = list(ids)
@@ -354,7 +366,7 @@ def _chat_choice(state: ServerState, index: int, out: Any, parsing: ChatParsing 
                                    as_ids=as_ids),
         "finish_reason": finish_reason,
         "stop_reason": getattr(out, "stop_reason", None),
-    }
+    } | answer_fields.choice_versions(out)
     if token_ids:
         choice["token_ids"] = list(out.token_ids)
     if mass:
@@ -370,7 +382,7 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
         # a choice's parser stream (None without parsers), from its first chunk
         streams: dict[int, OutputStream | None] = {}
         called: set[int] = set()
-        completion_tokens = 0
+        completion_tokens = cached = 0
         async for index, delta in items:
             first = index not in streams
             if first:
@@ -390,17 +402,21 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
             if first:  # the first chunk of a choice names its role
                 message = {"role": "assistant"} | message
             completion_tokens += len(delta.token_ids)
+            cached += delta.output.num_cached_tokens if delta.output is not None else 0
             logprobs = _chat_logprobs(state, delta.token_ids, delta.logprobs,
                                       delta.top_logprobs, as_ids=as_ids)
-            if not message and finish_reason is None and logprobs is None and not mass:
+            versions = answer_fields.final_choice_versions(delta)
+            if (not message and finish_reason is None and logprobs is None and not mass
+                    and not versions):
                 continue  # the parser holds this text back (a tag not yet whole)
             choice = {"index": index, "delta": message, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason} | versions
             if mass:
                 choice["kept_mass"] = list(delta.kept_mass or [])
-            yield event(dict(head, choices=[choice]))
+            yield event(dict(head, weight_version=delta.weight_version, choices=[choice]))
         if usage:
-            yield event(dict(head, choices=[], usage=_usage(prompt_tokens, completion_tokens)))
+            yield event(dict(head, choices=[], usage=answer_fields.usage(
+                prompt_tokens, completion_tokens, cached)))
 
     async for item in sse.guarded(events(), fields=_CHAT_FIELDS):
         yield item

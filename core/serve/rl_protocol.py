@@ -46,6 +46,10 @@ class SGLangSamplingParams(StrictModel):
     custom_params: dict[str, Any] | None = None
 
 
+#: a prefix-cache namespace: a non-empty string
+ExtraKey = Annotated[str, Field(min_length=1)]
+
+
 class GenerateRequest(StrictModel):
     """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
 
@@ -67,6 +71,9 @@ class GenerateRequest(StrictModel):
     return_kept_mass: bool = False
     rid: str | None = None
     stream: bool = False
+    #: SGLang's prefix-cache namespace (vLLM's ``cache_salt``): only requests with the
+    #: same key share cached KV
+    extra_key: ExtraKey | None = None
     # GenerateReqInput's other fields: accepted empty or off only (see generate_routes)
     image_data: Any = None
     video_data: Any = None
@@ -120,6 +127,7 @@ class BatchGenerateRequest(StrictModel):
     return_routed_experts: bool = False
     rid: list[str] | None = None
     stream: bool = False
+    extra_key: ExtraKey | list[ExtraKey] | None = None
 
     @staticmethod
     def is_batch(data: object) -> bool:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from kvrunner.serve import generation, sse
+from kvrunner.serve import answer_fields, generation, sse
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.chat_messages import render_messages
 from kvrunner.serve.errors import APIError
@@ -90,7 +90,8 @@ class TokensGenerateRequest(StrictModel):
     features: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    #: vLLM's prefix-cache namespace: only requests with the same salt share cached KV
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -146,7 +147,7 @@ async def generate_tokens(request: Request) -> Any:
     if body.features is not None:
         raise APIError(400, "multimodal features are not supported by kvrunner (it serves "
                        "text models)", param="features")
-    for name, neutral in (("cache_salt", None), ("priority", 0), ("kv_transfer_params", None)):
+    for name, neutral in (("priority", 0), ("kv_transfer_params", None)):
         if getattr(body, name) != neutral:
             raise APIError(400, f"{name}={getattr(body, name)!r} is not supported by kvrunner",
                            param=name)
@@ -163,41 +164,43 @@ async def generate_tokens(request: Request) -> Any:
     head = {"id": rid, "request_id": rid}
     asked_top = sp.logprobs or 0
     if body.stream:
-        items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS)
+        items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS,
+                                              cache_salt=body.cache_salt)
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_events(items, head, len(ids), asked_top, usage))
-    outs = (await generation.run(state.engine, jobs, rid, request, fields=_FIELDS))[0]
+    outs = (await generation.run(state.engine, jobs, rid, request, fields=_FIELDS,
+                                 cache_salt=body.cache_salt))[0]
     choices = [{
         "index": k,
         "logprobs": _logprobs(out.token_ids, out.logprobs, out.top_logprobs, asked_top),
         "finish_reason": out.finish_reason or "stop",
         "token_ids": list(out.token_ids),
-    } for k, out in enumerate(outs)]
+    } | answer_fields.choice_versions(out) for k, out in enumerate(outs)]
     completion = sum(len(out.token_ids) for out in outs)
     return JSONResponse(dict(head, model=state.model_name, choices=choices,
-                             prompt_logprobs=None,
-                             usage={"prompt_tokens": len(ids), "completion_tokens": completion,
-                                    "total_tokens": len(ids) + completion}))
+                             prompt_logprobs=None, weight_version=outs[-1].weight_version,
+                             usage=answer_fields.usage(len(ids), completion,
+                                          sum(out.num_cached_tokens for out in outs))))
 
 
 async def _events(items: AsyncIterator[tuple[int, Any]], head: dict[str, Any],
                   prompt_tokens: int, asked_top: int, usage: bool) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
-        completion = 0
+        completion = cached = 0
         async for index, delta in items:
             completion += len(delta.token_ids)
+            cached += delta.output.num_cached_tokens if delta.output is not None else 0
             if not delta.token_ids and delta.finish_reason is None:
                 continue
-            yield sse.event(dict(head, choices=[{
+            yield sse.event(dict(head, weight_version=delta.weight_version, choices=[{
                 "index": index, "finish_reason": delta.finish_reason,
                 "token_ids": list(delta.token_ids),
                 "logprobs": _logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs,
                                       asked_top),
-            }]))
+            } | answer_fields.final_choice_versions(delta)]))
         if usage:
-            yield sse.event(dict(head, choices=[], usage={
-                "prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}))
+            yield sse.event(dict(head, choices=[], usage=answer_fields.usage(
+                prompt_tokens, completion, cached)))
 
     async for item in sse.guarded(events(), fields=_FIELDS):
         yield item

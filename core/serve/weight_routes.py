@@ -61,7 +61,9 @@ class UpdateWeightsFromTensorRequest(StrictModel):
     ipc_authkey: Annotated[str, Field(min_length=2)] | None = None
     weight_version: str | None = None
     abort_all_requests: bool = False
-    #: the prefix cache is always reset after an update (its KV came from the old weights)
+    #: reset the prefix cache after the update; false keeps it, as SGLang does (with
+    #: ``--salt-prefix-cache-by-weight-version``, the default, no later request reuses
+    #: the old weights' KV all the same)
     flush_cache: bool = True
     check_finite: bool = True
     timeout_s: Annotated[float, Field(gt=0)] = 300.0
@@ -119,7 +121,8 @@ async def _from_serialized(request: Request, body: UpdateWeightsFromTensorReques
         await engine.abort_all()
     try:
         loaded = await engine.update_weights(pairs, weight_version=body.weight_version,
-                                             check_finite=body.check_finite)
+                                             check_finite=body.check_finite,
+                                             reset_prefix_cache=body.flush_cache)
     except KvrunnerError as e:
         error = engine_error(e)
         return _failed(error.status, error.message, None)
@@ -139,7 +142,8 @@ async def _from_sender(request: Request, body: UpdateWeightsFromTensorRequest) -
     try:
         loaded = await engine.update_weights_from_ipc(
             body.ipc_address, authkey=authkey, weight_version=body.weight_version,
-            check_finite=body.check_finite, timeout_s=body.timeout_s)
+            check_finite=body.check_finite, timeout_s=body.timeout_s,
+            reset_prefix_cache=body.flush_cache)
     except WeightSyncError as e:
         return _failed(400, str(e), None)
     except KvrunnerError as e:
@@ -230,8 +234,8 @@ async def update_weights_from_distributed(request: Request) -> JSONResponse:
     if body.abort_all_requests:
         await engine.abort_all()
     return await _answer(engine.update_weights_from_distributed(
-        body.names, body.dtypes, body.shapes, weight_version=body.weight_version),
-        "weights received")
+        body.names, body.dtypes, body.shapes, weight_version=body.weight_version,
+        reset_prefix_cache=body.flush_cache), "weights received")
 
 
 @router.post("/destroy_weights_update_group")

@@ -78,8 +78,6 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "logprobs_mode": (strs_except("raw_logprobs", "raw_logits", "processed_logprobs",
                                   "processed_logits"), "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
-    "logprobs_mode": (strs_except("raw_logprobs", "raw_logits", "processed_logprobs",
-                                  "processed_logits"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
     "gpu_memory_utilization": (floats_outside(0.01, 1.0), "load", {}),
@@ -87,6 +85,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "num_blocks": (ints_outside(1, 1 << 40), "load", {}),
     "enable_prefix_caching": (not_a_bool, "load", {}),
     "kv_cache_dtype": (strs_except("auto", "fp8", "fp8_e4m3"), "load", {}),
+    "salt_prefix_cache_by_weight_version": (not_a_bool, "load", {}),
     # [scheduler]
     "max_num_seqs": (ints_outside(1, 1 << 16), "load", {}),
     "max_num_batched_tokens": (ints_outside(1, 1 << 24), "load", {}),

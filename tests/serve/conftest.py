@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_kit import API_KEY, ENGINE_KWARGS, SETTING_FLAGS, ServeProcess, start_server
+from serve_kit import API_KEY, ENGINE_KWARGS, SETTING_FLAGS, ServeProcess, running, start_server
 
 
 @pytest.fixture(scope="session")
@@ -37,13 +37,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory, serve_home: Path
         "locked": start_server(tmp, serve_home, "locked", [], api_key=API_KEY + "-env",
                                env_key=True),
     }
-    try:
-        for server in started.values():
-            server.wait_ready()
+    with running(started):
         yield started
-    finally:
-        codes = {name: server.stop() for name, server in started.items()}
-        assert codes == {"rl": 0, "locked": 0}, codes
 
 
 @pytest.fixture(scope="session")

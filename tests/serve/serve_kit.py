@@ -9,6 +9,7 @@ with every process it started (tensor-parallel ranks included) gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -166,6 +168,19 @@ class ServeProcess:
 def server_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "KVRUNNER_API_KEY"}
     return env | {"KVRUNNER_HOME": str(home)} | extra
+
+
+@contextlib.contextmanager
+def running(servers: dict[str, ServeProcess]) -> Iterator[dict[str, ServeProcess]]:
+    """``servers`` (started side by side) once each is ready; at the end every one is
+    stopped and must have exited 0."""
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        yield servers
+    finally:
+        codes = {name: server.stop() for name, server in servers.items()}
+        assert codes == dict.fromkeys(servers, 0), codes
 
 
 def start_server(tmp: Path, home: Path, name: str, flags: list[str], *,

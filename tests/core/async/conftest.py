@@ -31,9 +31,9 @@ def served(checkpoints) -> Iterator[LLM]:
 @pytest.fixture
 def llm(served: LLM, checkpoints) -> Iterator[LLM]:
     """An engine on the first checkpoint (each test wraps it in an AsyncLLM); put back
-    on that checkpoint after a test that pushed other weights."""
+    on that checkpoint, as weight version 0, after a test that pushed other weights."""
     yield served
-    served.load_weights(checkpoints[0])
+    served.load_weights(checkpoints[0], weight_version=0)
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,8 @@ def test_calls_that_would_corrupt_running_requests_refuse(llm: LLM, checkpoints,
 
     async def run():
         async with AsyncLLM.from_llm(llm) as engine:
+            version = engine.stats().weight_version  # the LLM's: earlier tests updated it
+            updates = llm.engine.num_weight_updates
             task = asyncio.create_task(engine.generate(PROMPTS[2], LONG))
             await until(lambda: engine.stats().num_running > 0)
             with pytest.raises(EngineBusyError, match="pause"):
@@ -128,10 +130,11 @@ def test_calls_that_would_corrupt_running_requests_refuse(llm: LLM, checkpoints,
             info = await engine.cache_info()  # always allowed
             assert info.kv_cache == "resident"
             out = await task
-            assert engine.stats().weight_version == 0  # nothing was changed
+            assert engine.stats().weight_version == version  # nothing was changed
+            assert llm.engine.num_weight_updates == updates
             # idle: an update needs no pause, and its version is the count by default
             await engine.load_weights(checkpoints[0])
-            assert engine.stats().weight_version == 1
+            assert engine.stats().weight_version == updates + 1
             return out
 
     assert_matches(asyncio.run(run()), reference.output(PROMPTS[2], LONG))

@@ -152,7 +152,7 @@ def test_random_interleavings_end_every_request_once_with_the_reference_tokens(
 ) -> None:
     if not WEIGHTS:
         WEIGHTS.extend(weights_of(p) for p in checkpoints)
-    served.load_weights(checkpoints[0])  # each example starts on the first weights
+    served.load_weights(checkpoints[0], weight_version=0)  # each example: the first weights
     labels: dict[Any, int] = {0: 0}
 
     async def run():
