@@ -115,7 +115,8 @@ def _cmd_check_backend(args: argparse.Namespace) -> int:
         return 2
 
     return check_backend(args.name, checks=args.check, examples=args.examples,
-                         use_triton=args.triton, overlap=args.overlap)
+                         use_triton=args.triton, overlap=args.overlap,
+                         kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -359,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the backend's Triton kernels (interpreted without CUDA)")
     p.add_argument("--overlap", default=None,
                    help="with this overlap plugin on top, cutting every step it can")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="build the backend with this kv_cache_dtype (fp8: the references "
+                   "attend keys and values rounded to e4m3)")
     p.set_defaults(func=_cmd_check_backend)
 
     p = sub.add_parser("make-tiny", help="write a random HF-format checkpoint with tokenizer.json")

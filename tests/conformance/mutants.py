@@ -46,8 +46,10 @@ class ShiftedSlots(PagedBackend):
         return md
 
 
-def _store_ignoring_pad(*, k, v, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
-    """Writes every row, PAD ones included (a PAD index wraps to the last slot)."""
+def _store_ignoring_pad(*, k, v, k_cache, v_cache, slot_mapping, **scales) -> None:  # noqa: ANN001, ANN003
+    """Writes every row, PAD ones included (a PAD index wraps to the last slot); pools
+    in the model's dtype, so the FP8 scales the layer hands every store go unused."""
+    del scales
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     rows = slot_mapping.long() % flat_k.shape[0]
     flat_k[rows] = k.to(flat_k.dtype)

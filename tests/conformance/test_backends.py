@@ -33,6 +33,22 @@ def test_torch_path(backend: str, check: str) -> None:
         assert 1 <= run_check(target, check, max_examples=6) <= 6
 
 
+@pytest.mark.parametrize("check", EAGER_CHECKS)
+@pytest.mark.parametrize("backend", ["paged", "gdn"])
+def test_fp8_kv_on_the_torch_path(backend: str, check: str) -> None:
+    """``kv_cache_dtype = "fp8"``: paged stores e4m3 (the references round keys and values
+    the same way), gdn keeps its state; every property holds."""
+    for target in Target.of(backend, kv_cache_dtype="fp8"):
+        assert 1 <= run_check(target, check, max_examples=4) <= 4
+
+
+@pytest.mark.parametrize("check", RIG_CHECKS)
+@pytest.mark.parametrize("backend", ["paged", "gdn"])
+def test_fp8_kv_on_the_triton_path(backend: str, check: str) -> None:
+    for target in Target.of(backend, use_triton=True, device=TRITON_DEVICE, kv_cache_dtype="fp8"):
+        assert 1 <= run_check(target, check, max_examples=2) <= 2
+
+
 @pytest.mark.parametrize("check", RIG_CHECKS)
 @pytest.mark.parametrize("backend", ["paged", "gdn"])
 def test_triton_path(backend: str, check: str) -> None:

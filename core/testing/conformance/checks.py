@@ -33,6 +33,8 @@ def expected(rig: Rig, rows: Rows, layer: int) -> torch.Tensor:
         inputs = rig.seq_inputs(seq, layer)
         if rig.target.layer_type == FULL:
             q, k, v = inputs
+            if rig.target.kv_cache_dtype == "fp8":
+                k, v = reference.e4m3(k), reference.e4m3(v)
             positions = range(start, end)
             parts.append(reference.full_attention(q[start:end], k[:end], v[:end], positions))
         else:

@@ -15,9 +15,11 @@ from kvrunner.testing.conformance import CHECKS, Target, not_run_because, run_ch
 
 def check_backend(
     name: str, *, checks: Sequence[str] | None = None, examples: int = 8, use_triton: bool = False,
-    overlap: str | None = None,
+    overlap: str | None = None, kv_cache_dtype: str = "auto",
 ) -> int:
     """Run the checks, one line each; exit status 0 when all pass, 1 otherwise.
+    ``kv_cache_dtype``: the backend built with it (the references round keys and values
+    as an FP8 pool does).
 
     ``overlap``: with that overlap plugin on top of the layer backend ``name``. An
     overlap plugin is itself checked that way, over every installed layer backend.
@@ -36,13 +38,15 @@ def check_backend(
         if refused:
             print(f"not over {', '.join(refused)}: they do not declare supports_overlap")
         return max((check_backend(layer, checks=checks, examples=examples,
-                                  use_triton=use_triton, overlap=name) for layer in layers),
+                                  use_triton=use_triton, overlap=name,
+                                  kv_cache_dtype=kv_cache_dtype) for layer in layers),
                    default=1)
     device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
     failed = skipped = 0
     label = f"{name}+{overlap}" if overlap else name
     try:
-        targets = Target.of(name, use_triton=use_triton, device=device, overlap=overlap)
+        targets = Target.of(name, use_triton=use_triton, device=device, overlap=overlap,
+                            kv_cache_dtype=kv_cache_dtype)
     except Exception as e:  # a backend that does not load fails every check, said once
         print(f"FAIL {label} load\n{_one_line(e)}\n")
         print(f"{label}: the backend did not load; no check ran")

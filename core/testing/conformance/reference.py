@@ -9,6 +9,12 @@ import torch
 L2NORM_EPS = 1e-6
 
 
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an FP8 KV cache at scale 1.0 holds it: clamped to ±448, rounded to
+    float8 e4m3 (ties to even), back in float32."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+
 def full_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: range
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from kvrunner.engine.step_io import SamplingColumns, StepInput
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.plugin_api.factory import (
     CacheRows,
+    accepted_kv_cache_dtypes,
     declares_batch_invariance,
     declares_overlap_support,
 )
@@ -57,15 +58,20 @@ class Target:
     supports_overlap: bool = False
     #: the factory declares ``batch_invariant`` (the kit then checks the promise)
     batch_invariant: bool = False
+    #: how the backend stores keys and values (``context.kv_cache_dtype``); with "fp8"
+    #: the reference attends keys and values rounded to e4m3 at scale 1.0, the default
+    #: per-tensor scale
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def of(
         cls, name: str, *, use_triton: bool = False, device: str = "cpu",
-        overlap: str | None = None,
+        overlap: str | None = None, kv_cache_dtype: str = "auto",
     ) -> list[Target]:
         """One target per layer type the installed backend ``name`` serves, reading its
         cache through the factory's ``cache_rows`` attribute (``overlap``: with that
-        overlap plugin on top, cutting every step it can)."""
+        overlap plugin on top, cutting every step it can; ``kv_cache_dtype``: the
+        backend built with it, refused where its factory does not list it)."""
         found = discover_backends()
         if name not in found:
             raise BackendError(f"backend {name!r} is not installed; installed: {sorted(found)}")
@@ -77,11 +83,16 @@ class Target:
                 f"overlap plugin {overlap!r} cannot run over backend {name!r}: {name!r} does "
                 f"not declare supports_overlap = True (docs/plugins.md, 'Overlap plugins')"
             )
+        if kv_cache_dtype not in accepted_kv_cache_dtypes(factory):
+            raise BackendError(
+                f"kv_cache_dtype={kv_cache_dtype!r}: backend {name!r} accepts "
+                f"{list(accepted_kv_cache_dtypes(factory))} (its kv_cache_dtypes)"
+            )
         # cache_rows is required of every layer backend, checked at load
         return [
             cls(name=name, layer_type=t, cache_rows=factory.cache_rows, use_triton=use_triton,
                 device=device, overlap=overlap, supports_overlap=supports_overlap,
-                batch_invariant=batch_invariant)
+                batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype)
             for t in factory.layer_types
             if t in (FULL, LINEAR)
         ]
@@ -110,6 +121,7 @@ class Rig:
             max_num_seqs=cases.MAX_SEQS, max_num_batched_tokens=cases.MAX_TOKENS,
             max_model_len=cases.MAX_MODEL_LEN, device=target.device,
             use_triton=target.use_triton, overlap=target.overlap,
+            kv_cache_dtype=target.kv_cache_dtype,
         )  # fmt: skip
         self.served = self.spec.layers_of_type(target.layer_type)
         self.layers = {
