@@ -34,6 +34,9 @@ FIELD_HELP: dict[str, str] = {
     "rounding; SGLang's --enable-fp32-lm-head)",
     "fp32_router_logits": "compute MoE router logits in float32 (near-tie experts chosen "
     "as a float32 trainer chooses them)",
+    "quantization": "fp8: the projections' weights in FP8 e4m3 with 128x128 block scales "
+    "(bf16 checkpoints and pushes quantized as they load); auto: as the checkpoint's "
+    "quantization_config says; none: the model dtype",
     # [cache]
     "block_size": "tokens per KV-cache block",
     "gpu_memory_utilization": "fraction of the GPU's memory the engine may use "
