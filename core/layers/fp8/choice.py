@@ -50,7 +50,8 @@ def resolve_quantization(asked: str, hf_config: Mapping[str, Any], *,
     """The quantization the engine runs: ``"fp8"`` or None (see the module docstring).
 
     :raises ConfigError: an FP8 checkpoint with ``quantization="none"``, a checkpoint
-        quantized some other way, or FP8 with ``deterministic`` (the FP8 product has
+        quantized some other way, FP8 for a mixture-of-experts model (its stacked
+        experts have no FP8 path), or FP8 with ``deterministic`` (the FP8 product has
         no batch-invariant kernel).
     """
     stored = checkpoint_quantization(hf_config)
@@ -59,6 +60,10 @@ def resolve_quantization(asked: str, hf_config: Mapping[str, Any], *,
                           "says its weights are FP8 (quantization_config); use "
                           "quantization='fp8' or 'auto'")
     chosen = stored if asked == "auto" else (None if asked == "none" else asked)
+    if chosen == "fp8" and (hf_config.get("num_experts") or 0) > 0:
+        raise ConfigError("quantization='fp8' with a mixture-of-experts model: the stacked "
+                          "experts have no FP8 kernel yet (only the dense projections are "
+                          "FP8); use quantization='none' with a bf16 checkpoint")
     if chosen == "fp8" and deterministic:
         raise ConfigError("deterministic=True with quantization='fp8': the FP8 product has "
                           "no batch-invariant kernel; use quantization='none' with a bf16 "
