@@ -35,7 +35,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     if w8a8_serves(x, weight):
         try:
             return w8a8_linear(x, weight, scale_inv, bias)
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # torch's shape and support checks raise both
             _REFUSED.add(tuple(weight.shape))
     return F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
 
