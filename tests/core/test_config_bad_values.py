@@ -75,6 +75,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "fp32_lm_head": (not_a_bool, "load", {}),
     "fp32_router_logits": (not_a_bool, "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
+    "quantization": (strs_except("auto", "none", "fp8"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
     "gpu_memory_utilization": (floats_outside(0.01, 1.0), "load", {}),
