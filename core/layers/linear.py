@@ -24,6 +24,9 @@ from torch import nn
 
 from kvrunner.layers.activation import silu_and_mul
 from kvrunner.layers.batch_invariant import invariant_linear
+from kvrunner.layers.fp8.choice import building_quantization
+from kvrunner.layers.fp8.gemm import fp8_linear
+from kvrunner.layers.fp8.weights import check_part_alignment, load_fp8_part, make_fp8_params
 from kvrunner.layers.fused.dispatch import batch_invariant, use_skinny_gemm
 from kvrunner.layers.weight_copy import copy_weight_
 
@@ -121,7 +124,15 @@ def _shard(
 
 
 class LinearBase(nn.Module):
-    """``y = x @ W.T (+ b)`` with a rank-local ``W`` of ``[out_local, in_local]``."""
+    """``y = x @ W.T (+ b)`` with a rank-local ``W`` of ``[out_local, in_local]``.
+
+    A quantizable layer built under ``quantization="fp8"``
+    (:func:`~kvrunner.layers.fp8.choice.building_with`) holds ``W`` in FP8 with its
+    128 x 128 block scales (``layers/fp8/``); the bias stays in the model dtype.
+    """
+
+    #: whether ``quantization`` applies (the parallel projections; not a router)
+    quantizable = False
 
     def __init__(
         self,
@@ -135,10 +146,16 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(
-            torch.empty(out_local, in_local, dtype=dtype, device=device), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
+        #: the weight is FP8 with block scales (``weight_scale_inv``)
+        self.fp8 = self.quantizable and building_quantization() == "fp8"
+        if self.fp8:
+            make_fp8_params(self, out_local, in_local, device)
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(out_local, in_local, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+            self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(out_local, dtype=dtype, device=device), requires_grad=False
@@ -153,9 +170,29 @@ class LinearBase(nn.Module):
         """Copy the full checkpoint tensor ``loaded`` (replicated layers take it whole)."""
         copy_weight_(param, loaded, what=type(self).__name__)
 
+    def _load_part(self, param: nn.Parameter, loaded: torch.Tensor, *, dim: int, index: int,
+                   size: int, total: int, offset: int = 0, what: str) -> None:
+        """Place part ``index`` (``size`` wide along ``dim`` of a tensor ``total`` wide)
+        at local rows ``offset`` (dim 0) or over the whole parameter (dim 1); an FP8
+        weight or its scales through :func:`~kvrunner.layers.fp8.weights.load_fp8_part`."""
+        if self.fp8 and param.dim() == 2:
+            load_fp8_part(self.weight, self.weight_scale_inv, param, loaded, dim=dim,
+                          index=index, size=size, total=total, offset=offset, what=what)
+            return
+        shard = _shard(loaded, dim, index, size, total, what)
+        copy_weight_(param.narrow(0, offset, size) if dim == 0 else param, shard, what=what)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` without the bias."""
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.weight_scale_inv)
+        return project(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return project(x, self.weight)
+            return self._product(x)
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
         if batch_invariant():
             return invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -172,17 +209,21 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; each rank returns its slice of ``y``."""
 
+    quantizable = True
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE) -> None:
         out_local = divide(out_features, tp.size, "ColumnParallelLinear output features")
         super().__init__(in_features, out_local, bias=bias, dtype=dtype, device=device, tp=tp)
+        if self.fp8 and type(self) is ColumnParallelLinear:
+            check_part_alignment(type(self).__name__, [r * out_local for r in range(tp.size)])
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        rows, what = param.shape[0], type(self).__name__
-        shard = _shard(loaded, 0, self.tp.rank, rows, rows * self.tp.size, what)
-        copy_weight_(param, shard, what=what)
+        rows = self.weight.shape[0]
+        self._load_part(param, loaded, dim=0, index=self.tp.rank, size=rows,
+                        total=rows * self.tp.size, what=type(self).__name__)
 
 
 class RowParallelLinear(LinearBase):
@@ -193,6 +234,8 @@ class RowParallelLinear(LinearBase):
     adds more partial sums first and reduces them all in one all-reduce (no bias then).
     """
 
+    quantizable = True
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE,
                  reduce_output: bool = True) -> None:
@@ -201,6 +244,8 @@ class RowParallelLinear(LinearBase):
         in_local = divide(in_features, tp.size, "RowParallelLinear input features")
         super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, tp=tp)
         self.reduce_output = reduce_output
+        if self.fp8:
+            check_part_alignment(type(self).__name__, [r * in_local for r in range(tp.size)])
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -208,16 +253,18 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: replicated
             copy_weight_(param, loaded, what=type(self).__name__)
             return
-        cols, what = param.shape[1], type(self).__name__
-        shard = _shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size, what)
-        copy_weight_(param, shard, what=what)
+        cols = self.weight.shape[1]
+        self._load_part(param, loaded, dim=1, index=self.tp.rank, size=cols,
+                        total=cols * self.tp.size, what=type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduced(project(x, self.weight))
+        return self._reduced(self._product(x))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu(gate) * up)`` for a SwiGLU MLP's ``[gate | up]`` (this rank's
         slices), with the activation fused into a one-row product."""
+        if self.fp8:
+            return self._reduced(self._product(silu_and_mul(gate_up)))
         return self._reduced(project_silu_mul(gate_up, self.weight))
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
@@ -240,6 +287,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = [divide(s, tp.size, "MergedColumnParallelLinear part")
                             for s in part_sizes]
         super().__init__(in_features, sum(part_sizes), bias=bias, dtype=dtype, device=device, tp=tp)
+        if self.fp8:
+            check_part_alignment(type(self).__name__, [
+                sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))
+            ] + [r * s for s in self.local_sizes for r in range(tp.size)])
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -247,10 +298,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"MergedColumnParallelLinear: bad shard id {shard_id!r}")
         size = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
-        what = f"{type(self).__name__} part {shard_id}"
-        shard = _shard(loaded, 0, self.tp.rank, size, size * self.tp.size, what)
-        copy_weight_(param.narrow(0, offset, size), shard, what=what)
+        self._load_part(param, loaded, dim=0, index=self.tp.rank, size=size,
+                        total=size * self.tp.size, offset=sum(self.local_sizes[:shard_id]),
+                        what=f"{type(self).__name__} part {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -280,6 +330,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(
             self, hidden_size, out_local, bias=bias, dtype=dtype, device=device, tp=tp
         )
+        if self.fp8:
+            check_part_alignment(type(self).__name__, [
+                0, self.q_size, self.q_size + self.kv_size,
+                tp.rank * self.q_size, self.kv_shard * self.kv_size])
 
     @property
     def q_size(self) -> int:
@@ -301,9 +355,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             total = self.total_num_kv_heads * self.head_dim
         else:
             raise ValueError(f"QKVParallelLinear: bad shard id {shard_id!r} (want 'q', 'k' or 'v')")
-        what = f"QKVParallelLinear {shard_id}_proj"
-        shard = _shard(loaded, 0, index, size, total, what)
-        copy_weight_(param.narrow(0, offset, size), shard, what=what)
+        self._load_part(param, loaded, dim=0, index=index, size=size, total=total,
+                        offset=offset, what=f"QKVParallelLinear {shard_id}_proj")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q+k+v]`` -> ``q [T, q_size]``, ``k [T, kv_size]``, ``v [T, kv_size]``."""

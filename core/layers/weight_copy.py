@@ -27,6 +27,8 @@ STAGE_CHUNK_BYTES = 32 << 20
 #: smaller tensors copy directly (a staging round costs more than it saves)
 STAGE_MIN_BYTES = 1 << 20
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 #: ``(shape, dtype) -> host tensor`` a chunk is staged in
 Stager = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
@@ -51,9 +53,13 @@ def copy_weight_(dst: torch.Tensor, src: torch.Tensor, *, what: str = "") -> Non
     ``copy_`` does), staged through pinned memory when ``src`` is pageable host
     memory and ``dst`` is on CUDA. Shapes must match (no broadcasting); ``what``
     names the weight in the error."""
+    prefix = f"{what}: " if what else ""
     if dst.shape != src.shape:
-        prefix = f"{what}: " if what else ""
         raise ValueError(f"{prefix}expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    if src.dtype in _FP8 and dst.dtype not in _FP8 and dst.is_floating_point():
+        # an FP8 tensor means nothing without its block scales: refuse a silent cast
+        raise ValueError(f"{prefix}an FP8 ({src.dtype}) tensor loads only into FP8 weights "
+                         f"(quantization='fp8'); this parameter is {dst.dtype}")
     with torch.no_grad():
         if needs_staging(dst, src):
             staged_copy_(dst, src, stage=_pinned, chunk_bytes=STAGE_CHUNK_BYTES)

@@ -111,7 +111,7 @@ class CheckpointTensors:
                         problem = self.check(name, tensor) if self.check else None
                         if problem is not None:
                             raise CheckpointError(file, f"tensor {name!r} {problem}")
-                        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                        yield name, _cast(name, tensor, dtype)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(file, f"cannot be read as safetensors: {e}") from None
 
@@ -127,6 +127,15 @@ class CheckpointTensors:
             return CheckpointError(self.path, f"no weight file holds the tensor(s) the model "
                                               f"needs: {error}")
         return CheckpointError(self.path, str(error))
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float tensor in ``dtype``; an FP8 checkpoint's bytes and their float32 block
+    scales (``*_scale_inv``) stay as stored (only together do they mean anything)."""
+    if (not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            or name.endswith("_scale_inv")):
+        return tensor
+    return tensor.to(dtype)
 
 
 def _is_float(header_dtype: str) -> bool:

@@ -28,10 +28,20 @@ def tensor_problem(value: Any, *, check_finite: bool) -> str | None:
         return "is on the meta device: it has a shape but no values to load"
     if not value.is_floating_point():
         return dtype_problem(str(value.dtype).removeprefix("torch."), floating=False)
+    if check_finite and value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # no min/max for float8: its NaN (and e5m2's inf) bit patterns, counted
+        return "holds NaN or inf values" if _float8_nonfinite(value) else None
     if check_finite and value.numel() and not bool(torch.isfinite(torch.stack(
         torch.aminmax(value))).all()):
         return "holds NaN or inf values"
     return None
+
+
+def _float8_nonfinite(value: torch.Tensor) -> bool:
+    bits = value.contiguous().view(torch.uint8)
+    if value.dtype == torch.float8_e4m3fn:  # NaN: x111_1111, no infinity
+        return bool(((bits & 0x7F) == 0x7F).any())
+    return bool(((bits & 0x7C) == 0x7C).any())  # e5m2: an all-ones exponent
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -40,6 +50,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     one wait), which a NaN or an infinity anywhere makes non-finite. ``False`` may
     also mean finite values so large that their sum overflows: a caller naming the
     culprit then checks each tensor (:func:`tensor_problem`)."""
+    if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors):
+        return all(tensor_problem(t, check_finite=True) is None for t in tensors)
     tensors = [t for t in tensors if t.numel()]
     return not tensors or bool(torch.isfinite(get_total_norm(tensors, norm_type=1.0)))
 

@@ -214,10 +214,15 @@ def load_weights_into(
             raise WeightDuplicateError(
                 f"tensor {twice!r} is given twice in one update"
                 + (f" (also through {name!r})" if name != twice else ""), tensor=twice)
+        scales = _scales_covered(name, pname, targets.params[pname], tensor)
+        if scales is not None:
+            covers = [*covers, scales[0]]
         if not dry_run:
             # where each loaded name went, and its full shape (what weights_checksum reads)
             layout = module.__dict__.setdefault("checkpoint_layout", {})
             layout[name] = (pname, shard, tuple(tensor.shape))
+            if scales is not None:
+                layout[scales[0]] = (scales[1], shard, scales[2])
         param = params[pname]
         loader = getattr(param, "weight_loader", _default_weight_loader)
         try:
@@ -237,6 +242,21 @@ def load_weights_into(
             missing=missing, unexpected=sorted(unexpected),
         )
     return seen
+
+
+def _scales_covered(name: str, pname: str, param: nn.Parameter, tensor: torch.Tensor
+                    ) -> tuple[str, str, tuple[int, ...]] | None:
+    """For a float tensor loading into an FP8 weight (which quantizes it and writes its
+    block scales too): ``(the scales' checkpoint name, their parameter, their full
+    shape)``, so the scales count as given and the checksum digests them; else None."""
+    suffix = getattr(param, "fp8_scale_name", None)
+    if suffix is None or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (
+            not name.endswith(".weight")):
+        return None
+    from kvrunner.layers.fp8.blocks import scale_shape
+
+    return (name.removesuffix("weight") + suffix, pname.removesuffix("weight") + suffix,
+            scale_shape(tuple(tensor.shape)))
 
 
 def _listing(names: list[str], limit: int = 12) -> str:

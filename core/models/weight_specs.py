@@ -58,6 +58,13 @@ def check_specs(
     model.load_weights(_shaped(specs), require_all=whole, targets=targets, dry_run=True)
 
 
+#: float8 dtypes by the names torch and safetensors headers give them: an FP8 tensor
+#: loads by another rule than a float one (its bytes as stored, beside its scales)
+_FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "F8_E4M3": torch.float8_e4m3fn,
+           "float8_e5m2": torch.float8_e5m2, "F8_E5M2": torch.float8_e5m2}
+
+
 def _shaped(specs: Iterable[TensorSpec]) -> Iterable[tuple[str, torch.Tensor]]:
     for spec in specs:
-        yield spec.name, torch.empty(spec.shape, device="meta")
+        yield spec.name, torch.empty(spec.shape, device="meta",
+                                     dtype=_FLOAT8.get(spec.dtype, torch.float32))

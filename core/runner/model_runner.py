@@ -31,6 +31,7 @@ from kvrunner.engine.step_io import PackedSampled, StepInput
 from kvrunner.errors import SleepStateError
 from kvrunner.layers.determinism import choose_determinism
 from kvrunner.layers.expert_routes import RoutesPool
+from kvrunner.layers.fp8.choice import building_with, resolve_quantization
 from kvrunner.layers.fused.dispatch import choose_kernels
 from kvrunner.layers.linear import SINGLE
 from kvrunner.layers.numerics import choose_numerics
@@ -210,23 +211,27 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             _create_library_workspaces(self.device, self.dtype)
-        self.model, self.tokenizer, self.model_config = load_model(
-            self.model_path,
-            dtype=self.dtype,
-            device=self.device,
-            progress=progress,
-            load_format=config.load_format,
-            seed=config.seed,
-            skip_tokenizer=config.skip_tokenizer_init,
-            check_finite=config.check_finite,
-            make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
-            tp=(
-                group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config),
-                               fixed_order=config.deterministic)
-                if group is not None
-                else SINGLE
-            ),
-        )
+        #: "fp8" or None: the projections' weight storage (``layers/fp8/``)
+        self.quantization = resolve_quantization(config.quantization, hf_config,
+                                                 deterministic=config.deterministic)
+        with building_with(self.quantization):
+            self.model, self.tokenizer, self.model_config = load_model(
+                self.model_path,
+                dtype=self.dtype,
+                device=self.device,
+                progress=progress,
+                load_format=config.load_format,
+                seed=config.seed,
+                skip_tokenizer=config.skip_tokenizer_init,
+                check_finite=config.check_finite,
+                make_layer=lambda i, t: self.backends.make_layer(layer_index=i, layer_type=t),
+                tp=(
+                    group.tp_group(dtype=self.dtype, all_reduce=_all_reduce_for(config),
+                                   fixed_order=config.deterministic)
+                    if group is not None
+                    else SINGLE
+                ),
+            )
         choose_numerics(self.model, fp32_lm_head=config.fp32_lm_head,
                         fp32_router_logits=config.fp32_router_logits)
         if self.routes is not None:

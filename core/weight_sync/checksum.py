@@ -21,7 +21,7 @@ import torch
 
 from kvrunner.weight_sync.errors import WeightSyncError
 
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _K1, _K2 = -7046029254386353131, -4658895280553007687  # odd 64-bit constants
 
 

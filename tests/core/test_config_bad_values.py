@@ -78,6 +78,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "logprobs_mode": (strs_except("raw_logprobs", "raw_logits", "processed_logprobs",
                                   "processed_logits"), "load", {}),
     "generation_config": (strs_except("auto", "ignore"), "load", {}),
+    "quantization": (strs_except("auto", "none", "fp8"), "load", {}),
     # [cache]
     "block_size": (ints_outside(1, 256), "load", {}),
     "gpu_memory_utilization": (floats_outside(0.01, 1.0), "load", {}),

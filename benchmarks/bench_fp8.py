@@ -1,0 +1,153 @@
+"""FP8 weights against bf16 in one run: the rollout, the product alone, the push.
+
+Random checkpoints of the Qwen3-0.6B and Qwen3-8B shapes (bf16, std 0.02); the FP8
+engine quantizes them as they load (``quantization="fp8"``), as it quantizes a
+trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
+
+- rollout: batch 256, prompts of 1,024 random tokens, 512 new, seeded sampling at
+  temperature 1.0; generated tokens/s, each beside its own HBM floor (every decode
+  step reads the weights as stored, FP8 bytes and scales or bf16, and the KV written
+  so far, at the measured copy bandwidth; the prefill at ~790 bf16 TFLOP/s);
+- the product alone (``layers/fp8/gemm.py``) at the 8B projections' shapes, decode
+  (1, 64, 256 rows) and prefill (4,096 rows) sizes: FP8 w8a8, the dequantizing
+  fallback and bf16 ``F.linear``, each beside the time to read its weight once;
+- a push of the 8B shape's weights from CUDA tensors in bf16 (``update_weights``):
+  into FP8 weights (quantized per 128 x 128 block as it loads) and into bf16 ones.
+
+    python benchmarks/bench_fp8.py [--shapes 0.6b,8b] [--skip-rollout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
+from common import copy_bandwidth_tbps, median_ms
+
+from kvrunner import LLM, SamplingParams
+from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
+from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves
+from kvrunner.models.loader import iter_safetensors
+
+BATCH, PROMPT, NEW = 256, 1024, 512
+BF16_TFLOPS = 790.0
+SHAPES = {
+    "0.6b": SHAPE,
+    "8b": dict(hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
+               vocab=SHAPE["vocab"]),
+}
+GEMM_ROWS = (1, 64, 256, 4096)
+
+
+def kv_per_token(s: dict[str, int]) -> int:
+    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
+
+
+def weight_bytes(llm: LLM) -> int:
+    """The bytes a decode step reads: every parameter as stored (FP8 bytes and scales)."""
+    return sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+
+
+def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, float]:
+    """``(seconds, floor seconds)`` of the RL-shaped rollout."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, s["vocab"], (BATCH, PROMPT), generator=g).tolist()
+    params = [SamplingParams(max_tokens=NEW, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(BATCH)]
+    with LLM(model=str(path), dtype="bfloat16", max_num_seqs=BATCH,
+             max_model_len=PROMPT + NEW + 16, max_num_batched_tokens=16384,
+             gpu_memory_utilization=0.9, **config) as llm:
+        nbytes = weight_bytes(llm)
+        llm.generate(prompts[:2], params[:2])
+        llm.reset_prefix_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    release_memory()
+    kv = kv_per_token(s)
+    decode = sum(nbytes + BATCH * (PROMPT + i) * kv for i in range(NEW)) / bw
+    params_count = nbytes / (1 if config.get("quantization") == "fp8" else 2)
+    prefill = 2 * params_count * BATCH * PROMPT / (BF16_TFLOPS * 1e12)
+    return seconds, decode + prefill
+
+
+def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
+    h, i, q = s["hidden"], s["inter"], s["heads"] * s["head_dim"]
+    kv = s["kv_heads"] * s["head_dim"]
+    rows = []
+    for name, (n, k) in {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h),
+                         "down": (h, i)}.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_blocks(w)
+        for m in GEMM_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fp8 = median_ms(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
+            dequant = median_ms(
+                lambda x=x, wq=wq, ws=ws: F.linear(x, dequantize_blocks(wq, ws, x.dtype)))
+            bf16 = median_ms(lambda x=x, w=w: F.linear(x, w))
+            rows.append((name, m, n, k, w8a8_serves(x, wq), fp8, dequant, bf16,
+                         n * k / bw * 1e3, 2 * n * k / bw * 1e3))
+    return rows
+
+
+def push_seconds(path: Path, **config) -> float:
+    """One ``update_weights`` of every tensor, bf16 on CUDA, median of three."""
+    tensors = {n: t.cuda() for n, t in iter_safetensors(path, torch.bfloat16)}
+    times = []
+    with LLM(model=str(path), dtype="bfloat16", max_num_seqs=8, max_model_len=256,
+             gpu_memory_utilization=0.6, enforce_eager=True, **config) as llm:
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.update_weights(tensors)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    del tensors
+    release_memory()
+    return sorted(times)[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="0.6b,8b")
+    ap.add_argument("--skip-rollout", action="store_true")
+    args = ap.parse_args()
+    bw = copy_bandwidth_tbps() * 1e12
+    root = Path(tempfile.mkdtemp())
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    for shape in args.shapes.split(","):
+        s = SHAPES[shape]
+        path = root / f"qwen3-{shape}-random"
+        write_checkpoint(path, s, max_positions=4096)
+        if not args.skip_rollout:
+            print(f"\nrollout {shape}: batch {BATCH}, prompts {PROMPT}, {NEW} sampled")
+            print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")
+            results = {}
+            for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+                secs, floor = rollout(path, s, bw, **config)
+                results[label] = secs
+                print(f"{label:>8} {secs:>8.2f} {BATCH * NEW / secs:>9.0f} {floor:>8.2f} "
+                      f"{secs / floor:>8.2f}")
+            print(f"fp8 tokens/s over bf16: {results['bf16'] / results['fp8']:.2f}x")
+        if shape == "8b":
+            print("\nproduct alone (8B projections), ms; floors read the weight once")
+            print(f"{'proj':>8} {'rows':>5} {'N':>6} {'K':>6} {'w8a8':>5} {'fp8':>8} "
+                  f"{'dequant':>8} {'bf16':>8} {'fp8 flr':>8} {'bf16 flr':>8}")
+            for r in gemm_rows(s, bw):
+                print(f"{r[0]:>8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]!s:>5} {r[5]:>8.4f} "
+                      f"{r[6]:>8.4f} {r[7]:>8.4f} {r[8]:>8.4f} {r[9]:>8.4f}")
+            fp8_push = push_seconds(path, quantization="fp8")
+            bf16_push = push_seconds(path)
+            print(f"\npush of the 8B shape from CUDA bf16 tensors: into fp8 {fp8_push:.3f} s, "
+                  f"into bf16 {bf16_push:.3f} s ({fp8_push / bf16_push:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The FP8 linear's product, ``y = x @ dequant(W).T (+ b)``.
+
+Two paths compute it:
+
+* **dequantize, then multiply** (the CPU path, and CUDA where the next one does not
+  serve): the weight is dequantized to the activations' dtype by its block scales and
+  multiplied as a bf16 weight would be, so on the CPU an FP8 engine gives exactly the
+  tokens of a bf16 engine holding the dequantized weights.
+* **w8a8 on CUDA** (sm90, every dimension of the product a multiple of 128 in K and
+  of 16 in N): the activations are quantized per token and per 128 columns (1 x 128
+  groups, dynamic, as vLLM's and SGLang's ``per_token_group_quant_fp8``) and torch's
+  ``scaled_mm`` multiplies them with the weight's 128 x 128 blocks (CUTLASS's
+  DeepSeek-style kernel), accumulating in float32 and writing the activations' dtype.
+
+A shape the w8a8 kernel refuses is remembered and takes the first path from then on,
+so a refusal costs one failed call, before any graph is captured (the warmup runs
+every size eagerly first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX, cdiv, dequantize_blocks
+
+#: (N, K) shapes the w8a8 kernel refused on this process's device
+_REFUSED: set[tuple[int, int]] = set()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K]`` times the FP8 ``weight [N, K]`` with its block scales, plus ``bias``;
+    the result in ``x``'s dtype (see the module docstring for the path taken)."""
+    if w8a8_serves(x, weight):
+        try:
+            return w8a8_linear(x, weight, scale_inv, bias)
+        except (RuntimeError, ValueError):  # torch's shape and support checks raise both
+            _REFUSED.add(tuple(weight.shape))
+    return F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
+
+
+def w8a8_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the w8a8 path may run: a CUDA sm90 device with torch's block-scaled
+    ``scaled_mm``, a 16-bit activation dtype, K a multiple of 128, N of 16."""
+    n, k = weight.shape
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and hasattr(F, "scaled_mm") and k % BLOCK == 0 and n % 16 == 0
+            and (n, k) not in _REFUSED
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q [M, K] e4m3, scales [M, K / 128] float32)``, one scale per
+    token and 128 columns, by the weights' rule (``amax / 448``, 1 for a zero group);
+    the scales laid out column-major, as ``scaled_mm``'s 1 x 128 recipe reads them."""
+    m, k = x.shape
+    groups = x.float().view(m, k // BLOCK, BLOCK)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (groups / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    return q, scale.view(m, k // BLOCK).t().contiguous().t()
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA path: activations quantized per 1 x 128 group, then torch's block-scaled
+    ``scaled_mm`` (1 x 128 by 128 x 128) into ``x``'s dtype."""
+    from torch.nn.functional import ScalingType
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = quantize_token_groups(x.reshape(-1, k))
+    kb = cdiv(k, BLOCK)
+    # scaled_mm reads the weight's scales as [round_up(K/128, 4), N/128], column-major.
+    pad = -kb % 4
+    ws = (F.pad(scale_inv, (0, pad)) if pad else scale_inv).t()
+    y = F.scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128, ws,
+                    ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, weight.shape[0])
