@@ -96,7 +96,6 @@ SLOW: dict[str, tuple[str, ...]] = {
     # whole engines on the Triton interpreter, and the kernels' interpreted sweeps
     "interpreted kernels": (
         "conformance/test_backends.py::test_triton_path",
-        "conformance/test_backends.py::test_fp8_kv_on_the_triton_path",
         "conformance/test_backends.py::test_with_tbo_on_top_of_the_triton_path",
         "core/test_graph_sampling.py::test_an_engine_with_graphs_draws_what_an_eager_one_draws",
         "core/models/test_logprobs_mode_generate.py::test_graphs_report",

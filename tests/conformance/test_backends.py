@@ -42,10 +42,15 @@ def test_fp8_kv_on_the_torch_path(backend: str, check: str) -> None:
         assert 1 <= run_check(target, check, max_examples=4) <= 4
 
 
+# On CUDA only: Triton's interpreter rounds float32 to e4m3 ties-away-from-zero and
+# makes no subnormals, so its stores differ from the reference's e4m3 rounding (the
+# compiled store is the hardware cast; the torch path's kit run is in the fast tier).
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("check", RIG_CHECKS)
 @pytest.mark.parametrize("backend", ["paged", "gdn"])
 def test_fp8_kv_on_the_triton_path(backend: str, check: str) -> None:
-    for target in Target.of(backend, use_triton=True, device=TRITON_DEVICE, kv_cache_dtype="fp8"):
+    for target in Target.of(backend, use_triton=True, device="cuda", kv_cache_dtype="fp8"):
         assert 1 <= run_check(target, check, max_examples=2) <= 2
 
 
