@@ -210,14 +210,16 @@ class SamplingParams:
     tokenized by the engine), ``min_tokens`` (the stop token ids and EOS are masked
     until that many tokens were generated), ``logit_bias`` (``{token_id: bias}``
     added), ``repetition_penalty`` (a token seen in the prompt or the output has a
-    positive logit divided by it, a negative one multiplied), ``frequency_penalty``
-    (subtracted once per time the token is in the output) and ``presence_penalty``
-    (subtracted once if it is), then, after the temperature, ``min_p`` (a token less
-    likely than ``min_p`` times the likeliest one is masked). At their neutral values
-    they cost nothing. ``include_stop_str_in_output`` keeps a matched stop string in
-    the output text, ``skip_special_tokens`` drops special tokens from it, and
-    ``spaces_between_special_tokens`` is taken for vLLM's sake: the tokenizers
-    library's decoding has no such switch (as vLLM's fast-tokenizer path).
+    positive logit divided by it, a negative one multiplied; with
+    ``repetition_penalty_prompt=False``, as SGLang's, only a token seen in the
+    output), ``frequency_penalty`` (subtracted once per time the token is in the
+    output) and ``presence_penalty`` (subtracted once if it is), then, after the
+    temperature, ``min_p`` (a token less likely than ``min_p`` times the likeliest
+    one is masked). At their neutral values they cost nothing.
+    ``include_stop_str_in_output`` keeps a matched stop string in the output text,
+    ``skip_special_tokens`` drops special tokens from it, and
+    ``spaces_between_special_tokens`` is taken for vLLM's and SGLang's sake: the
+    tokenizers library's decoding has no such switch (as their fast-tokenizer paths).
     ``return_kept_mass`` reports each sampled token's kept mass
     (``RequestOutput.kept_mass``): the probability, at the request's temperature, of
     the tokens ``min_p``, top-k and top-p kept when it was drawn.
@@ -251,6 +253,9 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(
         default=1.0, validator=_between(0.0, math.inf, low_open=True)
     )
+    #: whether ``repetition_penalty`` counts the prompt's tokens (vLLM's rule) or the
+    #: output's alone (SGLang's)
+    repetition_penalty_prompt: bool = attrs.field(default=True, validator=_bool)
     min_p: float = attrs.field(default=0.0, validator=_between(0.0, 1.0))
     min_tokens: int = attrs.field(default=0, validator=_int_field(minimum=0))
     #: ``(token_id, bias)`` pairs, by token id (given as a mapping or pairs)

@@ -30,6 +30,8 @@ class LogitRules:
     (``SamplingParams`` documents each field and the order they apply in)."""
 
     repetition_penalty: float = 1.0
+    #: whether the repetition penalty counts the prompt's tokens too
+    repetition_penalty_prompt: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
@@ -79,6 +81,7 @@ def logit_rules(
     (:func:`bad_word_token_ids`)."""
     return LogitRules(
         repetition_penalty=float(params.repetition_penalty),
+        repetition_penalty_prompt=params.repetition_penalty_prompt,
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
         min_p=float(params.min_p),

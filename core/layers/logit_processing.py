@@ -5,9 +5,10 @@
 -inf where the output ends with the rest of it), ``min_tokens`` (its stop ids to -inf
 while the output is shorter), ``logit_bias`` (added), then the penalties over the
 request's token history (``layers/token_history.py``): the repetition penalty divides
-a positive logit of a token seen in the prompt or output and multiplies a negative
-one, the frequency penalty is subtracted once per time the token is in the output,
-the presence penalty once if it is. :func:`mask_min_p_` applies ``min_p`` to a
+a positive logit of a token seen in the prompt (unless the row's
+``repetition_penalty_prompt`` is off) or output and multiplies a negative one, the
+frequency penalty is subtracted once per time the token is in the output, the
+presence penalty once if it is. :func:`mask_min_p_` applies ``min_p`` to a
 drawing row after its temperature: a token less likely than ``min_p`` times the
 likeliest is masked.
 
@@ -53,7 +54,7 @@ def adjusted_logits(
     masked: list[list[int]] = [[], []]  # row, token: to -inf
     words: list[tuple[int, int, tuple[int, ...]]] = []  # row, history row, word
     bias: list[list[float]] = [[], [], []]  # row, token, bias
-    penalised: list[tuple[int, int, float, float, float]] = []
+    penalised: list[tuple[int, int, float, float, float, bool]] = []
     for i, rule in enumerate(rules):
         if rule is None:
             continue
@@ -77,7 +78,8 @@ def adjusted_logits(
             bias[2].append(value)
         if rule.penalizes:
             penalised.append((i, rule.history_row, rule.repetition_penalty,
-                              rule.presence_penalty, rule.frequency_penalty))  # fmt: skip
+                              rule.presence_penalty, rule.frequency_penalty,
+                              rule.repetition_penalty_prompt))  # fmt: skip
     if allowed_rows:
         rows = on_device(allowed_rows, torch.int64, device)
         at = on_device(allowed, torch.int64, device)
@@ -119,7 +121,8 @@ def _ban_words(out: torch.Tensor, words: list[tuple[int, int, tuple[int, ...]]],
     out.index_put_((index[0], index[2]), ban, accumulate=True)
 
 
-def _penalise(out: torch.Tensor, penalised: list[tuple[int, int, float, float, float]],
+def _penalise(out: torch.Tensor,
+              penalised: list[tuple[int, int, float, float, float, bool]],
               history: TokenHistory | None) -> None:  # fmt: skip
     """The repetition, frequency and presence penalties of the ``penalised`` rows."""
     if history is None:
@@ -135,7 +138,11 @@ def _penalise(out: torch.Tensor, penalised: list[tuple[int, int, float, float, f
     logits = out.index_select(0, rows)
     counts = history.counts.index_select(0, history_rows)
     in_output = counts > 0
-    seen = in_output | history.prompt.index_select(0, history_rows)
+    prompt = history.prompt.index_select(0, history_rows)
+    if not all(p[5] for p in penalised):  # a row whose penalty skips its prompt
+        counts_prompt = on_device([p[5] for p in penalised], torch.bool, device)
+        prompt &= counts_prompt[:, None]
+    seen = in_output | prompt
     scale = torch.where(logits > 0, 1.0 / repetition, repetition)
     logits = torch.where(seen, logits * scale, logits)
     logits -= frequency * counts

@@ -23,7 +23,8 @@ VOCAB = st.integers(4, 16)
 def reference(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
               output: list[int], bad_words: list[tuple[int, ...]], stops: list[int]
               ) -> torch.Tensor:  # fmt: skip
-    """One row as vLLM's sampler adjusts it, token by token."""
+    """One row as vLLM's sampler adjusts it, token by token (the repetition penalty
+    over the output alone where ``repetition_penalty_prompt`` is off, as SGLang's)."""
     x = logits.clone().float()
     if params.allowed_token_ids is not None:
         keep = torch.zeros_like(x, dtype=torch.bool)
@@ -39,7 +40,7 @@ def reference(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
         x[token] += bias
     rep = torch.tensor(params.repetition_penalty, dtype=torch.float32)
     for t in range(len(x)):
-        if t in prompt or t in output:
+        if (params.repetition_penalty_prompt and t in prompt) or t in output:
             x[t] = x[t] * (1 / rep) if x[t] > 0 else x[t] * rep
         x[t] -= params.frequency_penalty * output.count(t)
         x[t] -= params.presence_penalty * (t in output)
@@ -57,6 +58,7 @@ def rows(draw):
         params = SamplingParams(
             max_tokens=64,
             repetition_penalty=draw(st.sampled_from([1.0, 0.5, 1.3, 2.0])),
+            repetition_penalty_prompt=draw(st.booleans()),
             presence_penalty=draw(st.sampled_from([0.0, -0.7, 1.5])),
             frequency_penalty=draw(st.sampled_from([0.0, 0.4, -1.1])),
             min_tokens=draw(st.integers(0, 4)),
