@@ -148,6 +148,17 @@ def _bad_words(value: Any) -> tuple[str, ...]:
     return words
 
 
+def _one_of(*choices: str):
+    def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise RequestError(
+                f"SamplingParams.{attribute.name} must be one of {list(choices)}, got "
+                f"{_describe(value)}"
+            )
+
+    return check
+
+
 def _between(low: float, high: float, *, low_open: bool = False):
     def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
         _finite(_instance, attribute, value)
@@ -210,12 +221,14 @@ class SamplingParams:
     tokenized by the engine), ``min_tokens`` (the stop token ids and EOS are masked
     until that many tokens were generated), ``logit_bias`` (``{token_id: bias}``
     added), ``repetition_penalty`` (a token seen in the prompt or the output has a
-    positive logit divided by it, a negative one multiplied; with
-    ``repetition_penalty_prompt=False``, as SGLang's, only a token seen in the
-    output), ``frequency_penalty`` (subtracted once per time the token is in the
-    output) and ``presence_penalty`` (subtracted once if it is), then, after the
-    temperature, ``min_p`` (a token less likely than ``min_p`` times the likeliest
-    one is masked). At their neutral values they cost nothing.
+    positive logit divided by it, a negative one multiplied), ``frequency_penalty``
+    (subtracted once per time the token is in the output) and ``presence_penalty``
+    (subtracted once if it is), then, after the temperature, ``min_p`` (a token less
+    likely than ``min_p`` times the likeliest one is masked). At their neutral values
+    they cost nothing. ``penalty_rules="sglang"`` applies SGLang's rules instead: the
+    repetition penalty counts the output's tokens alone, the frequency and presence
+    penalties are subtracted before it divides or multiplies, and ``logit_bias`` is
+    added after all three.
     ``include_stop_str_in_output`` keeps a matched stop string in the output text,
     ``skip_special_tokens`` drops special tokens from it, and
     ``spaces_between_special_tokens`` is taken for vLLM's and SGLang's sake: the
@@ -253,9 +266,8 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(
         default=1.0, validator=_between(0.0, math.inf, low_open=True)
     )
-    #: whether ``repetition_penalty`` counts the prompt's tokens (vLLM's rule) or the
-    #: output's alone (SGLang's)
-    repetition_penalty_prompt: bool = attrs.field(default=True, validator=_bool)
+    #: whose rules the penalties and ``logit_bias`` follow: "vllm" or "sglang"
+    penalty_rules: str = attrs.field(default="vllm", validator=_one_of("vllm", "sglang"))
     min_p: float = attrs.field(default=0.0, validator=_between(0.0, 1.0))
     min_tokens: int = attrs.field(default=0, validator=_int_field(minimum=0))
     #: ``(token_id, bias)`` pairs, by token id (given as a mapping or pairs)

@@ -44,7 +44,7 @@ router = APIRouter()
 _NEUTRAL = {"regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
             "stop_regex": None, "custom_params": None, "stream_interval": None}
 #: SGLang's sampling extras the engine does: SGLang's name -> ``SamplingParams``' field
-#: (same meaning; the repetition penalty counts the output alone, as SGLang's does)
+#: (the penalties and the bias under SGLang's rules: ``penalty_rules="sglang"``)
 SGLANG_EXTRAS = {"frequency_penalty": "frequency_penalty",
                  "presence_penalty": "presence_penalty",
                  "repetition_penalty": "repetition_penalty", "min_p": "min_p",
@@ -135,12 +135,13 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
 
 def sglang_extras(sp: SGLangSamplingParams) -> dict[str, Asked]:
     """The engine fields of SGLang's sampling extras (:data:`SGLANG_EXTRAS`), each by its
-    SGLang name; one left out or null keeps the engine's default. The repetition
-    penalty always counts the output's tokens alone (``repetition_penalty_prompt``
-    off), SGLang's rule."""
+    SGLang name; one left out or null keeps the engine's default. The penalties and
+    ``logit_bias`` always follow SGLang's rules (``penalty_rules="sglang"``: the
+    repetition penalty counts the output's tokens alone, after the frequency and
+    presence penalties; the bias is added last)."""
     asked = {field: Asked(f"sampling_params.{name}", getattr(sp, name))
              for name, field in SGLANG_EXTRAS.items()}
-    asked["repetition_penalty_prompt"] = Asked("sampling_params.repetition_penalty", False)
+    asked["penalty_rules"] = Asked("sampling_params", "sglang")
     return asked
 
 

@@ -47,7 +47,7 @@ def _generate(http, sampling: dict, prompt: list[int] = PROMPT) -> dict:
 
 def _reference(reference_llm, prompt: list[int] = PROMPT, **params):
     fields = dict(max_tokens=24, temperature=0.0, seed=5, ignore_eos=True, logprobs=0,
-                  repetition_penalty_prompt=False) | params
+                  penalty_rules="sglang") | params
     return reference_llm.generate([prompt], SamplingParams(**fields))[0]
 
 
@@ -95,7 +95,7 @@ def test_the_repetition_penalty_counts_the_output_alone_as_sglangs(
     assert got == _reference(reference_llm, repeats, repetition_penalty=2.0).token_ids
     # vLLM's rule (the prompt counted too) picks other tokens here
     assert got != _reference(reference_llm, repeats, repetition_penalty=2.0,
-                             repetition_penalty_prompt=True).token_ids
+                             penalty_rules="vllm").token_ids
 
 
 def test_the_text_side_extras_shape_the_text_as_llm_generate_does(http, reference_llm
@@ -188,7 +188,7 @@ def test_random_sglang_bodies_map_as_documented(body: dict) -> None:
     defaults = SamplingParams(max_tokens=16)
     asked = sglang_extras(SGLangSamplingParams.model_validate(body))
     got = resolve(asked, defaults=defaults, max_n=4, max_logprobs=20, bias_limit=None)
-    want = {"repetition_penalty_prompt": False}
+    want = {"penalty_rules": "sglang"}
     for name, value in body.items():
         field, write = DOCUMENTED[name]
         if value is not None:
