@@ -232,7 +232,7 @@ class SamplingParams:
     ``include_stop_str_in_output`` keeps a matched stop string in the output text,
     ``skip_special_tokens`` drops special tokens from it, and
     ``spaces_between_special_tokens`` is taken for vLLM's and SGLang's sake: the
-    tokenizers library's decoding has no such switch (as their fast-tokenizer paths).
+    tokenizers library's decoding has no such switch (as vLLM's fast-tokenizer path).
     ``return_kept_mass`` reports each sampled token's kept mass
     (``RequestOutput.kept_mass``): the probability, at the request's temperature, of
     the tokens ``min_p``, top-k and top-p kept when it was drawn.
