@@ -2,7 +2,8 @@
 slime and AReaL send them: each one the engine does reaches ``SamplingParams`` with
 SGLang's meaning (``min_new_tokens`` is ``min_tokens``, ``no_stop_trim`` is
 ``include_stop_str_in_output``, ``logit_bias`` keys are token ids as text and not
-clamped, the repetition penalty counts the output's tokens alone); a neutral or null
+clamped, the penalties and the bias follow SGLang's rules: ``penalty_rules="sglang"``,
+the repetition penalty over the output's tokens alone); a neutral or null
 value is always accepted; what kvrunner cannot do (a grammar, a stop regex, custom
 logit-processor parameters) is a 400 naming the field. Against a live ``kvrunner
 serve``, each answer is the in-process ``LLM.generate``'s with the mapped params.
