@@ -148,6 +148,17 @@ def _bad_words(value: Any) -> tuple[str, ...]:
     return words
 
 
+def _one_of(*choices: str):
+    def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise RequestError(
+                f"SamplingParams.{attribute.name} must be one of {list(choices)}, got "
+                f"{_describe(value)}"
+            )
+
+    return check
+
+
 def _between(low: float, high: float, *, low_open: bool = False):
     def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
         _finite(_instance, attribute, value)
@@ -214,10 +225,14 @@ class SamplingParams:
     (subtracted once per time the token is in the output) and ``presence_penalty``
     (subtracted once if it is), then, after the temperature, ``min_p`` (a token less
     likely than ``min_p`` times the likeliest one is masked). At their neutral values
-    they cost nothing. ``include_stop_str_in_output`` keeps a matched stop string in
-    the output text, ``skip_special_tokens`` drops special tokens from it, and
-    ``spaces_between_special_tokens`` is taken for vLLM's sake: the tokenizers
-    library's decoding has no such switch (as vLLM's fast-tokenizer path).
+    they cost nothing. ``penalty_rules="sglang"`` applies SGLang's rules instead: the
+    repetition penalty counts the output's tokens alone, the frequency and presence
+    penalties are subtracted before it divides or multiplies, and ``logit_bias`` is
+    added after all three.
+    ``include_stop_str_in_output`` keeps a matched stop string in the output text,
+    ``skip_special_tokens`` drops special tokens from it, and
+    ``spaces_between_special_tokens`` is taken for vLLM's and SGLang's sake: the
+    tokenizers library's decoding has no such switch (as vLLM's fast-tokenizer path).
     ``return_kept_mass`` reports each sampled token's kept mass
     (``RequestOutput.kept_mass``): the probability, at the request's temperature, of
     the tokens ``min_p``, top-k and top-p kept when it was drawn.
@@ -251,6 +266,8 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(
         default=1.0, validator=_between(0.0, math.inf, low_open=True)
     )
+    #: whose rules the penalties and ``logit_bias`` follow: "vllm" or "sglang"
+    penalty_rules: str = attrs.field(default="vllm", validator=_one_of("vllm", "sglang"))
     min_p: float = attrs.field(default=0.0, validator=_between(0.0, 1.0))
     min_tokens: int = attrs.field(default=0, validator=_int_field(minimum=0))
     #: ``(token_id, bias)`` pairs, by token id (given as a mapping or pairs)

@@ -30,6 +30,8 @@ class LogitRules:
     (``SamplingParams`` documents each field and the order they apply in)."""
 
     repetition_penalty: float = 1.0
+    #: whose rules the penalties and the bias follow ("vllm" or "sglang")
+    penalty_rules: str = "vllm"
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
@@ -79,6 +81,7 @@ def logit_rules(
     (:func:`bad_word_token_ids`)."""
     return LogitRules(
         repetition_penalty=float(params.repetition_penalty),
+        penalty_rules=params.penalty_rules,
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
         min_p=float(params.min_p),

@@ -7,7 +7,10 @@ while the output is shorter), ``logit_bias`` (added), then the penalties over th
 request's token history (``layers/token_history.py``): the repetition penalty divides
 a positive logit of a token seen in the prompt or output and multiplies a negative
 one, the frequency penalty is subtracted once per time the token is in the output,
-the presence penalty once if it is. :func:`mask_min_p_` applies ``min_p`` to a
+the presence penalty once if it is. A row under SGLang's rules
+(``penalty_rules="sglang"``) has its frequency and presence penalties subtracted
+first, then the repetition penalty over its output's tokens alone, then its
+``logit_bias`` added. :func:`mask_min_p_` applies ``min_p`` to a
 drawing row after its temperature: a token less likely than ``min_p`` times the
 likeliest is masked.
 
@@ -53,7 +56,8 @@ def adjusted_logits(
     masked: list[list[int]] = [[], []]  # row, token: to -inf
     words: list[tuple[int, int, tuple[int, ...]]] = []  # row, history row, word
     bias: list[list[float]] = [[], [], []]  # row, token, bias
-    penalised: list[tuple[int, int, float, float, float]] = []
+    late_bias: list[list[float]] = [[], [], []]  # the same, after the penalties (SGLang)
+    penalised: list[tuple[int, int, float, float, float, bool]] = []
     for i, rule in enumerate(rules):
         if rule is None:
             continue
@@ -71,13 +75,16 @@ def adjusted_logits(
         if generated < rule.min_tokens:
             masked[0] += [i] * len(rule.min_tokens_stops)
             masked[1] += rule.min_tokens_stops
+        sglang = rule.penalty_rules == "sglang"
         for token, value in rule.logit_bias:
-            bias[0].append(i)
-            bias[1].append(token)
-            bias[2].append(value)
+            into = late_bias if sglang else bias
+            into[0].append(i)
+            into[1].append(token)
+            into[2].append(value)
         if rule.penalizes:
             penalised.append((i, rule.history_row, rule.repetition_penalty,
-                              rule.presence_penalty, rule.frequency_penalty))  # fmt: skip
+                              rule.presence_penalty, rule.frequency_penalty,
+                              sglang))  # fmt: skip
     if allowed_rows:
         rows = on_device(allowed_rows, torch.int64, device)
         at = on_device(allowed, torch.int64, device)
@@ -89,13 +96,19 @@ def adjusted_logits(
         out[at[0], at[1]] = float("-inf")
     if words:
         _ban_words(out, words, history)
-    if bias[0]:
-        at = on_device(bias[:2], torch.int64, device)
-        out.index_put_((at[0], at[1]), on_device(bias[2], torch.float32, device),
-                       accumulate=True)  # fmt: skip
+    _add_bias(out, bias)
     if penalised:
         _penalise(out, penalised, history)
+    _add_bias(out, late_bias)
     return out
+
+
+def _add_bias(out: torch.Tensor, bias: list[list[float]]) -> None:
+    """Add each (row, token, bias) of the three lists ``bias`` to ``out``."""
+    if bias[0]:
+        at = on_device(bias[:2], torch.int64, out.device)
+        out.index_put_((at[0], at[1]), on_device(bias[2], torch.float32, out.device),
+                       accumulate=True)  # fmt: skip
 
 
 def _ban_words(out: torch.Tensor, words: list[tuple[int, int, tuple[int, ...]]],
@@ -119,9 +132,11 @@ def _ban_words(out: torch.Tensor, words: list[tuple[int, int, tuple[int, ...]]],
     out.index_put_((index[0], index[2]), ban, accumulate=True)
 
 
-def _penalise(out: torch.Tensor, penalised: list[tuple[int, int, float, float, float]],
+def _penalise(out: torch.Tensor,
+              penalised: list[tuple[int, int, float, float, float, bool]],
               history: TokenHistory | None) -> None:  # fmt: skip
-    """The repetition, frequency and presence penalties of the ``penalised`` rows."""
+    """The repetition, frequency and presence penalties of the ``penalised`` rows (the
+    last item of each: SGLang's rules)."""
     if history is None:
         raise ValueError("penalties need the token history")
     device = out.device
@@ -137,10 +152,19 @@ def _penalise(out: torch.Tensor, penalised: list[tuple[int, int, float, float, f
     in_output = counts > 0
     seen = in_output | history.prompt.index_select(0, history_rows)
     scale = torch.where(logits > 0, 1.0 / repetition, repetition)
-    logits = torch.where(seen, logits * scale, logits)
-    logits -= frequency * counts
-    logits -= presence * in_output
-    out[rows] = logits
+    vllm = torch.where(seen, logits * scale, logits)
+    vllm -= frequency * counts
+    vllm -= presence * in_output
+    if any(p[5] for p in penalised):
+        # SGLang's: the additive penalties first, then the repetition penalty over the
+        # output's tokens alone
+        sglang = logits - frequency * counts
+        sglang -= presence * in_output
+        scale = torch.where(sglang > 0, 1.0 / repetition, repetition)
+        sglang = torch.where(in_output, sglang * scale, sglang)
+        rules = on_device([p[5] for p in penalised], torch.bool, device)
+        vllm = torch.where(rules[:, None], sglang, vllm)
+    out[rows] = vllm
 
 
 def min_p_of(sampling: SamplingColumns) -> np.ndarray | None:

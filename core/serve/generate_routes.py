@@ -39,11 +39,19 @@ from kvrunner.serve.state import ServerState, new_id
 
 router = APIRouter()
 
-#: SGLang's sampling fields kvrunner accepts at their neutral value only
-_NEUTRAL = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None,
-            "json_schema": None, "ebnf": None, "logit_bias": None,
-            "custom_params": None, "stop_regex": None, "structural_tag": None}
+#: SGLang's sampling fields kvrunner accepts at their neutral value only: grammars, stop
+#: regexes, custom logit-processor parameters, per-request stream chunking
+_NEUTRAL = {"regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
+            "stop_regex": None, "custom_params": None, "stream_interval": None}
+#: SGLang's sampling extras the engine does: SGLang's name -> ``SamplingParams``' field
+#: (the penalties and the bias under SGLang's rules: ``penalty_rules="sglang"``)
+SGLANG_EXTRAS = {"frequency_penalty": "frequency_penalty",
+                 "presence_penalty": "presence_penalty",
+                 "repetition_penalty": "repetition_penalty", "min_p": "min_p",
+                 "min_new_tokens": "min_tokens", "logit_bias": "logit_bias",
+                 "no_stop_trim": "include_stop_str_in_output",
+                 "skip_special_tokens": "skip_special_tokens",
+                 "spaces_between_special_tokens": "spaces_between_special_tokens"}
 #: GenerateReqInput's fields kvrunner accepts empty (or off) only: multimodal inputs,
 #: LoRA, hidden states, custom logit processors, disaggregation
 _NEUTRAL_REQUEST = {"image_data": None, "video_data": None, "audio_data": None,
@@ -55,7 +63,8 @@ _NEUTRAL_REQUEST = {"image_data": None, "video_data": None, "audio_data": None,
 
 def _fields(prompt_field: str) -> dict[str, str]:
     """Words of an engine's refusal -> the field it is about (see errors.engine_error)."""
-    return {"stop_token_ids": "sampling_params.stop_token_ids", "token id": prompt_field,
+    return {"logit_bias": "sampling_params.logit_bias",
+            "stop_token_ids": "sampling_params.stop_token_ids", "token id": prompt_field,
             "prompt": prompt_field}
 
 
@@ -120,7 +129,20 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
     for name in ("temperature", "top_p", "top_k"):
         asked[name] = Asked(f"sampling_params.{name}",
                             getattr(sp, name) if name in given else None)
-    return sampling_params(state, asked)
+    asked |= sglang_extras(sp)
+    return sampling_params(state, asked, bias_limit=None)
+
+
+def sglang_extras(sp: SGLangSamplingParams) -> dict[str, Asked]:
+    """The engine fields of SGLang's sampling extras (:data:`SGLANG_EXTRAS`), each by its
+    SGLang name; one left out or null keeps the engine's default. The penalties and
+    ``logit_bias`` always follow SGLang's rules (``penalty_rules="sglang"``: the
+    repetition penalty counts the output's tokens alone, after the frequency and
+    presence penalties; the bias is added last)."""
+    asked = {field: Asked(f"sampling_params.{name}", getattr(sp, name))
+             for name, field in SGLANG_EXTRAS.items()}
+    asked["penalty_rules"] = Asked("sampling_params", "sglang")
+    return asked
 
 
 #: the message of an abort a client or a pause asked for

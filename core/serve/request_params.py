@@ -67,30 +67,42 @@ def refuse_unsupported(body: Any, neutral: Mapping[str, Any], *, prefix: str = "
             )
 
 
-def sampling_params(state: ServerState, asked: Mapping[str, Asked]) -> SamplingParams:
+def sampling_params(state: ServerState, asked: Mapping[str, Asked], *,
+                    bias_limit: float | None = _BIAS_LIMIT) -> SamplingParams:
     """The ``SamplingParams`` of one request: ``asked`` maps each engine field the route
-    speaks of to what the client gave, over the engine's defaults.
+    speaks of to what the client gave, over the engine's defaults, under this server's
+    limits (:func:`resolve`)."""
+    settings = state.settings
+    return resolve(asked, defaults=state.engine.default_sampling_params,
+                   max_n=settings.max_n, max_logprobs=settings.max_logprobs,
+                   bias_limit=bias_limit)
+
+
+def resolve(asked: Mapping[str, Asked], *, defaults: SamplingParams, max_n: int,
+            max_logprobs: int, bias_limit: float | None = _BIAS_LIMIT) -> SamplingParams:
+    """``asked`` over ``defaults`` as one ``SamplingParams``.
 
     Applies the server's limits (``--max-n``, ``--max-logprobs``) and the protocols'
     shared spellings: a negative ``top_k`` is off (0), a ``stop`` string is one stop,
-    an empty stop list or ``stop_token_ids`` list is none, ``n`` 1 is the default.
+    an empty stop list or ``stop_token_ids`` list is none, ``n`` 1 is the default,
+    ``logit_bias`` keys are token ids as text, each bias clamped to ``bias_limit`` either
+    side of 0 (vLLM's 100; None, as SGLang, keeps it as given).
     """
-    settings = state.settings
     values: dict[str, Any] = {}
     for field, given in asked.items():
         value = given.value
         if value is None:
             continue
         if field == "n":
-            if value > settings.max_n:
+            if value > max_n:
                 raise APIError(400, f"{given.name}={value} is above this server's limit of "
-                               f"{settings.max_n} samples per request (--max-n)",
+                               f"{max_n} samples per request (--max-n)",
                                param=given.name)
             if value == 1:
                 continue
-        elif field in ("logprobs", "prompt_logprobs") and value > settings.max_logprobs:
+        elif field in ("logprobs", "prompt_logprobs") and value > max_logprobs:
             raise APIError(400, f"{given.name}={value} is above this server's limit of "
-                           f"{settings.max_logprobs} (--max-logprobs)", param=given.name)
+                           f"{max_logprobs} (--max-logprobs)", param=given.name)
         elif field == "top_k":
             value = max(0, value)
         elif field == "stop":
@@ -102,17 +114,18 @@ def sampling_params(state: ServerState, asked: Mapping[str, Asked]) -> SamplingP
                 continue
             value = tuple(value)
         elif field == "logit_bias":
-            value = _token_biases(value, given.name)
+            value = _token_biases(value, given.name, bias_limit)
         elif field == "allowed_token_ids" and not value:
             continue  # an empty list: as the field left out (every token)
         values[field] = value
     names = {field: given.name for field, given in asked.items()}
-    return build_params(values, names, state.engine.default_sampling_params)
+    return build_params(values, names, defaults)
 
 
-def _token_biases(value: Mapping[str, float], name: str) -> dict[int, float]:
-    """OpenAI's ``logit_bias`` (token ids as text) as token ids, each bias clamped to
-    [-100, 100] as vLLM clamps it."""
+def _token_biases(value: Mapping[str, float], name: str,
+                  limit: float | None) -> dict[int, float]:
+    """A ``logit_bias`` of token ids as text as token ids, each bias clamped to
+    [-limit, limit] (None: as given)."""
     biases: dict[int, float] = {}
     for token, bias in value.items():
         try:
@@ -120,7 +133,7 @@ def _token_biases(value: Mapping[str, float], name: str) -> dict[int, float]:
         except ValueError:
             raise APIError(400, f"{name} keys must be token ids, got {token!r}",
                            param=name) from None
-        biases[token_id] = min(_BIAS_LIMIT, max(-_BIAS_LIMIT, bias))
+        biases[token_id] = bias if limit is None else min(limit, max(-limit, bias))
     return biases
 
 

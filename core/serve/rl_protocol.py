@@ -1,8 +1,10 @@
 """The bodies of the SGLang-shaped RL routes, with SGLang's field names.
 
-A slime- or AReaL-style client sends these unchanged. Fields SGLang has that kvrunner
-does not implement are accepted at their neutral value only (a grammar, a penalty, a
-minimum length, empty multimodal inputs such as AReaL's ``image_data: []``, no LoRA);
+A slime- or AReaL-style client sends these unchanged. ``sampling_params`` holds every
+field of SGLang's ``SamplingParams`` with its default and range; a null is the field's
+default, as SGLang takes it. Fields SGLang has that kvrunner does not implement are
+accepted at their neutral value only (a grammar, a stop regex, custom logit-processor
+parameters, empty multimodal inputs such as AReaL's ``image_data: []``, no LoRA);
 anything unknown is a 400 naming it.
 """
 
@@ -20,29 +22,36 @@ class SGLangSamplingParams(StrictModel):
 
     #: 0 scores the prompt only (no output token; see ``logprob_start_len``)
     max_new_tokens: NonNegativeInt | None = 128
-    min_new_tokens: NonNegativeInt = 0
+    #: the stop token ids and EOS are masked until this many tokens were generated
+    min_new_tokens: NonNegativeInt | None = None
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     #: -1 or 0 is off
     top_k: Annotated[int, Field(ge=-1)] = -1
-    min_p: float = 0.0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    #: keep a matched stop string in the text (``include_stop_str_in_output``)
+    no_stop_trim: bool | None = None
     n: PositiveInt = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    #: SGLang's range (0, 2]; it counts the output's tokens only, not the prompt's
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     sampling_seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
     stop_regex: str | list[str] | None = None
+    #: token ids as text -> the bias added to their logits (not clamped, as in SGLang)
     logit_bias: dict[str, float] | None = None
+    #: SGLang's per-request stream chunking: accepted unset only (kvrunner streams
+    #: every step)
+    stream_interval: PositiveInt | None = None
     custom_params: dict[str, Any] | None = None
 
 

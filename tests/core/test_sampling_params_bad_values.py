@@ -80,6 +80,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "spaces_between_special_tokens": not_a_bool,
     "return_routed_experts": not_a_bool,
     "return_kept_mass": not_a_bool,
+    "penalty_rules": st.sampled_from(["VLLM", "", "hf", None, 1, True]) | odd_objects,
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the

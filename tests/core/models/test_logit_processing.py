@@ -23,7 +23,11 @@ VOCAB = st.integers(4, 16)
 def reference(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
               output: list[int], bad_words: list[tuple[int, ...]], stops: list[int]
               ) -> torch.Tensor:  # fmt: skip
-    """One row as vLLM's sampler adjusts it, token by token."""
+    """One row as vLLM's sampler adjusts it, token by token, or SGLang's where
+    ``penalty_rules="sglang"``: frequency and presence first, the repetition penalty
+    over the output alone, the bias last."""
+    if params.penalty_rules == "sglang":
+        return _sglang_reference(logits, params, prompt, output, bad_words, stops)
     x = logits.clone().float()
     if params.allowed_token_ids is not None:
         keep = torch.zeros_like(x, dtype=torch.bool)
@@ -46,6 +50,24 @@ def reference(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
     return x
 
 
+def _sglang_reference(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+                      output: list[int], bad_words: list[tuple[int, ...]], stops: list[int]
+                      ) -> torch.Tensor:  # fmt: skip
+    without_bias = attrs.evolve(params, logit_bias=None, repetition_penalty=1.0,
+                                frequency_penalty=0.0, presence_penalty=0.0,
+                                penalty_rules="vllm")
+    x = reference(logits, without_bias, prompt, output, bad_words, stops)
+    rep = torch.tensor(params.repetition_penalty, dtype=torch.float32)
+    for t in range(len(x)):
+        x[t] -= params.frequency_penalty * output.count(t)
+        x[t] -= params.presence_penalty * (t in output)
+        if t in output:
+            x[t] = x[t] * (1 / rep) if x[t] > 0 else x[t] * rep
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    return x
+
+
 @st.composite
 def rows(draw):
     vocab = draw(VOCAB)
@@ -57,6 +79,7 @@ def rows(draw):
         params = SamplingParams(
             max_tokens=64,
             repetition_penalty=draw(st.sampled_from([1.0, 0.5, 1.3, 2.0])),
+            penalty_rules=draw(st.sampled_from(["vllm", "sglang"])),
             presence_penalty=draw(st.sampled_from([0.0, -0.7, 1.5])),
             frequency_penalty=draw(st.sampled_from([0.0, 0.4, -1.1])),
             min_tokens=draw(st.integers(0, 4)),
