@@ -47,13 +47,12 @@ from kvrunner.engine.in_flight import InFlight, StepChunks, check_step_result
 from kvrunner.engine.running_batch import RunningBatch
 from kvrunner.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrunner.engine.step_columns import step_columns
+from kvrunner.engine.step_extras import StepExtras
 from kvrunner.engine.step_io import (
     NONFINITE_CAUSES,
-    PromptScores,
     SampledToken,
     SampledTokens,
     StepInput,
-    StepRoutes,
 )
 
 _token_ids = attrgetter("token_ids")
@@ -105,11 +104,8 @@ class Scheduler:
         self.batch = RunningBatch()
         self.num_preemptions = 0
         self._unfinished: dict[int, Sequence] = {}
-        #: unfinished requests that score their prompt (SamplingParams.prompt_logprobs)
-        self._scoring: set[int] = set()
-        #: unfinished requests that return their routed experts
-        #: (SamplingParams.return_routed_experts)
-        self._routing: set[int] = set()
+        #: prompt scores, routes and kept masses recorded on their requests
+        self._extras = StepExtras(self._unfinished)
         self._arrivals = itertools.count()
         # the steps scheduled but not yet updated
         self._in_flight = InFlight()
@@ -141,10 +137,7 @@ class Scheduler:
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
-        if seq.sampling_params.prompt_logprobs is not None:
-            self._scoring.add(seq.seq_id)
-        if seq.sampling_params.return_routed_experts:
-            self._routing.add(seq.seq_id)
+        self._extras.admit(seq)
 
     def validate(self, seq: Sequence, *, name: str | None = None) -> None:
         """Raise RequestError naming the request and the limit if it can never run here.
@@ -176,8 +169,7 @@ class Scheduler:
         seq = self._unfinished.pop(seq_id, None)
         if seq is None:
             return None
-        self._scoring.discard(seq_id)
-        self._routing.discard(seq_id)
+        self._extras.forget(seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self._in_flight.renumber(self.batch.remove([self.running.index(seq)]))
             self.block_manager.free(seq)
@@ -259,8 +251,8 @@ class Scheduler:
             return None
         step, seqs, starts, samples = step_columns(batch, rows, sizes,
                                                    self.block_manager.table_rows,
-                                                   score_prompts=bool(self._scoring),
-                                                   routes=bool(self._routing))  # fmt: skip
+                                                   score_prompts=self._extras.score_prompts,
+                                                   routes=self._extras.routes)  # fmt: skip
         self._in_flight.push(StepChunks(seqs, step.seq_id, rows, starts, sizes, samples,
                                         step.sample))  # fmt: skip
         return step, seqs
@@ -282,65 +274,16 @@ class Scheduler:
         self.num_steps_applied += 1
         tokens, logprobs, tops = check_step_result(chunks, seqs, sampled)
         self._in_flight.pop_oldest()
-        if sampled.prompt_scores:  # before _apply: a request this step ends still gets them
-            self._record_prompt_scores(sampled.prompt_scores)
-        if sampled.routes:
-            self._record_routes(sampled.routes)
+        masses = self._extras.record_before_apply(sampled)
         finished: list[Sequence] = []
         nonfinite = min(sampled.token_ids, default=0) < 0  # a code: see NONFINITE_CAUSES
-        masses = None if sampled.kept_mass is None else self._masses(sampled)
         gone = self._apply(chunks, tokens, logprobs, tops, nonfinite, finished)
         if gone:
             self._in_flight.renumber(self.batch.remove(gone))
-        if masses:
-            for seq, length, mass in masses:
-                if len(seq.token_ids) > length:  # its token was kept
-                    seq.kept_mass.append(mass)
+        self._extras.record_masses(masses)
         return finished
 
     # -- internals --------------------------------------------------------------------
-
-    def _masses(self, sampled: SampledTokens) -> list[tuple[Sequence, int, float]]:
-        """The step's kept masses (``SamplingParams.return_kept_mass``) with their
-        sequences and token counts before the step is applied: a mass is recorded
-        only where its token is (not past the end, not a non-finite row)."""
-        out = []
-        for seq_id, mass in zip(sampled.seq_ids, sampled.kept_mass, strict=True):
-            seq = self._unfinished.get(seq_id) if mass is not None else None
-            if seq is not None:
-                out.append((seq, len(seq.token_ids), mass))
-        return out
-
-    def _record_prompt_scores(self, scores: dict[int, PromptScores]) -> None:
-        """Append each chunk's prompt scores to its request's; a prompt scored again
-        (recomputed after a preemption) keeps the scores it already has."""
-        for seq_id, (first, logprobs, tops, ranks) in scores.items():
-            seq = self._unfinished.get(seq_id)
-            if seq is None:
-                continue  # withdrawn while the step ran
-            skip = len(seq.prompt_logprobs) + 1 - first  # prompt index 1 is entry 0
-            if skip < 0:
-                raise ValueError(f"sequence {seq_id}: prompt scores from index {first} but "
-                                 f"only {len(seq.prompt_logprobs)} recorded before it")
-            seq.prompt_logprobs.extend(logprobs[skip:])
-            seq.prompt_top_logprobs.extend(tops[skip:])
-            seq.prompt_ranks.extend(ranks[skip:])
-
-    def _record_routes(self, routes: dict[int, StepRoutes]) -> None:
-        """Append each row's routed experts to its request's; positions it holds
-        already (asked again after a step in flight, or recomputed after a preemption)
-        keep their first routes."""
-        for seq_id, (first, ids) in routes.items():
-            seq = self._unfinished.get(seq_id)
-            if seq is None:
-                continue  # withdrawn while the step ran
-            skip = seq.num_routes - first
-            if skip < 0:
-                raise ValueError(f"sequence {seq_id}: routes from position {first} but only "
-                                 f"{seq.num_routes} recorded before it")
-            if skip < len(ids):
-                seq.routes.append(ids[skip:])
-                seq.num_routes += len(ids) - skip
 
     def _make_rooms(self, rows: np.ndarray, sizes: np.ndarray, total: int
                     ) -> tuple[np.ndarray, np.ndarray, int]:  # fmt: skip
@@ -507,8 +450,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
-        self._scoring.discard(seq.seq_id)
-        self._routing.discard(seq.seq_id)
+        self._extras.forget(seq.seq_id)
         finished.append(seq)
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
