@@ -19,6 +19,8 @@ every size eagerly first).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -46,8 +48,13 @@ def w8a8_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n, k = weight.shape
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and hasattr(F, "scaled_mm") and k % BLOCK == 0 and n % 16 == 0
-            and (n, k) not in _REFUSED
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+            and (n, k) not in _REFUSED and _is_sm90(x.device.index))
+
+
+@functools.cache
+def _is_sm90(index: int | None) -> bool:
+    """Asked once per device: every projection of an eager step asks."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
