@@ -1,13 +1,17 @@
 """The RL numerics switches on the GPU: each one's effect on the trainer-rollout gap
-and its cost (``fp32_lm_head``, ``fp32_router_logits``, ``dtype="float16"``).
+and its cost (``fp32_lm_head``, ``fp32_router_logits``, ``dtype="float16"``), and the
+same for FP8 weights and the FP8 KV cache (``quantization="fp8"``,
+``kv_cache_dtype="fp8"``).
 
 For a random checkpoint at Qwen3-0.6B's shape (bf16 weights, std 0.02) and a small
 Qwen3-MoE (transformers' own initialisation, 64 experts, top 8), the engine samples
 ``NEW`` tokens for ``PROMPTS`` prompts with logprobs, and transformers on the same
 weights rescores them, as a trainer does. Printed per variant: the mean and max
 |engine - trainer| logprob per sampled token against transformers in the engine's
-dtype (the trainer's usual mixed precision) and in float32 (the exact value), and the
-engine's rollout tokens/s (``ROLLOUT`` prompts) with its ratio to the bf16 default.
+dtype (the trainer's usual mixed precision) and in float32 (the exact value), the
+engine's rollout tokens/s (``ROLLOUT`` prompts) with its ratio to the bf16 default, and
+the tokens its KV pool holds at the same ``gpu_memory_utilization``. The trainer stays
+in bf16 for every variant: the FP8 rows are the gap FP8 rollouts add.
 
     python benchmarks/bench_numerics.py [dense] [moe]
 """
@@ -27,7 +31,11 @@ PROMPTS, PROMPT_LEN, NEW = 16, 64, 32
 ROLLOUT, ROLLOUT_PROMPT, ROLLOUT_NEW = 256, 256, 128
 VARIANTS = {
     "dense": (("bf16", "bfloat16", {}), ("bf16 + fp32_lm_head", "bfloat16",
-                                         {"fp32_lm_head": True}), ("float16", "float16", {})),
+                                         {"fp32_lm_head": True}), ("float16", "float16", {}),
+              ("fp8 weights", "bfloat16", {"quantization": "fp8"}),
+              ("fp8 kv cache", "bfloat16", {"kv_cache_dtype": "fp8"}),
+              ("fp8 weights + kv cache", "bfloat16",
+               {"quantization": "fp8", "kv_cache_dtype": "fp8"})),
     "moe": (("bf16", "bfloat16", {}), ("bf16 + fp32_lm_head", "bfloat16", {"fp32_lm_head": True}),
             ("bf16 + fp32_router_logits", "bfloat16", {"fp32_router_logits": True}),
             ("bf16 + both", "bfloat16", {"fp32_lm_head": True, "fp32_router_logits": True}),
@@ -92,7 +100,7 @@ def rollout_tps(llm: LLM, vocab: int) -> float:
 
 def main(only: list[str] | None = None) -> None:
     print(f"{'model':<7}{'variant':<28}{'vs same dtype mean':>19}{'max':>10}"
-          f"{'vs fp32 mean':>14}{'max':>10}{'tok/s':>10}{'vs bf16':>9}")
+          f"{'vs fp32 mean':>14}{'max':>10}{'tok/s':>10}{'vs bf16':>9}{'kv tokens':>11}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in only or ("dense", "moe"):
             path = checkpoint(Path(tmp), name)
@@ -107,6 +115,8 @@ def main(only: list[str] | None = None) -> None:
                          gpu_memory_utilization=0.5, skip_tokenizer_init=True, **extra) as llm:
                     got = llm.generate(prompts, params)
                     tps = rollout_tps(llm, 150000)
+                    info = llm.cache_info()
+                    kv_tokens = info.num_blocks * info.block_size
                 base_tps = base_tps or tps
                 seqs = [p + o.token_ids for p, o in zip(prompts, got, strict=True)]
                 engine = torch.tensor([lp for o in got for lp in o.logprobs])
@@ -118,7 +128,7 @@ def main(only: list[str] | None = None) -> None:
                 d_same, d_exact = (engine - same).abs(), (engine - exact).abs()
                 print(f"{name:<7}{label:<28}{d_same.mean():>19.2e}{d_same.max():>10.2e}"
                       f"{d_exact.mean():>14.2e}{d_exact.max():>10.2e}{tps:>10,.0f}"
-                      f"{tps / base_tps:>9.3f}", flush=True)
+                      f"{tps / base_tps:>9.3f}{kv_tokens:>11,}", flush=True)
 
 
 if __name__ == "__main__":
