@@ -82,7 +82,8 @@ def graphed_us(fn: Callable[[int], object], calls: int) -> float:
 
 
 def describe(launch: InvariantLaunch) -> str:
-    walk = "walk" if launch.in_program else "slices"
+    walk = ("walk" if launch.in_program
+            else "slices" if launch.last_program_sums else "slices+sum kernel")
     return (f"k{launch.block_k}x{launch.splits} {launch.block_m}x{launch.block_n} "
             f"w{launch.num_warps} s{launch.num_stages} {walk}")
 
@@ -95,6 +96,9 @@ def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
     for bm, bn, warps, stages in LAYOUTS:
         for walk in ((False, True) if splits > 1 else (True,)):
             out.append(InvariantLaunch(block_k, splits, bm, bn, warps, stages, walk))
+            if not walk:  # the slices added by a second kernel, not the tile's last program
+                out.append(InvariantLaunch(block_k, splits, bm, bn, warps, stages, walk,
+                                           last_program_sums=False))
     for reduction in ((128, splits), (64, 1), (128, 1)):
         for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)):
             out.append(InvariantLaunch(*reduction, bm, bn, warps, stages, True))

@@ -11,8 +11,12 @@ How that work is spread over programs may follow the row count, since it does no
 change any element's chain of operations (:func:`invariant_launch`):
 
 * a program per (row tile, column tile, slice), each slice's partial sums in a
-  float32 workspace that a second kernel adds in slice order: decode-sized products,
-  where the slices keep the machine reading the weight;
+  float32 workspace, added in slice order: decode-sized products, where the slices
+  keep the machine reading the weight. The tile's last program to finish adds them
+  (it counts the tile's finished slices on a counter, see :class:`TileCounters`), so
+  the product is one launch; where no counters serve (the first call made inside a
+  graph capture, a grid larger than the counters), a second kernel adds them, to the
+  same bits;
 * or one program per (row tile, column tile) walking every slice and adding each
   slice's sum in registers, in the same order from the same zero: long prefills,
   with no workspace (``splits x M x N`` float32) and no second launch.
@@ -24,6 +28,8 @@ same in every layout (``tests/core/determinism/test_deterministic_gpu.py`` and
 """
 
 from __future__ import annotations
+
+import threading
 
 import attrs
 import torch
@@ -44,6 +50,8 @@ MAX_SPLITS = 4
 MIN_SPLIT_DEPTH = 512
 #: from this many rows a product walks its slices inside one program
 IN_PROGRAM_ROWS = 512
+#: tile counters per device; a launch takes as many as its grid has tiles
+COUNTERS = 1 << 20
 
 
 @attrs.frozen
@@ -58,6 +66,49 @@ class InvariantLaunch:
     num_warps: int
     num_stages: int  #: software-pipeline depth of the K walk
     in_program: bool  #: one program walks every slice (else a program per slice)
+    #: with a program per slice, the tile's last program adds the slices (else a
+    #: second kernel does); the same bits either way
+    last_program_sums: bool = True
+
+
+class TileCounters:
+    """Per device, a ring of int32 counters, zero between launches, that a
+    slice-per-program launch counts its tiles' finished slices on: the program that
+    finds its tile's count at ``splits - 1`` adds the slices and sets it back to zero.
+
+    Each launch takes the next ``tiles`` counters of the ring (its offset is fixed when
+    a graph captures it). Two launches share a counter only if ``COUNTERS`` counters
+    were handed out between them, and launches that can run at once (two streams of
+    two-batch overlap, which join every layer) are a few products apart, so no two
+    running launches share one. The ring is made eagerly, on first use outside a
+    graph capture: the warmup before capture makes it."""
+
+    def __init__(self) -> None:
+        self._rings: dict[torch.device, torch.Tensor] = {}
+        self._cursor: dict[torch.device, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, device: torch.device, tiles: int) -> torch.Tensor | None:
+        """``tiles`` zeroed counters on ``device``, or None (no ring yet during a
+        capture, or more tiles than the ring holds)."""
+        if tiles > COUNTERS:
+            return None
+        with self._lock:
+            ring = self._rings.get(device)
+            if ring is None:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    return None
+                ring = self._rings[device] = torch.zeros(COUNTERS, dtype=torch.int32,
+                                                         device=device)
+                self._cursor[device] = 0
+            start = self._cursor[device]
+            if start + tiles > COUNTERS:
+                start = 0
+            self._cursor[device] = start + tiles
+            return ring[start:start + tiles]
+
+
+_COUNTERS = TileCounters()
 
 
 def invariant_reduction(n: int, k: int) -> tuple[int, int]:
@@ -100,11 +151,11 @@ def _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start, k_end, stride_xm, stride
 
 @triton.jit
 def _invariant_gemm_kernel(
-    x_ptr, w_ptr, out_ptr,
+    x_ptr, w_ptr, out_ptr, sum_ptr, counters_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_os, stride_om,
     K_PER_SPLIT,
-    SPLITS: tl.constexpr, IN_PROGRAM: tl.constexpr,
+    SPLITS: tl.constexpr, IN_PROGRAM: tl.constexpr, LAST_PROGRAM_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -130,8 +181,24 @@ def _invariant_gemm_kernel(
                          tl.minimum(k_start + K_PER_SPLIT, K), stride_xm, stride_wn,
                          BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
         target = out_ptr + split * stride_os
-    dst = target + rows[:, None] * stride_om + cols[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    at = rows[:, None] * stride_om + cols[None, :]
+    tl.store(target + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
+    if LAST_PROGRAM_SUMS:
+        # Every thread's partial stored before the count (the CUDA threadfence
+        # reduction): the release publishes them, the last program's acquire sees all.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(1) + pid_n
+        done = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            tl.debug_barrier()
+            # The second kernel's sum: from zero, in slice order, in float32.
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(out_ptr + s * stride_os + at, mask=inside, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(sum_ptr + at, total.to(sum_ptr.dtype.element_ty), mask=inside)
+            tl.atomic_xchg(counters_ptr + tile, 0)  # zero for the next launch
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
@@ -164,18 +231,20 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
               else out)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n),
             splits if partials else 1)
+    counters = (_COUNTERS.take(x.device, grid[0] * grid[1])
+                if partials and launch.last_program_sums else None)
     _invariant_gemm_kernel[grid](
-        rows, weight, target, m, n, k,
+        rows, weight, target, out, target if counters is None else counters, m, n, k,
         rows.stride(0), weight.stride(0), target.stride(0) if partials else 0, n,
         per_split,
-        SPLITS=splits, IN_PROGRAM=not partials,
+        SPLITS=splits, IN_PROGRAM=not partials, LAST_PROGRAM_SUMS=counters is not None,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         NUM_STAGES=launch.num_stages,
         # fp32 stays fp32 (tl.dot would round it to TF32); 16-bit inputs ignore it
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps,
     )  # fmt: skip
-    if partials:
+    if partials and counters is None:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits,
                                                          BLOCK=block)

@@ -56,3 +56,26 @@ def test_the_invariant_gemm_layouts_of_one_reduction_give_the_same_bits() -> Non
     assert sliced.splits == walked.splits == 3
     assert not sliced.in_program and walked.in_program
     assert torch.equal(invariant_gemm(rows, weight, sliced), invariant_gemm(rows, weight, walked))
+
+
+def test_a_tiles_last_program_adds_its_slices_to_the_second_kernels_bits() -> None:
+    """A slice-per-program product is one launch: the tile's last program to finish
+    adds the slices, from zero in slice order, as the second kernel would; and it
+    leaves the tile counters it counted on at zero for the next launch."""
+    import attrs
+
+    from kvrunner.layers.fused import invariant_gemm_triton as gemm
+
+    torch.manual_seed(3)
+    weight, rows = torch.randn(200, 2100), torch.randn(70, 2100)
+    one_launch = gemm.invariant_launch(1, 200, 2100)
+    assert one_launch.splits == 4 and not one_launch.in_program
+    assert one_launch.last_program_sums
+    two_launches = attrs.evolve(one_launch, last_program_sums=False)
+    before = gemm._COUNTERS._cursor.get(rows.device, 0)
+    summed_by_last = gemm.invariant_gemm(rows, weight, one_launch)
+    tiles = 2 * 4  # two row tiles by four column tiles
+    assert gemm._COUNTERS._cursor[rows.device] == before + tiles
+    assert torch.equal(summed_by_last, gemm.invariant_gemm(rows, weight, two_launches))
+    assert int(gemm._COUNTERS._rings[rows.device].abs().sum()) == 0
+    torch.testing.assert_close(summed_by_last, rows @ weight.T, atol=1e-3, rtol=1e-4)
