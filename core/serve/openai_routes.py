@@ -11,7 +11,9 @@ the version that choice's last token was made under), every stream chunk the ver
 its tokens were made under, and every choice its own, with ``weight_versions``
 (``[version, first token index]`` spans) when its tokens came from more than one.
 ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the
-prefix cache, which vLLM's ``cache_salt`` scopes.
+prefix cache, which vLLM's ``cache_salt`` scopes. On a server that records routed
+experts every choice carries vLLM's ``routed_experts`` (a stream: on each choice's last
+chunk; serve/routed_experts.py).
 """
 
 from __future__ import annotations

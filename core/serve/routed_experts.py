@@ -40,10 +40,11 @@ def wanted(asked: bool | None, *, recording: bool, param: str = "return_routed_e
     if asked is None:
         return recording
     if asked and not recording:
-        raise APIError(400, f"{param}=true needs a server started with {SERVER_FLAG}, "
-                       f"which records every token's experts; it takes a "
-                       f"mixture-of-experts model (Qwen3-MoE, sparse Qwen3-Next) only, and "
-                       f"this server records none", param=param)
+        raise APIError(400, f"{param}=true needs a server started with {SERVER_FLAG} "
+                       f"(the engine setting enable_return_routed_experts), which records "
+                       f"every token's experts; it takes a mixture-of-experts model "
+                       f"(Qwen3-MoE, sparse Qwen3-Next) only, and this server records none",
+                       param=param)
     return asked
 
 

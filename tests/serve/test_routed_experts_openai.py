@@ -8,7 +8,8 @@ gives every choice its routes unless the request says ``return_routed_experts: f
 streamed, a choice's last chunk carries them. The routes are the Python API's for the
 same seeded request (``n`` > 1 too), and transformers' router top-k on the same weights
 over the same tokens; a prefix-cache hit returns the uncached request's routes.
-``routed_experts_prompt_start`` leaves out the first prompt rows. Asked on a dense
+``routed_experts_prompt_start`` leaves out the first prompt rows; vLLM's
+``/inference/v1/generate`` carries them the same way. Asked on a dense
 model's server, or on a MoE server started without the flag, they are a 400 naming
 the field.
 """
@@ -199,6 +200,26 @@ def test_a_prefix_cache_hit_returns_the_uncached_routes(client, router_top_k) ->
     # vLLM's routed_experts_prompt_start: the rows from that prompt token on
     tail = complete(routed_experts_prompt_start=BLOCK + 3)
     np.testing.assert_array_equal(decode(tail.choices[0].routed_experts), cold[BLOCK + 3:])
+
+
+def test_the_token_route_carries_them_too(moe_server, reference) -> None:
+    """``/inference/v1/generate`` (vLLM's tokens in, tokens out), whole and streamed, with
+    ``routed_experts_prompt_start`` in its ``sampling_params``."""
+    want = reference.generate([PROMPT], SamplingParams(
+        **SEEDED, ignore_eos=True, return_routed_experts=True))[0].routed_experts
+    body = {"token_ids": PROMPT, "sampling_params": SEEDED | {
+        "ignore_eos": True, "routed_experts_prompt_start": 2}}
+
+    async def both() -> tuple[dict, list[dict]]:
+        async with moe_server.async_client() as http:
+            whole = (await http.post("/inference/v1/generate", json=body)).json()
+            return whole, await stream_events(http, "/inference/v1/generate", body)
+
+    whole, events = asyncio.run(both())
+    np.testing.assert_array_equal(decode(whole["choices"][0]["routed_experts"]), want[2:])
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "length"
+    np.testing.assert_array_equal(decode(last["routed_experts"]), want[2:])
 
 
 def test_bad_prompt_starts_are_400s_naming_the_field(client) -> None:
