@@ -9,18 +9,16 @@ continue, flush, release, resume, update from disk) are ``control_routes.py``'s.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvrunner.serve import generation, sse
+from kvrunner.serve import generation, routed_experts, sse
 from kvrunner.serve.body import off_loop, parse_json, read_body
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.request_params import (
@@ -121,8 +119,8 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
         "ignore_eos": Asked("sampling_params.ignore_eos",
                             sp.ignore_eos if "ignore_eos" in given else None),
         "return_kept_mass": Asked("return_kept_mass", body.return_kept_mass or None),
-        "return_routed_experts": Asked("return_routed_experts",
-                                       True if body.return_routed_experts else None),
+        "return_routed_experts": Asked("return_routed_experts", True if routed_experts.wanted(
+            body.return_routed_experts, recording=state.records_routes) else None),
     }
     for name in ("stop", "stop_token_ids", "n"):
         asked[name] = Asked(f"sampling_params.{name}", getattr(sp, name))
@@ -172,13 +170,6 @@ def _finish_reason(out: Any, score_only: bool) -> dict[str, Any] | None:
         return {"type": "abort", "message": getattr(out, "error", None) or "error",
                 "status_code": 500, "err_type": "InternalServerError"}
     return {"type": "abort", "message": ABORTED, "status_code": None, "err_type": None}
-
-
-def routes_base64(routes: np.ndarray) -> str:
-    """SGLang's ``meta_info.routed_experts``: the ``[tokens, layers, top_k]`` expert
-    ids as little-endian int32 bytes, flat, in base64 (its clients decode them with
-    ``np.frombuffer(..., np.int32)`` and reshape by the model's layers and top-k)."""
-    return base64.b64encode(np.ascontiguousarray(routes, dtype="<i4").tobytes()).decode()
 
 
 def _weight_version(state: ServerState, out: Any) -> Any:
@@ -237,7 +228,7 @@ def _meta(state: ServerState, body: GenerateRequest, out: Any, rid: str, *,
         meta["weight_versions"] = [[version, start] for version, start in spans]
     routes = getattr(out, "routed_experts", None)
     if body.return_routed_experts and routes is not None:  # a finished request's
-        meta["routed_experts"] = routes_base64(routes)
+        meta["routed_experts"] = routed_experts.flat_int32_base64(routes)
     if body.return_logprob and out.logprobs is not None:
         text = body.return_text_in_logprobs
         start = logprob_start(body, len(prompt))

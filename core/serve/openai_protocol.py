@@ -83,6 +83,13 @@ class SamplingFields(StrictModel):
     return_kept_mass: bool = False
     #: vLLM's prefix-cache namespace: only requests with the same salt share cached KV
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    #: each choice's ``routed_experts`` (vLLM's ``.npy`` in base64,
+    #: serve/routed_experts.py): null follows the server (every choice, on a server
+    #: started with ``--enable-return-routed-experts``, as vLLM), true asks (a 400 on a
+    #: server that records none), false leaves them out
+    return_routed_experts: bool | None = None
+    #: vLLM's: ``routed_experts`` leaves out the rows of the prompt's first N tokens
+    routed_experts_prompt_start: NonNegativeInt = 0
 
 
 class CompletionRequest(SamplingFields):

@@ -11,7 +11,9 @@ the version that choice's last token was made under), every stream chunk the ver
 its tokens were made under, and every choice its own, with ``weight_versions``
 (``[version, first token index]`` spans) when its tokens came from more than one.
 ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the
-prefix cache, which vLLM's ``cache_salt`` scopes.
+prefix cache, which vLLM's ``cache_salt`` scopes. On a server that records routed
+experts every choice carries vLLM's ``routed_experts`` (a stream: on each choice's last
+chunk; serve/routed_experts.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvrunner.serve import answer_fields, generation, sse
+from kvrunner.serve import answer_fields, generation, routed_experts, sse
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.chat_messages import render_messages
 from kvrunner.serve.chat_parsing import ChatParsing, chat_parsing
@@ -62,9 +64,10 @@ def _params(state: ServerState, body: SamplingFields, *, max_tokens: int | None,
             prompt_logprobs: int | None = None) -> Any:
     """The SamplingParams of one prompt of ``body`` (``prompt_logprobs``: the prompt's
     own logprobs and top-N, for ``echo``; else the body's own ``prompt_logprobs``)."""
+    routed_experts.check_prompt_start(body.routed_experts_prompt_start, prompt_len)
     asked = vllm_asked(
         body, max_tokens=max_new_tokens(max_tokens, prompt_len, state.max_model_len),
-        logprobs=Asked(logprobs_name, logprobs),
+        logprobs=Asked(logprobs_name, logprobs), recording_routes=state.records_routes,
         prompt_logprobs=None if prompt_logprobs is None
         else Asked("logprobs", prompt_logprobs))
     return sampling_params(state, asked)
@@ -202,7 +205,8 @@ async def completions(request: Request) -> Any:
                                               cache_salt=body.cache_salt)
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_completion_events(state, items, head, jobs, as_ids=as_ids,
-                                               usage=usage, mass=body.return_kept_mass))
+                                               usage=usage, mass=body.return_kept_mass,
+                                               routes_from=body.routed_experts_prompt_start))
     results = await generation.run(state.engine, jobs, rid, request, fields=_FIELDS,
                                    cache_salt=body.cache_salt)
     choices, completion_tokens = [], 0
@@ -229,6 +233,7 @@ async def completions(request: Request) -> Any:
                 choice["token_ids"] = list(out.token_ids)
             if body.return_kept_mass:
                 choice["kept_mass"] = list(out.kept_mass or [])
+            choice |= routed_experts.choice_routes(out, body.routed_experts_prompt_start)
             choices.append(choice)
             completion_tokens += len(out.token_ids)
     cached = sum(out.num_cached_tokens for outs in results for out in outs)
@@ -252,7 +257,11 @@ def _echoed_logprobs(state: ServerState, prompt: list[int], out: Any,
 
 async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                              head: dict[str, Any], jobs: list, *, as_ids: bool,
-                             usage: bool, mass: bool = False) -> AsyncIterator[str]:
+                             usage: bool, mass: bool = False,
+                             routes_from: int = 0) -> AsyncIterator[str]:
+    """The completion's chunks; a choice's last chunk (its finish reason) carries its
+    weight versions and, when the request gets them, its ``routed_experts`` from the
+    prompt row ``routes_from`` on."""
     async def events() -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
         completion_tokens = cached = 0
@@ -268,8 +277,9 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
                       "finish_reason": delta.finish_reason}
             if mass:
                 choice["kept_mass"] = list(delta.kept_mass or [])
-            yield event(dict(head, weight_version=delta.weight_version,
-                             choices=[choice | answer_fields.final_choice_versions(delta)]))
+            choice |= answer_fields.final_choice_versions(delta)
+            choice |= routed_experts.choice_routes(delta.output, routes_from)
+            yield event(dict(head, weight_version=delta.weight_version, choices=[choice]))
         if usage:
             yield event(dict(head, choices=[], usage=answer_fields.usage(
                 sum(len(ids) for ids, _ in jobs), completion_tokens, cached)))
@@ -330,11 +340,13 @@ async def chat_completions(request: Request) -> Any:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_chat_events(state, items, head, len(ids), as_ids=as_ids,
                                          usage=usage, parsing=parsing,
-                                         mass=body.return_kept_mass))
+                                         mass=body.return_kept_mass,
+                                         routes_from=body.routed_experts_prompt_start))
     outs = (await generation.run(state.engine, jobs, rid, request, fields=_CHAT_FIELDS,
                                  cache_salt=body.cache_salt))[0]
     choices = [_chat_choice(state, k, out, parsing, as_ids=as_ids,
                             token_ids=body.return_token_ids, mass=body.return_kept_mass)
+               | routed_experts.choice_routes(out, body.routed_experts_prompt_start)
                for k, out in enumerate(outs)]
     answer = {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
@@ -377,7 +389,10 @@ def _chat_choice(state: ServerState, index: int, out: Any, parsing: ChatParsing 
 async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]],
                        head: dict[str, Any], prompt_tokens: int, *, as_ids: bool,
                        usage: bool, parsing: ChatParsing | None,
-                       mass: bool = False) -> AsyncIterator[str]:
+                       mass: bool = False, routes_from: int = 0) -> AsyncIterator[str]:
+    """The chat answer's chunks; a choice's last chunk (its finish reason) carries its
+    weight versions and, when the request gets them, its ``routed_experts`` from the
+    prompt row ``routes_from`` on."""
     async def events() -> AsyncIterator[str]:
         # a choice's parser stream (None without parsers), from its first chunk
         streams: dict[int, OutputStream | None] = {}
@@ -413,6 +428,7 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
                       "finish_reason": finish_reason} | versions
             if mass:
                 choice["kept_mass"] = list(delta.kept_mass or [])
+            choice |= routed_experts.choice_routes(delta.output, routes_from)
             yield event(dict(head, weight_version=delta.weight_version, choices=[choice]))
         if usage:
             yield event(dict(head, choices=[], usage=answer_fields.usage(

@@ -22,6 +22,7 @@ import attrs
 
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.serve import routed_experts
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.state import ServerState
 
@@ -163,13 +164,17 @@ def max_new_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> in
     return max(1, max_model_len - prompt_len)
 
 
-def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked,
+def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked, recording_routes: bool,
                prompt_logprobs: Asked | None = None) -> dict[str, Asked]:
     """The engine fields of a vLLM-family body (completions, chat completions, the
     ``sampling_params`` of ``/inference/v1/generate``): every shared field by its vLLM
-    name, the sampling fields only where the client set them."""
+    name, the sampling fields only where the client set them. ``recording_routes``: the
+    server records routed experts, so a body that does not say
+    ``return_routed_experts`` gets them (:func:`~kvrunner.serve.routed_experts.wanted`)."""
     refuse_unsupported(body, VLLM_NEUTRAL)
     given = body.model_fields_set
+    routes = routed_experts.wanted(getattr(body, "return_routed_experts", None),
+                                   recording=recording_routes)
     asked = {
         "max_tokens": Asked("max_tokens", max_tokens),
         "seed": Asked("seed", body.seed),
@@ -181,6 +186,7 @@ def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked,
         "prompt_logprobs": prompt_logprobs or Asked("prompt_logprobs", body.prompt_logprobs),
         "return_kept_mass": Asked("return_kept_mass", getattr(body, "return_kept_mass", None)
                                   or None),
+        "return_routed_experts": Asked("return_routed_experts", True if routes else None),
     }
     for name in ("temperature", "top_p", "top_k", *VLLM_EXTRAS):
         asked[name] = Asked(name, getattr(body, name) if name in given else None)

@@ -55,6 +55,12 @@ class ServerState:
     def max_model_len(self) -> int:
         return int(self.engine.config.scheduler.max_model_len)
 
+    @property
+    def records_routes(self) -> bool:
+        """The engine records every token's routed experts
+        (``--enable-return-routed-experts``), so requests may get them."""
+        return bool(self.engine.config.enable_return_routed_experts)
+
     async def prompt_ids(self, prompt: str | list[int], *, param: str,
                          add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (text tokenised off the event loop, refused first if it

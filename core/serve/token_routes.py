@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from kvrunner.serve import answer_fields, generation, sse
+from kvrunner.serve import answer_fields, generation, routed_experts, sse
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.chat_messages import render_messages
 from kvrunner.serve.errors import APIError
@@ -78,6 +78,10 @@ class VLLMSamplingParams(StrictModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     structured_outputs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
+    #: each choice's ``routed_experts`` leaves out the rows of the prompt's first N
+    #: tokens (a server started with ``--enable-return-routed-experts`` gives every
+    #: choice its routes, as vLLM's)
+    routed_experts_prompt_start: NonNegativeInt = 0
 
 
 class TokensGenerateRequest(StrictModel):
@@ -154,9 +158,12 @@ async def generate_tokens(request: Request) -> Any:
     state.admission.require_open()
     sp = body.sampling_params
     ids = truncated(list(body.token_ids), sp.truncate_prompt_tokens, state.max_model_len)
+    routed_experts.check_prompt_start(sp.routed_experts_prompt_start, len(ids),
+                                      param="sampling_params.routed_experts_prompt_start")
     asked = vllm_asked(sp, max_tokens=max_new_tokens(sp.max_tokens, len(ids),
                                                      state.max_model_len),
-                       logprobs=Asked("sampling_params.logprobs", sp.logprobs))
+                       logprobs=Asked("sampling_params.logprobs", sp.logprobs),
+                       recording_routes=state.records_routes)
     asked = {field: Asked(f"sampling_params.{given.name}", given.value)
              for field, given in asked.items()}
     jobs = [(ids, sampling_params(state, asked))]
@@ -167,7 +174,8 @@ async def generate_tokens(request: Request) -> Any:
         items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS,
                                               cache_salt=body.cache_salt)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(_events(items, head, len(ids), asked_top, usage))
+        return sse.response(_events(items, head, len(ids), asked_top, usage,
+                                    sp.routed_experts_prompt_start))
     outs = (await generation.run(state.engine, jobs, rid, request, fields=_FIELDS,
                                  cache_salt=body.cache_salt))[0]
     choices = [{
@@ -175,7 +183,9 @@ async def generate_tokens(request: Request) -> Any:
         "logprobs": _logprobs(out.token_ids, out.logprobs, out.top_logprobs, asked_top),
         "finish_reason": out.finish_reason or "stop",
         "token_ids": list(out.token_ids),
-    } | answer_fields.choice_versions(out) for k, out in enumerate(outs)]
+    } | answer_fields.choice_versions(out)
+        | routed_experts.choice_routes(out, sp.routed_experts_prompt_start)
+        for k, out in enumerate(outs)]
     completion = sum(len(out.token_ids) for out in outs)
     return JSONResponse(dict(head, model=state.model_name, choices=choices,
                              prompt_logprobs=None, weight_version=outs[-1].weight_version,
@@ -184,7 +194,11 @@ async def generate_tokens(request: Request) -> Any:
 
 
 async def _events(items: AsyncIterator[tuple[int, Any]], head: dict[str, Any],
-                  prompt_tokens: int, asked_top: int, usage: bool) -> AsyncIterator[str]:
+                  prompt_tokens: int, asked_top: int, usage: bool,
+                  routes_from: int = 0) -> AsyncIterator[str]:
+    """The answer's chunks; a choice's last one carries its weight versions and its
+    ``routed_experts`` (from the prompt row ``routes_from`` on) when it has them."""
+
     async def events() -> AsyncIterator[str]:
         completion = cached = 0
         async for index, delta in items:
@@ -197,7 +211,8 @@ async def _events(items: AsyncIterator[tuple[int, Any]], head: dict[str, Any],
                 "token_ids": list(delta.token_ids),
                 "logprobs": _logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs,
                                       asked_top),
-            } | answer_fields.final_choice_versions(delta)]))
+            } | answer_fields.final_choice_versions(delta)
+                | routed_experts.choice_routes(delta.output, routes_from)]))
         if usage:
             yield sse.event(dict(head, choices=[], usage=answer_fields.usage(
                 prompt_tokens, completion, cached)))
