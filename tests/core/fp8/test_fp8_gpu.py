@@ -119,3 +119,19 @@ def test_a_push_and_a_sleep_with_graphs_captured_serve_the_pushed_weights(tmp_pa
         llm.update_weights(push)
         llm.wake_up(["kv_cache"])
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256, 4096])
+@pytest.mark.parametrize("spread", [1e-3, 1.0, 300.0])
+def test_the_activation_kernel_gives_the_references_bytes_and_scales(rows, spread):
+    """The w8a8 path's one-launch quantization equals the torch reference bit for bit."""
+    from kvrunner.layers.fp8.gemm import quantize_token_groups
+    from kvrunner.layers.fused.fp8_token_groups_triton import quantize_token_groups_triton
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, 3072, device="cuda", generator=g) * spread).to(torch.bfloat16)
+    x[0, :128] = 0
+    q, s = quantize_token_groups_triton(x)
+    q_ref, s_ref = quantize_token_groups(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
