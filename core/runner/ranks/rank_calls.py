@@ -156,7 +156,7 @@ class RankCalls:
                            rank=rank_offset + self.rank, world_size=world_size,
                            backend=backend, group_name=group_name, timeout_s=timeout_s,
                            is_master=False, device=self.runner.device)
-        self.update_group = UpdateGroup(group, self.runner.device)
+        self.update_group = UpdateGroup(group, self.runner.device, backend)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]],
