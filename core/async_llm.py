@@ -359,6 +359,23 @@ class AsyncLLM:
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
 
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str | bytes], load_format: str | None = None,
+        *, weight_version: str | int | None = None, **kwargs: Any,
+    ) -> int:
+        """``LLM.update_weights_from_tensor`` (SGLang's payloads, each rank opening its
+        own entry) on the engine thread, versioned and refused as
+        :meth:`update_weights`."""
+        llm = self._engine.llm
+
+        def push() -> int:
+            loaded = llm.update_weights_from_tensor(serialized_named_tensors, load_format,
+                                                    weight_version=weight_version, **kwargs)
+            self._engine.weights_changed()
+            return loaded
+
+        return await self._call(self._engine.call("update_weights", "quiet", push))
+
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int,
                                         **kwargs: Any) -> None:

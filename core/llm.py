@@ -313,6 +313,29 @@ class LLM:
                             storages=self._mapped_storages)
 
     @exclusive
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str | bytes], load_format: str | None = None,
+        *, check_finite: bool = True, weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
+    ) -> int:
+        """Load SGLang's ``serialized_named_tensors`` (its ``update_weights_from_tensor``
+        body, :mod:`kvrunner.weight_sync.tensor_payload`): one
+        ``MultiprocessingSerializer`` payload per tensor-parallel rank, entry ``r``
+        opened by rank ``r`` in its own process (its CUDA IPC handles name that rank's
+        GPU), ``load_format`` None / ``"direct"`` (``(name, tensor)`` pairs) or
+        ``"flattened_bucket"``. A transaction: a count of entries other than
+        ``tensor_parallel_size``, entries holding different tensors, a payload the
+        restricted unpickler refuses, or a value, name or shape
+        :meth:`update_weights` would refuse raises
+        :class:`~kvrunner.weight_sync.WeightSyncError` before any rank loads.
+        Returns once every copy out of the trainer's memory is done on the device;
+        ``check_finite``, ``weight_version`` and ``reset_prefix_cache`` as for
+        :meth:`update_weights`. Returns how many tensors loaded."""
+        return self._sleep_wake.update_weights_from_tensor(
+            serialized_named_tensors, load_format, check_finite=check_finite,
+            weight_version=weight_version, reset_prefix_cache=reset_prefix_cache)
+
+    @exclusive
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         *, backend: str = "nccl", group_name: str = "kvrunner_weights",

@@ -30,6 +30,7 @@ from kvrunner.models.tensor_checks import tensor_problem
 from kvrunner.models.weight_names import (
     WeightDuplicateError,
     WeightNameError,
+    WeightScaleError,
     WeightSetError,
     WeightShapeError,
 )
@@ -118,7 +119,8 @@ class CheckpointTensors:
     def error(self, error: ValueError) -> CheckpointError:
         """The CheckpointError for a model's refusal of these tensors, naming the file
         of the tensor at fault (the directory for a tensor no file holds)."""
-        if isinstance(error, (WeightNameError, WeightShapeError, WeightDuplicateError)):
+        if isinstance(error, (WeightNameError, WeightShapeError, WeightDuplicateError,
+                              WeightScaleError)):
             file = self.file_of.get(error.tensor, self.path)
             return CheckpointError(file, str(error))
         if isinstance(error, WeightSetError) and error.unexpected:

@@ -56,6 +56,19 @@ class WeightDuplicateError(ValueError):
         self.tensor = tensor
 
 
+class WeightScaleError(ValueError):
+    """An update known up front gives an FP8 tensor for an FP8 weight without that
+    weight's block scales: its bytes mean nothing without them.
+
+    :ivar tensor: the FP8 tensor's checkpoint name; :ivar scale: the scales' name.
+    """
+
+    def __init__(self, message: str, *, tensor: str, scale: str) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.scale = scale
+
+
 class WeightSetError(ValueError):
     """A whole checkpoint lacks tensors the model needs or holds ones it has no place for.
 
@@ -183,7 +196,9 @@ def load_weights_into(
         meta-device tensors of the update's shapes, each goes through its parameter's
         own ``weight_loader`` into the parameter's meta twin (``WeightTargets.shadows``),
         so every name and shape is judged by the rule a real load applies, and a name
-        given twice raises :class:`WeightDuplicateError`. Nothing is copied.
+        given twice raises :class:`WeightDuplicateError`, and an FP8 tensor for an FP8
+        weight whose block scales the update does not hold raises
+        :class:`WeightScaleError`. Nothing is copied.
     :raises WeightShapeError: naming the tensor whose shape does not fit.
     :raises WeightSetError: ``require_all`` and the names do not match.
     """
@@ -192,6 +207,8 @@ def load_weights_into(
     params = targets.shadows if dry_run else targets.params
     seen: set[str] = set() if loaded is None else loaded
     unexpected: list[str] = []
+    #: an FP8 tensor's scales' name -> the tensor's (a dry run: they must come together)
+    fp8_scales: dict[str, str] = {}
     for name, tensor in weights:
         target, covers = expected.get(name), [name]
         if target is None and name in aliases:
@@ -217,6 +234,9 @@ def load_weights_into(
         scales = _scales_covered(name, pname, targets.params[pname], tensor)
         if scales is not None:
             covers = [*covers, scales[0]]
+        scale_name = _scales_needed(name, targets.params[pname], tensor)
+        if dry_run and scale_name is not None:
+            fp8_scales[scale_name] = name
         if not dry_run:
             # where each loaded name went, and its full shape (what weights_checksum reads)
             layout = module.__dict__.setdefault("checkpoint_layout", {})
@@ -230,6 +250,15 @@ def load_weights_into(
         except ValueError as e:
             raise WeightShapeError(f"checkpoint tensor {name!r}: {e}", tensor=name) from e
         seen.update(covers)
+    lacking = sorted(scale for scale in fp8_scales if scale not in seen)
+    if lacking:
+        tensor_name = fp8_scales[lacking[0]]
+        raise WeightScaleError(
+            f"FP8 tensor {tensor_name!r} comes without its block scales {lacking[0]!r} in "
+            f"the same update: the FP8 bytes mean nothing without them (give both, or the "
+            f"float tensor, which is quantized as it loads)"
+            + (f"; {len(lacking) - 1} more FP8 tensor(s) lack theirs" if len(lacking) > 1
+               else ""), tensor=tensor_name, scale=lacking[0])
     missing = sorted(set(expected) - seen) if require_all else []
     if missing or unexpected:
         problems = []
@@ -257,6 +286,16 @@ def _scales_covered(name: str, pname: str, param: nn.Parameter, tensor: torch.Te
 
     return (name.removesuffix("weight") + suffix, pname.removesuffix("weight") + suffix,
             scale_shape(tuple(tensor.shape)))
+
+
+def _scales_needed(name: str, param: nn.Parameter, tensor: torch.Tensor) -> str | None:
+    """For an FP8 tensor loading into an FP8 weight (its bytes placed as stored): the
+    checkpoint name of the block scales it needs beside it; else None."""
+    suffix = getattr(param, "fp8_scale_name", None)
+    if suffix is None or tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or (
+            not name.endswith(".weight")):
+        return None
+    return name.removesuffix("weight") + suffix
 
 
 def _listing(names: list[str], limit: int = 12) -> str:

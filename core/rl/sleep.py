@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kvrunner.errors import CheckpointError, KvrunnerError, SleepStateError
+from kvrunner.errors import (
+    CheckpointError,
+    KvrunnerError,
+    SleepStateError,
+    WeightUpdateError,
+)
 from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.rl.sleep_state import CacheInfo, SleepState, parse_tags
@@ -167,6 +172,29 @@ class SleepWakeControl:
         pairs = checked_pairs(weights, check_finite=check_finite)  # a list: checked whole
         with self._weight_change(weight_version, reset_prefix_cache):
             return self._load_pairs(pairs)
+
+    def update_weights_from_tensor(
+        self, serialized: list[str | bytes], load_format: str | None, *,
+        check_finite: bool = True, weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
+    ) -> int:
+        """See :meth:`kvrunner.LLM.update_weights_from_tensor`."""
+        from kvrunner.weight_sync.tensor_payload import check_entries_agree, check_entry_count
+
+        self.executor.check()
+        self.state.require_no_open_update("update_weights_from_tensor")
+        self.state.require_weights_resident("update_weights_from_tensor")
+        self._require_idle("update_weights", parked_ok=True)
+        check_entry_count(len(serialized), self.config.parallel.tensor_parallel_size)
+        with self._weight_change(weight_version, reset_prefix_cache):
+            # every rank opens and judges its own entry before any rank loads
+            try:
+                check_entries_agree(self.ranks.stage_tensor_payload(
+                    list(serialized), load_format, check_finite))
+            except WeightUpdateError:
+                self.ranks.drop_staged_payload()  # the ranks that staged let go
+                raise
+            return self.ranks.load_staged_payload()[0]
 
     @contextlib.contextmanager
     def push_session(

@@ -9,8 +9,10 @@ the weight-update group routes and ``/weights_checksum``.
   ``load_format`` (``None``, ``"direct"`` or slime's ``"flattened_bucket"``),
   ``flush_cache``, ``abort_all_requests``, ``weight_version``. The payload is read by
   a restricted unpickler that rebuilds tensors and refuses every other call
-  (``kvrunner.weight_sync.tensor_payload``); the tensors load through
-  ``AsyncLLM.update_weights`` (one update, which may hold part of the weights).
+  (``kvrunner.weight_sync.tensor_payload``); tensor-parallel rank ``r`` opens entry
+  ``r`` (``AsyncLLM.update_weights_from_tensor``: one update, which may hold part
+  of the weights; a count of entries other than the engine's TP size is a 400
+  naming both).
 * kvrunner's push: the body names a :class:`~kvrunner.weight_sync.BucketSender`
   listening in the trainer's process (``ipc_address``, ``ipc_authkey`` as hex); the
   server connects, receives one whole push (double-buffered CUDA-IPC buckets, shared
@@ -30,7 +32,6 @@ refusing to generate until a full push (docs/weight_sync.md). Behind
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -43,7 +44,7 @@ from kvrunner.serve.body import parse_body
 from kvrunner.serve.errors import APIError, engine_error, error_body
 from kvrunner.serve.openai_protocol import StrictModel
 from kvrunner.weight_sync.errors import WeightSyncError
-from kvrunner.weight_sync.tensor_payload import LOAD_FORMATS, named_tensors
+from kvrunner.weight_sync.tensor_payload import LOAD_FORMATS
 
 router = APIRouter(dependencies=[Depends(require_rl_endpoints)])
 
@@ -111,23 +112,20 @@ async def _from_serialized(request: Request, body: UpdateWeightsFromTensorReques
     if body.load_format not in LOAD_FORMATS:
         return _failed(400, f"load_format {body.load_format!r} is not one kvrunner reads "
                        f"({', '.join(repr(f) for f in LOAD_FORMATS)})", "load_format")
-    try:
-        # maps the trainer's shared memory (or CUDA IPC handles): off the event loop
-        pairs = await asyncio.to_thread(named_tensors, body.serialized_named_tensors,
-                                        body.load_format)
-    except WeightSyncError as e:
-        return _failed(400, str(e), "serialized_named_tensors")
     if body.abort_all_requests:
         await engine.abort_all()
     try:
-        loaded = await engine.update_weights(pairs, weight_version=body.weight_version,
-                                             check_finite=body.check_finite,
-                                             reset_prefix_cache=body.flush_cache)
+        # each rank opens its own entry (the trainer's shared memory or CUDA IPC
+        # handles) and every copy is done before the answer
+        loaded = await engine.update_weights_from_tensor(
+            body.serialized_named_tensors, body.load_format,
+            weight_version=body.weight_version, check_finite=body.check_finite,
+            reset_prefix_cache=body.flush_cache)
+    except WeightSyncError as e:
+        return _failed(400, str(e), "serialized_named_tensors")
     except KvrunnerError as e:
         error = engine_error(e)
         return _failed(error.status, error.message, None)
-    finally:
-        del pairs  # the trainer's storages are unmapped once the copies are done
     return _loaded(loaded, body.weight_version)
 
 

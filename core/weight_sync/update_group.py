@@ -16,11 +16,23 @@ under the prefix ``group_name``, and builds the group with torch's own
 ``_new_process_group_helper``, which lays out the store keys every member must
 agree on; this module does the same, so a trainer's group and
 :class:`~kvrunner.weight_sync.broadcaster.WeightBroadcaster` are interchangeable.
+
+A broadcast carries no size the receiver can ask for: each side gives its own
+buffer. Under gloo a sender's buffer larger than the receiver's ends the receiving
+process (gloo's transport aborts it from its own thread) and a smaller one fills
+part of the buffer silently, so a gloo rank receives into a host buffer
+:data:`GLOO_ROOM` times the announced size, filled with ``0xFF`` first, and reads
+the size the trainer sent from where its bytes end (:func:`sent_bytes`); a size
+other than the announced one is refused naming the tensor and both sizes, and the
+rank leaves the group (the trainer's later broadcasts no longer match the engine's
+receives). NCCL carries no size either and does not check one: a mismatch there
+is seen only as the broadcast's timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +96,31 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
                               f"has probably gone): {e}") from None
 
 
+#: how many times the announced bytes a gloo rank can receive without ending its
+#: process: a float32 tensor sent where an FP8 one was announced still fits
+GLOO_ROOM = 4
+#: the least room past the announced bytes (small tensors: norms, biases)
+GLOO_MIN_SLACK = 1 << 20
+#: what a gloo receive buffer holds before the broadcast: NaN in every float weight
+#: dtype, so a trainer's finite bytes are never taken for it
+FILL = 0xFF
+
+
+def sent_bytes(buffer: torch.Tensor, nbytes: int, itemsize: int) -> int:
+    """How many bytes a broadcast wrote into ``buffer`` (``uint8``, filled with
+    :data:`FILL` before it), announced as ``nbytes``: ``nbytes`` when the announced
+    region ends in a byte of the trainer's and nothing past it was written, else the
+    end of the last byte not :data:`FILL`, in whole elements of ``itemsize`` (a
+    trainer's value of all-``0xFF`` bytes is NaN, which no weight holds)."""
+    last = buffer[max(nbytes - itemsize, 0):nbytes]
+    tail = buffer[nbytes:]
+    if bool((tail == FILL).all()) and (nbytes == 0 or not bool((last == FILL).all())):
+        return nbytes
+    written = (buffer != FILL).nonzero()
+    end = int(written[-1]) + 1 if written.numel() else 0
+    return -(-end // itemsize) * itemsize
+
+
 def announced_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]
                     ) -> list[TensorSpec]:
     """The specs of an announced push (dtypes as ``"bfloat16"`` or ``"torch.bfloat16"``);
@@ -104,9 +141,11 @@ def announced_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]
 class UpdateGroup:
     """One engine rank's membership of a weight-update group."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+    def __init__(self, group: Any, device: torch.device, backend: str = "nccl") -> None:
         self.group = group
         self.device = device
+        #: "gloo" or "nccl": how a broadcast is received (see :meth:`_received`)
+        self.backend = backend
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 load: Callable[[list[tuple[str, torch.Tensor]]], int],
@@ -119,23 +158,51 @@ class UpdateGroup:
         announced names, dtypes and shapes are judged whole (``check``) before the
         first broadcast is received, so a refusal there loads nothing; a tensor's
         values are checked only as it arrives (``load``), after the ones before it
-        loaded."""
+        loaded. Under gloo a broadcast of another size than announced is refused
+        naming it and both sizes, and this rank leaves the group."""
         specs = announced_specs(names, dtypes, shapes)
         if packed_bytes is not None and packed_bytes < 1:
             raise WeightSyncError(f"packed_bytes must be at least 1, got {packed_bytes}")
         check(specs)
+        if self.group is None:
+            raise WeightSyncError("this engine left its weight-update group (a broadcast "
+                                  "did not match its announced size): join again with "
+                                  "init_weights_update_group")
         loaded = 0
         if packed_bytes is not None:
             for chunk in packed_chunks(specs, packed_bytes):
-                flat = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
-                broadcast(self.group, flat)
+                what = (f"the packed chunk of {len(chunk.specs)} tensor(s) "
+                        f"{chunk.specs[0].name!r} .. {chunk.specs[-1].name!r}")
+                flat = self._received(chunk.nbytes, 1, what)
                 loaded += load(chunk.unpack(flat))
             return loaded
         for spec in specs:
-            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
-            broadcast(self.group, tensor)
-            loaded += load([(spec.name, tensor)])
+            dtype = DTYPES[spec.dtype]
+            nbytes = math.prod(spec.shape) * dtype.itemsize
+            flat = self._received(nbytes, dtype.itemsize,
+                                  f"tensor {spec.name!r} ({spec.dtype} {list(spec.shape)})")
+            loaded += load([(spec.name, flat.view(dtype).view(spec.shape))])
         return loaded
+
+    def _received(self, nbytes: int, itemsize: int, what: str) -> torch.Tensor:
+        """One broadcast of ``nbytes`` announced bytes, as ``uint8``: on this rank's
+        device under NCCL; under gloo in a host buffer with room past them, checked
+        for the size the trainer sent (module docstring)."""
+        if self.backend != "gloo":
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            broadcast(self.group, flat)
+            return flat
+        room = max(GLOO_ROOM * nbytes, nbytes + GLOO_MIN_SLACK)
+        buffer = torch.full((room,), FILL, dtype=torch.uint8)
+        broadcast(self.group, buffer)
+        sent = sent_bytes(buffer, nbytes, itemsize)
+        if sent != nbytes:
+            self.destroy()  # the trainer's next broadcasts no longer match this rank's
+            raise WeightSyncError(
+                f"{what}: the trainer broadcast {sent} bytes where {nbytes} were "
+                f"announced; the update is refused and this engine left the weight-update "
+                f"group (join again with init_weights_update_group)")
+        return buffer[:nbytes]
 
     def destroy(self) -> None:
         """Leave the group (idempotent)."""

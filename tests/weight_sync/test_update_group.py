@@ -77,6 +77,44 @@ def test_a_trainer_dying_mid_broadcast_leaves_the_engine_refusing_until_a_full_p
         checkpoints.expected(3, "float32")
 
 
+@pytest.mark.parametrize(("engine", "index", "kind"), [
+    ("llm_tp1", 5, "longer"),    # after 5 tensors loaded: partial, repair named
+    ("llm_tp1", 0, "shorter"),   # the first tensor: nothing loaded, old weights serve
+    ("llm_tp2", 0, "longer"),
+])
+def test_a_broadcast_of_another_size_than_announced_is_refused_and_the_engine_serves_on(
+    request, engine, index, kind, fresh_trainer, trainer, checkpoints
+) -> None:
+    """gloo would end the receiving process (a longer broadcast) or fill part of its
+    buffer silently (a shorter one); the engine refuses naming the tensor and both
+    sizes, leaves the group, and serves on (this process is a TP=1 engine's rank)."""
+    llm = request.getfixturevalue(engine)
+    llm.load_weights(checkpoints.path(1))
+    before = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    path = str(checkpoints.path(3))
+    pairs = checkpoint_tensors(path, 0)
+    name, tensor = pairs[index]
+    announced = tensor.numel() * 4
+    sent = announced * 2 if kind == "longer" else announced - 4
+    joined(llm, fresh_trainer, path, resize=(index, kind))
+    with pytest.raises(WeightSyncError, match=rf"tensor '{name}' .*: the trainer broadcast "
+                                              rf"{sent} bytes where {announced} were announced"):
+        llm.update_weights_from_distributed(*WeightBroadcaster.spec(pairs))
+    if index == 0:
+        assert llm.cache_info().weights == "resident"
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+    else:
+        assert llm.cache_info().weights == "partial"
+    with pytest.raises(WeightSyncError, match="left its weight-update group"):
+        llm.update_weights_from_distributed(*WeightBroadcaster.spec(pairs))
+    joined(llm, trainer, path)  # the repair: join again, push everything
+    assert llm.update_weights_from_distributed(*WeightBroadcaster.spec(pairs)) == len(pairs)
+    assert trainer.result()[0] == "broadcast"
+    llm.destroy_weights_update_group()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == \
+        checkpoints.expected(3, "float32")
+
+
 def test_the_announced_names_and_shapes_are_judged_before_the_first_broadcast() -> None:
     """A group push names every tensor up front: a refusal there is raised before a
     broadcast is received (this group has none to give: receiving would fail)."""

@@ -163,6 +163,11 @@ def broadcast_job(conn: Connection, job: dict[str, Any]) -> None:
     from kvrunner.weight_sync.broadcaster import WeightBroadcaster
 
     pairs = checkpoint_tensors(job["path"], job.get("order_seed", 0))
+    if job.get("resize") is not None:  # a trainer bug: one tensor of another size
+        index, kind = job["resize"]
+        name, tensor = pairs[index]
+        flat = tensor.flatten()
+        pairs[index] = (name, torch.cat([flat, flat]) if kind == "longer" else flat[:-1])
     if job.get("die_after") is not None:
         pairs = _dying_after(pairs, job["die_after"])
     sender = WeightBroadcaster("127.0.0.1", job["port"], world_size=job["world_size"],
@@ -171,6 +176,9 @@ def broadcast_job(conn: Connection, job: dict[str, Any]) -> None:
     conn.send(("joined", None, None))
     try:
         sender.broadcast(pairs)
+    except Exception as e:  # the engine refused and left the group
+        conn.send(("failed", str(e)))
+        return
     finally:
         sender.close()  # the next job joins a group of the same name
     conn.send(("broadcast", job["world_size"]))

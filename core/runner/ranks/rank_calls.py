@@ -107,6 +107,9 @@ class RankCalls:
         self._describe_extra = describe_extra
         #: this rank's weight-update group (kvrunner.weight_sync), once joined
         self.update_group: Any = None
+        #: the pairs of SGLang's payload this rank opened and judged, until loaded
+        #: or dropped (they map the trainer's memory)
+        self._staged: list[tuple[str, torch.Tensor]] | None = None
 
     def capture(self) -> float:
         return self.runner.capture()
@@ -153,7 +156,7 @@ class RankCalls:
                            rank=rank_offset + self.rank, world_size=world_size,
                            backend=backend, group_name=group_name, timeout_s=timeout_s,
                            is_master=False, device=self.runner.device)
-        self.update_group = UpdateGroup(group, self.runner.device)
+        self.update_group = UpdateGroup(group, self.runner.device, backend)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]],
@@ -166,6 +169,39 @@ class RankCalls:
         weights = self.runner.weights
         return group.receive(names, dtypes, shapes, weights.update, check=weights.check,
                              packed_bytes=packed_bytes)
+
+    def stage_tensor_payload(self, serialized: list[str | bytes], load_format: str | None,
+                             check_finite: bool) -> list[TensorSpec]:
+        """Open this rank's entry of SGLang's ``serialized_named_tensors`` (entry
+        ``rank``, in this process: its CUDA IPC handles name this rank's GPU), judge
+        its values, names and shapes whole, and hold the pairs for
+        :meth:`load_staged_payload`; returns their specs (the driver checks that the
+        ranks agree). Loads nothing."""
+        from kvrunner.weight_sync.tensor_payload import rank_tensors
+
+        self._staged = None
+        pairs = rank_tensors(serialized, load_format, self.rank, check_finite=check_finite)
+        specs = [TensorSpec.of(name, tensor) for name, tensor in pairs]
+        self.runner.weights.check(specs)
+        self._staged = pairs
+        return specs
+
+    def load_staged_payload(self) -> int:
+        """Load the pairs :meth:`stage_tensor_payload` held and let them go once the
+        copies are done on the device (the trainer may then reuse its memory)."""
+        pairs, self._staged = self._staged, None
+        if pairs is None:
+            raise SleepStateError("no staged tensor payload to load: "
+                                  "stage_tensor_payload opens one")
+        loaded = self.runner.weights.update(pairs)
+        if self.runner.device.type == "cuda":
+            torch.cuda.current_stream(self.runner.device).synchronize()
+        return loaded
+
+    def drop_staged_payload(self) -> None:
+        """Let go of a staged payload without loading it (another rank refused its
+        own)."""
+        self._staged = None
 
     def destroy_weights_update_group(self) -> None:
         """Leave the weight-update group, if this rank is in one."""

@@ -70,6 +70,17 @@ class RankClient:
         return self._call(RankCalls.update_weights_from_distributed, names, dtypes, shapes,
                           packed_bytes)
 
+    def stage_tensor_payload(self, serialized: list[str | bytes], load_format: str | None,
+                             check_finite: bool) -> list[list[TensorSpec]]:
+        return self._call(RankCalls.stage_tensor_payload, serialized, load_format,
+                          check_finite)
+
+    def load_staged_payload(self) -> list[int]:
+        return self._call(RankCalls.load_staged_payload)
+
+    def drop_staged_payload(self) -> None:
+        self._call(RankCalls.drop_staged_payload)
+
     def destroy_weights_update_group(self) -> None:
         self._call(RankCalls.destroy_weights_update_group)
 

@@ -138,3 +138,48 @@ def test_refusals_name_the_problem(ckpts, tmp_path) -> None:
     name = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(WeightUpdateError, match="FP8 .* loads only into FP8 weights"):
         plain.update_weights({name: fp8_tensors[name]})
+
+
+def test_an_fp8_tensor_without_its_scales_in_an_update_known_up_front_is_refused_first(
+    ckpts, tmp_path
+) -> None:
+    """FP8 bytes mean nothing without their block scales: a push (list or Mapping) or a
+    checkpoint that gives an FP8 weight's tensor but not its ``weight_scale_inv`` is
+    refused naming both before anything loads, even a good tensor given before it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvrunner.errors import CheckpointError
+
+    llm = LLM(model=ckpts["fp8_a"], **SETTINGS)
+    before, state = answers(llm), fp8_state(llm)
+    b = dict(iter_safetensors(Path(ckpts["fp8_b"]), torch.float32))
+    name = "model.layers.0.mlp.down_proj.weight"
+    scale = f"{name}_scale_inv"
+    good = "model.layers.0.self_attn.q_proj"
+    pushes = [[(f"{good}.weight", b[f"{good}.weight"]), (f"{good}.weight_scale_inv",
+                                                         b[f"{good}.weight_scale_inv"]),
+               (name, b[name])],
+              {name: b[name]}]
+    for push in pushes:
+        with pytest.raises(WeightUpdateError, match=rf"FP8 tensor '{name}' comes without its "
+                                                    rf"block scales '{scale}'"):
+            llm.update_weights(push)
+        assert llm.cache_info().weights == "resident"
+        assert same(fp8_state(llm), state)
+    lacking = tmp_path / "b8_no_scale"
+    shutil.copytree(ckpts["fp8_b"], lacking)
+    for file in lacking.glob("*.safetensors"):
+        tensors = load_file(file)
+        if scale in tensors:
+            del tensors[scale]
+            save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"FP8 tensor '{name}' comes without its "
+                                              rf"block scales '{scale}'"):
+        llm.load_weights(lacking)
+    assert same(fp8_state(llm), state)
+    assert [t for t, _ in answers(llm)] == [t for t, _ in before]
+    # with its scales beside it, the same tensor loads
+    assert llm.update_weights({name: b[name], scale: b[scale]}) == 2
+    llm.shutdown()
