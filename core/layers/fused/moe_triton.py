@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from kvrunner.layers.fp8.blocks import BLOCK as SCALE_BLOCK
-from kvrunner.layers.fp8.blocks import cdiv
 from kvrunner.layers.moe_align import ExpertBlocks
 
 
@@ -195,14 +194,14 @@ def grouped_experts_triton(
     kw = _launch_kw(config, x)
     kw.update(W_SCALED=scales is not None, SCALE_BLOCK=SCALE_BLOCK)
     m_blocks = blocks.block_expert.numel()
-    _gate_up_silu_kernel[(m_blocks * cdiv(i, config["BLOCK_N"]),)](
+    _gate_up_silu_kernel[(m_blocks * triton.cdiv(i, config["BLOCK_N"]),)](
         x, w13, act, blocks.sorted_ids, blocks.block_expert, blocks.total_padded, s13,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         s13.stride(0), s13.stride(1), s13.stride(2),
         n, TOP_K=top_k, H=h, INTER=i, **kw,
     )
     flat_out = out.view(n, h)
-    _down_weighted_kernel[(m_blocks * cdiv(h, config["BLOCK_N"]),)](
+    _down_weighted_kernel[(m_blocks * triton.cdiv(h, config["BLOCK_N"]),)](
         act, w2, flat_out, topk_weights.reshape(-1), blocks.sorted_ids, blocks.block_expert,
         blocks.total_padded, s2, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         flat_out.stride(0), s2.stride(0), s2.stride(1), s2.stride(2), n, H=h, INTER=i, **kw,
