@@ -5,7 +5,10 @@
    alignment, grouped GEMMs, combine) replayed from a CUDA graph and eagerly,
    against the torch grouped reference (one matmul pair per used expert) and the
    HBM floor: the bytes of the experts the batch actually routes to, plus the router
-   and the activations, over the measured copy bandwidth.
+   and the activations, over the measured copy bandwidth. With ``--fp8`` the same
+   layer again with FP8 experts (e4m3, 128 x 128 block scales, quantized from the same
+   bf16 weights; the w8a16 kernels), against the torch path on the dequantized weights
+   and its own floor (one byte a weight, plus the scales).
 2. Greedy decode of a random Qwen3-30B-A3B-shaped model (48 layers, 32 q / 4 kv
    heads of 128, vocab 151936; ~61 GB of bf16 weights) through kvrunner's captured
    graphs and through transformers ``generate`` in the same run, at batch 1, 64,
@@ -16,7 +19,7 @@ The checkpoint directory holds only config.json and a tokenizer: both engines ge
 random weights generated on the GPU (61 GB would neither fit the disk nor be quick
 to write), drawn so the routing is spread as a trained router's is.
 
-    python benchmarks/bench_moe.py [--skip-hf] [--skip-e2e] [--layers N]
+    python benchmarks/bench_moe.py [--skip-hf] [--skip-e2e] [--layers N] [--fp8]
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from common import copy_bandwidth_tbps, median_ms, rel_err
 from decode_timing import ours_step_ms, prompts
 
 from kvrunner import LLM
+from kvrunner.layers.fp8.choice import building_with
+from kvrunner.layers.fp8.experts import dequantize_experts, quantize_experts
 from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.moe_experts import grouped_experts_torch
 from kvrunner.models import loader
@@ -49,22 +54,40 @@ BF16 = 2  # bytes
 # -- 1. the layer -------------------------------------------------------------------------
 
 
-def make_block(seed: int = 0) -> SparseMoeBlock:
-    block = SparseMoeBlock(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-                           intermediate_size=INTER, renormalize=True, dtype=torch.bfloat16,
-                           device="cuda")
+def make_block(seed: int = 0, *, fp8: bool = False) -> SparseMoeBlock:
+    """The layer with random weights (std 1/sqrt(fan-in)); ``fp8``: its experts FP8,
+    quantized from the very bf16 weights the bf16 layer of the same seed holds."""
+    with building_with("fp8" if fp8 else None):
+        block = SparseMoeBlock(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+                               intermediate_size=INTER, renormalize=True, dtype=torch.bfloat16,
+                               device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda") / shape[-1] ** 0.5).to(
+            torch.bfloat16)
+
+    e = block.experts
     with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device="cuda") / p.shape[-1] ** 0.5)
+        block.gate.weight.copy_(draw(tuple(block.gate.weight.shape)))
+        w13, w2 = draw((EXPERTS, 2 * INTER, HIDDEN)), draw((EXPERTS, HIDDEN, INTER))
+        if fp8:
+            for param, value in zip((e.w13, e.w13_scale_inv, e.w2, e.w2_scale_inv),
+                                    quantize_experts(w13, w2), strict=True):
+                param.copy_(value)
+        else:
+            e.w13.copy_(w13)
+            e.w2.copy_(w2)
     return block
 
 
-def floor_us(ids: torch.Tensor, tokens: int, bw: float) -> float:
-    """Bytes the layer must move: each routed expert's weights once, the router, x in,
-    the output out."""
+def floor_us(ids: torch.Tensor, tokens: int, bw: float, weight_bytes: float = BF16) -> float:
+    """Bytes the layer must move: each routed expert's weights once (``weight_bytes`` a
+    weight: FP8's one byte plus its share of a float32 scale per 128 x 128 block), the
+    router, x in, the output out."""
     used = int(torch.unique(ids).numel())
-    nbytes = used * 3 * HIDDEN * INTER * BF16 + EXPERTS * HIDDEN * BF16 + 2 * tokens * HIDDEN * BF16
+    nbytes = (used * 3 * HIDDEN * INTER * weight_bytes + EXPERTS * HIDDEN * BF16
+              + 2 * tokens * HIDDEN * BF16)
     return nbytes / bw * 1e6
 
 
@@ -83,11 +106,16 @@ def graphed(block: SparseMoeBlock, x: torch.Tensor):
     return graph, out
 
 
-def bench_layer(bw: float) -> None:
-    block = make_block()
+def bench_layer(bw: float, *, fp8: bool = False) -> None:
+    block = make_block(fp8=fp8)
     experts = block.experts
-    print(f"MoE layer: {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, expert intermediate "
-          f"{INTER}, bf16; {3 * HIDDEN * INTER * BF16 / 2**20:.1f} MiB per expert")
+    weight_bytes = 1 + 4 / 128**2 if fp8 else BF16
+    w13, w2 = (dequantize_experts(experts.w13, experts.w13_scale_inv, experts.w2,
+                                  experts.w2_scale_inv, torch.bfloat16)
+               if fp8 else (experts.w13, experts.w2))
+    print(f"\nMoE layer: {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, expert intermediate "
+          f"{INTER}, {'FP8 experts (w8a16)' if fp8 else 'bf16'}; "
+          f"{3 * HIDDEN * INTER * weight_bytes / 2**20:.1f} MiB per expert")
     print(f"{'batch':>5} {'experts':>7} {'floor us':>9} {'graph us':>9} {'x floor':>8} "
           f"{'eager us':>9} {'kernels us':>10} {'torch us':>9} {'torch/graph':>11} {'rel err':>8}")
     for batch in BATCHES:
@@ -99,11 +127,11 @@ def bench_layer(bw: float) -> None:
         kernels_us = median_ms(lambda x=x, w=weights, i=ids: experts(x, w, i)) * 1e3
 
         def torch_ref(x=x, w=weights, i=ids) -> torch.Tensor:
-            return grouped_experts_torch(x, experts.w13, experts.w2, w, i).sum(dim=1)
+            return grouped_experts_torch(x, w13, w2, w, i).sum(dim=1)
 
         torch_us = median_ms(torch_ref) * 1e3
         err = rel_err(graph_out, torch_ref())
-        fl = floor_us(ids, batch, bw)
+        fl = floor_us(ids, batch, bw, weight_bytes)
         print(f"{batch:>5} {int(torch.unique(ids).numel()):>7} {fl:>9.1f} {graph_us:>9.1f} "
               f"{graph_us / fl:>8.2f} {eager_us:>9.1f} {kernels_us:>10.1f} {torch_us:>9.1f} "
               f"{torch_us / graph_us:>11.1f} {err:>8.1e}", flush=True)
@@ -247,11 +275,15 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--layers", type=int, default=SHAPE["layers"])
+    ap.add_argument("--fp8", action="store_true", help="the layer with FP8 experts too")
     args = ap.parse_args()
     bw = copy_bandwidth_tbps() * 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     bench_layer(bw)
     release_memory()
+    if args.fp8:
+        bench_layer(bw, fp8=True)
+        release_memory()
     if not args.skip_e2e:
         bench_e2e(bw, args.layers, args.skip_hf)
 

@@ -261,7 +261,7 @@ class EngineConfig:
     #: slot, so requests may ask for them (``SamplingParams.return_routed_experts``);
     #: refused at start for a model without sparse layers
     enable_return_routed_experts: bool = False
-    #: the dense and MoE projections' weights: "fp8" stores them as FP8 e4m3 with
+    #: the dense projections' and MoE experts' weights: "fp8" stores them as FP8 e4m3 with
     #: 128 x 128 block scales (an FP8 checkpoint loads as stored, a bf16 one and every
     #: push are quantized as they load); "auto" follows the checkpoint's
     #: quantization_config; "none" keeps the model dtype (``layers/fp8/``)

@@ -39,8 +39,9 @@ FIELD_HELP: dict[str, str] = {
     "and top-p, renormalised over the kept tokens), as vLLM's --logprobs-mode",
     "enable_return_routed_experts": "record each token's routed experts per KV slot, so "
     "requests may ask for them (return_routed_experts; mixture-of-experts models only)",
-    "quantization": "fp8: the projections' weights in FP8 e4m3 with 128x128 block scales "
-    "(bf16 checkpoints and pushes quantized as they load); auto: as the checkpoint's "
+    "quantization": "fp8: the projections' and MoE experts' weights in FP8 e4m3 with "
+    "128x128 block scales (bf16 checkpoints and pushes quantized as they load); auto: as "
+    "the checkpoint's "
     "quantization_config says; none: the model dtype",
     # [cache]
     "block_size": "tokens per KV-cache block",

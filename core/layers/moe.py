@@ -4,7 +4,12 @@
 kernels read: ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and
 ``w2`` ``[E, H, I]``. The checkpoint's per-expert tensors
 (``experts.{e}.gate_proj.weight`` ...) load into their slices by name, so a whole
-checkpoint and a partial ``update_weights`` take the same path. Under tensor
+checkpoint and a partial ``update_weights`` take the same path. Built under
+``quantization="fp8"`` the stacked weights are FP8 with 128 x 128 block scales
+(``layers/fp8/experts.py``): a float tensor is quantized as it loads, an FP8
+checkpoint's bytes and scales load as stored, and the grouped kernels dequantize
+each weight tile by its scale as they stream it; the router stays in the model
+dtype. Under tensor
 parallelism each expert's intermediate dimension is split over ranks (``I / tp``
 gate and up rows, the matching ``w2`` columns): every rank runs every expert on its
 slice and the partial sums meet in the block's one all-reduce. The expert axis is
@@ -24,6 +29,15 @@ from torch import nn
 
 from kvrunner.layers.batch_invariant import INVARIANT_MOE_CONFIG
 from kvrunner.layers.expert_routes import RouteRecorder
+from kvrunner.layers.fp8.blocks import BLOCK, cdiv, is_fp8
+from kvrunner.layers.fp8.choice import building_quantization
+from kvrunner.layers.fp8.experts import (
+    dequantize_experts,
+    is_scale_target,
+    load_expert_weight,
+    make_fp8_expert_params,
+    scale_piece,
+)
 from kvrunner.layers.fused.dispatch import batch_invariant, same_kernel_dtype, use_triton
 from kvrunner.layers.linear import (
     SINGLE,
@@ -53,14 +67,20 @@ class FusedMoE(nn.Module):
         self.tp = tp
         self.num_experts = num_experts
         self.i_local = divide(intermediate_size, tp.size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * self.i_local, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.i_local, dtype=dtype, device=device),
-            requires_grad=False,
-        )
+        #: the stacked weights are FP8 with block scales (``w13_scale_inv``, ``w2_scale_inv``)
+        self.fp8 = building_quantization() == "fp8"
+        if self.fp8:
+            make_fp8_expert_params(self, num_experts, hidden_size, self.i_local, device)
+        else:
+            self.w13 = nn.Parameter(
+                torch.empty(num_experts, 2 * self.i_local, hidden_size, dtype=dtype,
+                            device=device),
+                requires_grad=False,
+            )
+            self.w2 = nn.Parameter(
+                torch.empty(num_experts, hidden_size, self.i_local, dtype=dtype, device=device),
+                requires_grad=False,
+            )
         # Checkpoint names relative to this module -> shard id (see models/weight_names.py).
         self.w13.checkpoint_shards = {
             f"{e}.{PROJECTIONS[part]}.weight": (part, e)
@@ -71,18 +91,22 @@ class FusedMoE(nn.Module):
         }
         # transformers 5 keeps the experts stacked in this very layout (``experts.gate_up_proj``
         # [E, 2I, H], ``experts.down_proj`` [E, H, I]); a trainer on it pushes those names.
+        # A float stacked tensor loaded into FP8 experts writes their scales too.
+        scales13 = list(self.w13_scale_inv.checkpoint_shards) if self.fp8 else []
+        scales2 = list(self.w2_scale_inv.checkpoint_shards) if self.fp8 else []
         self.w13.checkpoint_aliases = {
-            "gate_up_proj": (("gate_up", None), list(self.w13.checkpoint_shards))
+            "gate_up_proj": (("gate_up", None), list(self.w13.checkpoint_shards) + scales13)
         }
         self.w2.checkpoint_aliases = {
-            "down_proj": (("down", None), list(self.w2.checkpoint_shards))
+            "down_proj": (("down", None), list(self.w2.checkpoint_shards) + scales2)
         }
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: tuple[str, int | None] | Any = None) -> None:
         """Copy this rank's slice of one expert's full checkpoint projection, or of every
-        expert's at once (``expert`` None: the stacked ``[E, ...]`` tensor)."""
+        expert's at once (``expert`` None: the stacked ``[E, ...]`` tensor). FP8 experts
+        take the projection's ``weight_scale_inv`` here too, and quantize a float one."""
         part, expert = shard
         if expert is None:
             self._load_stacked(param, loaded, part)
@@ -90,15 +114,38 @@ class FusedMoE(nn.Module):
         i, r, size = self.i_local, self.tp.rank, self.tp.size
         hidden = self.w2.shape[1]
         name = f"expert {expert} {PROJECTIONS[part]}"
+        weight, scale = self._fp8_pair(part)
+        if scale is not None and is_scale_target(param, weight, scale):
+            ib = cdiv(i, BLOCK)
+            piece = scale_piece(loaded, part=part, rank=r, ib_local=ib, hidden=hidden,
+                                tp_size=size, what=f"{name} weight_scale_inv")
+            rows = slice(None) if part == "down" else (
+                slice(0, ib) if part == "gate" else slice(ib, 2 * ib))
+            copy_weight_(param[expert, rows], piece, what=f"{name} weight_scale_inv")
+            return
         if part == "down":
             want, piece = (hidden, i * size), loaded[:, r * i : (r + 1) * i]
-            target = param[expert]
+            target, scale_rows = param[expert], slice(None)
         else:
             want, piece = (i * size, hidden), loaded[r * i : (r + 1) * i]
             target = param[expert, (0 if part == "gate" else i) : (i if part == "gate" else 2 * i)]
+            ib = cdiv(i, BLOCK)
+            scale_rows = slice(0, ib) if part == "gate" else slice(ib, 2 * ib)
         if tuple(loaded.shape) != want:
             raise ValueError(f"{name}: expected shape {want}, got {tuple(loaded.shape)}")
-        copy_weight_(target, piece)
+        if not self.fp8:
+            copy_weight_(target, piece)
+            return
+        # only the layer's own weight takes scales (a twin's loads write nothing beside it)
+        scale_target = scale[expert, scale_rows] if param is weight else None
+        load_expert_weight(target, scale_target, piece, what=name)
+
+    def _fp8_pair(self, part: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stacked weight ``part`` lands in and its scales (None: not FP8)."""
+        weight = self.w2 if part == "down" else self.w13
+        if not self.fp8:
+            return weight, None
+        return weight, self.w2_scale_inv if part == "down" else self.w13_scale_inv
 
     def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
         full_i, hidden = self.i_local * self.tp.size, self.w2.shape[1]
@@ -106,6 +153,11 @@ class FusedMoE(nn.Module):
             self.num_experts, 2 * full_i, hidden)
         if tuple(loaded.shape) != want:
             raise ValueError(f"stacked experts: expected shape {want}, got {tuple(loaded.shape)}")
+        if self.fp8 and is_fp8(loaded):
+            raise ValueError("stacked experts: an FP8 stacked tensor has no block scales "
+                             "beside it; give each expert's projection "
+                             "(experts.{e}.gate_proj.weight and its weight_scale_inv) or "
+                             "a float stacked tensor (quantized as it loads)")
         for e in range(self.num_experts):
             if part == "down":
                 self.weight_loader(param, loaded[e], ("down", e))
@@ -116,16 +168,29 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` and the routing (``[T, top_k]``) -> ``[T, H]``, not yet all-reduced."""
-        if use_triton(x) and same_kernel_dtype(x, self.w13, topk_weights):
-            from kvrunner.layers.fused.moe_triton import grouped_experts_triton, kernel_config
+        scales = (self.w13_scale_inv, self.w2_scale_inv) if self.fp8 else None
+        weights_fit = same_kernel_dtype(x, topk_weights) and (
+            self.fp8 or same_kernel_dtype(x, self.w13))
+        if use_triton(x) and weights_fit:
+            from kvrunner.layers.fused.moe_triton import (
+                fp8_tiles,
+                grouped_experts_triton,
+                kernel_config,
+            )
 
             # Deterministic mode: one tiling whatever the tokens per expert.
             config = (dict(INVARIANT_MOE_CONFIG) if batch_invariant()
                       else kernel_config(topk_ids.numel(), self.num_experts))
+            if self.fp8:
+                config = fp8_tiles(config)
             blocks = align_to_blocks(topk_ids, self.num_experts, config["BLOCK_M"])
-            per_slot = grouped_experts_triton(x, self.w13, self.w2, topk_weights, blocks, config)
+            per_slot = grouped_experts_triton(x, self.w13, self.w2, topk_weights, blocks, config,
+                                              scales=scales)
         else:
-            per_slot = grouped_experts_torch(x, self.w13, self.w2, topk_weights, topk_ids)
+            # The torch path multiplies the dequantized weights (the CPU path and the oracle).
+            w13, w2 = (self.w13, self.w2) if scales is None else dequantize_experts(
+                self.w13, scales[0], self.w2, scales[1], x.dtype)
+            per_slot = grouped_experts_torch(x, w13, w2, topk_weights, topk_ids)
         return per_slot.sum(dim=1)
 
 

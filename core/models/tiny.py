@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvrunner.errors import ConfigError
-from kvrunner.models.tiny_fp8 import tiny_qwen3_blocks
+from kvrunner.models.tiny_fp8 import tiny_qwen3_blocks, tiny_qwen3_moe_blocks
 from kvrunner.models.tiny_moe_weights import tiny_qwen3_moe, tiny_qwen3_next_moe
 from kvrunner.models.tiny_weights import tiny_qwen3, tiny_qwen3_next
 
@@ -133,6 +133,7 @@ TINY_KINDS: dict[str, TinyKind] = {
     "qwen3-moe": tiny_qwen3_moe,
     "qwen3-next-moe": tiny_qwen3_next_moe,
     "qwen3-blocks": tiny_qwen3_blocks,
+    "qwen3-moe-blocks": tiny_qwen3_moe_blocks,
 }
 
 

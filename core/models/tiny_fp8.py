@@ -1,11 +1,13 @@
 """Tiny checkpoints for the FP8 path: a dense Qwen3 whose projections split on 128 x 128
-block boundaries, its FP8 form (as Qwen's FP8 checkpoints store it), and the FP8
-form dequantized back to float32 (the CPU oracle: an engine on those weights computes
-exactly what the FP8 engine computes there).
+block boundaries and its Qwen3-MoE sibling, their FP8 form (as Qwen's FP8 checkpoints
+store it), and the FP8 form dequantized back to float32 (the CPU oracle: an engine on
+those weights computes exactly what the FP8 engine computes there).
 
 The FP8 form keeps every tensor but the projections as it is, stores each projection
-``*.{q,k,v,o,gate,up,down}_proj.weight`` as ``float8_e4m3fn`` beside its
-``weight_scale_inv``, and adds ``quantization_config`` to ``config.json``.
+``*.{q,k,v,o,gate,up,down}_proj.weight`` (each expert's too:
+``mlp.experts.{e}.gate_proj.weight``) as ``float8_e4m3fn`` beside its
+``weight_scale_inv``, and adds ``quantization_config`` to ``config.json``; a router
+(``mlp.gate.weight``) stays as it is, as in Qwen's FP8 MoE checkpoints.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvrunner.layers.fp8.blocks import BLOCK, dequantize_blocks, quantize_blocks
+from kvrunner.models.tiny_moe_weights import sparse_mlps
 from kvrunner.models.tiny_weights import tiny_qwen3
 
 #: the checkpoint names' projections an FP8 checkpoint stores quantized
@@ -56,6 +59,16 @@ def tiny_qwen3_blocks(gen: torch.Generator, vocab: int, eos: int) -> tuple[dict,
     t["model.norm.weight"] = 1.0 + torch.randn((hidden,), generator=gen) * 0.1
     t["lm_head.weight"] = torch.randn((vocab, hidden), generator=gen) * 0.08
     return config, t
+
+
+def tiny_qwen3_moe_blocks(gen: torch.Generator, vocab: int, eos: int) -> tuple[dict, dict]:
+    """:func:`tiny_qwen3_blocks` with every MLP a sparse block: 4 experts of 256 (two
+    blocks, so two tensor-parallel ranks split them on a block boundary), top-2,
+    renormalised."""
+    config, tensors = tiny_qwen3_blocks(gen, vocab, eos)
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    sparse_mlps(gen, config, tensors, experts=4, top_k=2, shared=0, inter=2 * BLOCK)
+    return config, tensors
 
 
 def _copy_side_files(src: Path, dst: Path) -> dict:

@@ -20,12 +20,13 @@ def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.T
     return torch.randn(shape, generator=gen) * std
 
 
-def _sparse_mlps(
+def sparse_mlps(
     gen: torch.Generator, config: dict, tensors: dict[str, torch.Tensor], *, experts: int,
-    top_k: int, shared: int,
+    top_k: int, shared: int, inter: int = EXPERT_INTERMEDIATE,
 ) -> None:
-    """Swap every layer's dense MLP tensors for a sparse block's (in place)."""
-    hidden, inter = config["hidden_size"], EXPERT_INTERMEDIATE
+    """Swap every layer's dense MLP tensors for a sparse block's (in place): ``experts``
+    experts of ``inter``, ``top_k`` per token, a shared expert of ``shared`` (0: none)."""
+    hidden = config["hidden_size"]
     config.update(
         num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
@@ -53,7 +54,7 @@ def tiny_qwen3_moe(gen: torch.Generator, vocab: int, eos: int) -> tuple[dict, di
     """Qwen3-MoE: tiny Qwen3's attention; 5 experts of 32, top-2, renormalised."""
     config, tensors = tiny_qwen3(gen, vocab, eos)
     config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
-    _sparse_mlps(gen, config, tensors, experts=5, top_k=2, shared=0)
+    sparse_mlps(gen, config, tensors, experts=5, top_k=2, shared=0)
     return config, tensors
 
 
@@ -61,5 +62,5 @@ def tiny_qwen3_next_moe(gen: torch.Generator, vocab: int, eos: int) -> tuple[dic
     """Sparse Qwen3-Next: tiny Qwen3-Next's layers; 6 experts of 32, top-2,
     renormalised, and a shared expert of 64 behind a sigmoid gate."""
     config, tensors = tiny_qwen3_next(gen, vocab, eos)
-    _sparse_mlps(gen, config, tensors, experts=6, top_k=2, shared=64)
+    sparse_mlps(gen, config, tensors, experts=6, top_k=2, shared=64)
     return config, tensors

@@ -277,14 +277,21 @@ def _scales_covered(name: str, pname: str, param: nn.Parameter, tensor: torch.Te
                     ) -> tuple[str, str, tuple[int, ...]] | None:
     """For a float tensor loading into an FP8 weight (which quantizes it and writes its
     block scales too): ``(the scales' checkpoint name, their parameter, their full
-    shape)``, so the scales count as given and the checksum digests them; else None."""
-    suffix = getattr(param, "fp8_scale_name", None)
-    if suffix is None or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (
+    shape)``, so the scales count as given and the checksum digests them; else None.
+
+    The weight names its scales' parameter beside it (``fp8_scale_name``: a linear's
+    ``weight_scale_inv``, the stacked experts' ``w13_scale_inv``); the checkpoint names
+    them ``...weight_scale_inv`` beside ``...weight``."""
+    scale_param = getattr(param, "fp8_scale_name", None)
+    if scale_param is None or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (
             not name.endswith(".weight")):
         return None
     from kvrunner.layers.fp8.blocks import scale_shape
+    from kvrunner.layers.fp8.weights import SCALE_SUFFIX
 
-    return (name.removesuffix("weight") + suffix, pname.removesuffix("weight") + suffix,
+    prefix = pname.rpartition(".")[0]
+    return (name.removesuffix("weight") + SCALE_SUFFIX,
+            f"{prefix}.{scale_param}" if prefix else scale_param,
             scale_shape(tuple(tensor.shape)))
 
 

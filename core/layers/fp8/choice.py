@@ -1,5 +1,7 @@
-"""Which linears are FP8: the engine's ``quantization`` against the checkpoint's
-``quantization_config``, and the switch the layers read while a model is built.
+"""Which weights are FP8: the engine's ``quantization`` against the checkpoint's
+``quantization_config``, and the switch the layers read while a model is built (the
+parallel projections, ``layers/linear.py``, and the stacked experts, ``layers/moe.py``;
+never an embedding, the LM head or a router).
 
 ``quantization = "auto"`` follows the checkpoint: FP8 where its ``config.json``
 carries Qwen's and DeepSeek's ``{"quant_method": "fp8", "fmt": "e4m3",
@@ -50,9 +52,8 @@ def resolve_quantization(asked: str, hf_config: Mapping[str, Any], *,
     """The quantization the engine runs: ``"fp8"`` or None (see the module docstring).
 
     :raises ConfigError: an FP8 checkpoint with ``quantization="none"``, a checkpoint
-        quantized some other way, FP8 for a mixture-of-experts model (its stacked
-        experts have no FP8 path), or FP8 with ``deterministic`` (the FP8 product has
-        no batch-invariant kernel).
+        quantized some other way, or FP8 with ``deterministic`` (the FP8 products, dense
+        and experts, have no batch-invariant kernel).
     """
     stored = checkpoint_quantization(hf_config)
     if asked == "none" and stored is not None:
@@ -60,10 +61,6 @@ def resolve_quantization(asked: str, hf_config: Mapping[str, Any], *,
                           "says its weights are FP8 (quantization_config); use "
                           "quantization='fp8' or 'auto'")
     chosen = stored if asked == "auto" else (None if asked == "none" else asked)
-    if chosen == "fp8" and (hf_config.get("num_experts") or 0) > 0:
-        raise ConfigError("quantization='fp8' with a mixture-of-experts model: the stacked "
-                          "experts have no FP8 kernel yet (only the dense projections are "
-                          "FP8); use quantization='none' with a bf16 checkpoint")
     if chosen == "fp8" and deterministic:
         raise ConfigError("deterministic=True with quantization='fp8': the FP8 product has "
                           "no batch-invariant kernel; use quantization='none' with a bf16 "
@@ -73,8 +70,9 @@ def resolve_quantization(asked: str, hf_config: Mapping[str, Any], *,
 
 @contextlib.contextmanager
 def building_with(quantization: str | None) -> Iterator[None]:
-    """While a model is built inside this, its quantizable linears take
-    ``quantization``'s storage (``layers/linear.py`` reads :func:`building_quantization`)."""
+    """While a model is built inside this, its quantizable linears and its experts take
+    ``quantization``'s storage (``layers/linear.py`` and ``layers/moe.py`` read
+    :func:`building_quantization`)."""
     _BUILDING.append(quantization)
     try:
         yield
