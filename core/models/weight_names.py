@@ -298,11 +298,13 @@ def _scales_covered(name: str, pname: str, param: nn.Parameter, tensor: torch.Te
 def _scales_needed(name: str, param: nn.Parameter, tensor: torch.Tensor) -> str | None:
     """For an FP8 tensor loading into an FP8 weight (its bytes placed as stored): the
     checkpoint name of the block scales it needs beside it; else None."""
-    suffix = getattr(param, "fp8_scale_name", None)
-    if suffix is None or tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or (
-            not name.endswith(".weight")):
+    if getattr(param, "fp8_scale_name", None) is None or tensor.dtype not in (
+            torch.float8_e4m3fn, torch.float8_e5m2) or not name.endswith(".weight"):
         return None
-    return name.removesuffix("weight") + suffix
+    from kvrunner.layers.fp8.weights import SCALE_SUFFIX
+
+    # the checkpoint's name (a linear's and an expert's alike), not the parameter's
+    return name.removesuffix("weight") + SCALE_SUFFIX
 
 
 def _listing(names: list[str], limit: int = 12) -> str:

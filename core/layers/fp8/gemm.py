@@ -62,7 +62,7 @@ def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     token and 128 columns, by the weights' rule (``amax / 448``, 1 for a zero group);
     the scales laid out column-major, as ``scaled_mm``'s 1 x 128 recipe reads them.
     The reference of the Triton kernel the CUDA path runs
-    (``layers/fused/fp8_token_groups_triton.py``)."""
+    (``layers/fp8/token_groups_triton.py``)."""
     m, k = x.shape
     groups = x.float().view(m, k // BLOCK, BLOCK)
     scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
@@ -77,7 +77,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     ``scaled_mm`` (1 x 128 by 128 x 128) into ``x``'s dtype."""
     from torch.nn.functional import ScalingType
 
-    from kvrunner.layers.fused.fp8_token_groups_triton import quantize_token_groups_triton
+    from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
 
     lead, k = x.shape[:-1], x.shape[-1]
     # one launch for the activations' quantization (the torch steps are nine)

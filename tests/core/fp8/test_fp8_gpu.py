@@ -126,7 +126,7 @@ def test_a_push_and_a_sleep_with_graphs_captured_serve_the_pushed_weights(tmp_pa
 def test_the_activation_kernel_gives_the_references_bytes_and_scales(rows, spread):
     """The w8a8 path's one-launch quantization equals the torch reference bit for bit."""
     from kvrunner.layers.fp8.gemm import quantize_token_groups
-    from kvrunner.layers.fused.fp8_token_groups_triton import quantize_token_groups_triton
+    from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = (torch.randn(rows, 3072, device="cuda", generator=g) * spread).to(torch.bfloat16)

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
        spread=st.sampled_from([1e-3, 1.0, 300.0]), zero_group=st.booleans())
 def test_the_kernel_gives_the_references_scales_column_major(
         rows, groups, seed, spread, zero_group) -> None:
-    from kvrunner.layers.fused.fp8_token_groups_triton import quantize_token_groups_triton
+    from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
 
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, groups * 128, generator=g) * spread).to(torch.bfloat16)
