@@ -24,12 +24,13 @@ from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.state import ServerState
+from kvrunner.serve.structured_fields import vllm_constraint
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 #: the vLLM family's fields kvrunner accepts at their neutral value only (completions,
 #: chat completions, /inference/v1/generate): field -> the one value it may hold
-VLLM_NEUTRAL: dict[str, Any] = {"structured_outputs": None, "priority": 0}
+VLLM_NEUTRAL: dict[str, Any] = {"priority": 0}
 
 #: vLLM's sampling extras the engine does (``SamplingParams`` documents each), passed
 #: on by the same name where the body sets them
@@ -181,6 +182,7 @@ def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked,
         "prompt_logprobs": prompt_logprobs or Asked("prompt_logprobs", body.prompt_logprobs),
         "return_kept_mass": Asked("return_kept_mass", getattr(body, "return_kept_mass", None)
                                   or None),
+        "structured_outputs": Asked(*vllm_constraint(body)),
     }
     for name in ("temperature", "top_p", "top_k", *VLLM_EXTRAS):
         asked[name] = Asked(name, getattr(body, name) if name in given else None)
