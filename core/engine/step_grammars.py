@@ -43,7 +43,7 @@ import numpy as np
 from kvrunner.engine.grammar_compiler import GrammarCompiler, xgrammar
 from kvrunner.engine.request_grammar import RequestGrammar
 from kvrunner.engine.sequence import Sequence, SequenceStatus
-from kvrunner.engine.step_io import StepInput
+from kvrunner.engine.step_io import PLACEHOLDER_TOKEN, StepInput
 from kvrunner.engine.token_masks import TokenMasks, mask_width
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams
@@ -107,7 +107,8 @@ class StepGrammars:
         next token (itself when it has none).
 
         :raises RuntimeError: when such a row's matcher has not taken every token of its
-            request (a step planned while the step before was in flight).
+            request, or its last token is still on the device (a step planned while
+            the step before was in flight).
         """
         live = self._live
         rows = [i for i, (seq, samples) in enumerate(zip(seqs, step.sample, strict=True))
@@ -117,11 +118,12 @@ class StepGrammars:
         bits = np.empty((len(rows), mask_width(self._vocab_size)), np.int32)
         for k, i in enumerate(rows):
             state = live[seqs[i].seq_id]
-            if state.fed != seqs[i].num_output_tokens:
+            pending = step.token_ids[i][-1] == PLACEHOLDER_TOKEN
+            if pending or state.fed != seqs[i].num_output_tokens:
+                where = "is still on the device" if pending else "was not fed to the grammar"
                 raise RuntimeError(
-                    f"request {seqs[i].seq_id} is constrained but its grammar has taken "
-                    f"{state.fed} of its {seqs[i].num_output_tokens} output tokens: a "
-                    f"constrained step must be planned after the step before it is applied"
+                    f"request {seqs[i].seq_id} is constrained but its last token {where}: "
+                    f"a constrained step must be planned after the step before it is applied"
                 )
             state.fill(bits, k)
         masks = TokenMasks(np.array(rows, np.int64), bits)
