@@ -71,7 +71,8 @@ def accepted(llm, constraint: dict, tokens: list[int]) -> tuple[bool, bool]:
     return all(matcher.accept_token(t) for t in tokens), matcher.is_terminated()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]))
 def test_every_sampled_output_is_accepted_by_its_constraint(llm, seed, temperature) -> None:
     names = list(CONSTRAINTS)
@@ -89,7 +90,7 @@ def test_every_sampled_output_is_accepted_by_its_constraint(llm, seed, temperatu
 
 
 def test_most_constrained_outputs_complete_and_choice_returns_a_choice(llm) -> None:
-    for name, (constraint, holds) in CONSTRAINTS.items():
+    for constraint, holds in CONSTRAINTS.values():
         outs = llm.generate([PROMPT] * 4, [
             SamplingParams(max_tokens=64, temperature=0.7, seed=s, structured_outputs=constraint)
             for s in range(4)])
@@ -160,8 +161,9 @@ def test_each_sample_of_a_group_is_held_to_the_constraint(llm) -> None:
 def test_a_bad_constraint_is_refused_by_name_and_the_engine_serves_on(
         llm, constraint, field, words) -> None:
     with pytest.raises(RequestError) as caught:
-        llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4),
-                                        SamplingParams(max_tokens=4, structured_outputs=constraint)])
+        llm.generate([PROMPT, PROMPT], [
+            SamplingParams(max_tokens=4), SamplingParams(max_tokens=4,
+                                                         structured_outputs=constraint)])
     message = str(caught.value)
     assert f"SamplingParams.structured_outputs{'.' + field if field else ''}" in message
     assert words in message
@@ -170,7 +172,7 @@ def test_a_bad_constraint_is_refused_by_name_and_the_engine_serves_on(
 
 
 def test_an_engine_without_a_tokenizer_refuses_a_constraint_by_name() -> None:
-    with LLM("tiny-qwen3", **ENGINE, enforce_eager=True, skip_tokenizer_init=True) as llm:
-        with pytest.raises(RequestError, match="structured_outputs needs the model's tokenizer"):
-            llm.generate([PROMPT], SamplingParams(max_tokens=4,
-                                                  structured_outputs={"regex": "a"}))
+    needs = "structured_outputs needs the model's tokenizer"
+    with (LLM("tiny-qwen3", **ENGINE, enforce_eager=True, skip_tokenizer_init=True) as llm,
+          pytest.raises(RequestError, match=needs)):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs={"regex": "a"}))
