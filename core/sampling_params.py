@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from kvrunner.errors import RequestError
+from kvrunner.structured_outputs import StructuredOutputsParams
 
 
 def is_int(value: Any) -> bool:
@@ -243,6 +244,15 @@ class SamplingParams:
     vLLM's, ``[prompt + output - 1, num_hidden_layers, top_k]`` (the last output token
     is never fed back); the prompt's rows come from the prefix cache where it hit.
 
+    ``structured_outputs`` (:class:`~kvrunner.structured_outputs.StructuredOutputsParams`,
+    or a mapping of its fields) holds the output to a JSON schema, any JSON object, a
+    regex, one of a list of choices, an EBNF or Lark grammar or a structural tag: every
+    step, the tokens the constraint cannot continue with are masked before the token is
+    picked, and the request ends (finish reason ``"stop"``) when the constraint is
+    complete and its stop token drawn. As in vLLM, the logprobs returned for such a
+    request, in every ``logprobs_mode``, are of the masked logits. It needs the
+    ``xgrammar`` package (``kvrunner[structured]``) and the model's tokenizer.
+
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
 
@@ -283,6 +293,10 @@ class SamplingParams:
     #: report each sampled token's kept mass (``RequestOutput.kept_mass``)
     return_kept_mass: bool = attrs.field(default=False, validator=_bool)
     return_routed_experts: bool = attrs.field(default=False, validator=_bool)
+    #: the output's constraint (a JSON schema, a regex, choices, a grammar); None: none
+    structured_outputs: StructuredOutputsParams | None = attrs.field(
+        default=None, converter=StructuredOutputsParams.of
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

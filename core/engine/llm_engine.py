@@ -9,7 +9,9 @@ schedules and launches step N+1 *before* it waits for step N's tokens, so the ho
 scheduling, step preparation and bookkeeping overlap the device's work. The tokens
 step N samples stay on the device and feed step N+1 there (placeholders in its
 ``StepInput``); the host learns them one step later, in ``update``, which also
-discards any token computed past a request's end.
+discards any token computed past a request's end. While a request under a
+structured-output constraint is live the steps are synchronous instead: its next mask
+needs its last token (``engine/step_grammars.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvrunner.engine.cache_salt import WeightVersion, check_cache_salt
 from kvrunner.engine.logit_rules import bad_word_token_ids
 from kvrunner.engine.scheduler import Scheduler
 from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.step_grammars import StepGrammars
 from kvrunner.engine.step_io import SampledToken, SampledTokens, StepInput
 from kvrunner.engine.stop_strings import StopStringWatch
 from kvrunner.errors import NonFiniteLogitsError, RequestError
@@ -100,6 +103,8 @@ class LLMEngine:
             salt_by_weight_version=config.cache.salt_prefix_cache_by_weight_version,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_id=eos_token_ids)
+        #: the constrained requests' matchers (``SamplingParams.structured_outputs``)
+        self.grammars = StepGrammars(tokenizer, vocab_size, eos_token_ids)
         self._ids = itertools.count()
         self.peak_blocks_used = 0  # most KV blocks in use after any step, since reset
         self.async_scheduling = config.scheduler.async_scheduling
@@ -197,8 +202,9 @@ class LLMEngine:
             watch = StopStringWatch(self.tokenizer, params.stop,
                                     include_stop=params.include_stop_str_in_output,
                                     skip_special_tokens=params.skip_special_tokens)
+        grammar = self.grammars.compile(params, name)
         seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch,
-                       bad_word_ids=bad_word_ids, cache_salt=cache_salt)
+                       bad_word_ids=bad_word_ids, cache_salt=cache_salt, grammar=grammar)
         self.scheduler.validate(seq, name=name)
         return seq
 
@@ -253,6 +259,7 @@ class LLMEngine:
     def add_request(self, seq: Sequence) -> None:
         """Queue a request :meth:`make_request` (or :meth:`make_group`) made and checked."""
         self.scheduler.add(seq, checked=True)
+        self.grammars.admit(seq)
         if seq.stop_watch is not None:
             self._watched[seq.seq_id] = seq
 
@@ -262,29 +269,35 @@ class LLMEngine:
 
         Safe with a step in flight: that step's token for it is dropped when the step
         is applied (``Scheduler.abort``)."""
+        self.grammars.forget(seq_id)
         return self.scheduler.abort(seq_id)
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it.
 
         With asynchronous steps: launch the next step, then apply the one launched
-        before it (so the sequences returned finished one step back).
+        before it (so the sequences returned finished one step back). While a
+        constrained request is live: apply the step in flight, then launch and apply
+        the next (each mask needs the token before it).
 
         An exception out of here (a failed rank, Ctrl-C) leaves the steps in flight
         unapplied: :meth:`abort_and_settle` then makes the engine usable again.
         """
         if self.parked:
             raise RuntimeError("step() while the engine is parked: unpark() first")
+        finished: list[Sequence] = []
+        synchronous = not self.async_scheduling or self.grammars.live
+        if synchronous and self._launched:
+            finished = self._apply_oldest()
         scheduled = self.scheduler.schedule()
         if scheduled is not None:
             step, seqs = scheduled
+            if self.grammars.live:
+                step = self.grammars.constrain(step, seqs)
             self._launched.append((seqs, self._submit(step)))
             self._note_blocks_used()
-        finished: list[Sequence] = []
-        if self._launched and (
-            not self.async_scheduling or len(self._launched) > 1 or scheduled is None
-        ):
-            finished = self._apply_oldest()
+        if self._launched and (synchronous or len(self._launched) > 1 or scheduled is None):
+            finished += self._apply_oldest()
         self._raise_nonfinite(finished)
         return finished
 
@@ -325,6 +338,8 @@ class LLMEngine:
         tokens = pending.result()
         self._launched.popleft()  # only once read: an interrupted read is settled later
         finished = self.scheduler.update(seqs, tokens)
+        if self.grammars.live:
+            self.grammars.advance(self.scheduler.abort, finished)
         if self._watched:
             self._find_stop_strings(finished)
         return finished
@@ -384,6 +399,7 @@ class LLMEngine:
         self.scheduler.forget_in_flight()  # host state first: then a second Ctrl-C
         launched, self._launched = list(self._launched), deque()  # finds it clean
         self._watched.clear()
+        self.grammars.clear()
         self.parked = False
         settle = getattr(self.executor, "settle", None)
         if settle is not None:

@@ -8,7 +8,7 @@ states, the block manager fills in ``block_table`` / ``state_slot`` /
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import numpy as np
@@ -121,6 +121,9 @@ class Sequence:
     stop_string: str | None = attrs.field(default=None, init=False)
     #: its ``SamplingParams.bad_words`` as token ids (``logit_rules.bad_word_token_ids``)
     bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), kw_only=True)
+    #: its ``SamplingParams.structured_outputs`` compiled for the model's vocabulary (an
+    #: ``xgrammar.CompiledGrammar``, ``engine/grammar_compiler.py``); None: unconstrained
+    grammar: Any = attrs.field(default=None, kw_only=True, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from kvrunner.engine.logit_rules import LogitRules, logit_rules
+from kvrunner.engine.token_masks import TokenMasks
 from kvrunner.sampling_params import SamplingParams, int64_seed
 
 #: A token id in ``StepInput.token_ids`` that the host does not know yet: the token
@@ -161,6 +162,8 @@ class SamplingColumns:
 
     ``rules``: each row's :class:`~kvrunner.engine.logit_rules.LogitRules` (None for a
     row without), or None when no row has any: the common case costs nothing.
+    ``masks``: the tokens each row under a structured-output constraint may sample this
+    step (:class:`~kvrunner.engine.token_masks.TokenMasks`), or None when no row has one.
     """
 
     #: [N] float64: 0 is greedy
@@ -186,11 +189,16 @@ class SamplingColumns:
     kept_mass: np.ndarray
     #: per row its logit rules or None; None when no row has any
     rules: tuple[LogitRules | None, ...] | None = None
+    #: the constrained rows' token masks; None when no row is constrained
+    masks: TokenMasks | None = None
 
     def __attrs_post_init__(self) -> None:
         n = len(self.temperature)
         if self.rules is not None and len(self.rules) != n:
             raise ValueError(f"sampling columns of {n} rows with {len(self.rules)} rules")
+        if self.masks is not None and len(self.masks.rows) and int(self.masks.rows[-1]) >= n:
+            raise ValueError(f"sampling columns of {n} rows with a mask for row "
+                             f"{int(self.masks.rows[-1])}")
         if any(len(column) != n for column in self.arrays()):
             raise ValueError(
                 "sampling columns differ in length: "
@@ -224,7 +232,15 @@ class SamplingColumns:
         if self.rules is not None:
             rules = tuple(self.rules[i] for i in index.tolist())
             rules = rules if any(r is not None for r in rules) else None
-        return SamplingColumns(*(column[index] for column in self.arrays()), rules=rules)
+        masks = None if self.masks is None else self.masks.take(index)
+        return SamplingColumns(*(column[index] for column in self.arrays()), rules=rules,
+                               masks=masks)
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether some row's logits change before its pick (logit rules or a token
+        mask): such a step is sampled eagerly, never drawn in a decode graph."""
+        return self.rules is not None or self.masks is not None
 
     @property
     def drawing(self) -> np.ndarray:
@@ -237,7 +253,7 @@ class SamplingColumns:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SamplingColumns):
             return NotImplemented
-        return self.rules == other.rules and all(
+        return self.rules == other.rules and self.masks == other.masks and all(
             np.array_equal(a, b) for a, b in zip(self.arrays(), other.arrays(), strict=True))
 
     __hash__ = None  # type: ignore[assignment]  # arrays, like a list
@@ -246,12 +262,13 @@ class SamplingColumns:
         fields = ", ".join(f"{name}={column.tolist()!r}"
                            for name, column in zip(SAMPLING_DTYPES, self.arrays(), strict=True))
         rules = "" if self.rules is None else f", rules={self.rules!r}"
-        return f"SamplingColumns({fields}{rules})"
+        masks = "" if self.masks is None else f", masks={self.masks!r}"
+        return f"SamplingColumns({fields}{rules}{masks})"
 
     def __reduce__(self) -> tuple:
         # Eight arrays: one buffer each on the wire, whatever the batch (and the rules
         # of a batch that has any).
-        return (SamplingColumns, (*self.arrays(), self.rules))
+        return (SamplingColumns, (*self.arrays(), self.rules, self.masks))
 
 
 def as_sampling_columns(

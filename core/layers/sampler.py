@@ -27,6 +27,12 @@ included; ``min_p`` masks a drawing row after its temperature, so such a row tak
 the torch draw. The penalties read the token history the :class:`Sampler` keeps on
 the device (``layers/token_history.py``), and each drawn token is added to it at once.
 
+Rows under a structured-output constraint (``SamplingColumns.masks``) have every token
+their grammar forbids set to -inf before anything else (``layers/token_mask.py``): for
+such a row the masked logits are its raw logits, for the pick and for every logprob
+reported, as in vLLM, where the grammar's bitmask is applied to the logits the sampler
+is given.
+
 Logprobs are by default ``log_softmax`` of the *raw* logits (before penalties,
 temperature and filtering), vLLM's default ``logprobs_mode`` of ``raw_logprobs`` and
 what an RL trainer's plain forward computes; the engine's ``logprobs_mode`` may ask for
@@ -61,6 +67,7 @@ from kvrunner.layers.logprobs_mode import check_logprobs_mode, reads_processed, 
 from kvrunner.layers.sampling_draw import draw_rows
 from kvrunner.layers.sampling_seeds import row_keys
 from kvrunner.layers.token_history import TokenHistory
+from kvrunner.layers.token_mask import masked_logits
 from kvrunner.plugin_api.buffers import on_device
 from kvrunner.sampling_params import SamplingParams
 
@@ -133,14 +140,18 @@ def sample(
     # apart (max propagates NaN) without another pass over the logits. In the logits'
     # own dtype: widening is exact and keeps order, so the maximum and its index are
     # those of the float32 values.
+    model_logits = logits
+    if sampling.masks is not None:
+        logits = masked_logits(logits, sampling.masks)
     raw = logits
     if sampling.rules is not None:
         logits = adjusted_logits(raw, sampling.rules, np.asarray(num_generated), history)
     row_max, tokens = logits.max(dim=-1)
-    if logits is not raw:
+    if logits is not model_logits:
         # A non-finite raw row stays one (a mask must not hide a NaN); a row whose
-        # rules mask every token has nothing to sample (-inf), as an all -inf row.
-        raw_max = raw.max(dim=-1).values.to(row_max.dtype)
+        # rules or grammar mask every token has nothing to sample (-inf), as an all
+        # -inf row.
+        raw_max = model_logits.max(dim=-1).values.to(row_max.dtype)
         row_max = torch.where(raw_max.isnan() | (raw_max == float("inf")), raw_max, row_max)
     num_drawing = np.count_nonzero(sampling.temperature)  # rows that are not greedy
     truncated = None
@@ -288,8 +299,9 @@ def sample_step_rows(
         keys = None if engine_seed is None else row_keys(sampling, seq_ids, engine_seed)
         out = sample(logits, sampling, counts, generator=generator, keys=keys, history=history,
                      logprobs_mode=logprobs_mode)
-    elif sampling.rules is not None:
-        raise ValueError("a step with logit rules is sampled eagerly, not drawn in a graph")
+    elif sampling.adjusted:
+        raise ValueError("a step with logit rules or token masks is sampled eagerly, not "
+                         "drawn in a graph")
     else:
         out = with_logprobs(logits, *drawn, sampling, mode=logprobs_mode)
     return StepSamples(out=out, seq_ids=seq_ids, sampling=sampling)

@@ -7,7 +7,7 @@ request's ``enable_thinking`` (``chat_template_kwargs``). The tool-call parser
 "auto" (OpenAI's default when tools are given), which vLLM allows only with
 ``--enable-auto-tool-choice``; "none" leaves calls in the text. "required" and a named
 function are refused: vLLM holds such an output to the tools' JSON schema with guided
-decoding, a grammar kvrunner does not have. With ``parallel_tool_calls: false`` only
+decoding, a grammar kvrunner does not build from the tools. With ``parallel_tool_calls: false`` only
 the first call is returned (streamed: only call 0's pieces), as vLLM does.
 """
 
@@ -97,7 +97,8 @@ def _auto_tool_choice(body: ChatCompletionRequest, settings: ServeSettings) -> b
         asked = choice if isinstance(choice, str) else f"the function {choice.function}"
         raise APIError(400, f"tool_choice={asked!r} needs guided decoding (the output held "
                        f"to the tools' JSON schema by a grammar), which kvrunner does not "
-                       f"have; use tool_choice='auto' with --tool-call-parser, or 'none'",
+                       f"build from tools; use tool_choice='auto' with --tool-call-parser, "
+                       f"or 'none'",
                        param="tool_choice")
     if settings.tool_call_parser is None or not settings.enable_auto_tool_choice:
         raise APIError(400, "\"auto\" tool choice requires --enable-auto-tool-choice and "

@@ -34,13 +34,13 @@ from kvrunner.serve.rl_protocol import (
 )
 from kvrunner.serve.sse import event
 from kvrunner.serve.state import ServerState, new_id
+from kvrunner.serve.structured_fields import sglang_constraint
 
 router = APIRouter()
 
-#: SGLang's sampling fields kvrunner accepts at their neutral value only: grammars, stop
-#: regexes, custom logit-processor parameters, per-request stream chunking
-_NEUTRAL = {"regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
-            "stop_regex": None, "custom_params": None, "stream_interval": None}
+#: SGLang's sampling fields kvrunner accepts at their neutral value only: stop regexes,
+#: custom logit-processor parameters, per-request stream chunking
+_NEUTRAL = {"stop_regex": None, "custom_params": None, "stream_interval": None}
 #: SGLang's sampling extras the engine does: SGLang's name -> ``SamplingParams``' field
 #: (the penalties and the bias under SGLang's rules: ``penalty_rules="sglang"``)
 SGLANG_EXTRAS = {"frequency_penalty": "frequency_penalty",
@@ -128,6 +128,7 @@ def _params(state: ServerState, body: GenerateRequest, prompt_len: int,
         asked[name] = Asked(f"sampling_params.{name}",
                             getattr(sp, name) if name in given else None)
     asked |= sglang_extras(sp)
+    asked["structured_outputs"] = Asked(*sglang_constraint(sp))
     return sampling_params(state, asked, bias_limit=None)
 
 

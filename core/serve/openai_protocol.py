@@ -2,8 +2,9 @@
 
 Strict on purpose: an unknown field, a string where a number belongs, a float
 ``max_tokens`` or a bool ``n`` is a 400 naming the field, not a silent coercion. The
-fields are OpenAI's, plus the vLLM extras RL clients send (TRL's ``VLLMClient``,
-verifiers, prime-rl, SkyRL): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+fields are OpenAI's (``response_format`` included), plus the vLLM extras RL clients
+send (TRL's ``VLLMClient``, verifiers, prime-rl, SkyRL), ``structured_outputs`` and its
+older ``guided_*`` spellings among them: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``return_tokens_as_token_ids``, ``return_token_ids``, ``prompt_logprobs``,
 ``truncate_prompt_tokens``, ``chat_template_kwargs`` and the rest below. ``echo``
 (without ``stream``) puts the prompt in front of the text and, with ``logprobs``, its
@@ -33,6 +34,14 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``; a ``json_schema`` one holds ``json_schema`` with
+    ``name``, ``schema`` and ``strict``, a ``structural_tag`` one xgrammar's tag fields."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
 
 
 class SamplingFields(StrictModel):
@@ -65,7 +74,17 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    #: vLLM's constraint on the output: ``json``, ``regex``, ``choice``, ``grammar``,
+    #: ``json_object`` or ``structural_tag`` (``serve/structured_fields.py``)
     structured_outputs: dict[str, Any] | None = None
+    #: OpenAI's: ``text`` (no constraint), ``json_object``, ``json_schema``; and vLLM's
+    #: ``structural_tag``
+    response_format: ResponseFormat | None = None
+    #: vLLM's older spellings of one ``structured_outputs`` field each
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     #: vLLM's: keep only the last k prompt tokens (-1: as many as the model's length
     #: leaves room for)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
@@ -164,11 +183,6 @@ class NamedToolChoice(StrictModel):
     function: dict[str, str]
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-
-
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template."""
 
@@ -191,7 +205,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     #: a template for this request instead of the checkpoint's (compiled sandboxed)
     chat_template: str | None = None
-    response_format: ResponseFormat | None = None
     #: vLLM's: continue the last (assistant) message instead of opening a new turn
     continue_final_message: bool = False
     #: vLLM's: let the tokenizer add its special tokens around the rendered text

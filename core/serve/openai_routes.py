@@ -289,11 +289,8 @@ async def _completion_events(state: ServerState, items: AsyncIterator[tuple[int,
 
 
 def _check_chat_features(body: ChatCompletionRequest) -> None:
-    """A 400 naming what the request asks that needs a grammar or a feature kvrunner
-    does not have (``tool_choice``: :func:`~kvrunner.serve.chat_parsing.chat_parsing`)."""
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"response_format {body.response_format.type!r} (structured "
-                       f"output) is not supported by kvrunner", param="response_format")
+    """A 400 naming what the request asks that kvrunner does not have (``tool_choice``:
+    :func:`~kvrunner.serve.chat_parsing.chat_parsing`)."""
     if body.continue_final_message:
         raise APIError(400, "continue_final_message is not supported by kvrunner",
                        param="continue_final_message")

@@ -25,12 +25,13 @@ from kvrunner.sampling_params import SamplingParams
 from kvrunner.serve import routed_experts
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.state import ServerState
+from kvrunner.serve.structured_fields import vllm_constraint
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 #: the vLLM family's fields kvrunner accepts at their neutral value only (completions,
 #: chat completions, /inference/v1/generate): field -> the one value it may hold
-VLLM_NEUTRAL: dict[str, Any] = {"structured_outputs": None, "priority": 0}
+VLLM_NEUTRAL: dict[str, Any] = {"priority": 0}
 
 #: vLLM's sampling extras the engine does (``SamplingParams`` documents each), passed
 #: on by the same name where the body sets them
@@ -187,6 +188,7 @@ def vllm_asked(body: Any, *, max_tokens: int, logprobs: Asked, recording_routes:
         "return_kept_mass": Asked("return_kept_mass", getattr(body, "return_kept_mass", None)
                                   or None),
         "return_routed_experts": Asked("return_routed_experts", True if routes else None),
+        "structured_outputs": Asked(*vllm_constraint(body)),
     }
     for name in ("temperature", "top_p", "top_k", *VLLM_EXTRAS):
         asked[name] = Asked(name, getattr(body, name) if name in given else None)

@@ -2,8 +2,9 @@
 
 A slime- or AReaL-style client sends these unchanged. ``sampling_params`` holds every
 field of SGLang's ``SamplingParams`` with its default and range; a null is the field's
-default, as SGLang takes it. Fields SGLang has that kvrunner does not implement are
-accepted at their neutral value only (a grammar, a stop regex, custom logit-processor
+default, as SGLang takes it; ``json_schema``, ``regex``, ``ebnf`` and ``structural_tag``
+constrain the output (``serve/structured_fields.py``). Fields SGLang has that kvrunner
+does not implement are accepted at their neutral value only (a stop regex, custom logit-processor
 parameters, empty multimodal inputs such as AReaL's ``image_data: []``, no LoRA);
 anything unknown is a 400 naming it.
 """

@@ -42,7 +42,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvrunner.engine",),
     ("kvrunner.plugin_api",),
     ("kvrunner.config", "kvrunner.config_checks"),
-    ("kvrunner.errors", "kvrunner.outputs", "kvrunner.sampling_params"),
+    ("kvrunner.errors", "kvrunner.outputs", "kvrunner.sampling_params",
+     "kvrunner.structured_outputs"),
 )
 
 

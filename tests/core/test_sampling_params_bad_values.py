@@ -81,6 +81,11 @@ BAD: dict[str, st.SearchStrategy] = {
     "return_routed_experts": not_a_bool,
     "return_kept_mass": not_a_bool,
     "penalty_rules": st.sampled_from(["VLLM", "", "hf", None, 1, True]) | odd_objects,
+    "structured_outputs": st.sampled_from([1, "x", [1], True, 1.5, b"{}"])
+    | st.sampled_from([{}, {"nope": 1}, {"json_object": False}, {"json": "{"}, {"json": 3},
+                       {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": "ab"},
+                       {"choice": ["a", 2]}, {"regex": ""}, {"grammar": 5},
+                       {"json_object": 1}, {"json_object": True, "disable_any_whitespace": 0}]),
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the
@@ -100,6 +105,9 @@ AT_ADMISSION: dict[str, tuple[st.SearchStrategy, dict]] = {
                            max_size=2), {"skip_tokenizer_init": True}),
     # an engine started without enable_return_routed_experts records no route
     "return_routed_experts": (st.just(True), {}),
+    # a constraint the grammar parser refuses (only xgrammar reads it)
+    "structured_outputs": (st.sampled_from([{"regex": "a(b"}, {"json": '{"type": "nope"}'},
+                                            {"grammar": "root ::= undefined_rule"}]), {}),
 }
 
 

@@ -125,8 +125,7 @@ def test_the_text_side_extras_shape_the_text_as_llm_generate_does(http, referenc
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("regex", "a+"), ("json_schema", '{"type": "object"}'), ("ebnf", "root ::= 'a'"),
-    ("structural_tag", "{}"), ("stop_regex", "a+"), ("custom_params", {"x": 1}),
+    ("stop_regex", "a+"), ("custom_params", {"x": 1}),
     ("stream_interval", 4),
 ])
 def test_a_field_kvrunner_cannot_do_is_a_400_naming_it(http, field, value) -> None:

@@ -136,9 +136,7 @@ def test_the_output_side_extras_shape_the_text_as_llm_generate_does(
     )["choices"][0]["text"]
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("structured_outputs", {"regex": "a+"}), ("priority", 1),
-])
+@pytest.mark.parametrize(("field", "value"), [("priority", 1)])
 def test_an_extra_asking_for_what_kvrunner_does_not_do_is_a_400_naming_it(
         http, field, value) -> None:
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2],
@@ -240,7 +238,6 @@ def test_chat_with_tools_renders_as_transformers_and_generates_as_llm(
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice", "guided decoding"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
      "messages.0", "image_url"),

@@ -22,8 +22,9 @@ any step.
 A step is drawn in the graph when no row filters by top-k / top-p and no row has
 logit rules (vLLM's penalties and masks, ``SamplingColumns.rules``): the rows the
 one-pass kernel serves eagerly too, with the same keys, so the tokens are the same.
-A step with a top-k / top-p row (a sort) or a row with rules (greedy rows too: the
-rules change their argmax) is sampled eagerly from the graph's logits, and checked
+A step with a top-k / top-p row (a sort), a row with rules or a row under a
+structured-output constraint (``SamplingColumns.masks``; greedy rows too: rules and
+masks change their argmax) is sampled eagerly from the graph's logits, and checked
 after the replay as an eager step is; the graph's own tokens are ignored. Logprobs
 (in the engine's ``logprobs_mode``, processed ones included) and kept masses are
 computed after the replay either way, from the graph's logits and tokens, by the
@@ -130,7 +131,7 @@ class GraphSampling:
         ignored). The uploads come straight from the columns."""
         n = len(sampling)
         greedy = np.count_nonzero(sampling.temperature) == 0  # no row draws
-        served = sampling.rules is None and (greedy or self.draws and bool(
+        served = not sampling.adjusted and (greedy or self.draws and bool(
             (~sampling.drawing | fused_draw_serves(sampling, self.vocab, keyed=True)).all()
         ))
         self.count_rows(n if served else 0)
