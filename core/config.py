@@ -73,6 +73,11 @@ class CacheConfig:
         default="auto", converter=canonical_kv_cache_dtype,
         validator=_one_of(*KV_CACHE_DTYPES),
     )
+    #: with ``kv_cache_dtype = "fp8"``: each full-attention layer sets its key and value
+    #: scales from its first real prefill (``amax / 200`` and ``amax / 100``, vLLM's
+    #: ``calculate_kv_scales``) unless the checkpoint brought ``k_scale`` / ``v_scale``;
+    #: off, scales a checkpoint does not bring stay 1.0
+    calculate_kv_scales: bool = False
     #: salt every request's prefix-cache hashes with the weight version it is admitted
     #: under, so KV computed under other weights is never reused (even where a weight
     #: update keeps the prefix cache: SGLang's ``flush_cache: false``)

@@ -51,7 +51,10 @@ FIELD_HELP: dict[str, str] = {
     "num_blocks": "fixed number of KV blocks (skips sizing; 'none' to size)",
     "enable_prefix_caching": "reuse KV blocks of prompts that share a prefix",
     "kv_cache_dtype": "how full-attention keys and values are stored: auto (the model's "
-    "dtype) or fp8 (float8 e4m3, one byte an element, per-tensor scale; fp8_e4m3 is the same)",
+    "dtype) or fp8 (float8 e4m3, one byte an element, scaled per layer: the checkpoint's "
+    "k_scale/v_scale, else 1.0 or calculate_kv_scales; fp8_e4m3 is the same)",
+    "calculate_kv_scales": "with kv_cache_dtype fp8: set each layer's key and value scales "
+    "from its first prefill (amax/200, amax/100, as vLLM) unless the checkpoint brings them",
     "salt_prefix_cache_by_weight_version": "share cached KV only among requests admitted "
     "under the same weight version (also where an update keeps the prefix cache)",
     # [scheduler]

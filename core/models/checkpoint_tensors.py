@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvrunner.errors import CheckpointError
 from kvrunner.models.checkpoint_files import check_weight_files
+from kvrunner.models.kv_scale_names import is_kv_scale_name
 from kvrunner.models.tensor_checks import tensor_problem
 from kvrunner.models.weight_names import (
     WeightDuplicateError,
@@ -133,9 +134,10 @@ class CheckpointTensors:
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A float tensor in ``dtype``; an FP8 checkpoint's bytes and their float32 block
-    scales (``*_scale_inv``) stay as stored (only together do they mean anything)."""
+    scales (``*_scale_inv``) stay as stored (only together do they mean anything), and
+    so do KV-cache scales (rounded to bf16, a scale would move every key it stores)."""
     if (not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            or name.endswith("_scale_inv")):
+            or name.endswith("_scale_inv") or is_kv_scale_name(name)):
         return tensor
     return tensor.to(dtype)
 

@@ -29,6 +29,7 @@ from kvrunner.layers.linear import (
 from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.rmsnorm import RMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
+from kvrunner.models.kv_scale_names import OptionalWeight, kv_scale_weights
 from kvrunner.models.loader import rope_theta_of
 from kvrunner.models.moe_config import MoeConfig
 from kvrunner.models.weight_names import (
@@ -157,6 +158,13 @@ class Qwen3Attention(nn.Module):
                             self.q_norm, self.k_norm, self.rotary)
         out = self.impl.forward(q, k, v.view(-1, p.num_kv_heads, p.head_dim), ctx)
         return self.o_proj(out.reshape(-1, p.q_size))
+
+    def optional_weights(self) -> dict[str, OptionalWeight]:
+        """The FP8 KV-cache scales a checkpoint may carry for this layer
+        (:mod:`~kvrunner.models.kv_scale_names`), this rank's KV heads' part of them."""
+        p = self.qkv_proj
+        return kv_scale_weights(self.impl, total_kv_heads=p.total_num_kv_heads,
+                                kv_shard=p.kv_shard, local_kv_heads=p.num_kv_heads)
 
 
 class Qwen3MLP(nn.Module):

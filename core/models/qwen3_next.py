@@ -27,6 +27,7 @@ from kvrunner.layers.linear import (
 from kvrunner.layers.rmsnorm import ZeroCenteredRMSNorm
 from kvrunner.layers.rotary import RotaryEmbedding
 from kvrunner.models.gated_deltanet import GatedDeltaNet
+from kvrunner.models.kv_scale_names import OptionalWeight, kv_scale_weights
 from kvrunner.models.qwen3 import MakeLayer, Qwen3ForCausalLM, make_mlp
 from kvrunner.models.qwen3_next_config import Qwen3NextConfig
 from kvrunner.models.weight_names import (
@@ -63,7 +64,14 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.d, c.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = ZeroCenteredRMSNorm(self.d, c.rms_norm_eps, dtype=dtype, device=device)
         self.rotary = rotary
+        self.kv_heads, self.kv_shard = kv_heads, tp.rank
         object.__setattr__(self, "impl", impl)
+
+    def optional_weights(self) -> dict[str, OptionalWeight]:
+        """The FP8 KV-cache scales a checkpoint may carry for this layer
+        (:mod:`~kvrunner.models.kv_scale_names`), this rank's KV heads' part of them."""
+        return kv_scale_weights(self.impl, total_kv_heads=self.kv_heads,
+                                kv_shard=self.kv_shard, local_kv_heads=self.hkv)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext

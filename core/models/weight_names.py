@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
 from kvrunner.layers.weight_copy import copy_weight_
+from kvrunner.models.kv_scale_names import OptionalWeight
 
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -133,11 +135,28 @@ def alias_weight_names(
     return aliases
 
 
+def optional_weight_names(module: nn.Module) -> dict[str, OptionalWeight]:
+    """Name -> :class:`OptionalWeight` for every tensor a checkpoint may carry beyond
+    the parameters: each submodule's ``optional_weights()`` (relative names), such as an
+    attention layer's FP8 KV-cache scales (:mod:`kvrunner.models.kv_scale_names`). Its
+    ``covers`` come back as full names."""
+    found: dict[str, OptionalWeight] = {}
+    for mname, mod in module.named_modules():
+        optional = getattr(mod, "optional_weights", None)
+        if optional is None:
+            continue
+        prefix = f"{mname}." if mname else ""
+        for rel, weight in optional().items():
+            found[prefix + rel] = attrs.evolve(weight,
+                                               covers=tuple(prefix + c for c in weight.covers))
+    return found
+
+
 class WeightTargets:
     """Where every checkpoint name of a module loads, from one walk of its parameters:
-    the parameters by name, :func:`expected_weight_names` and
-    :func:`alias_weight_names`. Walking a deep module costs about a millisecond of
-    host time, so a push arriving in buckets builds this once for all of them; it
+    the parameters by name, :func:`expected_weight_names`, :func:`alias_weight_names`
+    and :func:`optional_weight_names`. Walking a deep module costs about a millisecond
+    of host time, so a push arriving in buckets builds this once for all of them; it
     stays right while the module keeps its parameter objects (a weight update never
     replaces them)."""
 
@@ -149,6 +168,8 @@ class WeightTargets:
         self.expected = expected_weight_names(module, stacked, named=named)
         #: alternative name -> (parameter name, shard id, expected names it stands for)
         self.aliases = alias_weight_names(module, named=named)
+        #: names a checkpoint may carry beyond the parameters -> how they load
+        self.optional = optional_weight_names(module)
         self._shadows: dict[str, nn.Parameter] | None = None
 
     @property
@@ -182,7 +203,8 @@ def load_weights_into(
     rank's shard of a full tensor and casts it to the parameter's dtype and device).
 
     :param stacked: see :func:`expected_weight_names`; a name from
-        :func:`alias_weight_names` loads too, and counts as the names it stands for.
+        :func:`alias_weight_names` loads too, and counts as the names it stands for; a
+        name from :func:`optional_weight_names` loads by its own rule, never required.
     :param ignore: checkpoint names containing any of these are skipped.
     :param require_all: a whole checkpoint: raise ``ValueError`` listing every
         expected tensor it lacks and every tensor the model has no place for, after
@@ -214,6 +236,9 @@ def load_weights_into(
         if target is None and name in aliases:
             pname, shard, covers = aliases[name]
             target = (pname, shard)
+        if target is None and name in targets.optional:
+            _load_optional(name, tensor, targets.optional[name], seen, dry_run)
+            continue
         if target is None:
             if any(frag in name for frag in ignore):
                 continue
@@ -271,6 +296,22 @@ def load_weights_into(
             missing=missing, unexpected=sorted(unexpected),
         )
     return seen
+
+
+def _load_optional(name: str, tensor: torch.Tensor, weight: OptionalWeight, seen: set[str],
+                   dry_run: bool) -> None:
+    """Load (or, in a dry run, judge) one optional tensor; ``seen`` gets its name and the
+    names it covers."""
+    if dry_run and not seen.isdisjoint(weight.covers):
+        twice = sorted(seen.intersection(weight.covers))[0]
+        raise WeightDuplicateError(f"tensor {twice!r} is given twice in one update"
+                                   + (f" (also through {name!r})" if name != twice else ""),
+                                   tensor=twice)
+    try:
+        (weight.check if dry_run else weight.load)(tensor)
+    except ValueError as e:
+        raise WeightShapeError(f"checkpoint tensor {name!r}: {e}", tensor=name) from e
+    seen.update((name, *weight.covers))
 
 
 def _scales_covered(name: str, pname: str, param: nn.Parameter, tensor: torch.Tensor

@@ -29,6 +29,25 @@ class FullAttentionImpl(Protocol):
         ...
 
 
+class KVScaleLoading(Protocol):
+    """Optional on a full-attention layer object: it takes the FP8 KV-cache scales a
+    checkpoint or a weight update carries (``self_attn.k_scale`` / ``v_scale`` and the
+    other names of :mod:`kvrunner.models.kv_scale_names`). The model routes them here,
+    this rank's KV heads' part; a layer object without these methods never sees them
+    (the names still load, as no-ops)."""
+
+    def check_kv_scale(self, which: str, scale: torch.Tensor) -> None:
+        """Raise ``ValueError`` for a scale :meth:`load_kv_scale` would refuse by its
+        shape (a dry run: ``scale`` may be a meta tensor, without values)."""
+        ...
+
+    def load_kv_scale(self, which: str, scale: torch.Tensor) -> None:
+        """Set the key (``which="k"``) or value scales: ``scale`` is one number (per
+        tensor) or ``[num_kv_heads]`` of this rank. In place, so a captured graph
+        replays with it; ``ValueError`` for a bad one, changing nothing."""
+        ...
+
+
 class LinearAttentionImpl(Protocol):
     """Gated-DeltaNet state (layer type ``linear_attention``): causal conv + delta rule.
 

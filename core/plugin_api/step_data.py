@@ -74,9 +74,13 @@ class BackendContext:
     #: backend whose factory declares ``batch_invariant``)
     deterministic: bool = False
     #: how full-attention keys and values are stored: "auto" (in ``dtype``) or "fp8"
-    #: (float8 e4m3, one byte an element, with a per-tensor scale); only ever a value
-    #: the backend's factory lists in ``kv_cache_dtypes``
+    #: (float8 e4m3, one byte an element, scaled per layer); only ever a value the
+    #: backend's factory lists in ``kv_cache_dtypes``
     kv_cache_dtype: str = "auto"
+    #: with "fp8": set each layer's scales from its first real prefill (not the start-up
+    #: profile's: ``StepMetadata.is_profile``) unless a checkpoint brought them, as
+    #: vLLM's ``calculate_kv_scales``; else they stay 1.0 until a checkpoint sets them
+    calculate_kv_scales: bool = False
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -202,6 +206,10 @@ class StepMetadata:
     is_decode: bool
     #: synthesized by the core for a graph capture (each row reads one key at block 0)
     is_capture: bool = False
+    #: the start-up profile's step (CUDA): a maximal prefill of placeholder tokens over
+    #: a throw-away pool, run only to measure the activation peak; nothing a backend
+    #: keeps may be learned from it (``calculate_kv_scales`` skips it)
+    is_profile: bool = False
 
     def token_rows(self, first_seq: int, end_seq: int) -> slice:
         """Token rows of sequences ``first_seq .. end_seq - 1``; a padded sequence owns
@@ -257,6 +265,7 @@ class StepMetadata:
             # Its own rows decide: a slice of a mixed step may hold only decodes.
             is_decode=sub_host.is_decode,
             is_capture=self.is_capture,
+            is_profile=self.is_profile,
         )
 
 

@@ -129,6 +129,7 @@ def build_backends(
             options=config.kernels.options_for(name),
             deterministic=config.deterministic,
             kv_cache_dtype=config.cache.kv_cache_dtype,
+            calculate_kv_scales=config.cache.calculate_kv_scales,
         )
 
     core_backends = {} if routes is None else {ROUTES_BACKEND: routes_backend(routes)}
@@ -343,8 +344,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-            self.execute(profile_step(self.config, num_tokens=self.max_tokens,
-                                      scratch_slot=self.num_slots - 1))
+            # Marked, so no backend learns anything (FP8 scales) from its placeholder tokens.
+            self.step_builder.profiling = True
+            try:
+                self.execute(profile_step(self.config, num_tokens=self.max_tokens,
+                                          scratch_slot=self.num_slots - 1))
+            finally:
+                self.step_builder.profiling = False
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()

@@ -86,6 +86,7 @@ BAD: dict[str, tuple[st.SearchStrategy, str, dict]] = {
     "num_blocks": (ints_outside(1, 1 << 40), "load", {}),
     "enable_prefix_caching": (not_a_bool, "load", {}),
     "kv_cache_dtype": (strs_except("auto", "fp8", "fp8_e4m3"), "load", {}),
+    "calculate_kv_scales": (not_a_bool, "load", {}),
     "salt_prefix_cache_by_weight_version": (not_a_bool, "load", {}),
     # [scheduler]
     "max_num_seqs": (ints_outside(1, 1 << 16), "load", {}),

@@ -1,6 +1,7 @@
 """FP8 keys and values (``kv_cache_dtype = "fp8"``): the store writes ``x / scale`` as
 e4m3 (clamped to ±448, ties to even), and every attention entry attends ``stored *
-scale``: the naive reference's values over the dequantized pool.
+scale``: the naive reference's values over the dequantized pool. Scales are per tensor
+or per KV head, handed to the kernels as the layer's scale table.
 
 Triton's interpreter rounds float32 to e4m3 its own way (ties away from zero, no
 subnormal or NaN results), so under it the Triton stores are shown on values that are e4m3
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, paged_cases
 
 from kvrunner.plugin_api import PAD_SLOT_ID
-from kvrunner_paged.kv_format import FP8_DTYPE, KVFormat
+from kvrunner_paged.kv_format import FP8_DTYPE, K_SCALE, V_SCALE, KVFormat, scale_table
 from kvrunner_paged.ops.paged_attention.decode import paged_decode_attention
 from kvrunner_paged.ops.paged_attention.decode_torch import paged_decode_attention_torch
 from kvrunner_paged.ops.paged_attention.fixed_order import LAUNCH, fixed_order_attention
@@ -36,6 +37,19 @@ from kvrunner_paged.ops.store_kv.store_torch import store_kv_torch
 
 #: per-tensor scales: 1.0 (vLLM's default), powers of two, and ones whose reciprocal rounds
 SCALES = st.sampled_from([1.0, 0.25, 2.0, 0.037, 3.0])
+
+
+def head_scales(data: st.DataObject, num_kv_heads: int) -> float | torch.Tensor:
+    """A per-tensor scale, or one per KV head (each from :data:`SCALES`)."""
+    if data.draw(st.booleans(), label="per head"):
+        return torch.tensor(data.draw(st.lists(SCALES, min_size=num_kv_heads,
+                                               max_size=num_kv_heads)))
+    return data.draw(SCALES)
+
+
+def _per_head(scale: float | torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[num_kv_heads, 1]`` float32: a scale to multiply ``[..., heads, dim]`` rows by."""
+    return torch.as_tensor(scale, dtype=torch.float32).expand(num_kv_heads).reshape(-1, 1)
 #: how large the keys and values are: well inside e4m3's range, and far past its 448
 MAGNITUDES = st.sampled_from([1.0, 30.0, 1000.0])
 #: deterministic mode's launch at tiles and splits of 16 keys, so tiny cases cross splits
@@ -79,21 +93,23 @@ def _store_triton(**kw: torch.Tensor | float) -> None:
 
 
 def _store_both_ways(
-    store, case: PagedCase, scale: float, magnitude: float, pads: list[bool], on_grid: bool
+    store, case: PagedCase, scale: float | torch.Tensor, magnitude: float, pads: list[bool],
+    on_grid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``store`` and the naive store from one pool (keys at ``scale``, values at half of
-    it; PAD rows wherever ``pads`` says), which must agree byte for byte:
-    ``(pool before, pool after, slots, k, v)``."""
+    """``store`` and the naive store from one pool (keys at ``scale``, per tensor or per
+    KV head, values at half of it; PAD rows wherever ``pads`` says), which must agree
+    byte for byte: ``(pool before, pool after, slots, k, v)``."""
     gen = case.generator()
     before = _fp8_pool(case, gen, 1.0)
     slots = case.slot_mapping()
     slots[[i for i, pad in enumerate(pads[: len(slots)]) if pad]] = PAD_SLOT_ID
     k, v = _rows(case, len(slots), gen, magnitude, on_grid=on_grid)
+    heads = _per_head(scale, case.num_kv_heads)
     if on_grid:
-        k, v = k * scale, v * (scale / 2)
+        k, v = k * heads, v * (heads / 2)
     after, expected = before.clone(), before.clone()
-    store(k=k, v=v, k_cache=after[0], v_cache=after[1], slot_mapping=slots, k_scale=scale,
-          v_scale=scale / 2)  # fmt: skip
+    table = scale_table(scale, scale / 2, case.num_kv_heads)
+    store(k=k, v=v, k_cache=after[0], v_cache=after[1], slot_mapping=slots, scales=table)
     naive_store_kv(k, v, expected[0], expected[1], slots, k_scale=scale, v_scale=scale / 2)
     assert torch.equal(_as_bytes(after), _as_bytes(expected))
     return before, after, slots, k, v
@@ -106,23 +122,25 @@ COMPILED_STORE = pytest.param(_store_triton, marks=pytest.mark.gpu, id="compiled
 # any values too, but only on a GPU (module doc).
 @pytest.mark.parametrize("store", [pytest.param(store_kv_torch, id="torch"), COMPILED_STORE])
 @given(
+    data=st.data(),
     case=paged_cases(),
-    scale=SCALES,
     magnitude=MAGNITUDES,
     pads=st.lists(st.booleans(), max_size=40),
 )
 def test_a_store_writes_the_naive_stores_bytes(
-    store, case: PagedCase, scale: float, magnitude: float, pads: list[bool]
+    store, data: st.DataObject, case: PagedCase, magnitude: float, pads: list[bool]
 ) -> None:
     """Byte for byte, PAD rows anywhere, every other slot (NaN ones too) untouched; and
     what lands is the input within half an e4m3 step (1/16 of it, or 2^-10 times the
-    scale below the normals), clamped to ±448 times the scale."""
+    scale below the normals), clamped to ±448 times its KV head's scale."""
+    scale = head_scales(data, case.num_kv_heads)
     before, after, slots, k, v = _store_both_ways(store, case, scale, magnitude, pads,
                                                   on_grid=False)  # fmt: skip
     real = slots >= 0
     flat = after.view(2, -1, case.num_kv_heads, case.head_dim)
-    for half, rows, s in ((0, k, scale), (1, v, scale / 2)):
-        want = rows[real].clamp(-448 * s, 448 * s)
+    heads = _per_head(scale, case.num_kv_heads)
+    for half, rows, s in ((0, k, heads), (1, v, heads / 2)):
+        want = torch.maximum(torch.minimum(rows[real], 448 * s), -448 * s)
         got = flat[half, slots[real]].float() * s
         # (float32 products of the reciprocal scale: a part in 10^6 of slack)
         assert ((got - want).abs() <= (want.abs() / 16 + 2.0**-10 * s) * (1 + 1e-6)).all()
@@ -170,7 +188,8 @@ def test_the_triton_store_writes_the_naive_stores_bytes(
 
 
 def _attend_inputs(
-    case: PagedCase, gen: torch.Generator, magnitude: float, k_scale: float, v_scale: float
+    case: PagedCase, gen: torch.Generator, magnitude: float, k_scale: float | torch.Tensor,
+    v_scale: float | torch.Tensor,
 ) -> PagedAttentionInputs:
     pool = _fp8_pool(case, gen, magnitude)
     # decode: a row a sequence, then padded rows of no keys; varlen: the tokens
@@ -180,7 +199,7 @@ def _attend_inputs(
         q=torch.randn((tokens, case.num_heads, case.head_dim), generator=gen),
         k_cache=pool[0], v_cache=pool[1], block_tables=case.block_table_tensor(seqs),
         context_lens=case.context_lens_tensor(seqs), scale=case.scale,
-        k_scale=k_scale, v_scale=v_scale,
+        scales=scale_table(k_scale, v_scale, case.num_kv_heads),
         query_start_loc=torch.arange(seqs + 1, dtype=torch.int32) if case.is_decode
         else case.query_start_loc(),
         num_seqs=seqs, max_query_len=max(case.query_lens),
@@ -189,10 +208,11 @@ def _attend_inputs(
 
 def _dequantized_reference(x: PagedAttentionInputs) -> torch.Tensor:
     """The naive reference over float32 pools holding ``stored * scale``, unscaled."""
+    assert x.scales is not None
     return naive_paged_attention(
         x.q,
-        x.k_cache.float() * x.k_scale,
-        x.v_cache.float() * x.v_scale,
+        x.k_cache.float() * x.scales[K_SCALE].cpu()[:, None],
+        x.v_cache.float() * x.scales[V_SCALE].cpu()[:, None],
         x.block_tables,
         x.query_start_loc,
         x.context_lens,
@@ -205,9 +225,10 @@ def _assert_attends(out: torch.Tensor, x: PagedAttentionInputs) -> None:
     as large as the keys (up to 448 times the scale) carry their rounding through the
     softmax into values as large, so the absolute tolerance grows with both."""
     assert torch.isfinite(out).all(), "non-finite output (read outside a context?)"
+    assert x.scales is not None
     keys, values = (
-        c.float().nan_to_num(0.0).abs().max().item() * s
-        for c, s in ((x.k_cache, x.k_scale), (x.v_cache, x.v_scale))
+        c.float().nan_to_num(0.0).abs().max().item() * x.scales[row].max().item()
+        for c, row in ((x.k_cache, K_SCALE), (x.v_cache, V_SCALE))
     )
     torch.testing.assert_close(
         out.float(), _dequantized_reference(x), rtol=1e-4, atol=max(1e-5, 1e-6 * keys * values)
@@ -215,7 +236,8 @@ def _assert_attends(out: torch.Tensor, x: PagedAttentionInputs) -> None:
 
 
 def _on_triton_device(x: PagedAttentionInputs) -> PagedAttentionInputs:
-    tensors = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc")
+    tensors = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc",
+               "scales")
     return attrs.evolve(x, **{n: getattr(x, n).to(TRITON_DEVICE) for n in tensors})
 
 
@@ -245,15 +267,16 @@ ENTRIES = {
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
-@given(data=st.data(), k_scale=SCALES, v_scale=SCALES, magnitude=MAGNITUDES)
+@given(data=st.data(), magnitude=MAGNITUDES)
 def test_every_entry_attends_the_dequantized_pool(
-    entry: str, data: st.DataObject, k_scale: float, v_scale: float, magnitude: float
+    entry: str, data: st.DataObject, magnitude: float
 ) -> None:
     """Decode and varlen entries over an FP8 pool (NaN wherever no sequence reads, padded
     rows and PAD tails included) give the naive reference's output on the float32 pool
-    of ``stored * scale``."""
+    of ``stored * scale``, the scales per tensor or per KV head."""
     decode, attend = ENTRIES[entry]
     case = data.draw(paged_cases(decode=decode, max_pad_rows=3 if decode else 0))
+    k_scale, v_scale = head_scales(data, case.num_kv_heads), head_scales(data, case.num_kv_heads)
     x = _attend_inputs(case, case.generator(), magnitude, k_scale, v_scale)
     _assert_attends(attend(x), x)
 
@@ -295,17 +318,22 @@ def test_decode_launches_that_store_quantize_what_they_attend(
     _assert_attends(out.cpu(), stored)
 
 
-def test_the_format_names_and_scales() -> None:
-    """Named "auto", keys and values are the model's dtype; "fp8", e4m3 with scales 1.0; a
-    scale must be a positive finite number, kept as float32 (what a Triton kernel
-    receives)."""
+def test_the_format_names_and_the_scale_table() -> None:
+    """Named "auto", keys and values are the model's dtype; "fp8", e4m3. A layer's scale
+    table holds each KV head's key and value scale and their float32 reciprocals; a
+    scale is one number or one per head, positive and finite."""
     assert KVFormat.for_cache_dtype("auto", torch.bfloat16).dtype == torch.bfloat16
     fp8 = KVFormat.for_cache_dtype("fp8", torch.bfloat16)
-    assert (fp8.dtype, fp8.k_scale, fp8.v_scale, fp8.quantized) == (FP8_DTYPE, 1.0, 1.0, True)
-    assert KVFormat(dtype=FP8_DTYPE, k_scale=0.1).k_scale == float(torch.tensor(0.1))
+    assert (fp8.dtype, fp8.quantized) == (FP8_DTYPE, True)
+    table = scale_table(0.1, torch.tensor([2.0, 4.0]), 2)
+    point_one = torch.tensor(0.1, dtype=torch.float32)
+    assert torch.equal(table, torch.tensor([[point_one, point_one], [2.0, 4.0],
+                                            [1 / point_one, 1 / point_one], [0.5, 0.25]]))
     for bad in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
-            KVFormat(dtype=FP8_DTYPE, k_scale=bad)
+        with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+            scale_table(bad, 1.0, 2)
+    with pytest.raises(ValueError, match=r"v_scale must be one number or one per KV head \(2\)"):
+        scale_table(1.0, torch.ones(3), 2)
     with pytest.raises(ValueError, match="not 'fp8_e5m2'"):
         KVFormat.for_cache_dtype("fp8_e5m2", torch.bfloat16)
 

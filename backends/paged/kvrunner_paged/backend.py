@@ -22,6 +22,7 @@ from kvrunner.plugin_api import (
 from kvrunner_paged.builder import PagedMetadataBuilder
 from kvrunner_paged.cache import PagedKVPools, cache_rows
 from kvrunner_paged.kv_format import KVFormat
+from kvrunner_paged.kv_scales import KVScales
 from kvrunner_paged.layer import PagedAttention
 from kvrunner_paged.metadata import PagedMetadata
 
@@ -35,14 +36,15 @@ class PagedBackend:
     layer_types = (LAYER_TYPE,)
     #: how the conformance kit reads one KV slot of a pool
     cache_rows = staticmethod(cache_rows)
-    #: its layers read everything but the pools from the metadata it returns
+    #: its layers read everything but the pools and their scale tables (filled by no
+    #: step's metadata) from the metadata it returns
     supports_overlap = True
     #: with ``context.deterministic`` every token is attended in one fixed order
     #: (``layer.py``, ``ops/paged_attention/fixed_order_torch.py``)
     batch_invariant = True
-    #: "fp8": keys and values in float8 e4m3 with per-tensor scales (``kv_format.py``),
-    #: quantized by the store and scaled back by every attention entry, deterministic
-    #: mode's included
+    #: "fp8": keys and values in float8 e4m3 with per-layer scales, per tensor or per KV
+    #: head (``kv_format.py``; where they come from: ``kv_scales.py``), quantized by the
+    #: store and scaled back by every attention entry, deterministic mode's included
     kv_cache_dtypes = ("auto", "fp8")
 
     def __init__(self, context: BackendContext) -> None:
@@ -57,14 +59,19 @@ class PagedBackend:
             raise ValueError(f"paged serves only {LAYER_TYPE} layers; asked for layers {wrong}")
         self.context = context
         self.name = context.name
+        fmt = KVFormat.for_cache_dtype(context.kv_cache_dtype, context.dtype)
         self.pools = PagedKVPools(
             layers=context.layers,
             block_size=context.block_size,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
-            fmt=KVFormat.for_cache_dtype(context.kv_cache_dtype, context.dtype),
+            fmt=fmt,
             device=context.device,
         )
+        #: the layers' FP8 scales: not a pool, so a sleep keeps them
+        self.scales = KVScales(layers=context.layers, num_kv_heads=model.num_kv_heads,
+                               device=context.device,
+                               calculate=fmt.quantized and context.calculate_kv_scales)
         #: built by persistent_buffers, which the core calls before any metadata hook
         self.builder: PagedMetadataBuilder | None = None
 
@@ -126,6 +133,7 @@ class PagedBackend:
             backend_name=self.name,
             layer_index=layer_index,
             pools=self.pools,
+            scales=self.scales,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,

@@ -54,4 +54,5 @@ class PagedMetadataBuilder:
             num_tokens=step.num_tokens,
             max_query_len=step.max_query_len,
             is_decode=step.is_decode,
+            calibrates=not (step.is_decode or step.is_capture or step.is_profile),
         )

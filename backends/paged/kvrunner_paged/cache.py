@@ -25,7 +25,7 @@ class PagedKVPools:
     Index 0 holds keys, index 1 values; a slot ``s`` is block ``s // block_size``,
     offset ``s % block_size``. Layers look their pool up on every forward, so a pool
     re-allocated after a wake is picked up without rebuilding the layers. The elements
-    are ``fmt.dtype``: the model's, or FP8 with per-tensor scales (:mod:`.kv_format`).
+    are ``fmt.dtype``: the model's, or FP8 scaled per layer (:mod:`.kv_format`).
     """
 
     def __init__(
@@ -50,7 +50,7 @@ class PagedKVPools:
     @property
     def bytes_per_block(self) -> int:
         """Keys + values of one block, over every served layer (one byte an element in
-        FP8; its per-tensor scales are host numbers, no pool bytes)."""
+        FP8; its scales live in a small table outside the pools, no block bytes)."""
         element = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * element
         return per_layer * len(self.layers)

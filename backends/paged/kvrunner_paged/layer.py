@@ -4,8 +4,10 @@ Each forward builds one
 :class:`~kvrunner_paged.ops.paged_attention.inputs.PagedAttentionInputs` and hands it to
 the entry chosen for the step: decode or varlen (prefill), or deterministic mode's
 fixed order for both. On Triton a decode step stores and attends in one launch (the
-record's ``new_kv``); prefill and the torch path store first, then attend. FP8 pools
-(``kv_format.py``) hand every entry and store the pools' per-tensor scales.
+record's ``new_kv``); prefill and the torch path store first, then attend. Every entry
+and store gets the layer's scale table (``kv_scales.py``), which FP8 pools are scaled by.
+A layer that calculates its scales (``calculate_kv_scales``) sets them from its first
+real prefill's keys and values, before it stores them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 
 from kvrunner.plugin_api import ForwardContext
 from kvrunner_paged.cache import PagedKVPools
+from kvrunner_paged.kv_format import checked_scale
+from kvrunner_paged.kv_scales import KVScales
 from kvrunner_paged.metadata import PagedMetadata
 from kvrunner_paged.ops.paged_attention.decode_torch import paged_decode_attention_torch
 from kvrunner_paged.ops.paged_attention.fixed_order_torch import fixed_order_attention_torch
@@ -42,6 +46,7 @@ class PagedAttention:
         backend_name: str,
         layer_index: int,
         pools: PagedKVPools,
+        scales: KVScales,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -54,6 +59,9 @@ class PagedAttention:
         self.backend_name = backend_name
         self.layer_index = layer_index
         self.pools = pools
+        #: every served layer's FP8 scales; this layer reads its own table
+        self.scales = scales
+        self.scale_table = scales.of(layer_index)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -123,14 +131,16 @@ class PagedAttention:
         # On Triton a decode step's launch stores its keys and values: one launch a layer
         # fewer. Everything else stores first.
         fused = self.use_triton and md.is_decode
-        fmt = self.pools.fmt
+        if md.calibrates and md.num_tokens and self.layer_index in self.scales.uncalibrated:
+            # A host flag, set once: no decode step, so no captured graph, comes here.
+            self.scales.calibrate(self.layer_index, k[: md.num_tokens], v[: md.num_tokens])
         if not fused:
             self._store(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
-                        k_scale=fmt.k_scale, v_scale=fmt.v_scale)
+                        scales=self.scale_table)
         inputs = PagedAttentionInputs(
             q=unit_last_dim(q) if self.use_triton else q, k_cache=k_cache, v_cache=v_cache,
             block_tables=md.block_tables, context_lens=md.context_lens, scale=self.scale,
-            k_scale=fmt.k_scale, v_scale=fmt.v_scale,
+            scales=self.scale_table,
             query_start_loc=md.query_start_loc,
             # A replayed graph's padded rows are empty sequences: they attend nothing.
             num_seqs=md.num_padded_seqs if md.is_decode else md.num_seqs,
@@ -139,6 +149,22 @@ class PagedAttention:
             if fused else None,
         )  # fmt: skip
         return (self._decode if md.is_decode else self._varlen)(inputs=inputs)
+
+    def check_kv_scale(self, which: str, scale: torch.Tensor) -> None:
+        """Refuse, by its shape, a scale :meth:`load_kv_scale` would refuse (a dry run's
+        tensors have no values)."""
+        self.scales.check(which, scale)
+
+    def load_kv_scale(self, which: str, scale: torch.Tensor) -> None:
+        """Set this layer's key (``which="k"``) or value scales from a checkpoint or a
+        weight update: one number, or one per KV head of this rank. In place, so a
+        captured graph replays with it; the layer no longer calibrates. A pool in the
+        model's dtype keeps 1.0 (the scale is checked and ignored, as vLLM ignores it
+        under ``kv_cache_dtype = "auto"``)."""
+        if self.pools.fmt.quantized:
+            self.scales.load(self.layer_index, which, scale)
+        else:
+            checked_scale(scale, self.num_kv_heads, f"{which}_scale")
 
 
 def _streaming_multiprocessors(device: torch.device) -> int:

@@ -31,3 +31,6 @@ class PagedMetadata:
     max_query_len: int
     #: every sequence has exactly one new token: the decode kernel runs
     is_decode: bool
+    #: a real prefill (not a decode, a capture or the start-up profile): its keys and
+    #: values may set the scales of a layer that calculates them
+    calibrates: bool = False

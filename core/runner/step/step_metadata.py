@@ -37,6 +37,8 @@ class StepMetadataBuilder:
         self.context_lens = torch.zeros((max_batch,), **i32)
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), **i32)
         self.positions = torch.zeros((max_tokens,), dtype=torch.int64, device=device)
+        #: the steps filled now are the start-up profile's (``StepMetadata.is_profile``)
+        self.profiling = False
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The buffers by their forward_vars name."""
@@ -96,6 +98,7 @@ class StepMetadataBuilder:
             max_query_len=int(batch.query_lens[:n].max()) if n else 0,
             max_context_len=int(batch.context_lens[:n].max()) if n else 0,
             is_decode=batch.is_decode,
+            is_profile=self.profiling,
         )
 
     def fill_capture(self, batch_size: int) -> StepMetadata:

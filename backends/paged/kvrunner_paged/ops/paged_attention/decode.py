@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kvrunner_paged.kv_format import is_fp8
+from kvrunner_paged.ops.head_scales import head_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.tile import LOG2_E, NEG_BIG, attend_tile
 from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
@@ -43,7 +44,7 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,
-    scale_log2, v_scale, k_inv_scale, v_inv_scale,
+    scale_log2, scales_ptr, scale_row_stride,
     stride_qt, stride_qh,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh,
@@ -68,6 +69,11 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + row)
+    # An FP8 pool's scales of this KV head (1.0 for any other pool): the key scale folds
+    # into the softmax scale, the value scale into the output, the reciprocals store.
+    k_scale, v_scale, k_inv_scale, v_inv_scale = head_scales(scales_ptr, scale_row_stride,
+                                                             kv_head, QUANTIZE)
+    scale_log2 = scale_log2 * k_scale
     group_rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + group_rows
     head_mask = group_rows < GROUP
@@ -113,7 +119,6 @@ def _decode_kernel(
         )  # fmt: skip
 
     has_keys = l_i > 0
-    # v_scale: 1.0 but for an FP8 pool, whose values the tiles read unscaled
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
     if not SPLIT:
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -220,11 +225,12 @@ def paged_decode_attention(
     else:  # never dereferenced: the single-pass kernel writes ``out`` directly
         part_out = part_lse = out
     k_new, v_new, slots = newest_kv_args(x.new_kv, q)
+    scales, scale_row_stride = table_for(x.scales, k_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, x.context_lens,
         out, part_out, part_lse,
         k_new, v_new, slots,
-        x.scale * x.k_scale * LOG2_E, x.v_scale, 1.0 / x.k_scale, 1.0 / x.v_scale,
+        x.scale * LOG2_E, scales, scale_row_stride,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         *x.pool_strides(),

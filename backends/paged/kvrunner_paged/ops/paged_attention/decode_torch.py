@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvrunner_paged.kv_format import K_SCALE, V_SCALE
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
-from kvrunner_paged.ops.utils import gather_positions
+from kvrunner_paged.ops.utils import dequantized, gather_positions
 
 
 def paged_decode_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor:
@@ -32,20 +33,20 @@ def paged_decode_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tenso
     # just masked: whatever sits outside a sequence's context cannot reach its output.
     valid = positions < lens[:, None]  # [rows, width]
     keep = valid[:, :, None, None]
-    # Widened to q's dtype first (exact for FP8 values, whose scales fold into the
-    # softmax scale and the output), so the zeroing runs in a dtype every device has.
+    # In q's dtype first (an FP8 pool's values times their head's scale), so the zeroing
+    # runs in a dtype every device has.
     table = x.block_tables[:rows]
-    keys = gather_positions(x.k_cache, table, positions).to(q.dtype).where(keep, 0)
-    values = gather_positions(x.v_cache, table, positions).to(q.dtype).where(keep, 0)
+    keys = dequantized(gather_positions(x.k_cache, table, positions), x.scales, K_SCALE,
+                       q.dtype).where(keep, 0)
+    values = dequantized(gather_positions(x.v_cache, table, positions), x.scales, V_SCALE,
+                         q.dtype).where(keep, 0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [rows, heads, 1, dim]
         keys.transpose(1, 2),  # [rows, kv_heads, width, dim]
         values.transpose(1, 2),
         attn_mask=valid[:, None, None, :],  # [rows, 1, 1, width]
-        scale=x.scale * x.k_scale,
+        scale=x.scale,
         enable_gqa=True,
     ).squeeze(2)
-    if x.v_scale != 1.0:
-        out = out * x.v_scale
     # A row with every key masked is NaN out of SDPA; such rows are defined as zero.
     return torch.where((lens > 0)[:, None, None], out, torch.zeros((), dtype=q.dtype))

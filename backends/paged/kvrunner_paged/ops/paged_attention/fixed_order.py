@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kvrunner_paged.kv_format import is_fp8
+from kvrunner_paged.ops.head_scales import head_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.prefill import LAUNCH as PREFILL_LAUNCH
 from kvrunner_paged.ops.paged_attention.prefill import PrefillLaunch, prefill_grid
@@ -89,7 +90,7 @@ def _fixed_order_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,
-    scale_log2, v_scale, k_inv_scale, v_inv_scale,
+    scale_log2, scales_ptr, scale_row_stride,
     stride_qt, stride_qh,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh,
@@ -134,6 +135,11 @@ def _fixed_order_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     ctx_len = tl.load(context_lens_ptr + seq)
     prefix = ctx_len - q_len  # position of the sequence's first query
+    # An FP8 pool's scales of this KV head (1.0 for any other pool): the key scale folds
+    # into the softmax scale, the value scale into the output, the reciprocals store.
+    k_scale, v_scale, k_inv_scale, v_inv_scale = head_scales(scales_ptr, scale_row_stride,
+                                                             kv_head, QUANTIZE)
+    scale_log2 = scale_log2 * k_scale
     # Causality bounds the keys this tile needs: up to its last real query.
     kv_end = tl.minimum(ctx_len, prefix + tl.minimum((tile + 1) * BLOCK_Q, q_len))
     if (tile * BLOCK_Q < q_len) & (split * KEY_SPLIT < kv_end):
@@ -205,7 +211,7 @@ def _fixed_order_kernel(
 
 @triton.jit
 def _fold_splits_kernel(
-    part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, v_scale,
+    part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, scales_ptr, scale_row_stride,
     stride_ot, stride_oh, max_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -213,6 +219,7 @@ def _fold_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KEY_SPLIT: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     """Per (decode row, KV head): the row's split states folded in split order and
     finished, for rows of more than one split (the others are finished already)."""
@@ -237,6 +244,7 @@ def _fold_splits_kernel(
             acc_s = tl.load(part_acc_ptr + cell[:, None] * HEAD_DIM + dims[None, :], mask=mask,
                             other=0.0)
             m_i, l_i, acc = fold_split(m_i, l_i, acc, m_s, l_s, acc_s)
+        _, v_scale, _, _ = head_scales(scales_ptr, scale_row_stride, kv_head, QUANTIZE)
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, _finish(acc, l_i, v_scale).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -292,11 +300,12 @@ def fixed_order_attention(
                                          triton.cdiv(max_query_len, block_q), True)
         part_acc = part_ml = out  # never dereferenced: the walk folds in registers
     k_new, v_new, slots = newest_kv_args(new_kv, q)
+    scales, scale_row_stride = table_for(x.scales, k_cache)
     _fixed_order_kernel[grid](
         q, k_cache, v_cache, block_tables, x.query_start_loc, x.context_lens,
         out, part_acc, part_ml,
         k_new, v_new, slots,
-        x.scale * x.k_scale * LOG2_E, x.v_scale, 1.0 / x.k_scale, 1.0 / x.v_scale,
+        x.scale * LOG2_E, scales, scale_row_stride,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         *x.pool_strides(),
@@ -320,7 +329,7 @@ def fixed_order_attention(
     )  # fmt: skip
     if split_programs:
         _fold_splits_kernel[(num_seqs, num_kv_heads)](
-            part_acc, part_ml, x.context_lens, out, x.v_scale,
+            part_acc, part_ml, x.context_lens, out, scales, scale_row_stride,
             out.stride(0), out.stride(1), max_splits,
             NUM_HEADS=num_heads,
             GROUP=group,
@@ -328,5 +337,6 @@ def fixed_order_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             KEY_SPLIT=key_split,
+            QUANTIZE=is_fp8(k_cache),
         )  # fmt: skip
     return out

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from kvrunner_paged.kv_format import K_SCALE, V_SCALE
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
-from kvrunner_paged.ops.utils import gather_positions
+from kvrunner_paged.ops.utils import dequantized, gather_positions
 
 #: keys per step of the online softmax: the split-KV size, fixed in keys
 KEY_TILE = 32
@@ -44,8 +45,11 @@ def fixed_order_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor
         positions = torch.arange(width, device=q.device)
         inside = (positions < ctx)[:, None, None]
         read = positions.clamp(max=ctx - 1)  # never past the context: no stale slot
-        keys = gather_positions(x.k_cache, x.block_tables[i], read).float().where(inside, 0.0)
-        values = gather_positions(x.v_cache, x.block_tables[i], read).float().where(inside, 0.0)
+        # float32, an FP8 pool's values times their head's scale
+        keys = dequantized(gather_positions(x.k_cache, x.block_tables[i], read), x.scales,
+                           K_SCALE, torch.float32).where(inside, 0.0)
+        values = dequantized(gather_positions(x.v_cache, x.block_tables[i], read), x.scales,
+                             V_SCALE, torch.float32).where(inside, 0.0)
         # [heads, width, dim] and [heads, dim, width]: every sum below is over the last dim
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
         values = values.repeat_interleave(group, dim=1).permute(1, 2, 0).contiguous()
@@ -56,8 +60,7 @@ def fixed_order_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor
         acc = torch.zeros((q_len, heads, q.shape[2]), device=q.device)
         for start in range(0, ctx, KEY_TILE):
             k_tile = keys[:, start : start + KEY_TILE]  # [heads, tile, dim]
-            # an FP8 pool's key scale folds into the softmax scale (1.0 otherwise)
-            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * (x.scale * x.k_scale)
+            scores = (query[:, :, None, :] * k_tile[None]).sum(-1) * x.scale
             seen = (start + tile)[None, :] <= query_pos[:, None]  # [q_len, tile]
             scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
             m_new = torch.maximum(m, scores.amax(-1))
@@ -68,5 +71,5 @@ def fixed_order_attention_torch(*, inputs: PagedAttentionInputs) -> torch.Tensor
             v_tile = values[:, :, start : start + KEY_TILE]  # [heads, dim, tile]
             acc = acc * alpha[..., None] + (p[:, :, None, :] * v_tile[None]).sum(-1)
             m = m_new
-        out[lo:hi] = (acc / total[..., None] * x.v_scale).to(q.dtype)
+        out[lo:hi] = (acc / total[..., None]).to(q.dtype)
     return out

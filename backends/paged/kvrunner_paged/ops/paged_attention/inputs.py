@@ -18,9 +18,11 @@ its query at position ``context_lens[i] - 1``, and they read neither
 way a sequence with no keys outputs zeros, and no entry reads a slot outside a
 sequence's context.
 
-FP8 caches (``float8_e4m3fn``) hold keys over ``k_scale`` and values over ``v_scale``:
-every entry attends ``stored * scale``, folding ``k_scale`` into the softmax scale and
-``v_scale`` into the output, and an entry that stores (``new_kv``) quantizes by them.
+FP8 caches (``float8_e4m3fn``) hold keys over their key scale and values over their
+value scale, one of each per KV head, from the layer's scale table ``scales``
+(:func:`~kvrunner_paged.kv_format.scale_table`): every entry attends ``stored * scale``
+(the Triton kernels fold a head's key scale into the softmax scale and its value scale
+into the output), and an entry that stores (``new_kv``) quantizes by them.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ class PagedAttentionInputs:
     block_tables: torch.Tensor  #: ``[>= S, max_blocks_per_seq]`` int32
     context_lens: torch.Tensor  #: ``[>= S]`` int32; 0 for a padded sequence
     scale: float  #: the softmax scale (``head_dim ** -0.5`` for the model)
-    #: a stored key times this is the key (FP8 caches; 1.0 for any other)
-    k_scale: float = 1.0
-    v_scale: float = 1.0  #: likewise, values
+    #: FP8 caches: the layer's ``[4, num_kv_heads]`` float32 scale table (rows: key
+    #: scales, value scales, their reciprocals), read on the device; None: every scale
+    #: 1.0. Ignored for caches in any other dtype.
+    scales: torch.Tensor | None = None
     #: varlen entries: ``[>= S + 1]`` int32 cumulative query lengths
     query_start_loc: torch.Tensor | None = None
     #: varlen entries: ``S``, the step's sequences (a host int)

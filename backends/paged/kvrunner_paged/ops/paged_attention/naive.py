@@ -36,8 +36,8 @@ def naive_paged_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged keys, in float32.
 
@@ -45,8 +45,9 @@ def naive_paged_attention(
     sit at the *last* ``q_len`` positions of its ``context_lens[i]`` cached tokens, and
     query ``j`` attends to keys at positions ``<= context_len - q_len + j``. Rows of
     ``q`` not owned by any sequence, and sequences with no keys, come out as zeros.
-    The keys attended are the cached ones times ``k_scale`` in float32, the values
-    likewise times ``v_scale`` (an FP8 pool's dequantized values; 1.0 for any other).
+    The keys attended are the cached ones times ``k_scale`` in float32 (one number, or
+    one per KV head), the values likewise times ``v_scale`` (an FP8 pool's dequantized
+    values; 1.0 for any other).
 
     :returns: ``[num_tokens, num_heads, head_dim]`` float32.
     """
@@ -60,8 +61,10 @@ def naive_paged_attention(
         if q_len == 0 or ctx_len == 0:
             continue
         keys, values = gather_sequence_kv(k_cache, v_cache, block_tables[i].tolist(), ctx_len)
-        keys = (keys.float() * k_scale).repeat_interleave(group, dim=1)  # [ctx, heads, dim]
-        values = (values.float() * v_scale).repeat_interleave(group, dim=1)
+        k_per_head = torch.as_tensor(k_scale, dtype=torch.float32).reshape(-1, 1)
+        v_per_head = torch.as_tensor(v_scale, dtype=torch.float32).reshape(-1, 1)
+        keys = (keys.float() * k_per_head).repeat_interleave(group, dim=1)  # [ctx, heads, dim]
+        values = (values.float() * v_per_head).repeat_interleave(group, dim=1)
         queries = q[q_lo:q_hi].float()  # [q_len, heads, dim]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
         query_pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]

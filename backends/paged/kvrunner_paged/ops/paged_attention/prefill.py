@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrunner_paged.kv_format import is_fp8
+from kvrunner_paged.ops.head_scales import head_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.tile import LOG2_E, query_tile, walk_keys
 
@@ -101,7 +103,7 @@ def launch_for(dtype: torch.dtype, max_query_len: int) -> PrefillLaunch:
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
     out_ptr,
-    scale_log2, v_scale,
+    scale_log2, scales_ptr, scale_row_stride,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -117,6 +119,7 @@ def _prefill_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TILES_OUTER: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     # Last tiles first: they reach furthest along the diagonal (the most keys), so
     # starting them first leaves short programs, not long ones, for the final wave.
@@ -146,15 +149,18 @@ def _prefill_kernel(
         # of them (and they lie inside the context), so neither mask is compiled in.
         # kv_end > first query's position, so full_end <= kv_end.
         full_end = ((prefix + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
+        # An FP8 pool's key scale folds into the softmax scale, its value scale into
+        # the output (1.0 both for any other pool)
+        k_scale, v_scale, _, _ = head_scales(scales_ptr, scale_row_stride, kv_head, QUANTIZE)
         m_i, l_i, acc = walk_keys(
             q, query_pos, 0, kv_end, full_end, kv_end,
             block_tables_ptr + seq * stride_bt, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            kv_head, block_size, scale_log2,
+            kv_head, block_size, scale_log2 * k_scale,
             BLOCK_Q * GROUP_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PRECISION,
         )  # fmt: skip
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # 1.0 but for FP8 pools
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -208,10 +214,11 @@ def paged_prefill_attention(
     block_q = max(1, block_m // group_pad)
     tiles = triton.cdiv(max_query_len, block_q)
     grid, tiles_outer = prefill_grid(num_kv_heads, num_seqs, tiles, tiles_outer)
+    scales, scale_row_stride = table_for(x.scales, k_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, x.query_start_loc, x.context_lens,
         out,
-        x.scale * x.k_scale * LOG2_E, x.v_scale,
+        x.scale * LOG2_E, scales, scale_row_stride,
         q.stride(0), q.stride(1),
         *x.pool_strides(),
         out.stride(0), out.stride(1),
@@ -225,6 +232,7 @@ def paged_prefill_attention(
         NUM_STAGES=num_stages or launch.num_stages,
         DOT_PRECISION=dot_precision or launch.dot_precision,
         TILES_OUTER=tiles_outer,
+        QUANTIZE=is_fp8(k_cache),
         num_warps=num_warps or launch.num_warps,
     )  # fmt: skip
     return out

@@ -14,13 +14,15 @@ def naive_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write row ``t`` of ``k``/``v`` to slot ``slot_mapping[t]``; skip slots < 0.
 
     Into a ``float8_e4m3fn`` cache a row goes as ``x * (1 / scale)`` in float32, clamped
-    to ``±448`` and rounded to e4m3; into any other cache as it is (cast to its dtype).
+    to ``±448`` and rounded to e4m3, with ``scale`` one number or one per KV head (the
+    reciprocal rounded to float32 once); into any other cache as it is (cast to its
+    dtype).
     """
     block_size = k_cache.shape[1]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -31,6 +33,8 @@ def naive_store_kv(
         for cache, rows, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
             row = rows[t]
             if fp8:
-                inverse = torch.tensor(1.0 / scale, dtype=torch.float32)
+                inverse = 1.0 / torch.as_tensor(scale, dtype=torch.float32)
+                if inverse.dim() == 1:  # one per KV head: row is [kv_heads, dim]
+                    inverse = inverse[:, None]
                 row = torch.clamp(row.to(torch.float32) * inverse, -E4M3_MAX, E4M3_MAX)
             cache[block, offset] = row.to(cache.dtype)

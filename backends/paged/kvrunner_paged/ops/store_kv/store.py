@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvrunner_paged.kv_format import FP8_MAX, is_fp8
+from kvrunner_paged.ops.head_scales import inverse_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import NewKV
 from kvrunner_paged.ops.utils import unit_last_dim
 
@@ -40,8 +41,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
-    k_inv_scale,
-    v_inv_scale,
+    scales_ptr,
+    scale_row_stride,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -75,6 +76,8 @@ def _store_kv_kernel(
     row_slot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (row_slot >= 0)
 
+    k_inv_scale, v_inv_scale = inverse_scales(scales_ptr, scale_row_stride, heads,
+                                              heads < NUM_KV_HEADS, QUANTIZE)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
@@ -128,9 +131,11 @@ def newest_kv_args(
 
 
 def store_kv(*, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """Write ``k[t]``/``v[t]`` to slot ``slot_mapping[t]``; rows with a slot < 0 write nothing.
-    Into FP8 caches the rows go quantized by ``k_scale`` / ``v_scale`` (module doc).
+    Into FP8 caches the rows go quantized by the layer's scale table ``scales``
+    (``[4, num_kv_heads]``, :func:`~kvrunner_paged.kv_format.scale_table`; None: 1.0),
+    each KV head times its reciprocal scale, read on the device.
 
     :param k: ``[num_tokens, num_kv_heads, head_dim]``; any token/head strides (``v`` too).
     :param k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache`` too).
@@ -142,14 +147,15 @@ def store_kv(*, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
         return
     k, v = unit_last_dim(k), unit_last_dim(v)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
+    table, row_stride = table_for(scales, k_cache)
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
         slot_mapping,
-        1.0 / k_scale,
-        1.0 / v_scale,
+        table,
+        row_stride,
         k.stride(0),
         k.stride(1),
         v.stride(0),
