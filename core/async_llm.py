@@ -376,6 +376,25 @@ class AsyncLLM:
 
         return await self._call(self._engine.call("update_weights", "quiet", push))
 
+    async def update_weights_from_ipc_handles(
+        self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+        ipc_handles: Any = None, *, weight_version: str | int | None = None, **kwargs: Any,
+    ) -> int:
+        """``LLM.update_weights_from_ipc_handles`` (vLLM's CUDA IPC handles, each rank
+        opening those of its own GPU) on the engine thread, refused as
+        :meth:`update_weights`; versioned unless it is a part of an open update (whose
+        :meth:`finish_weight_update` moves the version)."""
+        llm = self._engine.llm
+
+        def push() -> int:
+            loaded = llm.update_weights_from_ipc_handles(
+                names, dtype_names, shapes, ipc_handles, weight_version=weight_version,
+                **kwargs)
+            self._engine.weights_changed()
+            return loaded
+
+        return await self._call(self._engine.call("update_weights", "quiet", push))
+
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int,
                                         **kwargs: Any) -> None:

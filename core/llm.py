@@ -336,6 +336,41 @@ class LLM:
             weight_version=weight_version, reset_prefix_cache=reset_prefix_cache)
 
     @exclusive
+    def update_weights_from_ipc_handles(
+        self, names: Seq[str], dtype_names: Seq[str],
+        shapes: Seq[Seq[int]], ipc_handles: Any = None, *,
+        ipc_handles_pickled: str | bytes | None = None,
+        tensor_sizes: Seq[int] | None = None, packed: bool | None = None,
+        check_finite: bool = True, weight_version: WeightVersion | None = None,
+        reset_prefix_cache: bool = True,
+    ) -> int:
+        """Load tensors a colocated trainer shares by CUDA IPC, as vLLM's IPC weight
+        transfer sends them (:mod:`kvrunner.weight_sync.ipc_handles`): the announced
+        ``names``, ``dtype_names`` and ``shapes``, and either ``ipc_handles`` (what
+        ``reduce_tensor`` made, keyed by GPU UUID: a list, one per tensor, or one dict
+        for a packed ``uint8`` buffer with ``tensor_sizes``) or the same pickled and
+        base64-encoded (``ipc_handles_pickled``, read by a reader that resolves torch's
+        CUDA rebuild and nothing else). Each rank opens the handles of its own GPU
+        (one for another GPU is refused naming both UUIDs) and takes its shard. A
+        transaction: the payload, the announced names and shapes, each handle's
+        tensor against them, and the values are judged on every rank before any
+        loads, so a refusal (:class:`~kvrunner.weight_sync.WeightSyncError`) leaves
+        the old weights serving. Inside an update opened by
+        :meth:`start_weight_update` the call is one part of it (a refused part closes
+        it, ``"partial"`` if an earlier part loaded); otherwise it is one update by
+        itself, and ``check_finite``, ``weight_version`` and ``reset_prefix_cache`` are
+        as for :meth:`update_weights`. Returns once every copy out of the trainer's
+        memory is done on the device; returns how many tensors loaded."""
+        from kvrunner.weight_sync.ipc_handles import IpcUpdate
+
+        update = IpcUpdate.of(names, dtype_names, shapes, ipc_handles=ipc_handles,
+                              ipc_handles_pickled=ipc_handles_pickled,
+                              tensor_sizes=tensor_sizes, packed=packed)
+        return self._sleep_wake.update_weights_from_ipc_handles(
+            update, check_finite=check_finite, weight_version=weight_version,
+            reset_prefix_cache=reset_prefix_cache)
+
+    @exclusive
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         *, backend: str = "nccl", group_name: str = "kvrunner_weights",

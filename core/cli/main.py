@@ -302,7 +302,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                        help="vLLM's weight transfer: '{\"backend\": \"nccl\"}' serves "
                        "/init_weight_transfer_engine, /start_weight_update, /update_weights "
                        "and /finish_weight_update over a weight-update group (gloo on a CPU "
-                       "engine)")
+                       "engine); '{\"backend\": \"ipc\"}' serves them with CUDA IPC handles "
+                       "from a colocated trainer")
     group.add_argument("--served-model-name", default=None,
                        help="the model name clients pass (default: the --model setting)")
     group.add_argument("--max-n", type=_positive_int, default=16,

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvrunner.engine.cache_salt import WeightVersion
     from kvrunner.engine.llm_engine import LLMEngine
     from kvrunner.runner.ranks.executor import DriverExecutor
+    from kvrunner.weight_sync.ipc_handles import IpcUpdate
 
 
 #: why each call that needs an idle engine needs it
@@ -195,6 +196,27 @@ class SleepWakeControl:
                 self.ranks.drop_staged_payload()  # the ranks that staged let go
                 raise
             return self.ranks.load_staged_payload()[0]
+
+    def update_weights_from_ipc_handles(
+        self, update: IpcUpdate, *, check_finite: bool = True,
+        weight_version: WeightVersion | None = None, reset_prefix_cache: bool = True,
+    ) -> int:
+        """See :meth:`kvrunner.LLM.update_weights_from_ipc_handles`."""
+        from kvrunner.weight_sync.ipc_handles import read_handles
+
+        def part() -> int:
+            read_handles(update)  # the payload whole, once, before any rank is asked
+            # every rank opens and judges its own GPU's handles before any rank loads
+            try:
+                self.ranks.stage_ipc_handles(update, check_finite)
+            except WeightUpdateError:
+                self.ranks.drop_staged_payload()  # the ranks that staged let go
+                raise
+            return self.ranks.load_staged_payload()[0]
+
+        return self.in_update("update_weights_from_ipc_handles", part,
+                              weight_version=weight_version,
+                              reset_prefix_cache=reset_prefix_cache)
 
     @contextlib.contextmanager
     def push_session(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import attrs
 
@@ -45,28 +46,47 @@ def _port(_instance: object, attribute: attrs.Attribute, value: object) -> None:
 
 
 #: the backends of vLLM's ``--weight-transfer-config`` kvrunner serves
-WEIGHT_TRANSFER_BACKENDS = ("nccl",)
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
+
+#: the keys each backend's config takes besides ``backend`` (vLLM's
+#: ``IPCWeightTransferConfig``: its packing, which the trainer's config shares; the
+#: engine reads the form of each update's handles instead), with their checks
+_BACKEND_KEYS: dict[str, dict[str, Callable[[object], bool]]] = {
+    "nccl": {},
+    "ipc": {"packed": lambda v: isinstance(v, bool),
+            "packed_buffer_size_bytes": lambda v: (isinstance(v, int)
+                                                   and not isinstance(v, bool) and v > 0)},
+}
 
 
 def weight_transfer_backend(text: str) -> str:
     """The backend a ``--weight-transfer-config`` JSON object names (vLLM's
-    ``WeightTransferConfig``: ``{"backend": "nccl"}``); anything else is refused by
-    name."""
+    ``WeightTransferConfig``: ``{"backend": "nccl"}``, ``{"backend": "ipc"}``, the
+    latter with vLLM's optional ``packed`` and ``packed_buffer_size_bytes``); anything
+    else is refused by name."""
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"serve: --weight-transfer-config is not JSON: {e}") from None
-    if not isinstance(config, dict) or set(config) != {"backend"}:
-        raise ConfigError(f"serve: --weight-transfer-config must be an object with the one "
-                          f"key 'backend', got {text!r}")
+    if not isinstance(config, dict) or "backend" not in config:
+        raise ConfigError(f"serve: --weight-transfer-config must be an object with the key "
+                          f"'backend' (nccl: the one key 'backend'; ipc: also 'packed' and "
+                          f"'packed_buffer_size_bytes'), got {text!r}")
     backend = config["backend"]
-    if backend == "ipc":
-        raise ConfigError("serve: --weight-transfer-config backend 'ipc' (vLLM's CUDA IPC "
-                          "handles in the body) is not served; a trainer on the same GPU "
-                          "pushes through /update_weights_from_tensor instead")
     if backend not in WEIGHT_TRANSFER_BACKENDS:
         raise ConfigError(f"serve: --weight-transfer-config backend must be one of "
                           f"{list(WEIGHT_TRANSFER_BACKENDS)}, got {backend!r}")
+    keys = _BACKEND_KEYS[backend]
+    for key, value in config.items():
+        if key == "backend":
+            continue
+        if key not in keys:
+            allowed = (", ".join(repr(k) for k in ("backend", *keys)) if keys
+                       else "the one key 'backend'")
+            raise ConfigError(f"serve: --weight-transfer-config for backend {backend!r} takes "
+                              f"{allowed}, got {key!r}")
+        if not keys[key](value):
+            raise ConfigError(f"serve: --weight-transfer-config {key} is {value!r}")
     return backend
 
 
@@ -87,7 +107,8 @@ class ServeSettings:
     enable_rl_endpoints: bool = False
     #: vLLM's weight-transfer backend (``--weight-transfer-config``): ``"nccl"`` serves
     #: ``/init_weight_transfer_engine`` and the update routes over a weight-update group
-    #: (gloo on a CPU engine); None: those routes answer 400 naming the flag
+    #: (gloo on a CPU engine), ``"ipc"`` serves them with CUDA IPC handles from a
+    #: colocated trainer; None: those routes answer 400 naming the flag
     weight_transfer_backend: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(_choice(*WEIGHT_TRANSFER_BACKENDS)))
     #: the name clients pass as ``model``; None: the model setting as given

@@ -8,6 +8,15 @@
                                           "shapes": [[...], ...]}}     # once or more
     POST /finish_weight_update {"weight_version": "7"}
 
+The ``ipc`` backend takes CUDA IPC handles from a colocated trainer
+(:mod:`kvrunner.weight_sync.ipc_handles`): ``/init_weight_transfer_engine`` takes an
+empty ``init_info`` and does nothing, and each ``/update_weights`` carries the
+handles pickled and base64-encoded::
+
+    POST /update_weights {"update_info": {"names": [...], "dtype_names": [...],
+                                          "shapes": [...], "ipc_handles_pickled": "...",
+                                          "tensor_sizes": [...]}}     # packed only
+
 The ``nccl`` backend is kvrunner's weight-update group (``kvrunner.weight_sync``,
 docs/weight_sync.md): ``/init_weight_transfer_engine`` joins every engine rank to
 the trainer's group as ``rank_offset + r`` (NCCL on a CUDA engine, gloo on a CPU
@@ -68,7 +77,26 @@ class InitWeightTransferRequest(StrictModel):
     init_info: NcclInitInfo
 
 
-class NcclUpdateInfo(StrictModel):
+class IpcInitInfo(StrictModel):
+    """vLLM's ``IPCWeightTransferInitInfo``: nothing to set up (``packed``, which one
+    vLLM version put here, is accepted; the form of each update's handles says it)."""
+
+    packed: bool | None = None
+
+
+class UpdateInfoBase(StrictModel):
+    """The fields vLLM's ``WeightTransferUpdateInfo`` adds to every backend's (its
+    trainers send them with ``asdict``), each taken only at the value kvrunner serves."""
+
+    #: the checkpoint's (Hugging Face) names: false (vLLM's kernel layout) is refused
+    is_checkpoint_format: bool = True
+    #: ``"dense"``: whole tensors (``"sparse_flat"`` patches are refused)
+    update_kind: str = "dense"
+    #: sparse updates' entry counts (none for a dense update)
+    num_updates_list: None = None
+
+
+class NcclUpdateInfo(UpdateInfoBase):
     """vLLM's ``NCCLWeightTransferUpdateInfo``; the packing fields, when given, are
     those of vLLM before 0.28 (since, they come with the init info)."""
 
@@ -84,6 +112,35 @@ class UpdateWeightsRequest(StrictModel):
     """``POST /update_weights``."""
 
     update_info: NcclUpdateInfo
+
+
+class IpcUpdateInfo(UpdateInfoBase):
+    """vLLM's ``IPCWeightTransferUpdateInfo`` as its HTTP client sends it."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    #: base64 of the pickled handles: a list of ``{gpu_uuid: handle}`` (one per tensor)
+    #: or one ``{gpu_uuid: handle}`` (packed)
+    ipc_handles_pickled: str | None = None
+    #: the handles unpickled: vLLM's Ray client's form, which JSON cannot carry
+    ipc_handles: Any = None
+    #: packed: each tensor's bytes in the buffer
+    tensor_sizes: list[Annotated[int, Field(ge=0)]] | None = None
+    #: the form, as one vLLM version said it per update
+    packed: bool | None = None
+
+
+class IpcUpdateWeightsRequest(StrictModel):
+    """``POST /update_weights`` of the ``ipc`` backend."""
+
+    update_info: IpcUpdateInfo
+
+
+class IpcInitWeightTransferRequest(StrictModel):
+    """``POST /init_weight_transfer_engine`` of the ``ipc`` backend."""
+
+    init_info: IpcInitInfo
 
 
 class StartWeightUpdateRequest(StrictModel):
@@ -112,7 +169,9 @@ def _state(request: Request) -> ServerState:
     state = request.app.state.server
     if state.settings.weight_transfer_backend is None:
         raise APIError(400, "this server has no weight-transfer engine: start it with "
-                       "--weight-transfer-config '{\"backend\": \"nccl\"}'", param="body")
+                       "--weight-transfer-config '{\"backend\": \"nccl\"}' (a weight-update "
+                       "group) or '{\"backend\": \"ipc\"}' (CUDA IPC handles from a "
+                       "colocated trainer)", param="body")
     return state
 
 
@@ -128,8 +187,11 @@ async def _engine_call(coro: Any) -> Any:
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     """Join every engine rank to the trainer's weight-update group (returns once the
-    trainer's rank 0 has joined too)."""
+    trainer's rank 0 has joined too); the ``ipc`` backend has nothing to set up."""
     state = _state(request)
+    if state.settings.weight_transfer_backend == "ipc":
+        await parse_body(request, IpcInitWeightTransferRequest)
+        return {"message": "Weight transfer initialized"}
     info = (await parse_body(request, InitWeightTransferRequest)).init_info
     backend = "nccl" if state.engine.device.startswith("cuda") else "gloo"
     await _engine_call(state.engine.init_weights_update_group(
@@ -155,14 +217,13 @@ async def start_weight_update(request: Request) -> dict[str, Any]:
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict[str, Any]:
-    """Receive the announced tensors from the group's rank 0 and load them."""
+    """Receive the announced tensors from the group's rank 0 (``nccl``) or open the
+    colocated trainer's IPC handles (``ipc``) and load them."""
     state = _state(request)
+    if state.settings.weight_transfer_backend == "ipc":
+        return await _update_from_ipc_handles(state, request)
     info = (await parse_body(request, UpdateWeightsRequest)).update_info
-    for field in ("dtype_names", "shapes"):
-        if len(getattr(info, field)) != len(info.names):
-            raise APIError(400, f"update_info.{field} has {len(getattr(info, field))} "
-                           f"entries for {len(info.names)} names",
-                           param=f"update_info.{field}")
+    _check_info(info)
     packing = state.weight_transfer
     if packing is None:
         raise APIError(400, "no weight-transfer group: POST /init_weight_transfer_engine "
@@ -172,6 +233,43 @@ async def update_weights(request: Request) -> dict[str, Any]:
     loaded = await _engine_call(state.engine.update_weights_from_distributed(
         info.names, info.dtype_names, info.shapes,
         packed_bytes=buffer_bytes if packed else None))
+    return {"message": "Weights updated", "loaded": loaded}
+
+
+def _check_info(info: UpdateInfoBase) -> None:
+    """Refuse what a model cannot say: lists of other lengths than ``names``, and the
+    base fields at a value kvrunner does not serve."""
+    names = info.names  # type: ignore[attr-defined]
+    for field in ("dtype_names", "shapes"):
+        if len(getattr(info, field)) != len(names):
+            raise APIError(400, f"update_info.{field} has {len(getattr(info, field))} "
+                           f"entries for {len(names)} names", param=f"update_info.{field}")
+    if not info.is_checkpoint_format:
+        raise APIError(400, "update_info.is_checkpoint_format: kvrunner loads tensors under "
+                       "the checkpoint's names only (false, vLLM's kernel layout, is not "
+                       "served)", param="update_info.is_checkpoint_format")
+    if info.update_kind != "dense":
+        raise APIError(400, f"update_info.update_kind {info.update_kind!r}: kvrunner loads "
+                       f"whole tensors ('dense') only", param="update_info.update_kind")
+
+
+async def _update_from_ipc_handles(state: ServerState, request: Request) -> dict[str, Any]:
+    info = (await parse_body(request, IpcUpdateWeightsRequest)).update_info
+    _check_info(info)
+    if info.ipc_handles is not None:
+        raise APIError(400, "update_info.ipc_handles: CUDA IPC handles cannot travel as "
+                       "JSON; send them pickled and base64-encoded in ipc_handles_pickled, "
+                       "as vLLM's HTTP client does", param="update_info.ipc_handles")
+    if info.ipc_handles_pickled is None:
+        raise APIError(400, "update_info needs ipc_handles_pickled (the base64 of the "
+                       "pickled handles)", param="update_info.ipc_handles_pickled")
+    if info.tensor_sizes is not None and len(info.tensor_sizes) != len(info.names):
+        raise APIError(400, f"update_info.tensor_sizes has {len(info.tensor_sizes)} entries "
+                       f"for {len(info.names)} names", param="update_info.tensor_sizes")
+    loaded = await _engine_call(state.engine.update_weights_from_ipc_handles(
+        info.names, info.dtype_names, info.shapes,
+        ipc_handles_pickled=info.ipc_handles_pickled, tensor_sizes=info.tensor_sizes,
+        packed=info.packed))
     return {"message": "Weights updated", "loaded": loaded}
 
 

@@ -7,6 +7,10 @@
   ``POST /update_weights_from_tensor``.
 - :class:`DirectSender`: the same engine side, one copy: the engine reads the
   trainer tensors' own storages (mapped once, kept across pushes) instead of buckets.
+- vLLM's IPC handles (:mod:`kvrunner.weight_sync.ipc_handles`): what torch's
+  ``reduce_tensor`` gives a trainer's tensors, keyed by GPU UUID, sent as vLLM's
+  senders send them; the engine side is ``LLM.update_weights_from_ipc_handles`` and
+  ``POST /update_weights`` with ``--weight-transfer-config '{"backend": "ipc"}'``.
 
 The protocol and its guarantees: docs/weight_sync.md.
 """

@@ -21,6 +21,15 @@ anything is called:
 
 A CPU storage shared by file descriptor (torch's default strategy) is refused by
 name: the descriptor can only be fetched by a process of the sender's own tree.
+
+vLLM's IPC weight transfer (``ipc_handles_pickled``) carries no tensors but the
+*arguments* of torch's CUDA rebuild, keyed by GPU UUID, for the engine to call
+itself once it has found its own GPU's entry. :class:`IpcHandleUnpickler` reads
+them with a narrower list: torch's ``rebuild_cuda_tensor`` and the tensor and
+storage classes its arguments name, each resolved to an :class:`IpcGlobal` token
+that refuses to be called (so the pickle can neither open a handle nor allocate
+while it is read), the dtypes, and ``torch.Size``. Nothing else, not even the
+other tensor rebuilds.
 """
 
 from __future__ import annotations
@@ -148,15 +157,20 @@ _ALLOWED = _torch_globals()
 class TensorUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` resolving only the globals of a tensor payload (above)."""
 
+    #: the globals this reader resolves, by (module, name)
+    allowed: dict[tuple[str, str], Any] = _ALLOWED
+    #: what a refusal says this reader reads
+    reads = "only torch's tensor and storage rebuilds are read"
+
     def find_class(self, module: str, name: str) -> Any:
         """The allowed global ``module.name``; any other is refused by name."""
-        found = _ALLOWED.get((module, name))
-        if (module, name) in _FD_GLOBALS:
+        found = self.allowed.get((module, name))
+        if found is None and (module, name) in _FD_GLOBALS:
             raise WeightSyncError(_FD_REFUSED)
         if found is None:
             raise WeightSyncError(
                 f"the payload's pickle calls {module}.{name}, which is not a tensor rebuild: "
-                f"refused (only torch's tensor and storage rebuilds are read)")
+                f"refused ({self.reads})")
         return found
 
     def persistent_load(self, pid: Any) -> Any:
@@ -165,17 +179,80 @@ class TensorUnpickler(pickle.Unpickler):
         raise WeightSyncError("the payload's pickle holds a persistent id: refused")
 
 
+class IpcGlobal:
+    """A global a pickle of vLLM's IPC handles names (torch's ``rebuild_cuda_tensor``,
+    a tensor or storage class), read as a token of it: a value the engine recognises
+    (``target`` is the global itself), never something the pickle may call, so no
+    handle is opened and nothing is allocated while the pickle is read."""
+
+    def __init__(self, module: str, name: str, target: Any) -> None:
+        self.module, self.name, self.target = module, name, target
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise WeightSyncError(f"the pickle calls {self.module}.{self.name} while it is read: "
+                              f"IPC handles are opened by the engine, for its own GPU, never "
+                              f"by the payload")
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+#: what ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` unpickles to in
+#: :class:`IpcHandleUnpickler`
+CUDA_IPC_REBUILD = IpcGlobal("torch.multiprocessing.reductions", "rebuild_cuda_tensor",
+                             reductions.rebuild_cuda_tensor)
+
+
+def _ipc_globals() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): CUDA_IPC_REBUILD,
+        ("torch", "Size"): torch.Size,  # a tuple of ints: calling it is harmless
+    }
+    for module, name, target in (
+        ("torch", "Tensor", torch.Tensor),
+        ("torch.nn.parameter", "Parameter", torch.nn.Parameter),
+        ("torch.storage", "TypedStorage", torch.TypedStorage),
+        ("torch.storage", "UntypedStorage", torch.UntypedStorage),
+    ):
+        allowed[module, name] = IpcGlobal(module, name, target)
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed["torch", name] = getattr(torch, name)
+    return allowed
+
+
+class IpcHandleUnpickler(TensorUnpickler):
+    """Reads vLLM's pickled IPC handles: torch's CUDA rebuild as
+    :data:`CUDA_IPC_REBUILD`, the classes and dtypes of its arguments, and nothing
+    else."""
+
+    allowed = _ipc_globals()
+    reads = "only torch's rebuild_cuda_tensor and the classes its arguments name are read"
+
+
+def unpickle_ipc_handles(data: str | bytes, *, what: str) -> Any:
+    """The object vLLM's ``ipc_handles_pickled`` (base64 text or bytes) holds, read by
+    :class:`IpcHandleUnpickler`: nothing is called but the constructors of
+    ``torch.Size`` and the like, and no handle is opened. Any fault is a
+    :class:`~kvrunner.weight_sync.WeightSyncError` naming ``what``."""
+    return _read(data, what, IpcHandleUnpickler)
+
+
 def unpickle_tensors(data: str | bytes, *, what: str) -> Any:
     """The object a ``MultiprocessingSerializer`` payload (base64 text or bytes)
     holds, read by :class:`TensorUnpickler`; any fault is a
     :class:`~kvrunner.weight_sync.WeightSyncError` that names ``what``."""
+    return _read(data, what, TensorUnpickler)
+
+
+def _read(data: str | bytes, what: str, reader: type[TensorUnpickler]) -> Any:
     if isinstance(data, str):
         try:
             data = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as e:
             raise WeightSyncError(f"{what} is not base64: {e}") from None
     try:
-        return TensorUnpickler(io.BytesIO(data)).load()
+        return reader(io.BytesIO(data)).load()
     except WeightSyncError as e:
         raise WeightSyncError(f"{what}: {e}") from None
     except Exception as e:  # a truncated or malformed pickle, a rebuild that failed

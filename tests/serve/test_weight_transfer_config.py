@@ -1,5 +1,6 @@
-"""``--weight-transfer-config``: vLLM's JSON object naming the backend; the one kvrunner
-serves (``nccl``) is taken, anything else is refused at start-up by name."""
+"""``--weight-transfer-config``: vLLM's JSON object naming the backend; those kvrunner
+serves (``nccl``, ``ipc`` with vLLM's packing keys) are taken, anything else is refused
+at start-up by name."""
 
 from __future__ import annotations
 
@@ -14,8 +15,19 @@ def test_the_nccl_backend_is_taken() -> None:
     assert ServeSettings(weight_transfer_backend="nccl").weight_transfer_backend == "nccl"
 
 
+@pytest.mark.parametrize("text", [
+    '{"backend": "ipc"}',
+    '{"backend": "ipc", "packed": true, "packed_buffer_size_bytes": 1073741824}',
+])
+def test_the_ipc_backend_is_taken_with_vllms_keys(text) -> None:
+    assert weight_transfer_backend(text) == "ipc"
+    assert ServeSettings(weight_transfer_backend="ipc").weight_transfer_backend == "ipc"
+
+
 @pytest.mark.parametrize(("text", "says"), [
-    ('{"backend": "ipc"}', "'ipc'"),
+    ('{"backend": "ipc", "master_port": 1}', "'master_port'"),
+    ('{"backend": "ipc", "packed": "yes"}', "packed is 'yes'"),
+    ('{"backend": "ipc", "packed_buffer_size_bytes": 0}', "packed_buffer_size_bytes is 0"),
     ('{"backend": "sparse_nccl"}', "'sparse_nccl'"),
     ('{"backend": "nccl", "packed": true}', "one key 'backend'"),
     ('["nccl"]', "one key 'backend'"),

@@ -130,17 +130,42 @@ def fresh_trainer() -> Iterator[Trainer]:
     process.stop()
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def weights_server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory,
+                   backend: str, engine_flags: tuple[str, ...] = ()) -> Iterator[Any]:
     """A live ``kvrunner serve`` on checkpoint seed 1 with the RL routes and vLLM's
-    weight transfer on, one per test module."""
+    weight transfer ``backend`` on (the push tests' engine flags, and ``engine_flags``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
     from serve_kit import start_server
 
     tmp = tmp_path_factory.mktemp("weights_server")
-    flags = ["--enable-rl-endpoints", "--weight-transfer-config", '{"backend": "nccl"}']
+    flags = ["--enable-rl-endpoints", "--weight-transfer-config",
+             f'{{"backend": "{backend}"}}']
     started = start_server(tmp, tmp, "weights", flags, api_key=SERVER_KEY,
-                           model=str(checkpoints.path(1)), engine_flags=SERVER_FLAGS)
+                           model=str(checkpoints.path(1)),
+                           engine_flags=[*SERVER_FLAGS, *engine_flags])
     started.wait_ready()
     yield started
     assert started.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A live ``kvrunner serve`` on checkpoint seed 1 with the RL routes and vLLM's
+    weight transfer (``nccl``) on, one per test module."""
+    yield from weights_server(checkpoints, tmp_path_factory, "nccl")
+
+
+@pytest.fixture(scope="module")
+def ipc_server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[Any]:
+    """As ``server``, with vLLM's ``ipc`` weight-transfer backend."""
+    yield from weights_server(checkpoints, tmp_path_factory, "ipc")
+
+
+@pytest.fixture(scope="module")
+def gpu_ipc_server(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory,
+                   ) -> Iterator[Any]:
+    """As ``ipc_server``, taking 30% of the GPU (which it shares with an engine and a
+    trainer)."""
+    yield from weights_server(checkpoints, tmp_path_factory, "ipc",
+                              ("--num-blocks", "64", "--gpu-memory-utilization", "0.3"))

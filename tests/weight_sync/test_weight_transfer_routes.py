@@ -39,6 +39,12 @@ from kvrunner.weight_sync.broadcaster import WeightBroadcaster
                                          "shapes": [[1], [2]]}}, "update_info.shapes"),
     ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"],
                                          "shapes": [[-1]]}}, "update_info.shapes.0.0"),
+    ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"],
+                                         "shapes": [[1]], "update_kind": "sparse_flat"}},
+     "update_info.update_kind"),
+    ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"],
+                                         "shapes": [[1]], "is_checkpoint_format": False}},
+     "update_info.is_checkpoint_format"),
     ("/start_weight_update", {"is_checkpoint_format": False}, "is_checkpoint_format"),
     ("/finish_weight_update", {"weight_version": 3}, "weight_version"),
 ])
@@ -70,10 +76,12 @@ class Trainer:
         self.sender.connect()
         assert joined.result().status_code == 200, joined.result().text
 
-    def update(self, pairs: list[tuple[str, Any]], *, broadcast: bool = True) -> Any:
+    def update(self, pairs: list[tuple[str, Any]], *, broadcast: bool = True,
+               **fields: Any) -> Any:
         names, dtypes, shapes = WeightBroadcaster.spec(pairs)
         answer = self.pool.submit(self.client.post, "/update_weights", json={
-            "update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}})
+            "update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes,
+                            **fields}})
         if broadcast:
             self.sender.broadcast(pairs)
         return answer.result()
@@ -126,7 +134,9 @@ def test_while_an_update_is_open_nothing_generates_and_its_end_serves_the_new_we
                                              "sampling_params": {"max_new_tokens": 2}})
     assert refused.status_code == 409 and "a weight update is open" in refused.text
     assert client.post("/sleep").status_code == 409
-    part = trainer_rank0.update(pairs[half:])
+    # the base fields vLLM's trainers add with asdict(update_info)
+    part = trainer_rank0.update(pairs[half:], update_kind="dense", num_updates_list=None,
+                                is_checkpoint_format=True)
     assert part.status_code == 200, part.text
     finish = client.post("/finish_weight_update", json={"weight_version": "v2"})
     assert finish.status_code == 200, finish.text

@@ -107,8 +107,8 @@ class RankCalls:
         self._describe_extra = describe_extra
         #: this rank's weight-update group (kvrunner.weight_sync), once joined
         self.update_group: Any = None
-        #: the pairs of SGLang's payload this rank opened and judged, until loaded
-        #: or dropped (they map the trainer's memory)
+        #: the pairs of SGLang's payload or vLLM's IPC handles this rank opened and
+        #: judged, until loaded or dropped (they map the trainer's memory)
         self._staged: list[tuple[str, torch.Tensor]] | None = None
 
     def capture(self) -> float:
@@ -186,9 +186,22 @@ class RankCalls:
         self._staged = pairs
         return specs
 
+    def stage_ipc_handles(self, update: Any, check_finite: bool) -> None:
+        """Judge vLLM's IPC update (a :class:`~kvrunner.weight_sync.ipc_handles.
+        IpcUpdate`): its announced names and shapes against the model, then its
+        handles, opened in this process from the entries of this rank's own GPU, their
+        values checked; hold the pairs for :meth:`load_staged_payload`. Loads
+        nothing."""
+        from kvrunner.weight_sync.ipc_handles import open_handles
+
+        self._staged = None
+        self.runner.weights.check(update.specs())
+        self._staged = open_handles(update, self.runner.device, check_finite=check_finite)
+
     def load_staged_payload(self) -> int:
-        """Load the pairs :meth:`stage_tensor_payload` held and let them go once the
-        copies are done on the device (the trainer may then reuse its memory)."""
+        """Load the pairs :meth:`stage_tensor_payload` or :meth:`stage_ipc_handles`
+        held and let them go once the copies are done on the device (the trainer may
+        then reuse its memory)."""
         pairs, self._staged = self._staged, None
         if pairs is None:
             raise SleepStateError("no staged tensor payload to load: "

@@ -75,6 +75,9 @@ class RankClient:
         return self._call(RankCalls.stage_tensor_payload, serialized, load_format,
                           check_finite)
 
+    def stage_ipc_handles(self, update: Any, check_finite: bool) -> None:
+        self._call(RankCalls.stage_ipc_handles, update, check_finite)
+
     def load_staged_payload(self) -> list[int]:
         return self._call(RankCalls.load_staged_payload)
 
