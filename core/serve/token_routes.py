@@ -4,7 +4,8 @@
 
 ``/inference/v1/generate`` takes the prompt as ``token_ids`` and vLLM's own
 ``SamplingParams`` as JSON; its answer names every token ``token_id:<id>`` in the
-logprobs, and gives each choice's ``token_ids``. Multimodal ``features`` are refused
+logprobs, gives each choice's ``token_ids``, and the prompt's ids when
+``return_token_ids`` asks. Multimodal ``features`` and ``content_parts`` are refused
 by name (kvrunner serves text models).
 """
 
@@ -80,7 +81,8 @@ class VLLMSamplingParams(StrictModel):
     extra_args: dict[str, Any] | None = None
     #: each choice's ``routed_experts`` leaves out the rows of the prompt's first N
     #: tokens (a server started with ``--enable-return-routed-experts`` gives every
-    #: choice its routes, as vLLM's)
+    #: choice its routes, as vLLM's; verifiers' training client sets it on a turn that
+    #: extends the last one)
     routed_experts_prompt_start: NonNegativeInt = 0
 
 
@@ -92,6 +94,10 @@ class TokensGenerateRequest(StrictModel):
     request_id: str | None = None
     model: str | None = None
     features: dict[str, Any] | None = None
+    #: raw media for the server to place in the prompt (refused: text models only)
+    content_parts: list[dict[str, Any]] | None = None
+    #: answer the prompt's token ids (``prompt_token_ids``; a stream's first chunk)
+    return_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     #: vLLM's prefix-cache namespace: only requests with the same salt share cached KV
@@ -148,9 +154,12 @@ async def generate_tokens(request: Request) -> Any:
     state = _state(request)
     body = await parse_body(request, TokensGenerateRequest)
     state.check_model(body.model)
-    if body.features is not None:
-        raise APIError(400, "multimodal features are not supported by kvrunner (it serves "
-                       "text models)", param="features")
+    # an empty content_parts holds no media (vLLM's own check skips it)
+    for name, given in (("features", body.features is not None),
+                        ("content_parts", bool(body.content_parts))):
+        if given:
+            raise APIError(400, f"multimodal {name} are not supported by kvrunner (it "
+                           "serves text models)", param=name)
     for name, neutral in (("priority", 0), ("kv_transfer_params", None)):
         if getattr(body, name) != neutral:
             raise APIError(400, f"{name}={getattr(body, name)!r} is not supported by kvrunner",
@@ -169,12 +178,13 @@ async def generate_tokens(request: Request) -> Any:
     jobs = [(ids, sampling_params(state, asked))]
     rid = body.request_id or new_id("generate-tokens")
     head = {"id": rid, "request_id": rid}
+    prompt = {"prompt_token_ids": ids} if body.return_token_ids else {}
     asked_top = sp.logprobs or 0
     if body.stream:
         items = await generation.start_stream(state.engine, jobs, rid, fields=_FIELDS,
                                               cache_salt=body.cache_salt)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(_events(items, head, len(ids), asked_top, usage,
+        return sse.response(_events(items, head, prompt, len(ids), asked_top, usage,
                                     sp.routed_experts_prompt_start))
     outs = (await generation.run(state.engine, jobs, rid, request, fields=_FIELDS,
                                  cache_salt=body.cache_salt))[0]
@@ -187,26 +197,29 @@ async def generate_tokens(request: Request) -> Any:
         | routed_experts.choice_routes(out, sp.routed_experts_prompt_start)
         for k, out in enumerate(outs)]
     completion = sum(len(out.token_ids) for out in outs)
-    return JSONResponse(dict(head, model=state.model_name, choices=choices,
+    return JSONResponse(dict(head, model=state.model_name, choices=choices, **prompt,
                              prompt_logprobs=None, weight_version=outs[-1].weight_version,
                              usage=answer_fields.usage(len(ids), completion,
                                           sum(out.num_cached_tokens for out in outs))))
 
 
 async def _events(items: AsyncIterator[tuple[int, Any]], head: dict[str, Any],
-                  prompt_tokens: int, asked_top: int, usage: bool,
+                  prompt: dict[str, Any], prompt_tokens: int, asked_top: int, usage: bool,
                   routes_from: int = 0) -> AsyncIterator[str]:
-    """The answer's chunks; a choice's last one carries its weight versions and its
-    ``routed_experts`` (from the prompt row ``routes_from`` on) when it has them."""
+    """The answer's chunks: the first carries ``prompt`` (the prompt's ids, when asked);
+    a choice's last one its weight versions and its ``routed_experts`` (from the
+    prompt row ``routes_from`` on) when it has them."""
 
     async def events() -> AsyncIterator[str]:
         completion = cached = 0
+        first = prompt  # the prompt's ids ride on the first chunk only, as vLLM's
         async for index, delta in items:
             completion += len(delta.token_ids)
             cached += delta.output.num_cached_tokens if delta.output is not None else 0
             if not delta.token_ids and delta.finish_reason is None:
                 continue
-            yield sse.event(dict(head, weight_version=delta.weight_version, choices=[{
+            extra, first = first, {}
+            yield sse.event(dict(head, **extra, weight_version=delta.weight_version, choices=[{
                 "index": index, "finish_reason": delta.finish_reason,
                 "token_ids": list(delta.token_ids),
                 "logprobs": _logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs,

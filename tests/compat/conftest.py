@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
 from serve_kit import ENGINE_KWARGS, ServeProcess, start_server  # noqa: E402
 
 #: the modules that drive a peer's package, collected only in the compat stage
-PEER_MODULES = ("test_trl_vllm_client.py", "test_areal_remote_engine.py")
+PEER_MODULES = ("test_trl_vllm_client.py", "test_areal_remote_engine.py",
+                "test_verifiers_train_client.py")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

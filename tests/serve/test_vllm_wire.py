@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from serve_kit import sse_payloads
 from transformers import AutoTokenizer
 
 from kvrunner import SamplingParams
@@ -313,11 +314,41 @@ def test_tokens_in_tokens_out_generate_equals_llm_generate(http, reference_llm) 
         r.token_ids for r in refs]
 
 
-def test_tokens_in_generate_refuses_features_by_name(http) -> None:
-    response = http.post("/inference/v1/generate", json={
-        "token_ids": [1, 2], "sampling_params": {"max_tokens": 1},
-        "features": {"mm_hashes": {"image": ["x"]}}})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "features"
+def test_tokens_in_generate_takes_a_bridged_turns_routed_experts_prompt_start(
+        http, reference_llm) -> None:
+    sampling = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    body = {"model": MODEL, "token_ids": [5, 17, 42, 9], "sampling_params": sampling}
+    bridged = _post(http, "/inference/v1/generate", body | {
+        "sampling_params": sampling | {"routed_experts_prompt_start": 3}})
+    ref = reference_llm.generate([[5, 17, 42, 9]], SamplingParams(**sampling))[0]
+    assert bridged["choices"][0]["token_ids"] == ref.token_ids
+    response = http.post("/inference/v1/generate", json=body | {
+        "sampling_params": sampling | {"routed_experts_prompt_start": -1}})
+    assert response.status_code == 400, response.text
+    assert "routed_experts_prompt_start" in response.json()["error"]["param"]
+
+
+def test_tokens_in_generate_refuses_features_and_content_parts_by_name(http) -> None:
+    body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}}
+    for field, value in (("features", {"mm_hashes": {"image": ["x"]}}),
+                         ("content_parts", [{"type": "image_url", "url": "data:,"}])):
+        response = http.post("/inference/v1/generate", json=body | {
+            field: value, "return_token_ids": True})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_tokens_in_generate_answers_the_prompts_ids_when_asked(http) -> None:
+    body = {"model": MODEL, "token_ids": [5, 17, 42, 9],
+            "sampling_params": {"max_tokens": 3, "truncate_prompt_tokens": 3}}
+    assert "prompt_token_ids" not in _post(http, "/inference/v1/generate", body)
+    asked = _post(http, "/inference/v1/generate", body | {"return_token_ids": True,
+                                                         "content_parts": []})
+    assert asked["prompt_token_ids"] == [17, 42, 9]
+    with http.stream("POST", "/inference/v1/generate", json=body | {
+            "return_token_ids": True, "stream": True}) as response:
+        chunks = sse_payloads(list(response.iter_lines()))
+    assert chunks[0]["prompt_token_ids"] == [17, 42, 9]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
 
 
 def test_sglang_generate_takes_arealls_empty_image_data_and_refuses_real_images(http) -> None:
