@@ -6,9 +6,12 @@ request's ``enable_thinking`` (``chat_template_kwargs``). The tool-call parser
 (``--tool-call-parser``) reads outputs of requests with ``tools`` and ``tool_choice``
 "auto" (OpenAI's default when tools are given), which vLLM allows only with
 ``--enable-auto-tool-choice``; "none" leaves calls in the text. "required" and a named
-function are refused: vLLM holds such an output to the tools' JSON schema with guided
-decoding, a grammar kvrunner does not build from the tools. With ``parallel_tool_calls: false`` only
-the first call is returned (streamed: only call 0's pieces), as vLLM does.
+function need neither flag: their output is held to the tools' JSON schema
+(serve/tool_choice.py) and read as the calls it is (parsers/required_calls.py,
+parsers/named_call.py), with empty content. The grammar holds such an output from its
+first token, so it holds no reasoning: the reasoning parser is not run on it. With
+``parallel_tool_calls: false`` only the first call is returned (streamed: only call
+0's pieces), as vLLM does.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import attrs
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.openai_protocol import ChatCompletionRequest
 from kvrunner.serve.parsers.chat_output import ChatOutputParser
+from kvrunner.serve.parsers.named_call import NamedCallParser
 from kvrunner.serve.parsers.parsed import Delta, ParsedOutput
 from kvrunner.serve.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
+from kvrunner.serve.parsers.required_calls import RequiredCallsParser
 from kvrunner.serve.settings import ServeSettings
+from kvrunner.serve.tool_choice import Choice, called_function, tool_choice
 
 
 @attrs.frozen
@@ -37,11 +43,16 @@ class ChatParsing:
     reasoning: bool
     #: only the first call (``parallel_tool_calls: false``)
     first_call_only: bool
+    #: the ``tool_choice`` that held the output to the tools' schema ("named",
+    #: "required"; None: "auto" or none)
+    forced: Choice = None
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """A whole output's message, and whether it calls tools."""
         parsed = self.parser.parse(text)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        # a forced call's answer has empty content, as vLLM's
+        content = (parsed.content or "") if self.forced else parsed.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         calls = self._calls(parsed)
         if self.tools:
             message["tool_calls"] = [
@@ -50,6 +61,17 @@ class ChatParsing:
         if self.reasoning:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning
         return message, bool(calls)
+
+    def finish_reason(self, called: bool, finish_reason: str) -> str:
+        """A choice's finish reason, given whether it calls tools, as OpenAI's and
+        vLLM's: "tool_calls" for calls the model chose ("auto") and for "required"
+        calls of an output that ended by itself; a named function's call keeps the
+        output's own ("stop")."""
+        if not called or self.forced == "named":
+            return finish_reason
+        if self.forced == "required" and finish_reason != "stop":
+            return finish_reason
+        return "tool_calls"
 
     def _calls(self, parsed: ParsedOutput) -> tuple:
         return parsed.calls[:1] if self.first_call_only else parsed.calls
@@ -81,42 +103,38 @@ class ChatParsing:
         return delta, bool(calls)
 
 
-def _auto_tool_choice(body: ChatCompletionRequest, settings: ServeSettings) -> bool:
-    """Whether calls are parsed out of this request's outputs; a 400 naming what the
-    request asks that this server cannot do."""
-    choice = body.tool_choice
-    if choice is not None and choice != "none" and not body.tools:
-        raise APIError(400, "tool_choice other than 'none' needs tools", param="tool_choice")
-    if not body.tools:
-        return False
-    if choice is None:
-        choice = "auto"  # OpenAI's default when tools are given
-    if choice == "none":
-        return False
+def _auto_tool_choice(choice: Choice, settings: ServeSettings) -> bool:
+    """Whether calls are parsed out of this request's outputs by the server's tool-call
+    parser; a 400 when it asks for "auto" of a server started without one."""
     if choice != "auto":
-        asked = choice if isinstance(choice, str) else f"the function {choice.function}"
-        raise APIError(400, f"tool_choice={asked!r} needs guided decoding (the output held "
-                       f"to the tools' JSON schema by a grammar), which kvrunner does not "
-                       f"build from tools; use tool_choice='auto' with --tool-call-parser, "
-                       f"or 'none'",
-                       param="tool_choice")
+        return False
     if settings.tool_call_parser is None or not settings.enable_auto_tool_choice:
         raise APIError(400, "\"auto\" tool choice requires --enable-auto-tool-choice and "
                        "--tool-call-parser to be set; send tool_choice='none' to render the "
-                       "tools into the prompt and parse the calls from the text",
-                       param="tool_choice")
+                       "tools into the prompt and parse the calls from the text, or "
+                       "'required' or a named function to have the output held to the "
+                       "tools' schema", param="tool_choice")
     return True
 
 
 def chat_parsing(body: ChatCompletionRequest, settings: ServeSettings) -> ChatParsing | None:
     """The parsers a chat request's outputs go through (None: none, the text is the
     content); a 400 for a ``tool_choice`` this server cannot honour."""
-    tools = _auto_tool_choice(body, settings)
+    choice = tool_choice(body)
     reasoning = None
     if settings.reasoning_parser is not None:
         thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True)
         reasoning = REASONING_PARSERS[settings.reasoning_parser](
             enable_thinking=bool(thinking))
+    first_call_only = body.parallel_tool_calls is False
+    if choice in ("named", "required"):
+        # the grammar holds the output from its first token: it holds no reasoning
+        calls = NamedCallParser(called_function(body)) if choice == "named" \
+            else RequiredCallsParser()
+        return ChatParsing(parser=ChatOutputParser(None, calls), tools=True,
+                           reasoning=reasoning is not None,
+                           first_call_only=first_call_only, forced=choice)
+    tools = _auto_tool_choice(choice, settings)
     if not tools and reasoning is None:
         return None
     tool_parser = None
@@ -124,5 +142,4 @@ def chat_parsing(body: ChatCompletionRequest, settings: ServeSettings) -> ChatPa
         schemas = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
         tool_parser = TOOL_CALL_PARSERS[settings.tool_call_parser](schemas)
     return ChatParsing(parser=ChatOutputParser(reasoning, tool_parser), tools=tools,
-                       reasoning=reasoning is not None,
-                       first_call_only=body.parallel_tool_calls is False)
+                       reasoning=reasoning is not None, first_call_only=first_call_only)

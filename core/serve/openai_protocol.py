@@ -178,9 +178,15 @@ class Tool(StrictModel):
     function: FunctionDefinition
 
 
+class NamedFunction(StrictModel):
+    name: Annotated[str, Field(min_length=1)]
+
+
 class NamedToolChoice(StrictModel):
+    """A ``tool_choice`` naming the one function the answer calls."""
+
     type: Literal["function"] = "function"
-    function: dict[str, str]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -198,7 +204,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     #: "none": the tools are rendered and the caller parses any call from the text;
     #: "auto": the server's tool-call parser reads the calls (serve/chat_parsing.py);
-    #: "required" or a named function need guided decoding (refused)
+    #: "required" or a named function: the output is held to the tools' schema
+    #: (serve/tool_choice.py)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     #: extra variables for the chat template (Qwen3's ``enable_thinking``)

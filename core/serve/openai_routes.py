@@ -361,13 +361,13 @@ async def chat_completions(request: Request) -> Any:
 def _chat_choice(state: ServerState, index: int, out: Any, parsing: ChatParsing | None, *,
                  as_ids: bool, token_ids: bool, mass: bool = False) -> dict[str, Any]:
     """One choice of a whole chat answer; with parsers, its reasoning and tool calls
-    apart from its content, and finish reason "tool_calls" when it calls any."""
+    apart from its content, and its finish reason as :meth:`ChatParsing.finish_reason`
+    gives it."""
     message: dict[str, Any] = {"role": "assistant", "content": out.text}
     finish_reason = out.finish_reason
     if parsing is not None:
         message, called = parsing.message(out.text)
-        if called:
-            finish_reason = "tool_calls"
+        finish_reason = parsing.finish_reason(called, finish_reason)
     choice = {
         "index": index,
         "message": message,
@@ -409,8 +409,8 @@ async def _chat_events(state: ServerState, items: AsyncIterator[tuple[int, Any]]
                 message, calls = parsing.delta(pieces)
                 if calls:
                     called.add(index)
-                if finish_reason is not None and index in called:
-                    finish_reason = "tool_calls"
+                if finish_reason is not None:
+                    finish_reason = parsing.finish_reason(index in called, finish_reason)
             if first:  # the first chunk of a choice names its role
                 message = {"role": "assistant"} | message
             completion_tokens += len(delta.token_ids)

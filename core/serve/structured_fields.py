@@ -4,8 +4,10 @@ vLLM's routes take it as OpenAI's ``response_format`` (``text``, ``json_object``
 ``json_schema`` with ``json_schema.schema``, ``structural_tag``), vLLM's
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
 ``structural_tag``) or vLLM's older ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``; SGLang's ``sampling_params`` as ``json_schema``,
-``regex``, ``ebnf`` or ``structural_tag``. Each becomes one
+``guided_choice`` / ``guided_grammar``, and a chat request's ``tool_choice``
+"required" or a named function (the tools' schema, serve/tool_choice.py); SGLang's
+``sampling_params`` as ``json_schema``, ``regex``, ``ebnf`` or ``structural_tag``.
+Each becomes one
 :class:`~kvrunner.structured_outputs.StructuredOutputsParams`, parsed here (no tokenizer
 needed) so that a schema, pattern or grammar that does not parse is a 400 naming the
 client's field and the parser's complaint before the request reaches the engine. A
@@ -21,6 +23,8 @@ from typing import Any
 from kvrunner.engine.grammar_compiler import parse_constraint
 from kvrunner.errors import RequestError
 from kvrunner.serve.errors import APIError
+from kvrunner.serve.openai_protocol import ChatCompletionRequest
+from kvrunner.serve.tool_choice import forced_schema
 from kvrunner.structured_outputs import StructuredOutputsParams
 
 _ENGINE_NAME = re.compile(r"SamplingParams\.structured_outputs(\.\w+)?")
@@ -86,6 +90,10 @@ def vllm_constraint(body: Any) -> Constraint:
     ``sampling_params`` of ``/inference/v1/generate``), as the ``structured_outputs``
     field of its ``SamplingParams`` (see :data:`Constraint`)."""
     sources: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(body, ChatCompletionRequest):
+        schema = forced_schema(body)
+        if schema is not None:
+            sources.append(("tool_choice", {"json": json.dumps(schema)}))
     response_format = getattr(body, "response_format", None)
     if response_format is not None:
         fields = _response_format(response_format)

@@ -190,15 +190,33 @@ def test_with_thinking_off_there_is_no_reasoning(parsed_servers) -> None:
     assert [c["name"] for c in answer["calls"]] == ["get_weather"]
 
 
+#: a closed schema, so that the scripted model, held to it, soon writes a whole object
+DAYS = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 7}},
+        "required": ["days"], "additionalProperties": False}
+
+
 @pytest.mark.parametrize("choice", [
     "required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_tool_choice_are_a_400_naming_guided_decoding(
+def test_a_forced_tool_choice_is_held_to_the_schema_past_the_servers_parsers(
         parsed_servers, choice) -> None:
+    """The parser flags do not touch a forced choice: no reasoning is parsed out of it
+    (the grammar holds the output from its first token) and no tags are looked for."""
     client = _client(parsed_servers["hermes"])
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(**_ask(client, tool_choice=choice))
-    assert caught.value.body["param"] == "tool_choice"
-    assert "guided decoding" in caught.value.body["message"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": DAYS}}]
+    finished = 0
+    for seed in range(4):
+        answer = _whole(client, tools=tools, tool_choice=choice, temperature=1.0, seed=seed,
+                        max_tokens=200)
+        assert answer["content"] == "" and answer["reasoning"] is None, answer
+        assert {c["name"] for c in answer["calls"]} <= {"get_weather"}
+        if answer["finish"] in ("stop", "tool_calls"):
+            finished += 1
+            assert answer["calls"], answer
+            for call in answer["calls"]:
+                days = json.loads(call["arguments"])["days"]
+                assert json.loads(call["arguments"]) == {"days": days} and 1 <= days <= 7
+    assert finished >= 1
 
 
 @pytest.mark.parametrize(("flags", "words"), [

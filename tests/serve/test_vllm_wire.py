@@ -235,9 +235,6 @@ def test_chat_with_tools_renders_as_transformers_and_generates_as_llm(
     # OpenAI's default with tools is "auto", which (as in vLLM) needs the parser flags
     ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "guided decoding"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice", "guided decoding"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},

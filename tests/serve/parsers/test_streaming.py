@@ -12,9 +12,11 @@ from parse_kit import cut, plain, streamed
 
 from kvrunner.serve.parsers.chat_output import ChatOutputParser
 from kvrunner.serve.parsers.hermes import HermesToolParser
+from kvrunner.serve.parsers.named_call import NamedCallParser
 from kvrunner.serve.parsers.parsed import accumulate
 from kvrunner.serve.parsers.qwen3_coder import Qwen3CoderToolParser
 from kvrunner.serve.parsers.qwen3_reasoning import Qwen3ReasoningParser
+from kvrunner.serve.parsers.required_calls import RequiredCallsParser
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"},
@@ -29,6 +31,12 @@ CODER_PIECES = ["<tool_call>", "</tool_call>", "<function=f>", "<function=g>", "
                 "</function>", "<parameter=n>", "<parameter=s>", "<parameter=o>",
                 "<parameter=", "</parameter>", "</param", "\n", "12", "x y", '{"k": [1]}',
                 "null", "Hi ", ">", "<"]
+#: JSON of a list of calls ("required" tool choice), whole and in pieces
+CALLS_PIECES = ["[", "]", "{", "}", ",", ":", " ", "\n", '"name"', '"parameters"', '"f"',
+                '"g\\u00e9"', '"a\\"b"', '"', "\\", '{"n": 1}', "[1, {}]", "7", "true",
+                '"s"', '"]}"', "x"]
+#: JSON arguments of a named function's call
+NAMED_PIECES = [" ", "\n", "{", "}", '"n"', ":", "1", ",", '"s"']
 THINK_PIECES = ["<think>", "</think>", "<thi", "</thi", "<tool_call>", "\n", "  ",
                 "<function=f>", "<function", "=", "plan ", "<", "answer"]
 
@@ -47,6 +55,8 @@ PARSERS = {
                             THINK_PIECES + CODER_PIECES),
     "qwen3 + hermes": (ChatOutputParser(Qwen3ReasoningParser(), HermesToolParser(TOOLS)),
                        THINK_PIECES + HERMES_PIECES),
+    "required": (RequiredCallsParser(), CALLS_PIECES),
+    "named": (NamedCallParser("f"), NAMED_PIECES),
 }
 
 
@@ -98,6 +108,18 @@ def test_reasoning_then_hermes_streams_to_the_whole_text_parse(
     check_every_chunking(PARSERS["qwen3 + hermes"][0], *case)
 
 
+@settings(max_examples=300)
+@given(_case("required"))
+def test_required_calls_stream_to_the_whole_text_parse(case: tuple[str, list[int]]) -> None:
+    check_every_chunking(PARSERS["required"][0], *case)
+
+
+@settings(max_examples=100)
+@given(_case("named"))
+def test_a_named_call_streams_to_the_whole_text_parse(case: tuple[str, list[int]]) -> None:
+    check_every_chunking(PARSERS["named"][0], *case)
+
+
 #: outputs a model of each format writes, each checked at every cut
 WRITTEN = {
     "hermes": 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"n": 2, "s": "Zürich"}}\n'
@@ -108,6 +130,9 @@ WRITTEN = {
                            "<parameter=s>\nhi\n</parameter>\n</function>\n</tool_call>",
     "qwen3 + hermes": "<think>\nNeed g.\n</think>\n\nOn it.\n<tool_call>\n"
                       '{"name": "g", "arguments": {}}\n</tool_call>',
+    "required": '[\n {"name": "f", "parameters": {"n": 2, "s": "a]}\\"b"}},\n'
+                ' {"parameters": [1, {"k": null}], "name": "g"}, {"name":"h","parameters":7}]',
+    "named": ' {"n": 2, "s": "Zürich"}',
 }
 #: outputs at the formats' edges, checked the same way
 EDGES = [
