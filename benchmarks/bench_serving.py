@@ -1,5 +1,6 @@
-"""The rollout server's cost: one engine driven four ways, latency under load, and the
-wake-to-first-token time of a paused and updated server, in one run.
+"""The rollout server's cost: one engine driven every way an RL framework drives it,
+plain and with penalised sampling, latency under load, and the wake-to-first-token
+time of a paused and updated server, in one run.
 
 Random checkpoint of the Qwen3-0.6B shape (bench_e2e_decode's), bf16, on one GPU:
 
@@ -7,10 +8,19 @@ Random checkpoint of the Qwen3-0.6B shape (bench_e2e_decode's), bf16, on one GPU
   512 new, seeded T = 1.0, one seed per request) on the same ``LLM``, each way from a
   cold prefix cache: ``LLM.generate``; ``AsyncLLM`` with 256 concurrent ``generate``
   calls; the HTTP server (``kvrunner.serve``'s app, uvicorn, in this process as
-  ``kvrunner serve`` runs it) through SGLang's ``/generate`` and through
-  ``/v1/completions``, 256 requests at once from a client in another process.
-  Generated tokens/s of each, its ratio to ``LLM.generate`` (target: within 5%) and
-  to bench_rollout's HBM/FLOP floor.
+  ``kvrunner serve`` runs it) through SGLang's ``/generate``, through
+  ``/v1/completions`` and through vLLM's tokens-in, tokens-out
+  ``/inference/v1/generate`` (the body TRL's and verifiers' clients send), 256
+  requests at once from a client in another process.
+- the same rollout penalised (:data:`PENALTIES`: ``repetition_penalty``,
+  ``presence_penalty``, ``frequency_penalty`` and ``min_p`` at non-neutral values):
+  ``LLM.generate`` (the bound of the penalised rows; beside the plain
+  ``LLM.generate`` it gives the penalties' own cost), then over HTTP through
+  ``/inference/v1/generate`` and ``/v1/completions``.
+
+  Generated tokens/s of each row, its ratio to its bound (``LLM.generate``, plain or
+  penalised; target: the HTTP and ``AsyncLLM`` rows within 5%, the rows a vLLM
+  client sends within 3%) and to bench_rollout's HBM/FLOP floor.
 - time to first token and inter-token latency (p50 / p99) of streamed
   ``/v1/completions`` (prompts of 1,024, 128 new) under Poisson arrivals at three
   rates.
@@ -47,6 +57,11 @@ from kvrunner import LLM, AsyncLLM, SamplingParams
 HTTP_MODULES = ("fastapi", "uvicorn", "prometheus_client", "aiohttp")
 SERVED_NAME = "served"
 BF16_TFLOPS = 790.0
+#: the penalised rows' sampling (vLLM's names and rules), each off its neutral value
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+             "min_p": 0.05}
+PLAIN_BOUND = "LLM.generate"
+PENALISED_BOUND = "LLM.generate, penalised"
 
 
 @attrs.frozen(kw_only=True)
@@ -101,16 +116,21 @@ class Row:
     seconds: float
     #: HTTP rows: from the first request's arrival at the server to its last answer sent
     server_s: float | None = None
+    #: the row whose tok/s this one is held to (its way)
+    bound: str = PLAIN_BOUND
+    #: the least tok/s over the bound's that meets the target (None: no target)
+    target: float | None = None
 
 
-def llm_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Row:
+def llm_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                 way: str = PLAIN_BOUND) -> Row:
     llm.reset_prefix_cache()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     sync()
-    return Row("LLM.generate", sum(len(o.token_ids) for o in outs), time.perf_counter() - start)
+    return Row(way, sum(len(o.token_ids) for o in outs), time.perf_counter() - start)
 
 
 async def async_generate(engine: AsyncLLM, prompts: list[list[int]],
@@ -121,7 +141,7 @@ async def async_generate(engine: AsyncLLM, prompts: list[list[int]],
     outs = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params,
                                                                           strict=True)))
     return Row(f"AsyncLLM, {len(prompts)} calls", sum(len(o.token_ids) for o in outs),
-               time.perf_counter() - start)
+               time.perf_counter() - start, target=0.95)
 
 
 class LocalServer:
@@ -183,17 +203,26 @@ class LocalServer:
             await self.task
 
 
+#: the HTTP rows: (route, penalised, target over the bound)
+HTTP_WAYS = (("/generate", False, 0.95), ("/v1/completions", False, 0.95),
+             ("/inference/v1/generate", False, 0.97), ("/inference/v1/generate", True, 0.97),
+             ("/v1/completions", True, 0.97))
+
+
 async def http_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, server: LocalServer,
                     prompts: list[list[int]], new: int) -> list[Row]:
     import serving_client
 
     loop = asyncio.get_running_loop()
     rows = []
-    for route in ("/generate", "/v1/completions"):
+    for route, penalised, target in HTTP_WAYS:
         await engine.reset_prefix_cache()
         seconds, tokens = await loop.run_in_executor(
-            pool, serving_client.rollout, server.url, route, prompts, new)
-        rows.append(Row(f"HTTP {route}", tokens, seconds, server.window(len(prompts))))
+            pool, serving_client.rollout, server.url, route, prompts, new,
+            PENALTIES if penalised else None)
+        rows.append(Row(f"HTTP {route}" + (", penalised" if penalised else ""), tokens,
+                        seconds, server.window(len(prompts)),
+                        bound=PENALISED_BOUND if penalised else PLAIN_BOUND, target=target))
     return rows
 
 
@@ -214,15 +243,22 @@ async def latency_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, url:
 
 
 def print_rollout(rows: list[Row], floor_s: float) -> None:
-    base = rows[0].tokens / rows[0].seconds
-    print(f"{'way':>26} {'tokens':>8} {'s':>8} {'tok/s':>9} {'vs LLM.generate':>16} "
-          f"{'floor s':>8} {'s/floor':>8} {'server s':>9} {'server vs LLM':>14}")
+    """Each row's tok/s over its bound's (the first row of that way), the target that
+    ratio must reach, and its seconds over the floor."""
+    bounds = {}
     for r in rows:
-        tps = r.tokens / r.seconds
+        bounds.setdefault(r.way, r.tokens / r.seconds)
+    print(f"{'way':>38} {'tokens':>8} {'s':>8} {'tok/s':>9} {'bound':>24} {'vs bound':>9} "
+          f"{'target':>7} {'floor s':>8} {'s/floor':>8} {'server s':>9} {'server vs bound':>16}")
+    for r in rows:
+        tps, base = r.tokens / r.seconds, bounds[r.bound]
+        target = "" if r.target is None else f">={r.target:.2f}"
         server = ("" if r.server_s is None else
-                  f" {r.server_s:>9.3f} {r.tokens / r.server_s / base:>14.3f}")
-        print(f"{r.way:>26} {r.tokens:>8} {r.seconds:>8.3f} {tps:>9.0f} {tps / base:>16.3f} "
-              f"{floor_s:>8.3f} {r.seconds / floor_s:>8.2f}{server}")
+                  f" {r.server_s:>9.3f} {r.tokens / r.server_s / base:>16.3f}")
+        print(f"{r.way:>38} {r.tokens:>8} {r.seconds:>8.3f} {tps:>9.0f} {r.bound:>24} "
+              f"{tps / base:>9.3f} {target:>7} {floor_s:>8.3f} {r.seconds / floor_s:>8.2f}"
+              f"{server}")
+    print(f"penalised: {', '.join(f'{k}={v}' for k, v in PENALTIES.items())}")
 
 
 def print_latency(rows: list[dict[str, Any]], new: int) -> None:
@@ -329,7 +365,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   for i in range(shape.batch)]
         # warm up at the full batch (its prefill and decode shapes), few tokens each
         llm.generate(prompts, [attrs.evolve(p, max_tokens=4) for p in params])
-        rows = [llm_generate(llm, prompts, params)]
+        penalised = [attrs.evolve(p, **PENALTIES) for p in params]
+        llm.generate(prompts, [attrs.evolve(p, max_tokens=4) for p in penalised])
+        rows = [llm_generate(llm, prompts, params),
+                llm_generate(llm, prompts, penalised, way=PENALISED_BOUND)]
         more, latency, wake = asyncio.run(served(llm, path, shape, prompts, params, args, vocab))
         rows += more
         # the first way again, last: what drifted during the run (clocks, memory) shows

@@ -46,7 +46,7 @@ timeout -s INT -k 30 "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -v -m gpu -p n
   -rfEs --tb=short ${GPU_TESTS:-$DEFAULT_GPU_TESTS} 2>&1 | tee "$LOG/gpu_tests.log" | grep -v " PASSED" | tail -40
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
-  benches=(bench_decode_attention bench_prefill bench_skinny_gemm bench_sampler bench_capture bench_e2e_decode bench_graph_end bench_nonfinite_check bench_sanitizer bench_gdn bench_gdn_conv bench_gdn_layer bench_pdl_gaps bench_moe bench_sleep_wake bench_weight_push_ipc bench_rollout bench_serving bench_deterministic bench_invariant_kernels bench_fp32_parity bench_numerics bench_fp8)
+  benches=(bench_decode_attention bench_prefill bench_skinny_gemm bench_sampler bench_capture bench_e2e_decode bench_graph_end bench_nonfinite_check bench_sanitizer bench_gdn bench_gdn_conv bench_gdn_layer bench_pdl_gaps bench_moe bench_sleep_wake bench_weight_push_ipc bench_rollout bench_serving bench_structured_outputs bench_deterministic bench_invariant_kernels bench_fp32_parity bench_numerics bench_fp8)
   [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode bench_tbo bench_weight_push_nccl)
 fi
 for bench in "${benches[@]}"; do

@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -23,25 +24,42 @@ def _session(url: str) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=None))
 
 
-def _body(route: str, prompt: list[int], new: int, seed: int, *, stream: bool = False
-          ) -> dict[str, Any]:
+def _body(route: str, prompt: list[int], new: int, seed: int, *, stream: bool = False,
+          penalties: dict[str, float] | None = None) -> dict[str, Any]:
+    """One request of the rollout as each protocol's client writes it. ``penalties``
+    (vLLM's names: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+    ``min_p``) go where each protocol takes them."""
+    extra = penalties or {}
     if route == "/generate":
         return {"input_ids": prompt, "stream": stream, "sampling_params": {
             "max_new_tokens": new, "temperature": 1.0, "sampling_seed": seed,
-            "ignore_eos": True}}
+            "ignore_eos": True, **extra}}
+    if route == "/inference/v1/generate":
+        # the body TRL's and verifiers' vLLM clients send (n, top_k, min_p,
+        # repetition_penalty and output_kind spelled out at their neutral values unless
+        # penalised), less ``logprobs``: no other row asks for them
+        return {"model": "served", "token_ids": prompt, "request_id": uuid.uuid4().hex,
+                "stream": stream, "sampling_params": {
+                    "n": 1, "temperature": 1.0, "seed": seed, "max_tokens": new,
+                    "ignore_eos": True, "repetition_penalty": 1.0, "top_k": 0,
+                    "min_p": 0.0, "output_kind": 2, **extra}}
     return {"model": "served", "prompt": prompt, "max_tokens": new, "temperature": 1.0,
-            "seed": seed, "ignore_eos": True, "stream": stream,
+            "seed": seed, "ignore_eos": True, "stream": stream, **extra,
             **({"stream_options": {"include_usage": True}} if stream else {})}
 
 
 def _completion_tokens(route: str, answer: dict[str, Any]) -> int:
     if route == "/generate":
         return len(answer["output_ids"])
+    if route == "/inference/v1/generate":
+        return sum(len(choice["token_ids"]) for choice in answer["choices"])
     return int(answer["usage"]["completion_tokens"])
 
 
-def rollout(url: str, route: str, prompts: list[list[int]], new: int) -> tuple[float, int]:
-    """Send every prompt at once (seed ``i`` for prompt ``i``) and wait for all answers;
+def rollout(url: str, route: str, prompts: list[list[int]], new: int,
+            penalties: dict[str, float] | None = None) -> tuple[float, int]:
+    """Send every prompt at once (seed ``i`` for prompt ``i``, ``penalties`` as
+    :func:`_body` places them) and wait for all answers;
     (seconds from the first send to the last answer, completion tokens). The pool's
     connections are opened first, by as many one-token requests at once.
 
@@ -52,7 +70,8 @@ def rollout(url: str, route: str, prompts: list[list[int]], new: int) -> tuple[f
     async def run() -> tuple[float, int]:
         async with _session(url) as client:
             async def one(i: int, prompt: list[int], tokens: int = new) -> int:
-                async with client.post(route, json=_body(route, prompt, tokens, i)) as r:
+                body = _body(route, prompt, tokens, i, penalties=penalties)
+                async with client.post(route, json=body) as r:
                     r.raise_for_status()
                     return _completion_tokens(route, await r.json())
 

@@ -1,6 +1,6 @@
 """benchmarks/bench_serving.py runs end to end on the CPU (``--small``): every way of
-driving the engine generates every token, the latency load answers every request, and
-the wake cycle over HTTP ends in a first token."""
+driving the engine, plain and penalised, generates every token, the latency load
+answers every request, and the wake cycle over HTTP ends in a first token."""
 
 from __future__ import annotations
 
@@ -20,8 +20,14 @@ def test_the_small_serving_benchmark_drives_one_engine_every_way(capsys) -> None
         sys.path.remove(str(BENCHMARKS))
     shape = bench_serving.SMALL
     ways = [r.way for r in got["rows"]]
-    assert ways == ["LLM.generate", f"AsyncLLM, {shape.batch} calls", "HTTP /generate",
-                    "HTTP /v1/completions", "LLM.generate, again"]
+    assert ways == ["LLM.generate", "LLM.generate, penalised", f"AsyncLLM, {shape.batch} calls",
+                    "HTTP /generate", "HTTP /v1/completions", "HTTP /inference/v1/generate",
+                    "HTTP /inference/v1/generate, penalised", "HTTP /v1/completions, penalised",
+                    "LLM.generate, again"]
+    # each penalised row is held to the penalised LLM.generate, every other to the plain one
+    assert [r.bound for r in got["rows"]] == [
+        "LLM.generate" if "penalised" not in r.way or r.way.startswith("LLM")
+        else "LLM.generate, penalised" for r in got["rows"]]
     for row in got["rows"]:
         assert row.tokens == shape.batch * shape.new and row.seconds > 0, row
         # the server's own window of an HTTP batch lies inside the client's
@@ -35,4 +41,5 @@ def test_the_small_serving_benchmark_drives_one_engine_every_way(capsys) -> None
     wake = got["wake"]
     assert 0 < wake["first token"] < wake["wake_to_first_token"]
     out = capsys.readouterr().out
-    assert "vs LLM.generate" in out and "TTFT p50 ms" in out and "wake_to_first_token" in out
+    assert "vs bound" in out and "penalised: repetition_penalty" in out
+    assert "TTFT p50 ms" in out and "wake_to_first_token" in out
