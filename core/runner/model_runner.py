@@ -197,6 +197,10 @@ class ModelRunner:
         )
         self.max_tokens = max(self.max_num_batched_tokens, sched.max_num_seqs)
         self.num_slots = sched.max_num_seqs + 1  # the last slot is a scratch slot
+        #: "fp8" or None: the projections' weight storage (``layers/fp8/``); judged
+        #: before the process-wide choices below, so a refused config changes none
+        self.quantization = resolve_quantization(config.quantization, hf_config,
+                                                 deterministic=config.deterministic)
         # The layers' kernel choices are the process's: this rank's config sets them
         # before anything is built that asks (the backends, the graphs' sampling).
         choose_kernels(config.kernels)
@@ -212,9 +216,6 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             _create_library_workspaces(self.device, self.dtype)
-        #: "fp8" or None: the projections' weight storage (``layers/fp8/``)
-        self.quantization = resolve_quantization(config.quantization, hf_config,
-                                                 deterministic=config.deterministic)
         with building_with(self.quantization):
             self.model, self.tokenizer, self.model_config = load_model(
                 self.model_path,

@@ -139,3 +139,15 @@ def test_the_checksum_covers_the_experts_fp8_bytes_and_scales(ckpts) -> None:
 def test_deterministic_mode_still_refuses_fp8_experts(ckpts) -> None:
     with pytest.raises(ConfigError, match="deterministic=True with quantization='fp8'"):
         LLM(model=ckpts["fp8_a"], deterministic=True, **SETTINGS)
+
+
+def test_a_refused_deterministic_fp8_engine_leaves_the_process_choices_as_they_were(
+        ckpts) -> None:
+    """The refusal comes before the engine sets the process's layer choices: the layers
+    built afterwards outside any engine take their default products."""
+    from kvrunner.layers.fused.dispatch import batch_invariant
+
+    assert not batch_invariant()
+    with pytest.raises(ConfigError):
+        LLM(model=ckpts["fp8_a"], deterministic=True, **SETTINGS)
+    assert not batch_invariant()
