@@ -341,6 +341,7 @@ class LLM:
         shapes: Seq[Seq[int]], ipc_handles: Any = None, *,
         ipc_handles_pickled: str | bytes | None = None,
         tensor_sizes: Seq[int] | None = None, packed: bool | None = None,
+        element_sizes: Seq[int] | None = None,
         check_finite: bool = True, weight_version: WeightVersion | None = None,
         reset_prefix_cache: bool = True,
     ) -> int:
@@ -348,7 +349,8 @@ class LLM:
         transfer sends them (:mod:`kvrunner.weight_sync.ipc_handles`): the announced
         ``names``, ``dtype_names`` and ``shapes``, and either ``ipc_handles`` (what
         ``reduce_tensor`` made, keyed by GPU UUID: a list, one per tensor, or one dict
-        for a packed ``uint8`` buffer with ``tensor_sizes``) or the same pickled and
+        for a packed ``uint8`` buffer with ``tensor_sizes``, or, as SkyRL packs it, for
+        a buffer of the tensors' one dtype with ``element_sizes``) or the same pickled and
         base64-encoded (``ipc_handles_pickled``, read by a reader that resolves torch's
         CUDA rebuild and nothing else). Each rank opens the handles of its own GPU
         (one for another GPU is refused naming both UUIDs) and takes its shard. A
@@ -365,7 +367,8 @@ class LLM:
 
         update = IpcUpdate.of(names, dtype_names, shapes, ipc_handles=ipc_handles,
                               ipc_handles_pickled=ipc_handles_pickled,
-                              tensor_sizes=tensor_sizes, packed=packed)
+                              tensor_sizes=tensor_sizes, packed=packed,
+                              element_sizes=element_sizes)
         return self._sleep_wake.update_weights_from_ipc_handles(
             update, check_finite=check_finite, weight_version=weight_version,
             reset_prefix_cache=reset_prefix_cache)

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from kvrunner.serve import (
     checker_routes,
+    collective_rpc_routes,
     control_routes,
     generate_routes,
     info_routes,
@@ -60,8 +61,8 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, *, model_path: Path | N
     )
     install_error_handlers(app)
     for module in (openai_routes, token_routes, generate_routes, control_routes, vllm_routes,
-                   weight_routes, weight_transfer_routes, checker_routes, info_routes,
-                   load_routes, metrics):
+                   weight_routes, weight_transfer_routes, collective_rpc_routes,
+                   checker_routes, info_routes, load_routes, metrics):
         app.include_router(module.router)
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)

@@ -165,7 +165,7 @@ class Packing:
     buffer_bytes: int
 
 
-def _state(request: Request) -> ServerState:
+def transfer_state(request: Request) -> ServerState:
     state = request.app.state.server
     if state.settings.weight_transfer_backend is None:
         raise APIError(400, "this server has no weight-transfer engine: start it with "
@@ -175,7 +175,7 @@ def _state(request: Request) -> ServerState:
     return state
 
 
-async def _engine_call(coro: Any) -> Any:
+async def transfer_call(coro: Any) -> Any:
     try:
         return await coro
     except WeightSyncError as e:
@@ -188,13 +188,13 @@ async def _engine_call(coro: Any) -> Any:
 async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     """Join every engine rank to the trainer's weight-update group (returns once the
     trainer's rank 0 has joined too); the ``ipc`` backend has nothing to set up."""
-    state = _state(request)
+    state = transfer_state(request)
     if state.settings.weight_transfer_backend == "ipc":
         await parse_body(request, IpcInitWeightTransferRequest)
         return {"message": "Weight transfer initialized"}
     info = (await parse_body(request, InitWeightTransferRequest)).init_info
     backend = "nccl" if state.engine.device.startswith("cuda") else "gloo"
-    await _engine_call(state.engine.init_weights_update_group(
+    await transfer_call(state.engine.init_weights_update_group(
         info.master_address, info.master_port, info.rank_offset, info.world_size,
         backend=backend, group_name=GROUP_NAME, timeout_s=info.timeout_s))
     state.weight_transfer = Packing(info.packed, info.packed_buffer_size_bytes)
@@ -205,13 +205,13 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
 async def start_weight_update(request: Request) -> dict[str, Any]:
     """Open one weight update: the ``/update_weights`` calls until
     ``/finish_weight_update`` are its parts."""
-    state = _state(request)
+    state = transfer_state(request)
     body = await parse_body(request, StartWeightUpdateRequest, optional=True)
     if not body.is_checkpoint_format:
         raise APIError(400, "is_checkpoint_format: kvrunner loads tensors under the "
                        "checkpoint's names only (false, vLLM's kernel layout, is not "
                        "served)", param="is_checkpoint_format")
-    await _engine_call(state.engine.start_weight_update())
+    await transfer_call(state.engine.start_weight_update())
     return {"message": "Weight update started"}
 
 
@@ -219,43 +219,50 @@ async def start_weight_update(request: Request) -> dict[str, Any]:
 async def update_weights(request: Request) -> dict[str, Any]:
     """Receive the announced tensors from the group's rank 0 (``nccl``) or open the
     colocated trainer's IPC handles (``ipc``) and load them."""
-    state = _state(request)
+    state = transfer_state(request)
     if state.settings.weight_transfer_backend == "ipc":
         return await _update_from_ipc_handles(state, request)
     info = (await parse_body(request, UpdateWeightsRequest)).update_info
-    _check_info(info)
-    packing = state.weight_transfer
-    if packing is None:
-        raise APIError(400, "no weight-transfer group: POST /init_weight_transfer_engine "
-                       "first", param="update_info")
-    packed = packing.packed if info.packed is None else info.packed
-    buffer_bytes = info.packed_buffer_size_bytes or packing.buffer_bytes
-    loaded = await _engine_call(state.engine.update_weights_from_distributed(
-        info.names, info.dtype_names, info.shapes,
-        packed_bytes=buffer_bytes if packed else None))
+    loaded = await receive_from_group(state, info, "update_info")
     return {"message": "Weights updated", "loaded": loaded}
 
 
-def _check_info(info: UpdateInfoBase) -> None:
+async def receive_from_group(state: ServerState, info: NcclUpdateInfo, field: str) -> int:
+    """Receive ``info``'s tensors from the weight-transfer group's rank 0 and load
+    them (``field`` names where the info came in, for the errors); returns how many
+    loaded."""
+    check_update_info(info, field)
+    packing = state.weight_transfer
+    if packing is None:
+        raise APIError(400, "no weight-transfer group: POST /init_weight_transfer_engine "
+                       "first", param=field)
+    packed = packing.packed if info.packed is None else info.packed
+    buffer_bytes = info.packed_buffer_size_bytes or packing.buffer_bytes
+    return await transfer_call(state.engine.update_weights_from_distributed(
+        info.names, info.dtype_names, info.shapes,
+        packed_bytes=buffer_bytes if packed else None))
+
+
+def check_update_info(info: UpdateInfoBase, field: str = "update_info") -> None:
     """Refuse what a model cannot say: lists of other lengths than ``names``, and the
-    base fields at a value kvrunner does not serve."""
+    base fields at a value kvrunner does not serve (``field`` names the info)."""
     names = info.names  # type: ignore[attr-defined]
-    for field in ("dtype_names", "shapes"):
-        if len(getattr(info, field)) != len(names):
-            raise APIError(400, f"update_info.{field} has {len(getattr(info, field))} "
-                           f"entries for {len(names)} names", param=f"update_info.{field}")
+    for name in ("dtype_names", "shapes"):
+        if len(getattr(info, name)) != len(names):
+            raise APIError(400, f"{field}.{name} has {len(getattr(info, name))} "
+                           f"entries for {len(names)} names", param=f"{field}.{name}")
     if not info.is_checkpoint_format:
-        raise APIError(400, "update_info.is_checkpoint_format: kvrunner loads tensors under "
+        raise APIError(400, f"{field}.is_checkpoint_format: kvrunner loads tensors under "
                        "the checkpoint's names only (false, vLLM's kernel layout, is not "
-                       "served)", param="update_info.is_checkpoint_format")
+                       "served)", param=f"{field}.is_checkpoint_format")
     if info.update_kind != "dense":
-        raise APIError(400, f"update_info.update_kind {info.update_kind!r}: kvrunner loads "
-                       f"whole tensors ('dense') only", param="update_info.update_kind")
+        raise APIError(400, f"{field}.update_kind {info.update_kind!r}: kvrunner loads "
+                       f"whole tensors ('dense') only", param=f"{field}.update_kind")
 
 
 async def _update_from_ipc_handles(state: ServerState, request: Request) -> dict[str, Any]:
     info = (await parse_body(request, IpcUpdateWeightsRequest)).update_info
-    _check_info(info)
+    check_update_info(info)
     if info.ipc_handles is not None:
         raise APIError(400, "update_info.ipc_handles: CUDA IPC handles cannot travel as "
                        "JSON; send them pickled and base64-encoded in ipc_handles_pickled, "
@@ -266,7 +273,7 @@ async def _update_from_ipc_handles(state: ServerState, request: Request) -> dict
     if info.tensor_sizes is not None and len(info.tensor_sizes) != len(info.names):
         raise APIError(400, f"update_info.tensor_sizes has {len(info.tensor_sizes)} entries "
                        f"for {len(info.names)} names", param="update_info.tensor_sizes")
-    loaded = await _engine_call(state.engine.update_weights_from_ipc_handles(
+    loaded = await transfer_call(state.engine.update_weights_from_ipc_handles(
         info.names, info.dtype_names, info.shapes,
         ipc_handles_pickled=info.ipc_handles_pickled, tensor_sizes=info.tensor_sizes,
         packed=info.packed))
@@ -276,14 +283,14 @@ async def _update_from_ipc_handles(state: ServerState, request: Request) -> dict
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict[str, Any]:
     """Close the open weight update; the served version becomes ``weight_version``."""
-    state = _state(request)
+    state = transfer_state(request)
     body = await parse_body(request, FinishWeightUpdateRequest, optional=True)
-    await _engine_call(state.engine.finish_weight_update(weight_version=body.weight_version))
+    await transfer_call(state.engine.finish_weight_update(weight_version=body.weight_version))
     return {"message": "Weight update finished"}
 
 
 @router.post("/start_draft_weight_update")
 async def start_draft_weight_update(request: Request) -> dict[str, Any]:
     """vLLM's update of a speculative draft model: kvrunner serves none."""
-    _state(request)
+    transfer_state(request)
     raise APIError(400, "start_draft_weight_update: kvrunner serves no draft model")

@@ -9,7 +9,10 @@ rebuild_cuda_tensor``, keyed by the UUID of the GPU that holds them. Two forms:
 
 * one handle per tensor: a list, entry ``i`` ``{gpu_uuid: handle}`` for ``names[i]``;
 * packed: one ``{gpu_uuid: handle}`` for a flat ``uint8`` buffer holding the
-  tensors' bytes back to back, ``tensor_sizes[i]`` bytes for ``names[i]``.
+  tensors' bytes back to back, ``tensor_sizes[i]`` bytes for ``names[i]``;
+* packed by elements (SkyRL's worker extension, ``update_weights_ipc``): one
+  ``{gpu_uuid: handle}`` for a flat buffer of the tensors' one dtype, ``sizes[i]``
+  elements for ``names[i]`` (``element_sizes`` here).
 
 A handle is ``(rebuild_cuda_tensor, args)`` (vLLM before its trainer engines, SkyRL)
 or ``args`` alone (vLLM since); ``args[6]`` is the sender's device index, which
@@ -69,16 +72,21 @@ class IpcUpdate:
     #: what the sender said of the form (vLLM's per-update ``packed``); None: the
     #: handles' form decides
     packed: bool | None = None
+    #: packed by elements: each tensor's element count in a buffer of their one dtype
+    #: (SkyRL's ``sizes``); exclusive with ``tensor_sizes``
+    element_sizes: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, names: Sequence[str], dtype_names: Sequence[str],
            shapes: Sequence[Sequence[int]], *, ipc_handles: Any = None,
            ipc_handles_pickled: str | bytes | None = None,
            tensor_sizes: Sequence[int] | None = None, packed: bool | None = None,
+           element_sizes: Sequence[int] | None = None,
            ) -> IpcUpdate:
         """An update from vLLM's fields: exactly one of ``ipc_handles`` (the objects
         ``reduce_tensor`` made, as vLLM's Ray client passes them; pickled here) and
-        ``ipc_handles_pickled`` (base64 text, as its HTTP client sends them)."""
+        ``ipc_handles_pickled`` (base64 text, as its HTTP client sends them); at most
+        one of ``tensor_sizes`` (bytes) and ``element_sizes`` (SkyRL's ``sizes``)."""
         if (ipc_handles is None) == (ipc_handles_pickled is None):
             raise WeightSyncError("give exactly one of ipc_handles and ipc_handles_pickled"
                                   if ipc_handles is not None else
@@ -89,12 +97,17 @@ class IpcUpdate:
             if len(values) != len(names):
                 raise WeightSyncError(f"update_info.{field} has {len(values)} entries for "
                                       f"{len(names)} names")
-        if tensor_sizes is not None and len(tensor_sizes) != len(names):
-            raise WeightSyncError(f"update_info.tensor_sizes has {len(tensor_sizes)} entries "
-                                  f"for {len(names)} names")
+        if tensor_sizes is not None and element_sizes is not None:
+            raise WeightSyncError("update_info gives both tensor_sizes (bytes) and sizes "
+                                  "(elements): give one")
+        for field, sizes in (("tensor_sizes", tensor_sizes), ("sizes", element_sizes)):
+            if sizes is not None and len(sizes) != len(names):
+                raise WeightSyncError(f"update_info.{field} has {len(sizes)} entries for "
+                                      f"{len(names)} names")
         return cls(tuple(names), tuple(dtype_names), tuple(tuple(s) for s in shapes),
                    ipc_handles_pickled,
-                   None if tensor_sizes is None else tuple(tensor_sizes), packed)
+                   None if tensor_sizes is None else tuple(tensor_sizes), packed,
+                   None if element_sizes is None else tuple(element_sizes))
 
     def specs(self) -> list[TensorSpec]:
         """The announced tensors (a dtype weights cannot have is refused by name)."""
@@ -110,6 +123,8 @@ class ReadHandles:
     #: per tensor: entry ``i`` maps each GPU UUID to the rebuild's arguments of
     #: ``names[i]``; packed: one entry, the buffer's
     entries: tuple[dict[str, tuple[Any, ...]], ...]
+    #: packed: each tensor's bytes in the buffer, in order
+    byte_sizes: tuple[int, ...] = ()
 
 
 def read_handles(update: IpcUpdate) -> ReadHandles:
@@ -144,9 +159,10 @@ def read_handles(update: IpcUpdate) -> ReadHandles:
         return ReadHandles(False, tuple(entries))
     by_gpu = _by_gpu(handles, "ipc_handles")
     sizes = _packed_sizes(update, specs)
+    element_dtype = _element_dtype(update, specs)
     for uuid, args in by_gpu.items():
-        _check_buffer(args, sum(sizes), f"ipc_handles for GPU {uuid}")
-    return ReadHandles(True, (by_gpu,))
+        _check_buffer(args, sum(sizes), f"ipc_handles for GPU {uuid}", element_dtype)
+    return ReadHandles(True, (by_gpu,), sizes)
 
 
 def gpu_uuid(device: torch.device) -> str | None:
@@ -193,7 +209,8 @@ def open_handles(update: IpcUpdate, device: torch.device, *, check_finite: bool,
             pairs.append((name, _rebuild(args, device, where)))
     else:
         args = own_handle(read.entries[0], uuid, str(device), "ipc_handles")
-        pairs = _unpacked(_rebuild(args, device, "ipc_handles"), update)
+        buffer = _rebuild(args, device, "ipc_handles").view(torch.uint8)
+        pairs = _unpacked(buffer, update, read.byte_sizes)
     if check_finite:
         check_finite = not all_finite([t for _, t in pairs])
     for name, tensor in pairs:
@@ -277,27 +294,62 @@ def _check_announced(args: tuple[Any, ...], spec: TensorSpec, where: str) -> Non
 
 
 def _packed_sizes(update: IpcUpdate, specs: list[TensorSpec]) -> tuple[int, ...]:
-    """The packed tensors' byte counts, each equal to what its dtype and shape need."""
-    if update.tensor_sizes is None:
+    """The packed tensors' byte counts, each equal to what its dtype and shape need
+    (given in bytes, ``tensor_sizes``, or in elements, ``sizes``)."""
+    if update.element_sizes is not None:
+        field, given, unit = "sizes", update.element_sizes, "elements"
+    elif update.tensor_sizes is not None:
+        field, given, unit = "tensor_sizes", update.tensor_sizes, "bytes"
+    else:
         raise WeightSyncError("ipc_handles holds one handle dict (the packed form), which "
                               "needs update_info.tensor_sizes (each tensor's bytes in the "
-                              "buffer)")
-    for i, (spec, size) in enumerate(zip(specs, update.tensor_sizes, strict=True)):
-        need = math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
+                              "buffer) or sizes (its elements)")
+    out = []
+    for i, (spec, size) in enumerate(zip(specs, given, strict=True)):
+        itemsize = DTYPES[spec.dtype].itemsize
+        need = math.prod(spec.shape) * (itemsize if unit == "bytes" else 1)
         if size != need:
-            raise WeightSyncError(f"tensor_sizes[{i}] ({spec.name!r}) is {size} bytes, but "
+            raise WeightSyncError(f"{field}[{i}] ({spec.name!r}) is {size} {unit}, but "
                                   f"{spec.dtype} {list(spec.shape)} is {need}")
-    return update.tensor_sizes
+        out.append(size if unit == "bytes" else size * itemsize)
+    return tuple(out)
 
 
-def _check_buffer(args: tuple[Any, ...], content: int, where: str) -> None:
+def _element_dtype(update: IpcUpdate, specs: list[TensorSpec]) -> torch.dtype | None:
+    """The one dtype of a buffer packed by elements (None: packed by bytes); every
+    announced tensor must be of it, since the sizes count its elements."""
+    if update.element_sizes is None or not specs:
+        return None
+    dtypes = sorted({spec.dtype for spec in specs})
+    if len(dtypes) > 1:
+        raise WeightSyncError(f"update_info.sizes counts elements of one dtype, but "
+                              f"dtype_names holds {dtypes}: a buffer packed by elements "
+                              f"holds tensors of one dtype")
+    return DTYPES[dtypes[0]]
+
+
+def _check_buffer(args: tuple[Any, ...], content: int, where: str,
+                  element_dtype: torch.dtype | None) -> None:
+    """A packed buffer's handle: flat, of ``uint8`` (by bytes) or of the tensors' one
+    dtype (by elements), and long enough for ``content`` bytes."""
     size, dtype = tuple(args[1]), args[5]
-    if dtype != torch.uint8 or len(size) != 1:
-        raise WeightSyncError(f"{where}: a packed buffer is a flat uint8 tensor, the handle "
-                              f"holds {str(dtype).removeprefix('torch.')} {list(size)}")
-    if size[0] < content:
-        raise WeightSyncError(f"{where}: tensor_sizes add up to {content} bytes, but the "
-                              f"buffer holds {size[0]}")
+    held = f"{str(dtype).removeprefix('torch.')} {list(size)}"
+    if element_dtype is None:
+        if dtype != torch.uint8 or len(size) != 1:
+            raise WeightSyncError(f"{where}: a packed buffer is a flat uint8 tensor, the "
+                                  f"handle holds {held}")
+        if size[0] < content:
+            raise WeightSyncError(f"{where}: tensor_sizes add up to {content} bytes, but "
+                                  f"the buffer holds {size[0]}")
+        return
+    name = str(element_dtype).removeprefix("torch.")
+    if dtype != element_dtype or len(size) != 1:
+        raise WeightSyncError(f"{where}: a buffer packed by elements (sizes) is a flat "
+                              f"{name} tensor, as dtype_names announce; the handle holds "
+                              f"{held}")
+    if size[0] * dtype.itemsize < content:
+        raise WeightSyncError(f"{where}: sizes add up to {content // dtype.itemsize} "
+                              f"elements, but the buffer holds {size[0]}")
 
 
 def _rebuild(args: tuple[Any, ...], device: torch.device, where: str) -> torch.Tensor:
@@ -311,12 +363,13 @@ def _rebuild(args: tuple[Any, ...], device: torch.device, where: str) -> torch.T
                               f"{type(e).__name__}: {e}") from None
 
 
-def _unpacked(buffer: torch.Tensor, update: IpcUpdate) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a packed buffer: views, or copies where a tensor's bytes start
-    off its dtype's alignment (vLLM packs without padding)."""
+def _unpacked(buffer: torch.Tensor, update: IpcUpdate, byte_sizes: tuple[int, ...],
+              ) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a packed buffer (its bytes): views, or copies where a tensor's
+    bytes start off its dtype's alignment (vLLM packs without padding)."""
     pairs, start = [], 0
     for name, dtype_name, shape, size in zip(update.names, update.dtype_names, update.shapes,
-                                             update.tensor_sizes or (), strict=True):
+                                             byte_sizes, strict=True):
         dtype = DTYPES[str(dtype_name).removeprefix("torch.")]
         part = buffer[start:start + size]
         if start % dtype.itemsize:

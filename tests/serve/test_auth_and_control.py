@@ -21,6 +21,7 @@ CONTROL_ROUTES = [
     ("POST", "/sleep?level=1", None),
     ("POST", "/wake_up", None),
     ("POST", "/reset_prefix_cache", None),
+    ("POST", "/collective_rpc", {"method": "skyrl_finish_weight_update"}),
 ]
 GUARDED = ["/health", "/metrics", "/v1/models", "/server_info", "/no/such/route"]
 

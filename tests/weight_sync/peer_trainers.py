@@ -38,6 +38,30 @@ order, with its bodies.
   vLLM's ``trainer_init`` (``StatelessProcessGroup`` and ``PyNcclCommunicator``,
   CUDA only); on the CPU the trainer joins the engine's group as torch's tcp://
   rendezvous meets it, over gloo.
+* ``skyrl_broadcast``: SkyRL (NovaSky-AI/SkyRL) a9564572eb8e91076be43c1bd5e4615e3de17265,
+  ``skyrl/backends/skyrl_train/workers/worker.py`` (``init_weight_sync_state``: the
+  world size from ``/get_world_size``, the sender's group joined while
+  ``init_weight_update_communicator`` posts ``/init_weight_transfer_engine``),
+  ``workers/worker_dispatch.py`` (``save_weights_for_sampler``, not colocated: a keep
+  pause around the push), ``weight_sync/broadcast_strategy.py``
+  (``BroadcastInitInfo.to_api_payload``, ``_send_chunks_vllm_native``: start, one
+  ``update_weights_nccl`` of every tensor with ``packed: true`` while vLLM's
+  ``trainer_send_weights`` broadcasts them packed, finish), ``workers/fsdp/
+  fsdp_worker.py`` (``broadcast_to_inference_engines``: every tensor in the generator
+  dtype, then ``reset_prefix_cache(reset_running_requests=True)``); with
+  ``offload_kv``, ``worker_dispatch.py``'s fully async sequence inside the pause
+  (``sleep_for_weight_sync``, ``wake_for_weight_sync(["weights"])``, the push,
+  ``wake_for_weight_sync(["kv_cache"])``). Each call's route
+  and body from ``inference_servers/remote_inference_client.py``. The group is vLLM's
+  ``trainer_init`` there; here, as for ``trl_vllm``, torch's tcp:// rendezvous over gloo.
+* ``skyrl_ipc``: the same commit, colocated: ``weight_sync/cuda_ipc_strategy.py``
+  (``CudaIpcInitInfo.to_api_payload``: ``{}``; ``_send_chunks_vllm_native`` on one
+  trainer rank: start, per chunk the tensors copied into one flat buffer of the
+  generator dtype, ``reduce_tensor`` of it keyed by the GPU's UUID, pickled and
+  base64-encoded, posted with ``sizes`` in elements to ``update_weights_ipc``; finish),
+  around it ``worker_dispatch.py``'s colocated wake (``/wake_up?tags=weights``, the
+  push, ``/wake_up?tags=kv_cache``) after the trainer loop's ``/sleep?level=2``. CUDA
+  only.
 
 Run as ``python peer_trainers.py '<job as JSON>'``; prints one JSON line per step.
 """
@@ -361,8 +385,97 @@ def trl_vllm(server: Server, job: dict[str, Any]) -> None:
     dist.destroy_process_group(group.process_group)
 
 
+def skyrl_rpc(server: Server, method: str, **kwargs: Any) -> dict[str, Any]:
+    """SkyRL's ``RemoteInferenceClient`` calling its worker extension: the body it
+    posts to vLLM's ``/collective_rpc`` (``kwargs`` left out when it sends none)."""
+    return server.post("collective_rpc", {"method": method, "kwargs": kwargs} if kwargs
+                       else {"method": method})
+
+
+def skyrl_broadcast(server: Server, job: dict[str, Any]) -> None:
+    world_size = server.get("get_world_size")["world_size"] + 1   # + the trainer's rank 0
+    init_info = {"master_address": "127.0.0.1", "master_port": job["port"],
+                 "rank_offset": 1, "world_size": world_size}
+    pending = server.post_in_thread("init_weight_transfer_engine", {"init_info": init_info})
+    group = Communicator(trainers_group(backend="gloo", address="127.0.0.1",
+                                        port=job["port"], world_size=world_size,
+                                        group_name="kvrunner_weights"))
+    say(step="init", answer=pending.result())
+
+    dtype = getattr(torch, job["dtype"])
+    pairs = [(n, t.to(dtype)) for n, t in pushed_tensors(job["path"], False)]
+    metadata = {"names": [n for n, _ in pairs],
+                "dtype_names": [job["dtype"]] * len(pairs),
+                "shapes": [list(t.shape) for _, t in pairs]}
+    say(step="pause", answer=server.post("pause?mode=keep&clear_cache=false"))
+    if job["offload_kv"]:  # offload_kv_for_weight_sync under the fully async trainer
+        say(step="sleep", answer=skyrl_rpc(server, "skyrl_sleep_for_weight_sync",
+                                           offload_kv=True))
+        say(step="wake_weights", answer=skyrl_rpc(server, "skyrl_wake_for_weight_sync",
+                                                  tags=["weights"]))
+    say(step="start", answer=skyrl_rpc(server, "skyrl_start_weight_update",
+                                       is_checkpoint_format=True))
+    update = server.post_in_thread("collective_rpc", {
+        "method": "update_weights_nccl",
+        "kwargs": {"update_info": {**metadata, "packed": True}}})
+    # trainer_send_weights(trainer_args={"group": ..., "packed": True}): vLLM's default
+    # chunk size, which the engine assumes too (no size is announced)
+    packed_nccl_broadcast_producer(iter(pairs), group, 0, lambda item: item[1])
+    say(step="update", answer=update.result())
+    say(step="finish", answer=skyrl_rpc(server, "skyrl_finish_weight_update"))
+    if not job["offload_kv"]:  # the fully async trainer keeps the KV it offloads
+        say(step="reset", answer=server.post("reset_prefix_cache",
+                                             {"reset_running_requests": True}))
+    else:
+        say(step="wake_kv", answer=skyrl_rpc(server, "skyrl_wake_for_weight_sync",
+                                             tags=["kv_cache"]))
+    say(step="resume", answer=server.post("resume"))
+    dist.destroy_process_group(group.process_group)
+
+
+def skyrl_ipc(server: Server, job: dict[str, Any]) -> None:
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    device = torch.cuda.current_device()
+    gpu_uuid = str(torch.cuda.get_device_properties(device).uuid)
+    dtype = getattr(torch, job["dtype"])
+    say(step="init", answer=server.post("init_weight_transfer_engine", {"init_info": {}}))
+    say(step="sleep", answer=server.post("sleep?level=2"))
+    say(step="wake_weights", answer=server.post("wake_up?tags=weights"))
+    say(step="start", answer=skyrl_rpc(server, "skyrl_start_weight_update",
+                                       is_checkpoint_format=True))
+    pairs = [(n, t.to(device)) for n, t in pushed_tensors(job["path"], False)]
+    for chunk in chunks(pairs, job["chunks"]):
+        names, dtype_names, shapes, sizes = [], [], [], []
+        packed_tensor = torch.empty(sum(t.numel() for _, t in chunk), device=device,
+                                    dtype=dtype, requires_grad=False)
+        offset = 0
+        for name, tensor in chunk:
+            size = tensor.numel()
+            packed_tensor[offset:offset + size].copy_(tensor.detach().reshape(-1))
+            offset += size
+            names.append(name)
+            dtype_names.append(job["dtype"])
+            shapes.append(list(tensor.shape))
+            sizes.append(size)
+        merged_handles = {gpu_uuid: reduce_tensor(packed_tensor)}
+        torch.cuda.synchronize()
+        pickled = base64.b64encode(pickle.dumps(merged_handles)).decode("utf-8")
+        say(step="chunk", answer=skyrl_rpc(server, "update_weights_ipc", update_info={
+            "names": names, "dtype_names": dtype_names, "shapes": shapes, "sizes": sizes,
+            "ipc_handles_pickled": pickled}))
+        del packed_tensor  # kept past the answer, as SkyRL keeps it past its barrier
+        torch.cuda.ipc_collect()
+        torch.cuda.synchronize()
+    say(step="finish", answer=skyrl_rpc(server, "skyrl_finish_weight_update"))
+    say(step="wake_kv", answer=server.post("wake_up?tags=kv_cache"))
+
+
 JOBS = {"areal": areal, "slime_group": slime_group, "slime_tensor": slime_tensor,
-        "sglang_pairs": sglang_pairs, "trl_vllm": trl_vllm}
+        "sglang_pairs": sglang_pairs, "trl_vllm": trl_vllm,
+        "skyrl_broadcast": skyrl_broadcast, "skyrl_ipc": skyrl_ipc}
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])

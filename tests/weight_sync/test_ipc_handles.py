@@ -17,7 +17,15 @@ import pytest
 import torch
 from push_kit import tokens
 from trainer_process import checkpoint_tensors
-from vllm_ipc_payloads import OTHER_GPU, TRAINER_GPU, b64, cuda_args, packed, per_tensor
+from vllm_ipc_payloads import (
+    OTHER_GPU,
+    TRAINER_GPU,
+    b64,
+    cuda_args,
+    packed,
+    per_tensor,
+    skyrl_packed,
+)
 
 from kvrunner.errors import WeightUpdateError
 from kvrunner.weight_sync import WeightSyncError
@@ -30,7 +38,8 @@ SPECS = [("a", "bfloat16", [4, 8]), ("b", "float32", [8]), ("c", "float16", [3, 
 def update(info: dict[str, Any]) -> IpcUpdate:
     return IpcUpdate.of(info["names"], info["dtype_names"], info["shapes"],
                         ipc_handles_pickled=info["ipc_handles_pickled"],
-                        tensor_sizes=info.get("tensor_sizes"), packed=info.get("packed"))
+                        tensor_sizes=info.get("tensor_sizes"), packed=info.get("packed"),
+                        element_sizes=info.get("sizes"))
 
 
 def with_handles(handles: Any, specs: list[tuple[str, str, list[int]]] = SPECS,
@@ -152,6 +161,37 @@ def test_a_handle_other_than_announced_is_refused(dtype, shape, says) -> None:
 ])
 def test_a_packed_update_is_checked_against_its_sizes(change, message) -> None:
     body = packed(SPECS)
+    change(body)
+    with pytest.raises(WeightSyncError, match=message):
+        read_handles(update(body))
+
+
+SKYRL_SPECS = [("a", "bfloat16", [4, 8]), ("b", "bfloat16", [8]), ("c", "bfloat16", [3, 5])]
+
+
+def test_skyrls_chunk_packed_by_elements_is_read_as_byte_sizes() -> None:
+    read = read_handles(update(skyrl_packed(SKYRL_SPECS)))
+    assert read.packed and read.entries[0][TRAINER_GPU][5] == torch.bfloat16
+    assert read.byte_sizes == (64, 16, 30)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda b: b["sizes"].__setitem__(1, 9), r"sizes\[1\] \('b'\) is 9 elements, but "
+                                             r"bfloat16 \[8\] is 8"),
+    (lambda b: b.update(ipc_handles_pickled=b64({TRAINER_GPU: cuda_args([50],
+                                                                        torch.bfloat16)})),
+     "sizes add up to 55 elements, but the buffer holds 50"),
+    (lambda b: b.update(ipc_handles_pickled=b64({TRAINER_GPU: cuda_args([55],
+                                                                        torch.float32)})),
+     r"a buffer packed by elements \(sizes\) is a flat bfloat16 tensor, as dtype_names "
+     r"announce; the handle holds float32 \[55\]"),
+    (lambda b: b["dtype_names"].__setitem__(2, "float32"),
+     r"sizes counts elements of one dtype, but dtype_names holds \['bfloat16', 'float32'\]"),
+    (lambda b: b.update(tensor_sizes=[64, 16, 30]), "both tensor_sizes .* and sizes"),
+    (lambda b: b["sizes"].pop(), "update_info.sizes has 2 entries for 3 names"),
+])
+def test_skyrls_chunk_is_checked_against_its_element_sizes(change, message) -> None:
+    body = skyrl_packed(SKYRL_SPECS)
     change(body)
     with pytest.raises(WeightSyncError, match=message):
         read_handles(update(body))

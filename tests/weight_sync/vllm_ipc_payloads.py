@@ -1,8 +1,8 @@
-"""``update_info`` bodies of vLLM's IPC weight transfer, built as its senders build
-them, for the CPU tests: the handles are the arguments torch's ``reduce_tensor``
-gives a CUDA tensor, with stand-in IPC handle bytes (no CPU can make or open a
-real one), so everything but opening them is exercised. The GPU tests
-(test_ipc_handles_gpu.py) make real ones in a trainer process."""
+"""``update_info`` bodies of vLLM's IPC weight transfer and SkyRL's IPC chunks, built
+as their senders build them, for the CPU tests: the handles are the arguments torch's
+``reduce_tensor`` gives a CUDA tensor, with stand-in IPC handle bytes (no CPU can make
+or open a real one), so everything but opening them is exercised. The GPU tests
+(test_ipc_handles_gpu.py, test_skyrl_ipc_gpu.py) make real ones in a trainer process."""
 
 from __future__ import annotations
 
@@ -54,3 +54,16 @@ def packed(specs: list[tuple[str, str, list[int]]], *, buffer_bytes: int | None 
     return {"names": [n for n, _, _ in specs], "dtype_names": [d for _, d, _ in specs],
             "shapes": [s for _, _, s in specs], "tensor_sizes": sizes,
             "ipc_handles_pickled": b64({gpu: buffer})}
+
+
+def skyrl_packed(specs: list[tuple[str, str, list[int]]], *, buffer_elements: int | None = None,
+                 gpu: str = TRAINER_GPU) -> dict[str, Any]:
+    """SkyRL's ``update_weights_ipc`` chunk (``CudaIpcWeightTransferSender``): one
+    ``{gpu: (rebuild_cuda_tensor, args)}`` for a flat buffer of the chunk's one dtype,
+    each tensor's element count in ``sizes``."""
+    sizes = [math.prod(shape) for _, _, shape in specs]
+    dtype = getattr(torch, specs[0][1])
+    buffer = cuda_args([buffer_elements or sum(sizes)], dtype)
+    return {"names": [n for n, _, _ in specs], "dtype_names": [d for _, d, _ in specs],
+            "shapes": [s for _, _, s in specs], "sizes": sizes,
+            "ipc_handles_pickled": b64({gpu: (rebuild_cuda_tensor, buffer)})}
