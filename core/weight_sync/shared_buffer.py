@@ -72,7 +72,13 @@ class SharedBuffer:
 
     def close(self) -> None:
         """Free the buffer (the engine must be done with it: every bucket acknowledged)."""
+        cuda = self.tensor.is_cuda
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        if cuda:
+            # torch keeps a block it shared through CUDA IPC until the consumer lets go
+            # (the engine unmaps its buffers before it answers the push's end) and it
+            # is collected: without this the trainer holds the buffers after close()
+            torch.cuda.ipc_collect()
         if self._shm is not None:
             self._finalizer()
             self._shm = None

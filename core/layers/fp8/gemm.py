@@ -59,13 +59,15 @@ def _is_sm90(index: int | None) -> bool:
 
 def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> ``(q [M, K] e4m3, scales [M, K / 128] float32)``, one scale per
-    token and 128 columns, by the weights' rule (``amax / 448``, 1 for a zero group);
+    token and 128 columns, ``amax x (1 / 448)`` (1 for a zero group);
     the scales laid out column-major, as ``scaled_mm``'s 1 x 128 recipe reads them.
     The reference of the Triton kernel the CUDA path runs
     (``layers/fp8/token_groups_triton.py``)."""
     m, k = x.shape
     groups = x.float().view(m, k // BLOCK, BLOCK)
-    scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    # times the float32 reciprocal, as CUDA torch computes a division by a number: the
+    # scales are then the same bits on every device and in the Triton kernel
+    scale = groups.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (groups / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
     return q, scale.view(m, k // BLOCK).t().contiguous().t()

@@ -1,12 +1,13 @@
 """Triton kernel: activations quantized to e4m3 per token and per 128 columns, the
 input of the FP8 w8a8 product (``layers/fp8/gemm.py``).
 
-One program per (row, group): it reads the group once, takes ``amax / 448`` as the
-group's scale (1 for an all-zero group) and writes the quantized bytes and the scale,
-where the torch path (:func:`~kvrunner.layers.fp8.gemm.quantize_token_groups`, the
-reference) spends a launch on each of its nine steps. Both divisions are IEEE-rounded
-(``div_rn``) and the cast to e4m3 rounds to nearest even with saturation, as torch's
-does, so on the GPU the bytes and scales equal the reference's bit for bit. (Triton's
+One program per (row, group): it reads the group once, takes ``amax x (1 / 448)`` as
+the group's scale (1 for an all-zero group) and writes the quantized bytes and the
+scale, where the torch path (:func:`~kvrunner.layers.fp8.gemm.quantize_token_groups`,
+the reference) spends a launch on each of its nine steps. The scale is the same float32
+product the reference takes, the division by it is IEEE-rounded (``div_rn``) and the
+cast to e4m3 rounds to nearest even with saturation, as torch's does, so on the GPU the
+bytes and scales equal the reference's bit for bit. (Triton's
 interpreter rounds to e4m3 ties-away, so the equality is checked on the GPU only.)
 """
 
@@ -21,13 +22,14 @@ from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX
 
 @triton.jit
 def _token_group_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, M,
-                              GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr):  # fmt: skip
+                              GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                              INV_LIMIT: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.math.div_rn(amax, FP8_LIMIT)
+    scale = amax * INV_LIMIT
     scale = tl.where(scale > 0, scale, 1.0)
     q = tl.math.div_rn(x, scale)
     q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
@@ -48,5 +50,6 @@ def quantize_token_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if m:
         _token_group_quant_kernel[(m, k // BLOCK)](x, q, scales, x.stride(0), q.stride(0), m,
                                                    GROUP=BLOCK, FP8_LIMIT=FP8_MAX,
+                                                   INV_LIMIT=1.0 / FP8_MAX,
                                                    num_warps=1)
     return q, scales.t()
