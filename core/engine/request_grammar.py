@@ -49,11 +49,11 @@ class RequestGrammar:
         self.matcher.fill_next_token_bitmask(bits, row)
 
     def catch_up(self) -> Literal["stop", "error"] | None:
-        """Feed the matcher the output tokens it has not read (those after the reasoning's
-        end, when the request reasons); returns None while the
-        grammar goes on, ``"stop"`` once it is complete (the token that ends it was
-        taken: nothing after it is fed), ``"error"`` for a token the grammar refuses
-        (:attr:`error` names it; the mask allowed no such token, so this is a fault)."""
+        """Feed the matcher the output tokens it has not read (only those after the
+        reasoning's end, when the request reasons); returns None while the grammar goes
+        on, ``"stop"`` once it is complete (the token that ends it was taken: nothing
+        after it is fed), ``"error"`` for a token the grammar refuses (:attr:`error`
+        names it; the mask allowed no such token, so this is a fault)."""
         seq = self.seq
         start = seq.num_prompt_tokens + self.fed
         new = seq.token_ids[start:]

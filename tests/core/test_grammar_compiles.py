@@ -75,7 +75,7 @@ def test_compiling_grammar_releases_the_gil(llm) -> None:
     worker.start()
     beside = count(0, until=lambda: bool(done))
     worker.join()
-    assert beside > 0.3 * alone, (alone, beside)
+    assert beside > 0.1 * alone, (alone, beside)  # held, it would be next to nothing
 
 
 def test_an_unconstrained_request_runs_its_course_while_a_slow_grammar_compiles(llm) -> None:
