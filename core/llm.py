@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from kvrunner.call_guard import exclusive
 from kvrunner.config import EngineConfig
 from kvrunner.engine.cache_salt import WeightVersion
+from kvrunner.engine.grammar_compiler import parse_constraint
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.errors import RequestError
 from kvrunner.outputs import RequestOutput
@@ -154,7 +155,8 @@ class LLM:
 
         Every prompt is checked before any is queued, so a bad one raises a
         :class:`~kvrunner.errors.RequestError` (a ``ValueError``) naming it and leaves
-        the engine as it was.
+        the engine as it was; a ``structured_outputs`` constraint is parsed here for
+        that (the compile against the vocabulary runs off this thread, once queued).
         """
         self.executor.check()  # a group that failed earlier says so, naming the rank
         self.sleep_state.require_servable("generate")
@@ -170,6 +172,9 @@ class LLM:
                                        f"prompt dict and as generate's cache_salt)")
                 salts[i] = own
         token_lists = [prompt_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
+        for i, sp in enumerate(params):
+            if sp.structured_outputs is not None:
+                parse_constraint(sp.structured_outputs, name=f"request {i}: ")
         groups = [
             self.engine.make_group(ids, sp, i, cache_salt=salt)
             for i, (ids, sp, salt) in enumerate(zip(token_lists, params, salts, strict=True))

@@ -252,6 +252,11 @@ class SamplingParams:
     complete and its stop token drawn. As in vLLM, the logprobs returned for such a
     request, in every ``logprobs_mode``, are of the masked logits. It needs the
     ``xgrammar`` package (``kvrunner[structured]``) and the model's tokenizer.
+    ``reasoning_end_token_id`` lets a reasoning model think first, as vLLM's reasoning
+    parser does: the constraint applies only after the output holds that token (Qwen3's
+    ``</think>``); the tokens up to and including it are drawn unmasked and are not fed
+    to the grammar. ``kvrunner serve`` sets it when its ``--reasoning-parser`` is on and
+    the request's thinking is enabled.
 
     :raises RequestError: naming the field, for a value of the wrong type or range.
     """
@@ -297,6 +302,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = attrs.field(
         default=None, converter=StructuredOutputsParams.of
     )
+    #: the token that ends the reasoning: ``structured_outputs`` applies after it; None:
+    #: from the first output token
+    reasoning_end_token_id: int | None = attrs.field(
+        default=None, validator=_int_field(minimum=0, optional=True)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -309,6 +319,12 @@ class SamplingParams:
             raise RequestError(
                 f"SamplingParams.min_tokens={self.min_tokens} must be at most "
                 f"max_tokens={self.max_tokens}"
+            )
+        if self.reasoning_end_token_id is not None and self.structured_outputs is None:
+            raise RequestError(
+                f"SamplingParams.reasoning_end_token_id={self.reasoning_end_token_id} says "
+                f"where structured_outputs starts to apply, but the request has no "
+                f"structured_outputs"
             )
 
     @property

@@ -9,10 +9,12 @@ older ``{"structures": [...], "triggers": [...]}``). ``disable_any_whitespace`` 
 JSON constraint allow no free whitespace between its tokens.
 
 The fields are checked for their types and for naming exactly one constraint when
-the object is built; whether the schema, pattern or grammar itself parses is checked
-by the engine (``engine/grammar_compiler.py``) before the request is queued. Both
-raise :class:`~kvrunner.errors.RequestError` naming
-``SamplingParams.structured_outputs.<field>``.
+the object is built, raising :class:`~kvrunner.errors.RequestError` naming
+``SamplingParams.structured_outputs.<field>``. Whether the schema, pattern or grammar
+itself parses is checked up front by ``LLM.generate`` and the server (the same error,
+before anything is queued) and again by the engine's compile
+(``engine/grammar_compiles.py``), which ends a request it cannot compile with finish
+reason ``"error"`` naming the field.
 """
 
 from __future__ import annotations

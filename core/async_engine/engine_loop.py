@@ -319,7 +319,7 @@ class EngineLoop:
         """A step raised: requests it ended end as it said; every other one in the
         engine fails with the error, and the engine is emptied for what comes next."""
         try:
-            self.engine.scheduler.abort_all()
+            self.engine.abort_all()
             self.engine.settle()
         except Exception:  # noqa: BLE001 - the step in flight failed too: it is dropped
             pass
@@ -420,7 +420,8 @@ class EngineLoop:
     # -- what the engine serves ----------------------------------------------------------
 
     def _require_empty(self, what: str) -> None:
-        n = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
+        scheduler = self.engine.scheduler
+        n = len(scheduler.running) + len(scheduler.waiting) + self.engine.num_compiling
         if self.engine.has_unfinished():
             raise EngineBusyError(
                 f"cannot {what}: {n} request(s) are in the engine (running, waiting or "
@@ -482,7 +483,7 @@ class EngineLoop:
         asleep = state.asleep_tags()
         self.stats = EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + len(self._held),
+            num_waiting=len(scheduler.waiting) + self.engine.num_compiling + len(self._held),
             blocks_used=manager.num_blocks - manager.num_free_blocks,
             blocks_total=manager.num_blocks,
             state_slots_used=manager.num_state_slots - manager.num_free_state_slots,

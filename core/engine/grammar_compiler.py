@@ -2,11 +2,13 @@
 
 :func:`parse_constraint` reads a :class:`~kvrunner.structured_outputs.
 StructuredOutputsParams` into an ``xgrammar.Grammar`` (no tokenizer needed: the server
-calls it to refuse a bad schema, pattern or grammar with a 400 before the request
-reaches the engine). :class:`GrammarCompiler` compiles that grammar against the
+and ``LLM.generate`` call it to refuse a bad schema, pattern or grammar before the
+request reaches the engine). :class:`GrammarCompiler` compiles that grammar against the
 model's vocabulary (an ``xgrammar.TokenizerInfo`` built once from the engine's
 tokenizer, over the model's full vocabulary width: ids past the tokenizer's are never
-allowed), caching compiled grammars by their text, as vLLM's xgrammar backend does.
+allowed), caching compiled grammars by their text, as vLLM's xgrammar backend does. The
+engine calls it from the threads of its compile pool (``engine/grammar_compiles.py``),
+as vLLM does: xgrammar's compiler and its cache are safe to share between threads.
 
 How each constraint reads, as in vLLM: ``json`` is the schema, ``json_object`` the
 schema ``{"type": "object"}``, ``choice`` the EBNF alternation of the strings as

@@ -11,7 +11,9 @@ step N samples stay on the device and feed step N+1 there (placeholders in its
 ``StepInput``); the host learns them one step later, in ``update``, which also
 discards any token computed past a request's end. While a request under a
 structured-output constraint is live the steps are synchronous instead: its next mask
-needs its last token (``engine/step_grammars.py``).
+needs its last token (``engine/step_grammars.py``). Such a request's grammar is
+compiled off the engine's thread: it waits, outside the scheduler, until its grammar
+is ready, while the other requests step on (``engine/grammar_compiles.py``).
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from kvrunner.engine.block_manager import BlockManager
 from kvrunner.engine.cache_salt import WeightVersion, check_cache_salt
 from kvrunner.engine.logit_rules import bad_word_token_ids
 from kvrunner.engine.scheduler import Scheduler
-from kvrunner.engine.sequence import Sequence
+from kvrunner.engine.sequence import Sequence, SequenceStatus
 from kvrunner.engine.step_grammars import StepGrammars
 from kvrunner.engine.step_io import SampledToken, SampledTokens, StepInput
 from kvrunner.engine.stop_strings import StopStringWatch
 from kvrunner.errors import NonFiniteLogitsError, RequestError
 from kvrunner.sampling_params import SamplingParams
+
+#: the longest a step with nothing to run but grammars being compiled waits for one of
+#: them (then it returns, so that the caller's loop can look at its commands)
+GRAMMAR_WAIT_S = 0.02
 
 #: a step's sampled tokens as an executor answers them: the runner's columns, or (an
 #: executor of the tests') one ``SampledToken`` per row; ``Scheduler.update`` reads both
@@ -202,9 +208,9 @@ class LLMEngine:
             watch = StopStringWatch(self.tokenizer, params.stop,
                                     include_stop=params.include_stop_str_in_output,
                                     skip_special_tokens=params.skip_special_tokens)
-        grammar = self.grammars.compile(params, name)
+        self.grammars.check(params, name)
         seq = Sequence(next(self._ids), list(token_ids), params, stop_watch=watch,
-                       bad_word_ids=bad_word_ids, cache_salt=cache_salt, grammar=grammar)
+                       bad_word_ids=bad_word_ids, cache_salt=cache_salt, name=name)
         self.scheduler.validate(seq, name=name)
         return seq
 
@@ -257,20 +263,46 @@ class LLMEngine:
         return group
 
     def add_request(self, seq: Sequence) -> None:
-        """Queue a request :meth:`make_request` (or :meth:`make_group`) made and checked."""
+        """Queue a request :meth:`make_request` (or :meth:`make_group`) made and checked.
+
+        A request with ``structured_outputs`` first waits for its grammar, compiled off
+        this thread; a later :meth:`step` queues it once the grammar is ready, or ends
+        it with ``"error"`` when its constraint could not be parsed or compiled."""
+        if seq.sampling_params.structured_outputs is not None and seq.grammar is None:
+            self.grammars.start(seq, seq.name or f"request {seq.seq_id}")
+            return
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
         self.scheduler.add(seq, checked=True)
-        self.grammars.admit(seq)
         if seq.stop_watch is not None:
             self._watched[seq.seq_id] = seq
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (not yet in the scheduler)."""
+        return len(self.grammars.compiles)
+
     def abort_request(self, seq_id: int) -> Sequence | None:
         """Withdraw request ``seq_id`` (finish reason ``"abort"``), freeing its blocks
-        and state slot at once; None if it is unknown or already finished.
+        and state slot at once; None if it is unknown or already finished. A request
+        waiting for its grammar stops waiting (the compile's result is discarded).
 
         Safe with a step in flight: that step's token for it is dropped when the step
         is applied (``Scheduler.abort``)."""
-        self.grammars.forget(seq_id)
+        waiting = self.grammars.forget(seq_id)
+        if waiting is not None:
+            waiting.status, waiting.finish_reason = SequenceStatus.FINISHED, "abort"
+            return waiting
         return self.scheduler.abort(seq_id)
+
+    def abort_all(self) -> list[Sequence]:
+        """Withdraw every unfinished request, those waiting for their grammar too (as
+        :meth:`abort_request` does each); returns them."""
+        waiting = self.grammars.clear()
+        for seq in waiting:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return waiting + self.scheduler.abort_all()
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it.
@@ -286,6 +318,10 @@ class LLMEngine:
         if self.parked:
             raise RuntimeError("step() while the engine is parked: unpark() first")
         finished: list[Sequence] = []
+        failed: list[Sequence] = []  # constraints that did not compile
+        if self.grammars.compiles:
+            for seq in self.grammars.ready(failed):
+                self._queue(seq)
         synchronous = not self.async_scheduling or self.grammars.live
         if synchronous and self._launched:
             finished = self._apply_oldest()
@@ -298,8 +334,10 @@ class LLMEngine:
             self._note_blocks_used()
         if self._launched and (synchronous or len(self._launched) > 1 or scheduled is None):
             finished += self._apply_oldest()
+        elif scheduled is None and not self._launched and not failed and self.grammars.compiles:
+            self.grammars.compiles.wait(GRAMMAR_WAIT_S)  # nothing else to do: no spinning
         self._raise_nonfinite(finished)
-        return finished
+        return failed + finished
 
     def settle(self) -> list[Sequence]:
         """Apply the step in flight, if any, and launch none; returns the sequences
@@ -395,11 +433,10 @@ class LLMEngine:
         Returns the requests aborted. An executor failure while settling (a rank that
         really died) is raised.
         """
-        aborted = self.scheduler.abort_all()
+        aborted = self.abort_all()
         self.scheduler.forget_in_flight()  # host state first: then a second Ctrl-C
         launched, self._launched = list(self._launched), deque()  # finds it clean
         self._watched.clear()
-        self.grammars.clear()
         self.parked = False
         settle = getattr(self.executor, "settle", None)
         if settle is not None:
@@ -410,8 +447,10 @@ class LLMEngine:
         return aborted
 
     def has_unfinished(self) -> bool:
-        """Requests not yet finished, or a launched step not yet applied."""
-        return self.scheduler.has_unfinished() or bool(self._launched)
+        """Requests not yet finished (those waiting for their grammar too), or a
+        launched step not yet applied."""
+        return (self.scheduler.has_unfinished() or bool(self._launched)
+                or bool(self.grammars.compiles))
 
     def _submit(self, step: StepInput) -> PendingTokens:
         submit = getattr(self.executor, "submit", None)

@@ -122,8 +122,12 @@ class Sequence:
     #: its ``SamplingParams.bad_words`` as token ids (``logit_rules.bad_word_token_ids``)
     bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), kw_only=True)
     #: its ``SamplingParams.structured_outputs`` compiled for the model's vocabulary (an
-    #: ``xgrammar.CompiledGrammar``, ``engine/grammar_compiler.py``); None: unconstrained
+    #: ``xgrammar.CompiledGrammar``, ``engine/grammar_compiler.py``), set when the
+    #: compile is done; None: unconstrained, or not compiled yet
     grammar: Any = attrs.field(default=None, kw_only=True, repr=False)
+    #: how errors found after it was queued name it (``"request 3"``, ``"request 'a'"``;
+    #: ``LLMEngine.make_request``); None: by its id
+    name: str | None = attrs.field(default=None, kw_only=True, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

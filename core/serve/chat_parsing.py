@@ -8,10 +8,17 @@ request's ``enable_thinking`` (``chat_template_kwargs``). The tool-call parser
 ``--enable-auto-tool-choice``; "none" leaves calls in the text. "required" and a named
 function need neither flag: their output is held to the tools' JSON schema
 (serve/tool_choice.py) and read as the calls it is (parsers/required_calls.py,
-parsers/named_call.py), with empty content. The grammar holds such an output from its
-first token, so it holds no reasoning: the reasoning parser is not run on it. With
-``parallel_tool_calls: false`` only the first call is returned (streamed: only call
-0's pieces), as vLLM does.
+parsers/named_call.py), with empty content. With ``parallel_tool_calls: false`` only
+the first call is returned (streamed: only call 0's pieces), as vLLM does.
+
+Reasoning before a grammar, as vLLM's structured-output manager does it: when the
+reasoning parser is on, the request's thinking enabled and its output constrained
+(``response_format``, ``structured_outputs``, a forced ``tool_choice``), the request
+carries the parser's end token (:func:`reasoning_end_token_id`, Qwen3's ``</think>``)
+as ``SamplingParams.reasoning_end_token_id``: the model thinks freely and the grammar
+holds what follows, which the reasoning parser splits off before the calls are read.
+A tokenizer without that token as one token of its own gets the grammar from the
+first token, and a forced call's output is then read without the reasoning parser.
 """
 
 from __future__ import annotations
@@ -117,21 +124,43 @@ def _auto_tool_choice(choice: Choice, settings: ServeSettings) -> bool:
     return True
 
 
-def chat_parsing(body: ChatCompletionRequest, settings: ServeSettings) -> ChatParsing | None:
+def _thinking(body: ChatCompletionRequest) -> bool:
+    """The request's ``enable_thinking`` (``chat_template_kwargs``; on unless it says)."""
+    return bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
+
+
+def reasoning_end_token_id(body: ChatCompletionRequest, settings: ServeSettings,
+                           tokenizer: Any | None) -> int | None:
+    """The token after which ``body``'s structured-output constraint applies: the
+    reasoning parser's end token, when the parser is on, the request's thinking enabled
+    and ``tokenizer`` (a ``tokenizers.Tokenizer``) has it as one token; else None (the
+    constraint applies from the first token)."""
+    if settings.reasoning_parser is None or tokenizer is None or not _thinking(body):
+        return None
+    return tokenizer.token_to_id(REASONING_PARSERS[settings.reasoning_parser].end_token)
+
+
+def chat_parsing(body: ChatCompletionRequest, settings: ServeSettings, *,
+                 thinks_first: bool = False) -> ChatParsing | None:
     """The parsers a chat request's outputs go through (None: none, the text is the
-    content); a 400 for a ``tool_choice`` this server cannot honour."""
+    content); a 400 for a ``tool_choice`` this server cannot honour.
+
+    :param thinks_first: the request reasons before its grammar applies
+        (:func:`reasoning_end_token_id` found the token): a forced call's output is
+        split by the reasoning parser before its calls are read."""
     choice = tool_choice(body)
     reasoning = None
     if settings.reasoning_parser is not None:
-        thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True)
         reasoning = REASONING_PARSERS[settings.reasoning_parser](
-            enable_thinking=bool(thinking))
+            enable_thinking=_thinking(body))
     first_call_only = body.parallel_tool_calls is False
     if choice in ("named", "required"):
-        # the grammar holds the output from its first token: it holds no reasoning
         calls = NamedCallParser(called_function(body)) if choice == "named" \
             else RequiredCallsParser()
-        return ChatParsing(parser=ChatOutputParser(None, calls), tools=True,
+        # without thinking first, the grammar holds the output from its first token:
+        # it holds no reasoning
+        return ChatParsing(parser=ChatOutputParser(reasoning if thinks_first else None, calls),
+                           tools=True,
                            reasoning=reasoning is not None,
                            first_call_only=first_call_only, forced=choice)
     tools = _auto_tool_choice(choice, settings)

@@ -22,13 +22,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvrunner.serve import answer_fields, generation, routed_experts, sse
 from kvrunner.serve.body import parse_body
 from kvrunner.serve.chat_messages import render_messages
-from kvrunner.serve.chat_parsing import ChatParsing, chat_parsing
+from kvrunner.serve.chat_parsing import ChatParsing, chat_parsing, reasoning_end_token_id
 from kvrunner.serve.errors import APIError
 from kvrunner.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -319,14 +320,20 @@ async def chat_completions(request: Request) -> Any:
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    parsing = chat_parsing(body, state.settings)
+    end_id = reasoning_end_token_id(body, state.settings,
+                                    None if state.tokens is None else state.tokens.tokenizer)
+    parsing = chat_parsing(body, state.settings, thinks_first=end_id is not None)
     state.admission.require_open()
     ids = await _chat_prompt(state, body)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    jobs = [(ids, _params(state, body, max_tokens=asked, prompt_len=len(ids),
-                          logprobs=logprobs, logprobs_name="top_logprobs"))]
+    params = _params(state, body, max_tokens=asked, prompt_len=len(ids),
+                     logprobs=logprobs, logprobs_name="top_logprobs")
+    if end_id is not None and params.structured_outputs is not None:
+        # the model thinks first; the grammar holds what follows the reasoning
+        params = attrs.evolve(params, reasoning_end_token_id=end_id)
+    jobs = [(ids, params)]
     rid, created = new_id("chatcmpl"), int(time.time())
     as_ids = body.return_tokens_as_token_ids
     if body.stream:

@@ -86,6 +86,9 @@ BAD: dict[str, st.SearchStrategy] = {
                        {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": "ab"},
                        {"choice": ["a", 2]}, {"regex": ""}, {"grammar": 5},
                        {"json_object": 1}, {"json_object": True, "disable_any_whitespace": 0}]),
+    # a bad type or range, or any id without structured_outputs to start
+    "reasoning_end_token_id": not_an_optional_int | st.integers(max_value=-1)
+    | st.integers(0, 1 << 40),
 }
 
 #: values SamplingParams accepts that the engine refuses at admission (it knows the

@@ -196,19 +196,24 @@ DAYS = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 
         "required": ["days"], "additionalProperties": False}
 
 
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "thinking_off"])
 @pytest.mark.parametrize("choice", [
     "required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_tool_choice_is_held_to_the_schema_past_the_servers_parsers(
-        parsed_servers, choice) -> None:
-    """The parser flags do not touch a forced choice: no reasoning is parsed out of it
-    (the grammar holds the output from its first token) and no tags are looked for."""
+        parsed_servers, choice, thinking) -> None:
+    """The tool-call parser does not touch a forced choice (no tags are looked for).
+    With thinking on, the model thinks first (the script's think block, parsed out as
+    the reasoning) and the grammar holds what follows; with it off the grammar holds
+    the output from its first token and no reasoning is parsed out of it."""
     client = _client(parsed_servers["hermes"])
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": DAYS}}]
     finished = 0
     for seed in range(4):
         answer = _whole(client, tools=tools, tool_choice=choice, temperature=1.0, seed=seed,
-                        max_tokens=200)
-        assert answer["content"] == "" and answer["reasoning"] is None, answer
+                        max_tokens=200, extra_body={
+                            "chat_template_kwargs": {"enable_thinking": thinking}})
+        assert answer["content"] == "", answer
+        assert answer["reasoning"] == (HERMES_SCRIPT[1] if thinking else None), answer
         assert {c["name"] for c in answer["calls"]} <= {"get_weather"}
         if answer["finish"] in ("stop", "tool_calls"):
             finished += 1

@@ -52,6 +52,10 @@ def _may_open_call(tail: str) -> bool:
 class Qwen3ReasoningParser:
     """Reasoning in ``<think>...</think>``; ``enable_thinking=False``: none."""
 
+    #: the token whose sampling ends the reasoning: a structured-output constraint
+    #: applies after it (``SamplingParams.reasoning_end_token_id``)
+    end_token = END
+
     def __init__(self, *, enable_thinking: bool = True) -> None:
         self.enable_thinking = enable_thinking
 
