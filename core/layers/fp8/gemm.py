@@ -20,6 +20,7 @@ every size eagerly first).
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     if w8a8_serves(x, weight):
         try:
             return w8a8_linear(x, weight, scale_inv, bias)
-        except (RuntimeError, ValueError):  # torch's shape and support checks raise both
+        except (RuntimeError, ValueError) as refused:  # torch's checks raise both
             _REFUSED.add(tuple(weight.shape))
+            print(f"kvrunner: FP8: torch's scaled_mm refused the w8a8 product "
+                  f"{tuple(x.shape)} x {tuple(weight.shape)} "
+                  f"({str(refused).splitlines()[0][:300]}); this shape dequantizes from now on",
+                  file=sys.stderr)
     return F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
 
 
