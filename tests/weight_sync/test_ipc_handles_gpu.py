@@ -166,7 +166,7 @@ def test_over_http_as_vllms_client_posts_it(gpu_ipc_server, checkpoints) -> None
     with gpu_ipc_server.client() as client:
         loaded = client.post("/update_weights_from_disk",
                              json={"model_path": str(checkpoints.path(2))})
-        assert loaded.status_code == 200, loaded.text
+        assert loaded.status_code == 200, f"{loaded.text}\n{gpu_ipc_server.log()}"
         expected = greedy(client)
         for form in ("args", "packed"):
             client.post("/update_weights_from_disk",
@@ -178,7 +178,7 @@ def test_over_http_as_vllms_client_posts_it(gpu_ipc_server, checkpoints) -> None
                                    json={"init_info": {}}).status_code == 200
                 assert client.post("/start_weight_update").status_code == 200
                 r = client.post("/update_weights", json={"update_info": trainer.info})
-                assert r.status_code == 200, r.text
+                assert r.status_code == 200, f"{r.text}\n{gpu_ipc_server.log()}"
                 assert r.json()["loaded"] == len(trainer.info["names"])
                 assert client.post("/finish_weight_update",
                                    json={"weight_version": f"ipc-{form}"}).status_code == 200

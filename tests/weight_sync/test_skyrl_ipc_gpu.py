@@ -27,11 +27,11 @@ def test_skyrls_packed_chunks_land_through_its_worker_extension_calls(
     with gpu_ipc_server.client() as client:
         loaded = client.post("/update_weights_from_disk",
                              json={"model_path": str(checkpoints.rounded(2, dtype))})
-        assert loaded.status_code == 200, loaded.text
+        assert loaded.status_code == 200, f"{loaded.text}\n{gpu_ipc_server.log()}"
         expected = greedy(client)
         restored = client.post("/update_weights_from_disk",
                                json={"model_path": str(checkpoints.path(1))})
-        assert restored.status_code == 200, restored.text
+        assert restored.status_code == 200, f"{restored.text}\n{gpu_ipc_server.log()}"
         before, version = greedy(client), weight_version(client)
         assert before != expected
         steps = run_trainer(gpu_ipc_server, tmp_path, peer="skyrl_ipc",
