@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrunner import LLM, SamplingParams
+from kvrunner import LLM
 from kvrunner.errors import ConfigError, WeightUpdateError
 from kvrunner.models.loader import iter_safetensors
 from kvrunner.models.tiny import write_tiny_checkpoint
 from kvrunner.models.tiny_fp8 import write_dequantized_checkpoint, write_fp8_checkpoint
 
-PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+from .engine_kit import answers, fp8_state, pointers, same
+
 SETTINGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=4,
                 capture_sizes=(1, 2, 4), cpu_cache_bytes=4 << 20)
 
@@ -36,26 +36,6 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     return {"float_a": str(float_a), "float_b": str(float_b), "fp8_a": str(fp8_a),
             "fp8_b": str(write_fp8_checkpoint(float_b, root / "b8")),
             "dequant_a": str(write_dequantized_checkpoint(fp8_a, root / "a_dq"))}
-
-
-def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    """Each prompt's greedy tokens and their logprobs."""
-    return [(o.token_ids, list(o.logprobs)) for o in llm.generate(PROMPTS, GREEDY)]
-
-
-def fp8_state(llm: LLM) -> dict[str, torch.Tensor]:
-    """Every FP8 weight's bytes and every scale, by parameter name."""
-    return {n: (p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p).clone()
-            for n, p in llm.runner.model.named_parameters()
-            if p.dtype == torch.float8_e4m3fn or n.endswith("weight_scale_inv")}
-
-
-def pointers(llm: LLM) -> dict[str, int]:
-    return {n: p.data_ptr() for n, p in llm.runner.model.named_parameters()}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_an_fp8_checkpoint_answers_as_its_dequantized_weights_exactly(ckpts) -> None:
