@@ -9,8 +9,10 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
   step reads the weights as stored, FP8 bytes and scales or bf16, and the KV written
   so far, at the measured copy bandwidth; the prefill at ~790 bf16 TFLOP/s);
 - the product alone (``layers/fp8/gemm.py``) at the 8B projections' shapes, decode
-  (1, 64, 256 rows) and prefill (4,096 rows) sizes: FP8 w8a8, the dequantizing
-  fallback and bf16 ``F.linear``, each beside the time to read its weight once;
+  (1, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA graph
+  (as a decode step runs it): ``fp8_linear`` (the path it takes named), the w8a16
+  kernel alone, the dequantizing fallback and bf16 ``F.linear``, each beside the time
+  to read its weight once;
 - a push of the 8B shape's weights from CUDA tensors in bf16 (``update_weights``):
   into FP8 weights (quantized per 128 x 128 block as it loads) and into bf16 ones.
 
@@ -27,11 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
-from common import copy_bandwidth_tbps, median_ms
+from common import copy_bandwidth_tbps, graph_ms
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
-from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves
+from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves, w8a16_serves
+from kvrunner.layers.fp8.w8a16_triton import w8a16_linear
 from kvrunner.models.loader import iter_safetensors
 
 BATCH, PROMPT, NEW = 256, 1024, 512
@@ -88,11 +91,15 @@ def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
         wq, ws = quantize_blocks(w)
         for m in GEMM_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            fp8 = median_ms(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
-            dequant = median_ms(
+            fp8_linear(x, wq, ws)  # eager first: a w8a8 refusal is met outside the graph
+            path = ("w8a16" if w8a16_serves(x, wq) else "w8a8" if w8a8_serves(x, wq)
+                    else "dequant")
+            fp8 = graph_ms(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
+            w8a16 = graph_ms(lambda x=x, wq=wq, ws=ws: w8a16_linear(x, wq, ws))
+            dequant = graph_ms(
                 lambda x=x, wq=wq, ws=ws: F.linear(x, dequantize_blocks(wq, ws, x.dtype)))
-            bf16 = median_ms(lambda x=x, w=w: F.linear(x, w))
-            rows.append((name, m, n, k, w8a8_serves(x, wq), fp8, dequant, bf16,
+            bf16 = graph_ms(lambda x=x, w=w: F.linear(x, w))
+            rows.append((name, m, n, k, path, fp8, w8a16, dequant, bf16,
                          n * k / bw * 1e3, 2 * n * k / bw * 1e3))
     return rows
 
@@ -137,12 +144,13 @@ def main() -> None:
                       f"{secs / floor:>8.2f}")
             print(f"fp8 tokens/s over bf16: {results['bf16'] / results['fp8']:.2f}x")
         if shape == "8b":
-            print("\nproduct alone (8B projections), ms; floors read the weight once")
-            print(f"{'proj':>8} {'rows':>5} {'N':>6} {'K':>6} {'w8a8':>5} {'fp8':>8} "
-                  f"{'dequant':>8} {'bf16':>8} {'fp8 flr':>8} {'bf16 flr':>8}")
+            print("\nproduct alone (8B projections), ms in CUDA graphs; "
+                  "floors read the weight once")
+            print(f"{'proj':>8} {'rows':>5} {'N':>6} {'K':>6} {'path':>7} {'fp8':>8} "
+                  f"{'w8a16':>8} {'dequant':>8} {'bf16':>8} {'fp8 flr':>8} {'bf16 flr':>8}")
             for r in gemm_rows(s, bw):
-                print(f"{r[0]:>8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]!s:>5} {r[5]:>8.4f} "
-                      f"{r[6]:>8.4f} {r[7]:>8.4f} {r[8]:>8.4f} {r[9]:>8.4f}")
+                print(f"{r[0]:>8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]:>7} {r[5]:>8.4f} "
+                      f"{r[6]:>8.4f} {r[7]:>8.4f} {r[8]:>8.4f} {r[9]:>8.4f} {r[10]:>8.4f}")
             fp8_push = push_seconds(path, quantization="fp8")
             bf16_push = push_seconds(path)
             print(f"\npush of the 8B shape from CUDA bf16 tensors: into fp8 {fp8_push:.3f} s, "

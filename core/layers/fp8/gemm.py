@@ -1,15 +1,21 @@
 """The FP8 linear's product, ``y = x @ dequant(W).T (+ b)``.
 
-Two paths compute it:
+Three paths compute it:
 
-* **dequantize, then multiply** (the CPU path, and CUDA where the next one does not
-  serve): the weight is dequantized to the activations' dtype by its block scales and
+* **dequantize, then multiply** (the CPU path, and CUDA where neither of the next two
+  serves): the weight is dequantized to the activations' dtype by its block scales and
   multiplied as a bf16 weight would be, so on the CPU an FP8 engine gives exactly the
   tokens of a bf16 engine holding the dequantized weights.
-* **w8a8 on CUDA** (sm90, every dimension of the product a multiple of 128 in K and
-  of 16 in N): the activations are quantized per token and per 128 columns (1 x 128
-  groups, dynamic, as vLLM's and SGLang's ``per_token_group_quant_fp8``) and torch's
-  ``scaled_mm`` multiplies them with the weight's 128 x 128 blocks (CUTLASS's
+* **w8a16 on CUDA** for a decode step's rows (at most ``w8a16_triton.MAX_ROWS``, 16-bit
+  activations): a Triton kernel streams the e4m3 weight and dequantizes each tile on
+  chip by its block's scale, rounding it to the activations' dtype as the first path
+  does, and multiplies it with the activations as they are, accumulating in float32
+  (``layers/fp8/w8a16_triton.py``). A decode step waits on the weight's bytes, and these
+  are half of bf16's.
+* **w8a8 on CUDA** for more rows (sm90, every dimension of the product a multiple of
+  128 in K and of 16 in N): the activations are quantized per token and per 128 columns
+  (1 x 128 groups, dynamic, as vLLM's and SGLang's ``per_token_group_quant_fp8``) and
+  torch's ``scaled_mm`` multiplies them with the weight's 128 x 128 blocks (CUTLASS's
   DeepSeek-style kernel), accumulating in float32 and writing the activations' dtype.
 
 A shape the w8a8 kernel refuses is remembered and takes the first path from then on,
@@ -35,6 +41,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]`` times the FP8 ``weight [N, K]`` with its block scales, plus ``bias``;
     the result in ``x``'s dtype (see the module docstring for the path taken)."""
+    if w8a16_serves(x, weight):
+        from kvrunner.layers.fp8.w8a16_triton import w8a16_linear
+
+        y = w8a16_linear(x, weight, scale_inv)
+        return y if bias is None else y + bias
     if w8a8_serves(x, weight):
         try:
             return w8a8_linear(x, weight, scale_inv, bias)
@@ -45,6 +56,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                   f"({str(refused).splitlines()[0][:300]}); this shape dequantizes from now on",
                   file=sys.stderr)
     return F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
+
+
+def w8a16_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the w8a16 kernel takes the product: CUDA activations in a 16-bit dtype, at
+    most ``w8a16_triton.MAX_ROWS`` rows of them, a weight matrix contiguous along K."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() > 0
+            and weight.dim() == 2 and weight.stride(-1) == 1):
+        return False
+    # imported here: the CPU path runs without Triton installed
+    from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS
+
+    return x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
 
 
 def w8a8_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
