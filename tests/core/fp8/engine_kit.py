@@ -1,11 +1,17 @@
 """What the FP8 engine tests (dense and experts) look at: greedy answers, the stored
-FP8 bytes and scales, and where the parameters live."""
+FP8 bytes and scales, and where the parameters live; and the two GPU checks both run
+(greedy agreement with bf16, pushes and sleep with graphs captured)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.models.loader import iter_safetensors
+from kvrunner.models.tiny import write_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -31,3 +37,48 @@ def pointers(llm: LLM) -> dict[str, int]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def first_tokens_agree(path: Path, vocab: int,
+                       check_fp8: Callable[[LLM], None] | None = None) -> None:
+    """The first greedy token after each of 64 random 200-token prompts: an FP8 engine
+    on ``path`` agrees with the bf16 one on at least 90% of them (``check_fp8`` looks
+    at the FP8 engine first)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(1, vocab, (64, 200), generator=g).tolist()
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    answers = {}
+    for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+        with LLM(model=str(path), dtype="bfloat16", max_num_seqs=64, max_model_len=256,
+                 gpu_memory_utilization=0.5, skip_tokenizer_init=True, **config) as llm:
+            if label == "fp8" and check_fp8 is not None:
+                check_fp8(llm)
+            answers[label] = [o.token_ids[0] for o in llm.generate(prompts, first)]
+    agree = sum(a == b for a, b in zip(answers["bf16"], answers["fp8"], strict=True))
+    assert agree >= 0.9 * len(prompts), f"{agree} of {len(prompts)} first tokens agree"
+
+
+def pushes_and_sleep_serve_the_pushed_weights(tmp_path: Path, kind: str) -> None:
+    """With graphs captured, a bf16 push into an FP8 engine rewrites the same storages
+    and serves the pushed checkpoint's tokens; so does a push after a sleep that
+    discarded the weights."""
+    a = write_tiny_checkpoint(tmp_path / "a", kind=kind, seed=0)
+    b = write_tiny_checkpoint(tmp_path / "b", kind=kind, seed=1)
+    settings = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=128,
+                    gpu_memory_utilization=0.3, quantization="fp8")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    with LLM(model=str(b), **settings) as ref:
+        expected = [o.token_ids for o in ref.generate(prompts, greedy)]
+    push = {n: t.cuda() for n, t in iter_safetensors(b, torch.bfloat16)}
+    with LLM(model=str(a), **settings) as llm:
+        llm.generate(prompts, greedy)  # graphs captured and replayed
+        before = pointers(llm)
+        llm.update_weights(push)
+        assert pointers(llm) == before
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+        llm.sleep(2, discard_weights=True)
+        llm.wake_up(["weights"])
+        llm.update_weights(push)
+        llm.wake_up(["kv_cache"])
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected

@@ -21,11 +21,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
 from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves, w8a16_serves
-from kvrunner.models.loader import iter_safetensors
-from kvrunner.models.tiny import write_tiny_checkpoint
+
+from .engine_kit import first_tokens_agree, pushes_and_sleep_serve_the_pushed_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -87,40 +86,11 @@ def _write_06b(path: Path) -> Path:
 
 
 def test_fp8_greedy_tokens_agree_with_bf16_at_the_06b_shape(tmp_path):
-    path = _write_06b(tmp_path / "q06b")
-    g = torch.Generator().manual_seed(3)
-    prompts = torch.randint(1, QWEN3_06B["vocab"], (64, 200), generator=g).tolist()
-    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    answers = {}
-    for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
-        with LLM(model=str(path), dtype="bfloat16", max_num_seqs=64, max_model_len=256,
-                 gpu_memory_utilization=0.5, skip_tokenizer_init=True, **config) as llm:
-            answers[label] = [o.token_ids[0] for o in llm.generate(prompts, first)]
-    agree = sum(a == b for a, b in zip(answers["bf16"], answers["fp8"], strict=True))
-    assert agree >= 0.9 * len(prompts), f"{agree} of {len(prompts)} first tokens agree"
+    first_tokens_agree(_write_06b(tmp_path / "q06b"), QWEN3_06B["vocab"])
 
 
 def test_a_push_and_a_sleep_with_graphs_captured_serve_the_pushed_weights(tmp_path):
-    a = write_tiny_checkpoint(tmp_path / "a", kind="qwen3-blocks", seed=0)
-    b = write_tiny_checkpoint(tmp_path / "b", kind="qwen3-blocks", seed=1)
-    settings = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=128,
-                    gpu_memory_utilization=0.3, quantization="fp8")
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
-    with LLM(model=str(b), **settings) as ref:
-        expected = [o.token_ids for o in ref.generate(prompts, greedy)]
-    push = {n: t.cuda() for n, t in iter_safetensors(b, torch.bfloat16)}
-    with LLM(model=str(a), **settings) as llm:
-        llm.generate(prompts, greedy)  # graphs captured and replayed
-        before = {n: p.data_ptr() for n, p in llm.runner.model.named_parameters()}
-        llm.update_weights(push)
-        assert {n: p.data_ptr() for n, p in llm.runner.model.named_parameters()} == before
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
-        llm.sleep(2, discard_weights=True)
-        llm.wake_up(["weights"])
-        llm.update_weights(push)
-        llm.wake_up(["kv_cache"])
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    pushes_and_sleep_serve_the_pushed_weights(tmp_path, "qwen3-blocks")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 256, 4096])

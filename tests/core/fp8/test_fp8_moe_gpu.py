@@ -22,15 +22,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvrunner import LLM, SamplingParams
+from kvrunner import LLM
 from kvrunner.layers.fp8.choice import building_with
 from kvrunner.layers.fp8.experts import dequantize_experts, quantize_experts
 from kvrunner.layers.fused.moe_triton import fp8_tiles, grouped_experts_triton, kernel_config
 from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.moe_align import align_to_blocks
 from kvrunner.layers.moe_experts import grouped_experts_torch
-from kvrunner.models.loader import iter_safetensors
-from kvrunner.models.tiny import write_tiny_checkpoint
+
+from .engine_kit import first_tokens_agree, pushes_and_sleep_serve_the_pushed_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -151,40 +151,12 @@ def _write_medium(path: Path) -> Path:
 
 
 def test_fp8_moe_greedy_tokens_agree_with_bf16_at_a_medium_shape(tmp_path):
-    path = _write_medium(tmp_path / "moe")
-    g = torch.Generator().manual_seed(3)
-    prompts = torch.randint(1, MEDIUM["vocab"], (64, 200), generator=g).tolist()
-    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    answers = {}
-    for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
-        with LLM(model=str(path), dtype="bfloat16", max_num_seqs=64, max_model_len=256,
-                 gpu_memory_utilization=0.5, skip_tokenizer_init=True, **config) as llm:
-            if label == "fp8":
-                experts = llm.runner.model.model.layers[0].mlp.experts
-                assert experts.w13.dtype == torch.float8_e4m3fn
-            answers[label] = [o.token_ids[0] for o in llm.generate(prompts, first)]
-    agree = sum(a == b for a, b in zip(answers["bf16"], answers["fp8"], strict=True))
-    assert agree >= 0.9 * len(prompts), f"{agree} of {len(prompts)} first tokens agree"
+    def experts_are_fp8(llm: LLM) -> None:
+        experts = llm.runner.model.model.layers[0].mlp.experts
+        assert experts.w13.dtype == torch.float8_e4m3fn
+
+    first_tokens_agree(_write_medium(tmp_path / "moe"), MEDIUM["vocab"], experts_are_fp8)
 
 
 def test_a_push_and_a_sleep_with_graphs_captured_serve_the_pushed_experts(tmp_path):
-    a = write_tiny_checkpoint(tmp_path / "a", kind="qwen3-moe-blocks", seed=0)
-    b = write_tiny_checkpoint(tmp_path / "b", kind="qwen3-moe-blocks", seed=1)
-    settings = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=128,
-                    gpu_memory_utilization=0.3, quantization="fp8")
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
-    with LLM(model=str(b), **settings) as ref:
-        expected = [o.token_ids for o in ref.generate(prompts, greedy)]
-    push = {n: t.cuda() for n, t in iter_safetensors(b, torch.bfloat16)}
-    with LLM(model=str(a), **settings) as llm:
-        llm.generate(prompts, greedy)  # graphs captured and replayed
-        before = {n: p.data_ptr() for n, p in llm.runner.model.named_parameters()}
-        llm.update_weights(push)
-        assert {n: p.data_ptr() for n, p in llm.runner.model.named_parameters()} == before
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
-        llm.sleep(2, discard_weights=True)
-        llm.wake_up(["weights"])
-        llm.update_weights(push)
-        llm.wake_up(["kv_cache"])
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    pushes_and_sleep_serve_the_pushed_weights(tmp_path, "qwen3-moe-blocks")
