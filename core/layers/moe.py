@@ -182,10 +182,10 @@ class FusedMoE(nn.Module):
             config = (dict(INVARIANT_MOE_CONFIG) if batch_invariant()
                       else kernel_config(topk_ids.numel(), self.num_experts))
             if self.fp8:
-                config = fp8_tiles(config)
+                config = fp8_tiles(config, BLOCK)
             blocks = align_to_blocks(topk_ids, self.num_experts, config["BLOCK_M"])
             per_slot = grouped_experts_triton(x, self.w13, self.w2, topk_weights, blocks, config,
-                                              scales=scales)
+                                              scales=scales, scale_block=BLOCK)
         else:
             # The torch path multiplies the dequantized weights (the CPU path and the oracle).
             w13, w2 = (self.w13, self.w2) if scales is None else dequantize_experts(

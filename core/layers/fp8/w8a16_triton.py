@@ -33,6 +33,10 @@ import triton.language as tl
 from kvrunner.layers.fp8.blocks import BLOCK as SCALE_BLOCK
 from kvrunner.layers.fp8.blocks import FP8_DTYPE, scale_shape
 
+# the split-K pieces of the bf16 skinny product: a slice's bounds, a weight tile as
+# stored (e4m3 here), the slices' fixed-order sum
+from kvrunner.layers.fused.skinny_gemm_triton import _split_bounds, _sum_splits_kernel, _weight_tile
+
 #: the most rows ``fp8_linear`` sends here: a decode step's batch (a rollout's 256
 #: sequences included); more rows are a prefill's, whose product is compute-bound
 MAX_ROWS = 256
@@ -100,20 +104,6 @@ def default_launch(m: int, n: int, k: int) -> W8A16Launch:
 
 
 @triton.jit
-def _split_bounds(split, K, K_PER_SPLIT):
-    """``[k_start, k_end)``: the slice of K split ``split`` reduces over."""
-    k_start = split * K_PER_SPLIT
-    return k_start, tl.minimum(k_start + K_PER_SPLIT, K)
-
-
-@triton.jit
-def _fp8_tile(w_ptr, cols, ks, in_k, N, stride_wn):
-    """``W[cols, ks]`` as stored (e4m3), zeros outside N and the K slice."""
-    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                   mask=(cols < N)[:, None] & in_k[None, :], other=0.0)
-
-
-@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr,
     M, N, K,
@@ -141,7 +131,7 @@ def _w8a16_kernel(
         # the K step lies in one block column (BLOCK_K divides it, steps start on a
         # multiple of BLOCK_K): one scale for the tile
         scale = tl.load(s_row + k // SCALE_BLOCK)
-        w = (_fp8_tile(w_ptr, cols, ks, in_k, N, stride_wn).to(tl.float32) * scale).to(dtype)
+        w = (_weight_tile(w_ptr, cols, ks, in_k, N, stride_wn).to(tl.float32) * scale).to(dtype)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=(rows < M)[:, None] & in_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -171,22 +161,12 @@ def _w8a16_gemv_kernel(
         in_k = ks < k_end
         # a step may span several block columns: each column's scale
         scale = tl.load(s_row + ks // SCALE_BLOCK, mask=in_k, other=0.0)
-        w = (_fp8_tile(w_ptr, cols, ks, in_k, N, stride_wn).to(tl.float32)
+        w = (_weight_tile(w_ptr, cols, ks, in_k, N, stride_wn).to(tl.float32)
              * scale[None, :]).to(dtype)
         x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + split * stride_os + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLITS):  # a fixed order: the same sum on every call
-        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 #: activation dtypes the kernels take (float32 multiplies in full precision)

@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner.layers.fp8.blocks import BLOCK as SCALE_BLOCK
 from kvrunner.layers.moe_align import ExpertBlocks
 
 
@@ -150,10 +149,11 @@ def kernel_config(num_assignments: int, num_experts: int) -> dict[str, int]:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def fp8_tiles(config: dict[str, int]) -> dict[str, int]:
-    """``config`` for FP8 experts: a K step of at most one scale block, so every weight
-    tile has one scale per 128 of its columns (the other tile sizes as chosen)."""
-    return {**config, "BLOCK_K": min(config["BLOCK_K"], SCALE_BLOCK)}
+def fp8_tiles(config: dict[str, int], scale_block: int) -> dict[str, int]:
+    """``config`` for FP8 experts whose scales cover ``scale_block`` columns each: a K
+    step of at most one scale block, so every weight tile has one scale per
+    ``scale_block`` of its columns (the other tile sizes as chosen)."""
+    return {**config, "BLOCK_K": min(config["BLOCK_K"], scale_block)}
 
 
 def _launch_kw(config: dict[str, int], x: torch.Tensor) -> dict:
@@ -168,14 +168,15 @@ def _launch_kw(config: dict[str, int], x: torch.Tensor) -> dict:
 def grouped_experts_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     blocks: ExpertBlocks, config: dict[str, int],
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None, scale_block: int | None = None,
 ) -> torch.Tensor:
     """``[T, H]`` -> ``[T, top_k, H]``: each assignment's weighted expert output.
 
     ``w13``: ``[E, 2I, H]`` (gate rows, then up rows); ``w2``: ``[E, H, I]``;
     ``blocks`` aligned with ``config["BLOCK_M"]``. ``scales``: FP8 experts' ``(w13_scale_inv,
     w2_scale_inv)`` (``layers/fp8/experts.py``), the weights then ``float8_e4m3fn`` and
-    ``config["BLOCK_K"]`` a divisor of 128 (:func:`fp8_tiles`).
+    ``scale_block`` the columns each scale covers (``layers/fp8/blocks.py``'s ``BLOCK``)
+    and ``config["BLOCK_K"]`` a divisor of it (:func:`fp8_tiles`).
     """
     t, h = x.shape
     top_k = topk_weights.shape[1]
@@ -184,15 +185,17 @@ def grouped_experts_triton(
     out = torch.empty(t, top_k, h, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    if scales is not None and SCALE_BLOCK % config["BLOCK_K"]:
-        raise ValueError(f"FP8 experts need BLOCK_K dividing {SCALE_BLOCK}, got "
+    if scales is not None and scale_block is None:
+        raise ValueError("FP8 experts need the scale_block their scales cover")
+    if scales is not None and scale_block % config["BLOCK_K"]:
+        raise ValueError(f"FP8 experts need BLOCK_K dividing {scale_block}, got "
                          f"{config['BLOCK_K']} (see fp8_tiles)")
     # unscaled weights pass themselves as the (never read) scales
     s13, s2 = scales if scales is not None else (w13, w2)
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty(n, i, dtype=x.dtype, device=x.device)
     kw = _launch_kw(config, x)
-    kw.update(W_SCALED=scales is not None, SCALE_BLOCK=SCALE_BLOCK)
+    kw.update(W_SCALED=scales is not None, SCALE_BLOCK=scale_block or 1)
     m_blocks = blocks.block_expert.numel()
     _gate_up_silu_kernel[(m_blocks * triton.cdiv(i, config["BLOCK_N"]),)](
         x, w13, act, blocks.sorted_ids, blocks.block_expert, blocks.total_padded, s13,

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrunner.errors import ConfigError
-from kvrunner.layers.fp8.blocks import quantize_blocks
+from kvrunner.layers.fp8.blocks import BLOCK, quantize_blocks
 from kvrunner.layers.fp8.choice import building_with
 from kvrunner.layers.fp8.experts import dequantize_experts, quantize_experts
 from kvrunner.layers.fused import kernels_chosen
@@ -169,7 +169,7 @@ def test_the_w8a16_kernels_equal_the_unscaled_kernels_on_the_dequantized_weights
     experts = w13.shape[0]
     with kernels_chosen(triton_on_cpu=True):
         out = layer(r["x"], r["weights"], r["ids"])
-    config = fp8_tiles(kernel_config(r["ids"].numel(), experts))
+    config = fp8_tiles(kernel_config(r["ids"].numel(), experts), BLOCK)
     blocks = align_to_blocks(r["ids"], experts, config["BLOCK_M"])
     plain = grouped_experts_triton(r["x"], w13, w2, r["weights"], blocks, config).sum(dim=1)
     assert torch.equal(out, plain)
@@ -190,11 +190,12 @@ def test_every_tile_configuration_reads_the_scales_of_its_blocks(per_expert_rows
              ids=torch.stack([torch.randperm(experts, generator=gen)[:top_k]
                               for _ in range(tokens)]).to(torch.int32))
     layer = loaded_layer(r)
-    config = fp8_tiles(kernel_config(per_expert_rows * experts, experts))
+    config = fp8_tiles(kernel_config(per_expert_rows * experts, experts), BLOCK)
     assert 128 % config["BLOCK_K"] == 0
     blocks = align_to_blocks(r["ids"], experts, config["BLOCK_M"])
     out = grouped_experts_triton(r["x"], layer.w13, layer.w2, r["weights"], blocks, config,
-                                 scales=(layer.w13_scale_inv, layer.w2_scale_inv))
+                                 scales=(layer.w13_scale_inv, layer.w2_scale_inv),
+                                 scale_block=BLOCK)
     w13, w2 = dequantized(layer)
     assert torch.equal(out, grouped_experts_triton(r["x"], w13, w2, r["weights"], blocks, config))
     torch.testing.assert_close(out.sum(dim=1),
@@ -210,7 +211,7 @@ def test_a_k_step_across_scale_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="BLOCK_K dividing 128"):
         grouped_experts_triton(torch.zeros(2, 256), layer.w13, layer.w2, torch.ones(2, 1),
                                align_to_blocks(ids, 2, config["BLOCK_M"]), config,
-                               scales=(layer.w13_scale_inv, layer.w2_scale_inv))
+                               scales=(layer.w13_scale_inv, layer.w2_scale_inv), scale_block=BLOCK)
 
 
 def identity_group(rank: int) -> TPGroup:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvrunner import LLM
+from kvrunner.layers.fp8.blocks import BLOCK
 from kvrunner.layers.fp8.choice import building_with
 from kvrunner.layers.fp8.experts import dequantize_experts, quantize_experts
 from kvrunner.layers.fused.moe_triton import fp8_tiles, grouped_experts_triton, kernel_config
@@ -76,7 +77,7 @@ def test_w8a16_kernels_are_within_bf16_rounding_of_the_dequantized_reference(tok
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert rel_err(out, ref) < 1e-2
     # the unscaled kernels on the dequantized bf16 weights, same tiles: bf16 roundings apart
-    config = fp8_tiles(kernel_config(ids.numel(), EXPERTS))
+    config = fp8_tiles(kernel_config(ids.numel(), EXPERTS), BLOCK)
     blocks = align_to_blocks(ids, EXPERTS, config["BLOCK_M"])
     plain = grouped_experts_triton(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), weights,
                                    blocks, config).sum(dim=1)
