@@ -5,14 +5,16 @@ engine quantizes them as they load (``quantization="fp8"``), as it quantizes a
 trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
 
 - rollout: batch 256, prompts of 1,024 random tokens, 512 new, seeded sampling at
-  temperature 1.0; generated tokens/s, each beside its own HBM floor (every decode
+  temperature 1.0; generated tokens/s for bf16, FP8 weights, and FP8 weights with the
+  FP8 KV cache (``kv_cache_dtype="fp8"``), each beside its own HBM floor (every decode
   step reads the weights as stored, FP8 bytes and scales or bf16, and the KV written
-  so far, at the measured copy bandwidth; the prefill at ~790 bf16 TFLOP/s);
+  so far in its dtype, at the measured copy bandwidth; the prefill at ~790 TFLOP/s
+  bf16, twice that where the w8a8 product takes a prefill chunk's rows);
 - the product alone (``layers/fp8/gemm.py``) at the 8B projections' shapes, decode
-  (1, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA graph
-  (as a decode step runs it): ``fp8_linear`` (the path it takes named), the w8a16
-  kernel alone, the dequantizing fallback and bf16 ``F.linear``, each beside the time
-  to read its weight once;
+  (1, 16, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA
+  graph (as a decode step runs it): ``fp8_linear`` (the path it takes named), the
+  w8a16 kernel and the w8a8 product alone, the dequantizing fallback and bf16
+  ``F.linear``, each beside the time to read its weight once;
 - a push of the 8B shape's weights from CUDA tensors in bf16 (``update_weights``):
   into FP8 weights (quantized per 128 x 128 block as it loads) and into bf16 ones.
 
@@ -33,7 +35,7 @@ from common import copy_bandwidth_tbps, graph_ms
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
-from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves, w8a16_serves
+from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_linear, w8a8_serves, w8a16_serves
 from kvrunner.layers.fp8.w8a16_triton import w8a16_linear
 from kvrunner.models.loader import iter_safetensors
 
@@ -44,11 +46,13 @@ SHAPES = {
     "8b": dict(hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
                vocab=SHAPE["vocab"]),
 }
-GEMM_ROWS = (1, 64, 256, 4096)
+GEMM_ROWS = (1, 16, 64, 256, 4096)
+#: a prefill chunk's rows (``max_num_batched_tokens``)
+CHUNK = 16384
 
 
-def kv_per_token(s: dict[str, int]) -> int:
-    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
+def kv_per_token(s: dict[str, int], itemsize: int = 2) -> int:
+    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * itemsize
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -63,7 +67,7 @@ def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, 
     params = [SamplingParams(max_tokens=NEW, temperature=1.0, seed=i, ignore_eos=True)
               for i in range(BATCH)]
     with LLM(model=str(path), dtype="bfloat16", max_num_seqs=BATCH,
-             max_model_len=PROMPT + NEW + 16, max_num_batched_tokens=16384,
+             max_model_len=PROMPT + NEW + 16, max_num_batched_tokens=CHUNK,
              gpu_memory_utilization=0.9, **config) as llm:
         nbytes = weight_bytes(llm)
         llm.generate(prompts[:2], params[:2])
@@ -74,10 +78,15 @@ def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, 
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     release_memory()
-    kv = kv_per_token(s)
+    fp8 = config.get("quantization") == "fp8"
+    kv = kv_per_token(s, 1 if config.get("kv_cache_dtype") == "fp8" else 2)
     decode = sum(nbytes + BATCH * (PROMPT + i) * kv for i in range(NEW)) / bw
-    params_count = nbytes / (1 if config.get("quantization") == "fp8" else 2)
-    prefill = 2 * params_count * BATCH * PROMPT / (BF16_TFLOPS * 1e12)
+    params_count = nbytes / (1 if fp8 else 2)
+    # FP8 tensor cores run at twice bf16's rate where the w8a8 product takes the rows
+    x = torch.empty(CHUNK, s["hidden"], device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(s["hidden"], s["hidden"], device="cuda", dtype=torch.float8_e4m3fn)
+    tflops = BF16_TFLOPS * (2 if fp8 and w8a8_serves(x, w) else 1)
+    prefill = 2 * params_count * BATCH * PROMPT / (tflops * 1e12)
     return seconds, decode + prefill
 
 
@@ -96,10 +105,12 @@ def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
                     else "dequant")
             fp8 = graph_ms(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
             w8a16 = graph_ms(lambda x=x, wq=wq, ws=ws: w8a16_linear(x, wq, ws))
+            w8a8 = (graph_ms(lambda x=x, wq=wq, ws=ws: w8a8_linear(x, wq, ws))
+                    if w8a8_serves(x, wq) else float("nan"))
             dequant = graph_ms(
                 lambda x=x, wq=wq, ws=ws: F.linear(x, dequantize_blocks(wq, ws, x.dtype)))
             bf16 = graph_ms(lambda x=x, w=w: F.linear(x, w))
-            rows.append((name, m, n, k, path, fp8, w8a16, dequant, bf16,
+            rows.append((name, m, n, k, path, fp8, w8a16, w8a8, dequant, bf16,
                          n * k / bw * 1e3, 2 * n * k / bw * 1e3))
     return rows
 
@@ -137,20 +148,25 @@ def main() -> None:
             print(f"\nrollout {shape}: batch {BATCH}, prompts {PROMPT}, {NEW} sampled")
             print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")
             results = {}
-            for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+            for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"}),
+                                  ("fp8+kv8", {"quantization": "fp8",
+                                               "kv_cache_dtype": "fp8"})):
                 secs, floor = rollout(path, s, bw, **config)
                 results[label] = secs
                 print(f"{label:>8} {secs:>8.2f} {BATCH * NEW / secs:>9.0f} {floor:>8.2f} "
                       f"{secs / floor:>8.2f}")
-            print(f"fp8 tokens/s over bf16: {results['bf16'] / results['fp8']:.2f}x")
+            for label in ("fp8", "fp8+kv8"):
+                print(f"{label} tokens/s over bf16: "
+                      f"{results['bf16'] / results[label]:.2f}x")
         if shape == "8b":
             print("\nproduct alone (8B projections), ms in CUDA graphs; "
                   "floors read the weight once")
             print(f"{'proj':>8} {'rows':>5} {'N':>6} {'K':>6} {'path':>7} {'fp8':>8} "
-                  f"{'w8a16':>8} {'dequant':>8} {'bf16':>8} {'fp8 flr':>8} {'bf16 flr':>8}")
+                  f"{'w8a16':>8} {'w8a8':>8} {'dequant':>8} {'bf16':>8} {'fp8 flr':>8} "
+                  f"{'bf16 flr':>8}")
             for r in gemm_rows(s, bw):
-                print(f"{r[0]:>8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]:>7} {r[5]:>8.4f} "
-                      f"{r[6]:>8.4f} {r[7]:>8.4f} {r[8]:>8.4f} {r[9]:>8.4f} {r[10]:>8.4f}")
+                print(f"{r[0]:>8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]:>7} "
+                      + " ".join(f"{v:>8.4f}" for v in r[5:]))
             fp8_push = push_seconds(path, quantization="fp8")
             bf16_push = push_seconds(path)
             print(f"\npush of the 8B shape from CUDA bf16 tensors: into fp8 {fp8_push:.3f} s, "

@@ -175,6 +175,10 @@ class ModelRunner:
         self.progress = progress
         self.group = group
         self.device = resolve_device(config.device)
+        #: what this process held on the device before this engine allocated anything
+        #: (another engine's pool, a colocated trainer's tensors): not this engine's
+        self._held_before = (torch.cuda.memory_allocated(self.device)
+                             if self.device.type == "cuda" else 0)
         self.model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
@@ -326,7 +330,8 @@ class ModelRunner:
             peak = self._profile_peak_bytes()
         blocks = num_blocks_for_budget(
             list(self.backends.cache_specs().values()),
-            budget_bytes=cache_budget_bytes(cache, self.device, peak_bytes=peak),
+            budget_bytes=cache_budget_bytes(cache, self.device, peak_bytes=peak,
+                                            held_before=self._held_before),
             num_slots=self.num_slots,
             min_blocks=min_pool_blocks(self._asked_model_len, cache.block_size),
         )

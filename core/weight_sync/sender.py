@@ -138,7 +138,8 @@ class BucketSender:
 
     def _stream_push(self, conn: Connection, weights: Any) -> int:
         endpoint = self._endpoint
-        endpoint.send(conn, Begin(tuple(b.handle for b in self._buffers)))
+        # a fresh handle per push: each CUDA IPC reference is released by one mapping
+        endpoint.send(conn, Begin(tuple(b.share() for b in self._buffers)))
         unacked: list[int] = []  # bucket indices sent and not yet acknowledged
         count = 0
         for index, bucket in enumerate(plan_buckets(self._cast(gathered(weights)),

@@ -1,13 +1,15 @@
 """A flat byte buffer one process fills and another reads: CUDA IPC or shared memory.
 
 The sender allocates a :class:`SharedBuffer` once and refills it bucket after bucket;
-its :attr:`SharedBuffer.handle` is plain picklable data naming the memory. The engine
+:meth:`SharedBuffer.share` gives plain picklable data naming the memory. The engine
 maps the same memory with :func:`open_buffer` and copies out of it; nothing is
 copied in between.
 
 - On CUDA the handle is the CUDA IPC handle of the buffer's allocation (torch's
   ``reduce_tensor``), opened in the engine process on the device with the same
-  UUID, so the two processes need not number their devices alike.
+  UUID, so the two processes need not number their devices alike. Each handle
+  carries one of torch's cross-process references, which the engine's mapping gives
+  back when it closes: a sender shares anew for every mapping (every push).
 - On the CPU it is a POSIX shared-memory segment (``multiprocessing.shared_memory``)
   by name: the same protocol runs for real between two CPU processes.
 """
@@ -53,22 +55,32 @@ class SharedBuffer:
         device = torch.device(device)
         self._shm: shared_memory.SharedMemory | None = None
         if device.type == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            _, args = reduce_tensor(self.tensor)
-            index = self.tensor.device.index
-            self.handle = BufferHandle("cuda", nbytes, args, device_uuid(index))
         elif device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
-            self.handle = BufferHandle("cpu", nbytes, self._shm.name)
             # a sender never closed still unlinks its segment when it is collected or
             # its process exits, so nothing stays in /dev/shm (nor in the resource
             # tracker, which would warn of a leak)
             self._finalizer = weakref.finalize(self, _free_segment, self._shm)
         else:
             raise WeightSyncError(f"buckets live on CUDA or the CPU, not {device}")
+
+    def share(self) -> BufferHandle:
+        """The handle for one mapping of the buffer by the engine.
+
+        On CUDA every call hands out a new IPC reference (torch counts one release per
+        ``reduce_tensor``): a handle reused for a second mapping would be released
+        twice, and torch would keep the buffer after :meth:`close`."""
+        if self.tensor.is_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            _, args = reduce_tensor(self.tensor)
+            return BufferHandle("cuda", self.tensor.numel(), args,
+                                device_uuid(self.tensor.device.index))
+        if self._shm is None:
+            raise WeightSyncError("the buffer is closed")
+        return BufferHandle("cpu", self.tensor.numel(), self._shm.name)
 
     def close(self) -> None:
         """Free the buffer (the engine must be done with it: every bucket acknowledged)."""

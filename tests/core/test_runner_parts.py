@@ -23,7 +23,11 @@ from kvrunner.runner.capture.capture_safety import (
 from kvrunner.runner.capture.graphs import default_capture_sizes, garbage_collection_paused
 from kvrunner.runner.pools.cache_pools import CachePools
 from kvrunner.runner.pools.pool_size import PoolSize
-from kvrunner.runner.pools.sizing import CacheSizingError, num_blocks_for_budget
+from kvrunner.runner.pools.sizing import (
+    CacheSizingError,
+    budget_from_memory,
+    num_blocks_for_budget,
+)
 from kvrunner.runner.step.forward_vars import ForwardVars
 
 
@@ -56,6 +60,34 @@ def test_sizing_never_exceeds_the_budget_and_uses_it_up_to_one_block(
         return
     used = n * block + slots * slot
     assert used <= budget < used + block
+
+
+GiB = 1 << 30
+
+
+def test_an_engine_budget_is_its_share_of_the_card_less_what_it_holds_itself() -> None:
+    """As vLLM counts it: ``gpu_memory_utilization`` is this engine's share of the card;
+    what the process held before the engine started (another engine, a trainer's
+    tensors) is not charged to it while the card has the memory free."""
+    card = dict(total=80 * GiB, utilization=0.3, peak_bytes=2 * GiB)
+    alone = budget_from_memory(free=70 * GiB, reserved=10 * GiB, allocated=10 * GiB,
+                               held_before=0, **card)
+    assert alone == 24 * GiB - 10 * GiB - 2 * GiB
+    beside = budget_from_memory(free=40 * GiB, reserved=40 * GiB, allocated=40 * GiB,
+                                held_before=30 * GiB, **card)
+    assert beside == alone  # the other engine's 30 GiB are its own
+    # torch's cache (reserved, not allocated) is reusable and counts as free
+    assert budget_from_memory(free=40 * GiB, reserved=45 * GiB, allocated=40 * GiB,
+                              held_before=30 * GiB, **card) == alone
+
+
+def test_an_engine_budget_never_exceeds_what_the_card_has_free() -> None:
+    """Memory another process holds is never promised twice: the share is capped by
+    the free memory (after the activation peak)."""
+    budget = budget_from_memory(total=80 * GiB, free=5 * GiB, reserved=10 * GiB,
+                                allocated=10 * GiB, held_before=0, utilization=0.9,
+                                peak_bytes=2 * GiB)
+    assert budget == 3 * GiB
 
 
 def test_default_capture_sizes_are_powers_then_steps_of_16() -> None:

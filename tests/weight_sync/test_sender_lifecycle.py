@@ -20,14 +20,14 @@ from kvrunner.weight_sync import BucketSender
 
 how = sys.argv[1]
 sender = BucketSender(device="cpu", bucket_bytes=1 << 20)
-names = [buffer.handle.payload for buffer in sender._buffers]
+names = [buffer.share().payload for buffer in sender._buffers]
 print(" ".join(names), flush=True)
 if how == "close":
     sender.close()
     sender.close()  # idempotent
 elif how == "with":
     with BucketSender(device="cpu", bucket_bytes=1 << 20) as other:
-        more = [buffer.handle.payload for buffer in other._buffers]
+        more = [buffer.share().payload for buffer in other._buffers]
     print(" ".join(more), flush=True)
     sender.close()
 elif how == "dropped":

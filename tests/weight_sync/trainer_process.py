@@ -74,7 +74,7 @@ def push_malformed(conn: Connection, job: dict[str, Any]) -> None:
     conn.send(("listening", listener.address, b"k" * 32))
     buffer = SharedBuffer(1 << 20, "cpu")
     with listener.accept() as engine:
-        m.send(engine, m.Begin((buffer.handle,)))
+        m.send(engine, m.Begin((buffer.share(),)))
         name, tensor = pairs[0]
         buffer.tensor[: tensor.numel() * 4].view(torch.float32).copy_(tensor.flatten())
         slot = TensorSlot(name, "float32", tuple(tensor.shape), 0)
@@ -135,7 +135,7 @@ def push_malformed_direct(conn: Connection, job: dict[str, Any]) -> None:
         name, tensor = pairs[0]
         slot = TensorSlot(name, "float32", tuple(tensor.shape), 0)
         if fault == "no_sender":
-            m.send(engine, m.Begin((buffer.handle,)))
+            m.send(engine, m.Begin((buffer.share(),)))
             buffer.tensor[: tensor.numel() * 4].view(torch.float32).copy_(tensor.flatten())
             m.send(engine, m.Bucket(0, 0, BucketLayout((slot,))))
         else:

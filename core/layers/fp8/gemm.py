@@ -6,8 +6,9 @@ Three paths compute it:
   serves): the weight is dequantized to the activations' dtype by its block scales and
   multiplied as a bf16 weight would be, so on the CPU an FP8 engine gives exactly the
   tokens of a bf16 engine holding the dequantized weights.
-* **w8a16 on CUDA** for a decode step's rows (at most ``w8a16_triton.MAX_ROWS``, 16-bit
-  activations): a Triton kernel streams the e4m3 weight and dequantizes each tile on
+* **w8a16 on CUDA** for a small decode step's rows (16-bit activations; at most
+  ``w8a16_triton.MAX_ROWS_BESIDE_W8A8`` where the w8a8 product serves, else at most
+  ``w8a16_triton.MAX_ROWS``): a Triton kernel streams the e4m3 weight and dequantizes each tile on
   chip by its block's scale, rounding it to the activations' dtype as the first path
   does, and multiplies it with the activations as they are, accumulating in float32
   (``layers/fp8/w8a16_triton.py``). A decode step waits on the weight's bytes, and these
@@ -59,15 +60,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 
 
 def w8a16_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the w8a16 kernel takes the product: CUDA activations in a 16-bit dtype, at
-    most ``w8a16_triton.MAX_ROWS`` rows of them, a weight matrix contiguous along K."""
+    """Whether the w8a16 kernel takes the product: CUDA activations in a 16-bit dtype, a
+    weight matrix contiguous along K, and at most ``w8a16_triton.MAX_ROWS_BESIDE_W8A8``
+    rows where the w8a8 product serves (else ``w8a16_triton.MAX_ROWS``)."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() > 0
             and weight.dim() == 2 and weight.stride(-1) == 1):
         return False
     # imported here: the CPU path runs without Triton installed
-    from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS
+    from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS, MAX_ROWS_BESIDE_W8A8
 
-    return x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
+    rows = x.numel() // max(1, x.shape[-1])
+    return rows <= MAX_ROWS_BESIDE_W8A8 or (rows <= MAX_ROWS and not w8a8_serves(x, weight))
 
 
 def w8a8_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:

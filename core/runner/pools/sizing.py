@@ -32,19 +32,37 @@ def release_unreachable_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def cache_budget_bytes(cache: CacheConfig, device: torch.device, *, peak_bytes: int = 0) -> int:
+def cache_budget_bytes(cache: CacheConfig, device: torch.device, *, peak_bytes: int = 0,
+                       held_before: int = 0) -> int:
     """Bytes the cache pools may take on ``device``.
 
-    CUDA: ``gpu_memory_utilization`` of the card's total, less what this process
-    already holds (weights, buffers) and the profiled activation peak above that.
+    CUDA: as vLLM counts it, ``gpu_memory_utilization`` of the card's total is this
+    engine's share, less what the engine itself holds (what this process allocated
+    since ``held_before``: weights, buffers) and the profiled activation peak above
+    that; capped by what the device has free now (after the peak), so memory another
+    process or another engine of this process holds is never promised twice.
     CPU: the configured byte budget.
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free - torch.cuda.memory_reserved(device)
-        ours = torch.cuda.memory_allocated(device)
-        return int(total * cache.gpu_memory_utilization) - used_by_others - ours - peak_bytes
+        reserved = torch.cuda.memory_reserved(device)
+        allocated = torch.cuda.memory_allocated(device)
+        return budget_from_memory(
+            total=total, free=free, reserved=reserved, allocated=allocated,
+            held_before=held_before, utilization=cache.gpu_memory_utilization,
+            peak_bytes=peak_bytes)
     return cache.cpu_cache_bytes
+
+
+def budget_from_memory(*, total: int, free: int, reserved: int, allocated: int,
+                       held_before: int, utilization: float, peak_bytes: int) -> int:
+    """The CUDA budget of :func:`cache_budget_bytes` from the device's figures:
+    ``total`` and ``free`` as the driver reports them, this process's ``reserved``
+    (torch's cache, of which ``reserved - allocated`` is reusable) and ``allocated``
+    bytes, ``held_before`` of them allocated before this engine started."""
+    share = int(total * utilization) - max(0, allocated - held_before) - peak_bytes
+    available = free + max(0, reserved - allocated) - peak_bytes
+    return min(share, available)
 
 
 def num_blocks_for_budget(
