@@ -6,8 +6,8 @@ last row and column of blocks may be partial). Each block has one float32 scale,
 stands for), and its elements are stored as ``clamp(w / scale)`` rounded to e4m3.
 A block of zeros has scale 1 (any scale stores it exactly); a block so small that
 ``amax / 448`` underflows float32 keeps scale 1 too and stores zeros. Dequantizing
-multiplies back: ``q * scale``. Everything is computed in float32, so the same
-input gives the same bytes on every device.
+multiplies back: ``q * scale``. Everything is computed in float32 with IEEE-rounded
+divisions, so the same input gives the same bytes on every device.
 """
 
 from __future__ import annotations
@@ -49,11 +49,36 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, m, n = w.shape
     blocks = _padded_blocks(w.float())
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = amax / FP8_MAX
+    # divided by a tensor, not a number: CUDA torch multiplies by a number's float32
+    # reciprocal, which can differ in the last bit from the IEEE quotient the CPU and
+    # the Triton kernel take
+    scale = amax / torch.full_like(amax, FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(*lead, cdiv(m, BLOCK) * BLOCK, cdiv(n, BLOCK) * BLOCK)[..., :m, :n]
     return q.contiguous(), scale.squeeze(-1).squeeze(-2).contiguous()
+
+
+def quantize_blocks_into(w: torch.Tensor, q_out: torch.Tensor,
+                         scale_out: torch.Tensor) -> None:
+    """Quantize the matrix ``w`` into ``q_out`` (e4m3, ``w``'s shape) and ``scale_out``
+    (float32, :func:`scale_shape`), views of a layer's parameters: the values of
+    :func:`quantize_blocks`. On CUDA one Triton launch reads ``w`` once and writes the
+    bytes and scales in place (``layers/fp8/block_quant_triton.py``); elsewhere the
+    torch path runs and its result is copied in."""
+    if w.dim() != 2 or tuple(q_out.shape) != tuple(w.shape) or (
+            tuple(scale_out.shape) != scale_shape(w.shape)):
+        raise ValueError(f"block quantization of a {tuple(w.shape)} matrix into "
+                         f"{tuple(q_out.shape)} bytes and {tuple(scale_out.shape)} scales")
+    if w.is_cuda and q_out.is_cuda and scale_out.is_cuda:
+        # imported here: the CPU path runs without Triton installed
+        from kvrunner.layers.fp8.block_quant_triton import quantize_blocks_triton
+
+        quantize_blocks_triton(w, q_out, scale_out)
+        return
+    q, s = quantize_blocks(w)
+    q_out.copy_(q)
+    scale_out.copy_(s)
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor,

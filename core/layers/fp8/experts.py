@@ -35,6 +35,7 @@ from kvrunner.layers.fp8.blocks import (
     dequantize_blocks,
     is_fp8,
     quantize_blocks,
+    quantize_blocks_into,
 )
 from kvrunner.layers.fp8.weights import SCALE_SUFFIX, check_part_alignment
 from kvrunner.layers.weight_copy import copy_weight_
@@ -98,9 +99,7 @@ def load_expert_weight(target: torch.Tensor, scale_target: torch.Tensor | None,
     if target.is_meta or not target.is_floating_point() or is_fp8(piece):
         copy_weight_(target, piece, what=what)  # shapes only / positions / bytes as stored
         return
-    q, s = quantize_blocks(piece.to(target.device))
-    copy_weight_(target, q, what=what)
-    copy_weight_(scale_target, s, what=f"{what} {SCALE_SUFFIX}")
+    quantize_blocks_into(piece.to(target.device), target, scale_target)
 
 
 def scale_piece(loaded: torch.Tensor, *, part: str, rank: int, ib_local: int,

@@ -27,7 +27,14 @@ import torch
 from torch import nn
 
 from kvrunner.errors import ConfigError
-from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, cdiv, is_fp8, quantize_blocks, scale_shape
+from kvrunner.layers.fp8.blocks import (
+    BLOCK,
+    FP8_DTYPE,
+    cdiv,
+    is_fp8,
+    quantize_blocks_into,
+    scale_shape,
+)
 from kvrunner.layers.weight_copy import copy_weight_
 
 #: the checkpoint suffix of a weight's block scales, beside ``weight``
@@ -76,9 +83,12 @@ def load_fp8_part(weight: nn.Parameter, scale: nn.Parameter, param: torch.Tensor
         return
     part = _part(loaded, dim, index, size, total, what)
     if param.is_floating_point() and not is_fp8(loaded) and not param.is_meta:
-        q, s = quantize_blocks(part.to(param.device))
-        _target(param, dim, offset, size).copy_(q)
-        _target(scale, dim, offset // BLOCK, cdiv(size, BLOCK)).copy_(s)
+        target = _target(param, dim, offset, size)
+        if tuple(target.shape) != tuple(part.shape):
+            raise ValueError(f"{what}: expected shape {tuple(target.shape)}, "
+                             f"got {tuple(part.shape)}")
+        quantize_blocks_into(part.to(param.device), target,
+                             _target(scale, dim, offset // BLOCK, cdiv(size, BLOCK)))
         return
     if param.is_floating_point() and not is_fp8(loaded):  # a dry run: shapes only
         if tuple(_target(param, dim, offset, size).shape) != tuple(part.shape):

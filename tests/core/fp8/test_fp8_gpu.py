@@ -107,3 +107,28 @@ def test_the_activation_kernel_gives_the_references_bytes_and_scales(rows, sprea
     q_ref, s_ref = quantize_token_groups(x)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("m", "n"), [(4096, 1024), (300, 200), (1, 129)])
+@pytest.mark.parametrize("values", ["normal", "near_max", "subnormal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_push_quantizes_in_place_to_the_cpu_references_bytes_and_scales(m, n, values,
+                                                                            dtype):
+    """A push's one-launch block quantization on CUDA equals the torch reference run on
+    the CPU bit for bit (the same bytes on every device), written into a view."""
+    from kvrunner.layers.fp8.blocks import FP8_DTYPE, quantize_blocks_into, scale_shape
+
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(m, n, generator=g) * 0.02
+    if values == "near_max":
+        w = w.sign() * (0.9 + 0.1 * torch.rand(m, n, generator=g))
+    elif values == "subnormal":  # each block's amax 1, the rest under e4m3's normals
+        w = w.clamp(-3, 3) * 2.0**-8 / 448
+        w[::128, ::128] = 1.0
+    w = w.to(dtype)
+    q_ref, s_ref = quantize_blocks(w)
+    q = torch.empty(m + 128, n, dtype=FP8_DTYPE, device="cuda")
+    s = torch.empty(1 + scale_shape((m, n))[0], scale_shape((m, n))[1], device="cuda")
+    quantize_blocks_into(w.cuda(), q[128:], s[1:])
+    assert torch.equal(s[1:].cpu(), s_ref)
+    assert torch.equal(q[128:].cpu().view(torch.uint8), q_ref.view(torch.uint8))
