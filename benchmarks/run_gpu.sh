@@ -3,6 +3,7 @@
 # Needs the wheels the device image lacks in .whl/ (see docs/benchmarks.md).
 #   bash benchmarks/run_gpu.sh                      every benchmark (TP only with 2 GPUs)
 #   bash benchmarks/run_gpu.sh bench_tp_decode      only the named ones
+#   bash benchmarks/run_gpu.sh "bench_fp8 --shapes 8b"   a named one with its arguments
 # Logs go to $OUT when set. GPU_TEST_TIMEOUT / BENCH_TIMEOUT bound the tests / each benchmark (s).
 # GPU_TESTS narrows the tests run (paths or node ids; default: every `gpu` test under tests/,
 # the gdn tests last: fla's kernels compile and autotune for minutes on a fresh machine).
@@ -50,6 +51,7 @@ if [ ${#benches[@]} -eq 0 ]; then
   [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && benches+=(bench_tp_decode bench_tbo bench_weight_push_nccl)
 fi
 for bench in "${benches[@]}"; do
+  read -r name args <<< "$bench"  # a quoted "bench_fp8 --shapes 8b" passes its arguments
   echo "== $bench"
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-400}" python3 "$bench.py") 2>&1 | tee "$LOG/$bench.log" | grep -v Warning | tail -${BENCH_TAIL:-14}
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-400}" python3 "$name.py" $args) 2>&1 | tee "$LOG/$name.log" | grep -v Warning | tail -${BENCH_TAIL:-14}
 done
