@@ -34,6 +34,10 @@ import torch.nn.functional as F
 
 from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX, cdiv, dequantize_blocks
 
+#: the w8a8 product's activation rows are padded with zero rows to a multiple of this:
+#: cuBLAS's block-scaled kernel refused M = 1 and M = 26 on an H100 and took every
+#: multiple of 64 it was given
+W8A8_ROWS_MULTIPLE = 16
 #: (N, K) shapes the w8a8 kernel refused on this process's device
 _REFUSED: set[tuple[int, int]] = set()
 
@@ -113,14 +117,16 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
 
     lead, k = x.shape[:-1], x.shape[-1]
-    # one launch for the activations' quantization (the torch steps are nine)
-    xq, xs = quantize_token_groups_triton(x.reshape(-1, k))
+    x2 = x.reshape(-1, k)
+    # one launch for the activations' quantization (the torch steps are nine); the rows
+    # padded to a multiple of W8A8_ROWS_MULTIPLE with zeros, which cuBLAS needs
+    xq, xs = quantize_token_groups_triton(x2, rows_multiple=W8A8_ROWS_MULTIPLE)
     kb = cdiv(k, BLOCK)
     # scaled_mm reads the weight's scales as [round_up(K/128, 4), N/128], column-major.
     pad = -kb % 4
     ws = (F.pad(scale_inv, (0, pad)) if pad else scale_inv).t()
     y = F.scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128, ws,
-                    ScalingType.BlockWise128x128, output_dtype=x.dtype)
+                    ScalingType.BlockWise128x128, output_dtype=x.dtype)[: x2.shape[0]]
     if bias is not None:
         y = y + bias
     return y.view(*lead, weight.shape[0])

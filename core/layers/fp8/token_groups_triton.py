@@ -21,13 +21,15 @@ from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
-def _token_group_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, M,
+def _token_group_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, M, M_valid,
                               GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr,
                               INV_LIMIT: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    # a padding row (past M_valid) quantizes as zeros: bytes 0, scale 1
+    end = tl.where(row < M_valid, (group + 1) * GROUP, 0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     scale = amax * INV_LIMIT
     scale = tl.where(scale > 0, scale, 1.0)
@@ -38,18 +40,21 @@ def _token_group_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, M,
     tl.store(scale_ptr + group * M + row, scale)
 
 
-def quantize_token_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (K a multiple of 128) -> ``(q [M, K] e4m3, scales [M, K / 128]
-    float32, column-major)``; the reference's values. No host sync: capturable."""
+def quantize_token_groups_triton(x: torch.Tensor, *, rows_multiple: int = 1
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (K a multiple of 128) -> ``(q [R, K] e4m3, scales [R, K / 128]
+    float32, column-major)``: the reference's values in the first M rows, and zero
+    rows (bytes 0, scale 1) up to ``R``, ``M`` rounded up to ``rows_multiple``.
+    No host sync: capturable."""
     m, k = x.shape
     assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
     if x.stride(-1) != 1:
         x = x.contiguous()
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device)
-    if m:
-        _token_group_quant_kernel[(m, k // BLOCK)](x, q, scales, x.stride(0), q.stride(0), m,
-                                                   GROUP=BLOCK, FP8_LIMIT=FP8_MAX,
-                                                   INV_LIMIT=1.0 / FP8_MAX,
-                                                   num_warps=1)
+    rows = -(-m // rows_multiple) * rows_multiple
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(k // BLOCK, rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _token_group_quant_kernel[(rows, k // BLOCK)](x, q, scales, x.stride(0), q.stride(0),
+                                                      rows, m, GROUP=BLOCK, FP8_LIMIT=FP8_MAX,
+                                                      INV_LIMIT=1.0 / FP8_MAX, num_warps=1)
     return q, scales.t()

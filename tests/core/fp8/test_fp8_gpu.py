@@ -32,7 +32,7 @@ QWEN3_06B = dict(hidden=1024, inter=3072, layers=28, heads=16, kv_heads=8, head_
                  vocab=151936)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 256, 4096])
+@pytest.mark.parametrize("rows", [1, 7, 17, 26, 64, 256, 4096])
 @pytest.mark.parametrize(("n", "k"), [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])
 def test_the_product_is_within_the_stated_bound_of_the_dequantized_reference(rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(rows * n + k)

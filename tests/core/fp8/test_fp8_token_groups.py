@@ -37,3 +37,15 @@ def test_the_kernel_gives_the_references_scales_column_major(
     assert s.t().is_contiguous()  # column-major, as scaled_mm's 1 x 128 recipe reads
     assert torch.equal(s, s_ref)
     assert q.shape == x.shape and q.dtype == q_ref.dtype == torch.float8_e4m3fn
+
+
+def test_padding_rows_quantize_as_zeros_with_scale_one() -> None:
+    """The w8a8 product pads M to a multiple its kernel takes: the rows past M are zero
+    bytes with scale 1 (they add nothing), the first M the reference's."""
+    from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
+
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q, s = quantize_token_groups_triton(x, rows_multiple=16)
+    assert q.shape == (16, 256) and s.shape == (16, 2) and s.t().is_contiguous()
+    assert torch.equal(s[:5], quantize_token_groups(x)[1])
+    assert (q[5:].view(torch.uint8) == 0).all() and (s[5:] == 1).all()

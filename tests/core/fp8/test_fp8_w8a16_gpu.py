@@ -1,5 +1,5 @@
 """The w8a16 kernel on CUDA: within bf16 rounding of the dequantizing reference at the
-Qwen3-0.6B and 8B projections, the path ``fp8_linear`` takes for a decode step's rows,
+Qwen3-0.6B and 8B projections, the path ``fp8_linear`` takes for a small decode step's rows,
 capturable in a CUDA graph, and an FP8 engine whose captured graphs run it.
 
 Bound stated here: each bf16 output within ``2^-8 * |ref| + K * 2^-23 * (|x| @ |W|^T)``
@@ -14,8 +14,8 @@ import torch
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
-from kvrunner.layers.fp8.gemm import fp8_linear, w8a16_serves
-from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS, w8a16_linear
+from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves, w8a16_serves
+from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS, MAX_ROWS_BESIDE_W8A8, w8a16_linear
 from kvrunner.models.tiny import write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -38,10 +38,12 @@ def _operands(rows: int, n: int, k: int):
 @pytest.mark.parametrize("rows", [1, 7, 64, 256])
 @pytest.mark.parametrize(("shape", "n", "k"), SHAPES)
 def test_the_kernel_is_within_bf16_rounding_of_the_reference(rows, shape, n, k):
+    """Every decode step's row count, whichever path ``fp8_linear`` picks for it."""
     x, wq, ws = _operands(rows, n, k)
-    assert rows <= MAX_ROWS and w8a16_serves(x, wq), "a decode step's rows take w8a16"
-    y = fp8_linear(x, wq, ws)
-    assert torch.equal(y, w8a16_linear(x, wq, ws)), "fp8_linear's product is the kernel's"
+    y = w8a16_linear(x, wq, ws)
+    if rows <= MAX_ROWS_BESIDE_W8A8:
+        assert w8a16_serves(x, wq), "a small decode step's rows take w8a16"
+        assert torch.equal(fp8_linear(x, wq, ws), y), "fp8_linear's product is the kernel's"
     w = dequantize_blocks(wq, ws, torch.bfloat16).double()
     ref = x.double() @ w.T
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.abs().T)
@@ -49,7 +51,14 @@ def test_the_kernel_is_within_bf16_rounding_of_the_reference(rows, shape, n, k):
 
 
 def test_more_rows_than_a_decode_step_leave_the_kernel():
+    """Where the w8a8 product serves (N a multiple of 16, on an H100/H200) it takes more
+    than ``MAX_ROWS_BESIDE_W8A8`` rows; elsewhere the kernel takes up to ``MAX_ROWS``."""
     x, wq, _ = _operands(MAX_ROWS + 1, 1024, 1024)
+    if w8a8_serves(x, wq):
+        assert w8a16_serves(x[:MAX_ROWS_BESIDE_W8A8], wq)
+        assert not w8a16_serves(x[:MAX_ROWS_BESIDE_W8A8 + 1], wq)
+    x, wq, _ = _operands(MAX_ROWS + 1, 1000, 1024)  # no w8a8: N is not a multiple of 16
+    assert not w8a8_serves(x, wq)
     assert not w8a16_serves(x, wq)
     assert w8a16_serves(x[:MAX_ROWS], wq)
     assert not w8a16_serves(x[:MAX_ROWS].float(), wq), "float32 activations dequantize"
