@@ -53,7 +53,7 @@ def quantize_blocks_triton(w: torch.Tensor, q_out: torch.Tensor,
     into ``q_out`` (``float8_e4m3fn``, ``[M, N]``) and ``scale_out`` (float32,
     :func:`~kvrunner.layers.fp8.blocks.scale_shape`), both possibly views of a larger
     parameter: the values :func:`~kvrunner.layers.fp8.blocks.quantize_blocks` gives.
-    No host sync; the caller checked the shapes (``blocks.quantize_blocks_into``)."""
+    No host sync; the caller checked the shapes (``weights.quantize_blocks_into``)."""
     m, n = w.shape
     if m == 0 or n == 0:
         return

@@ -59,28 +59,6 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.squeeze(-1).squeeze(-2).contiguous()
 
 
-def quantize_blocks_into(w: torch.Tensor, q_out: torch.Tensor,
-                         scale_out: torch.Tensor) -> None:
-    """Quantize the matrix ``w`` into ``q_out`` (e4m3, ``w``'s shape) and ``scale_out``
-    (float32, :func:`scale_shape`), views of a layer's parameters: the values of
-    :func:`quantize_blocks`. On CUDA one Triton launch reads ``w`` once and writes the
-    bytes and scales in place (``layers/fp8/block_quant_triton.py``); elsewhere the
-    torch path runs and its result is copied in."""
-    if w.dim() != 2 or tuple(q_out.shape) != tuple(w.shape) or (
-            tuple(scale_out.shape) != scale_shape(w.shape)):
-        raise ValueError(f"block quantization of a {tuple(w.shape)} matrix into "
-                         f"{tuple(q_out.shape)} bytes and {tuple(scale_out.shape)} scales")
-    if w.is_cuda and q_out.is_cuda and scale_out.is_cuda:
-        # imported here: the CPU path runs without Triton installed
-        from kvrunner.layers.fp8.block_quant_triton import quantize_blocks_triton
-
-        quantize_blocks_triton(w, q_out, scale_out)
-        return
-    q, s = quantize_blocks(w)
-    q_out.copy_(q)
-    scale_out.copy_(s)
-
-
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale_inv`` per block, computed in float32 and returned in ``dtype``."""

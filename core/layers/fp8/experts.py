@@ -35,9 +35,8 @@ from kvrunner.layers.fp8.blocks import (
     dequantize_blocks,
     is_fp8,
     quantize_blocks,
-    quantize_blocks_into,
 )
-from kvrunner.layers.fp8.weights import SCALE_SUFFIX, check_part_alignment
+from kvrunner.layers.fp8.weights import SCALE_SUFFIX, check_part_alignment, quantize_blocks_into
 from kvrunner.layers.weight_copy import copy_weight_
 
 #: each stacked weight's scales parameter, by the weight's name (``w13`` -> ``w13_scale_inv``)

@@ -32,7 +32,7 @@ from kvrunner.layers.fp8.blocks import (
     FP8_DTYPE,
     cdiv,
     is_fp8,
-    quantize_blocks_into,
+    quantize_blocks,
     scale_shape,
 )
 from kvrunner.layers.weight_copy import copy_weight_
@@ -97,6 +97,28 @@ def load_fp8_part(weight: nn.Parameter, scale: nn.Parameter, param: torch.Tensor
                              f"got {tuple(part.shape)}")
         return
     copy_weight_(_target(param, dim, offset, size), part, what=what)
+
+
+def quantize_blocks_into(w: torch.Tensor, q_out: torch.Tensor,
+                         scale_out: torch.Tensor) -> None:
+    """Quantize the matrix ``w`` into ``q_out`` (e4m3, ``w``'s shape) and ``scale_out``
+    (float32, :func:`scale_shape`), views of a layer's parameters: the values of
+    :func:`quantize_blocks`. On CUDA one Triton launch reads ``w`` once and writes the
+    bytes and scales in place (``layers/fp8/block_quant_triton.py``); elsewhere the
+    torch path runs and its result is copied in."""
+    if w.dim() != 2 or tuple(q_out.shape) != tuple(w.shape) or (
+            tuple(scale_out.shape) != scale_shape(w.shape)):
+        raise ValueError(f"block quantization of a {tuple(w.shape)} matrix into "
+                         f"{tuple(q_out.shape)} bytes and {tuple(scale_out.shape)} scales")
+    if w.is_cuda and q_out.is_cuda and scale_out.is_cuda:
+        # imported here: the CPU path runs without Triton installed
+        from kvrunner.layers.fp8.block_quant_triton import quantize_blocks_triton
+
+        quantize_blocks_triton(w, q_out, scale_out)
+        return
+    q, s = quantize_blocks(w)
+    q_out.copy_(q)
+    scale_out.copy_(s)
 
 
 def _part(loaded: torch.Tensor, dim: int, index: int, size: int, total: int,

@@ -116,7 +116,8 @@ def test_the_push_quantizes_in_place_to_the_cpu_references_bytes_and_scales(m, n
                                                                             dtype):
     """A push's one-launch block quantization on CUDA equals the torch reference run on
     the CPU bit for bit (the same bytes on every device), written into a view."""
-    from kvrunner.layers.fp8.blocks import FP8_DTYPE, quantize_blocks_into, scale_shape
+    from kvrunner.layers.fp8.blocks import FP8_DTYPE, scale_shape
+    from kvrunner.layers.fp8.weights import quantize_blocks_into
 
     g = torch.Generator().manual_seed(m + n)
     w = torch.randn(m, n, generator=g) * 0.02
