@@ -40,9 +40,10 @@ from kvrunner.layers.fused.skinny_gemm_triton import _split_bounds, _sum_splits_
 #: the most rows ``fp8_linear`` sends here: a decode step's batch (a rollout's 256
 #: sequences included); more rows are a prefill's, whose product is compute-bound
 MAX_ROWS = 256
-#: the most rows it sends here where the w8a8 product could take them: on an H100 this
-#: kernel beats bf16 at one row on every 8B projection, but from 64 rows the w8a8
-#: product (FP8 tensor cores) is faster (``bench_fp8.py``'s product table)
+#: the most rows it sends here where the w8a8 product (FP8 tensor cores) could take
+#: them: on an H100 this kernel beats bf16 at one row on every 8B projection, but
+#: loses to bf16 at 64 rows on three of four and at 256 on all (``bench_fp8.py``'s
+#: product table)
 MAX_ROWS_BESIDE_W8A8 = 16
 #: the tensor-core tile's output columns and reduction depth (e4m3: 8 KB)
 BLOCK_N, BLOCK_K = 64, 128
