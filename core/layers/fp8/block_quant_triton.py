@@ -12,8 +12,9 @@ One program per block: it loads the block (masked where the weight ends inside i
 takes ``amax / 448`` as the scale (IEEE-rounded, ``div_rn``; 1 where that is not
 positive), divides each element by it (``div_rn``), clamps to +-448 and casts to
 e4m3, which rounds to nearest even with saturation as torch's cast does. So on the
-GPU bytes and scales equal the reference's bit for bit, for finite weights (a weight
-with NaN or infinity is refused before it is quantized). Triton's interpreter rounds
+GPU bytes and scales equal the reference's bit for bit, for finite weights (a load
+checks finiteness first unless ``check_finite`` is off; a block holding NaN may then
+get another scale than the reference gives it). Triton's interpreter rounds
 to e4m3 ties-away, so under it only the scales are checked bitwise.
 """
 

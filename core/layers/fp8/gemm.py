@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX, cdiv, dequantize_blocks
 
 #: the w8a8 product's activation rows are padded with zero rows to a multiple of this:
-#: cuBLAS's block-scaled kernel refused M = 1 and M = 26 on an H100 and took every
-#: multiple of 64 it was given
+#: cuBLAS's block-scaled kernel refused M = 1 and M = 26 on an H100, and took M = 16,
+#: 32 and every multiple of 64 it was given
 W8A8_ROWS_MULTIPLE = 16
 #: (N, K) shapes the w8a8 kernel refused on this process's device
 _REFUSED: set[tuple[int, int]] = set()
