@@ -83,7 +83,8 @@ def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, 
     decode = sum(nbytes + BATCH * (PROMPT + i) * kv for i in range(NEW)) / bw
     params_count = nbytes / (1 if fp8 else 2)
     # FP8 tensor cores run at twice bf16's rate where the w8a8 product takes the rows
-    x = torch.empty(CHUNK, s["hidden"], device="cuda", dtype=torch.bfloat16)
+    # (asked of the hidden size's shape; only the weight's shape and the card decide)
+    x = torch.empty(1, s["hidden"], device="cuda", dtype=torch.bfloat16)
     w = torch.empty(s["hidden"], s["hidden"], device="cuda", dtype=torch.float8_e4m3fn)
     tflops = BF16_TFLOPS * (2 if fp8 and w8a8_serves(x, w) else 1)
     prefill = 2 * params_count * BATCH * PROMPT / (tflops * 1e12)

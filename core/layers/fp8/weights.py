@@ -82,21 +82,16 @@ def load_fp8_part(weight: nn.Parameter, scale: nn.Parameter, param: torch.Tensor
                       offset=offset, what=f"{what} {SCALE_SUFFIX}")
         return
     part = _part(loaded, dim, index, size, total, what)
-    if param.is_floating_point() and not is_fp8(loaded) and not param.is_meta:
-        target = _target(param, dim, offset, size)
+    target = _target(param, dim, offset, size)
+    if param.is_floating_point() and not is_fp8(loaded):
         if tuple(target.shape) != tuple(part.shape):
             raise ValueError(f"{what}: expected shape {tuple(target.shape)}, "
                              f"got {tuple(part.shape)}")
-        quantize_blocks_into(part.to(param.device), target,
-                             _target(scale, dim, offset // BLOCK, cdiv(size, BLOCK)))
+        if not param.is_meta:  # a meta twin is a dry run: shapes only
+            quantize_blocks_into(part.to(param.device), target,
+                                 _target(scale, dim, offset // BLOCK, cdiv(size, BLOCK)))
         return
-    if param.is_floating_point() and not is_fp8(loaded):  # a dry run: shapes only
-        if tuple(_target(param, dim, offset, size).shape) != tuple(part.shape):
-            raise ValueError(f"{what}: expected shape "
-                             f"{tuple(_target(param, dim, offset, size).shape)}, "
-                             f"got {tuple(part.shape)}")
-        return
-    copy_weight_(_target(param, dim, offset, size), part, what=what)
+    copy_weight_(target, part, what=what)
 
 
 def quantize_blocks_into(w: torch.Tensor, q_out: torch.Tensor,
