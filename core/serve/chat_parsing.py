@@ -9,7 +9,7 @@ request's ``enable_thinking`` (``chat_template_kwargs``). The tool-call parser
 function need neither flag: their output is held to the tools' JSON schema
 (serve/tool_choice.py) and read as the calls it is (parsers/required_calls.py,
 parsers/named_call.py), with empty content. With ``parallel_tool_calls: false`` only
-call 0 alone is returned (streamed: only its pieces), as vLLM does.
+the first tool call is returned (streamed: only its pieces), as vLLM does.
 
 Reasoning before a grammar, as vLLM's structured-output manager does it: when the
 reasoning parser is on, the request's thinking enabled and its output constrained
