@@ -20,7 +20,11 @@ Random checkpoint of the Qwen3-0.6B shape (bench_e2e_decode's), bf16, on one GPU
 
   Generated tokens/s of each row, its ratio to its bound (``LLM.generate``, plain or
   penalised; target: the HTTP and ``AsyncLLM`` rows within 5%, the rows a vLLM
-  client sends within 3%) and to bench_rollout's HBM/FLOP floor.
+  client sends within 3%) and to bench_rollout's HBM/FLOP floor. An HTTP row also
+  gives its seconds at the server (first arrival to last answer sent) and the two
+  ends of them the engine does not set: how long the batch took to arrive, and how
+  long its answers took to leave. ``--http-rounds N`` runs the HTTP ways N times in
+  turn.
 - time to first token and inter-token latency (p50 / p99) of streamed
   ``/v1/completions`` (prompts of 1,024, 128 new) under Poisson arrivals at three
   rates.
@@ -34,6 +38,7 @@ The HTTP parts need fastapi, uvicorn, prometheus-client and aiohttp (``kvrunner[
 and aiohttp, the client); without them they are skipped, saying so.
 
     python benchmarks/bench_serving.py [--small] [--rates 4,16,64] [--skip-latency]
+                                      [--http-rounds N]
 """
 
 from __future__ import annotations
@@ -116,6 +121,10 @@ class Row:
     seconds: float
     #: HTTP rows: from the first request's arrival at the server to its last answer sent
     server_s: float | None = None
+    #: HTTP rows: from the first request's arrival to the last's, and from the first
+    #: answer sent to the last (the ends of server_s the engine does not set)
+    arrive_s: float | None = None
+    leave_s: float | None = None
     #: the row whose tok/s this one is held to (its way)
     bound: str = PLAIN_BOUND
     #: the least tok/s over the bound's that meets the target (None: no target)
@@ -186,6 +195,13 @@ class LocalServer:
         last = sorted(self.exchanges)[-count:]
         return max(end for _, end in last) - last[0][0]
 
+    def spread(self, count: int) -> tuple[float, float]:
+        """Of the last ``count`` exchanges to arrive: seconds from the first arrival to
+        the last, and from the first answer sent to the last."""
+        last = sorted(self.exchanges)[-count:]
+        ends = [end for _, end in last]
+        return last[-1][0] - last[0][0], max(ends) - min(ends)
+
     async def start(self) -> str:
         self.task = asyncio.create_task(self.server.serve())
         while not self.server.started:
@@ -210,19 +226,25 @@ HTTP_WAYS = (("/generate", False, 0.95), ("/v1/completions", False, 0.95),
 
 
 async def http_rows(engine: AsyncLLM, pool: concurrent.futures.Executor, server: LocalServer,
-                    prompts: list[list[int]], new: int) -> list[Row]:
+                    prompts: list[list[int]], new: int, rounds: int = 1) -> list[Row]:
+    """Every HTTP way, ``rounds`` times in turn (the ways interleaved, so a drift of
+    the card's clocks shows in every way alike)."""
     import serving_client
 
     loop = asyncio.get_running_loop()
     rows = []
-    for route, penalised, target in HTTP_WAYS:
-        await engine.reset_prefix_cache()
-        seconds, tokens = await loop.run_in_executor(
-            pool, serving_client.rollout, server.url, route, prompts, new,
-            PENALTIES if penalised else None)
-        rows.append(Row(f"HTTP {route}" + (", penalised" if penalised else ""), tokens,
-                        seconds, server.window(len(prompts)),
-                        bound=PENALISED_BOUND if penalised else PLAIN_BOUND, target=target))
+    for k in range(rounds):
+        for route, penalised, target in HTTP_WAYS:
+            await engine.reset_prefix_cache()
+            seconds, tokens = await loop.run_in_executor(
+                pool, serving_client.rollout, server.url, route, prompts, new,
+                PENALTIES if penalised else None)
+            arrive_s, leave_s = server.spread(len(prompts))
+            rows.append(Row(f"HTTP {route}" + (", penalised" if penalised else "")
+                            + (f", round {k + 1}" if rounds > 1 else ""), tokens,
+                            seconds, server.window(len(prompts)), arrive_s, leave_s,
+                            bound=PENALISED_BOUND if penalised else PLAIN_BOUND,
+                            target=target))
     return rows
 
 
@@ -249,12 +271,14 @@ def print_rollout(rows: list[Row], floor_s: float) -> None:
     for r in rows:
         bounds.setdefault(r.way, r.tokens / r.seconds)
     print(f"{'way':>38} {'tokens':>8} {'s':>8} {'tok/s':>9} {'bound':>24} {'vs bound':>9} "
-          f"{'target':>7} {'floor s':>8} {'s/floor':>8} {'server s':>9} {'server vs bound':>16}")
+          f"{'target':>7} {'floor s':>8} {'s/floor':>8} {'server s':>9} {'server vs bound':>16} "
+          f"{'arrive s':>9} {'leave s':>8}")
     for r in rows:
         tps, base = r.tokens / r.seconds, bounds[r.bound]
         target = "" if r.target is None else f">={r.target:.2f}"
         server = ("" if r.server_s is None else
-                  f" {r.server_s:>9.3f} {r.tokens / r.server_s / base:>16.3f}")
+                  f" {r.server_s:>9.3f} {r.tokens / r.server_s / base:>16.3f}"
+                  f" {r.arrive_s:>9.3f} {r.leave_s:>8.3f}")
         print(f"{r.way:>38} {r.tokens:>8} {r.seconds:>8.3f} {tps:>9.0f} {r.bound:>24} "
               f"{tps / base:>9.3f} {target:>7} {floor_s:>8.3f} {r.seconds / floor_s:>8.2f}"
               f"{server}")
@@ -337,7 +361,7 @@ async def served(llm: LLM, path: str, shape: Shape, prompts: list[list[int]],
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(pool, serving_client.rollout, url, "/generate",
                                    prompts[:2], 2)
-        rows += await http_rows(engine, pool, server, prompts, shape.new)
+        rows += await http_rows(engine, pool, server, prompts, shape.new, args.http_rounds)
         if not args.skip_latency:
             latency = await latency_rows(engine, pool, url, shape, vocab)
         wake = await loop.run_in_executor(pool, serving_client.wake_cycle, url, path,
@@ -354,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rates", default=None,
                     help="Poisson arrival rates, requests/s, comma-separated")
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--http-rounds", type=int, default=1,
+                    help="run the HTTP ways this many times, interleaved")
     args = ap.parse_args(argv)
     shape = SMALL if args.small else H200
     if args.rates:

@@ -38,11 +38,12 @@ second: half the read+write bandwidth ``common.copy_bandwidth_tbps`` reports).
   ``finish_weight_update``), both forms. Per tensor: one update naming every tensor,
   each ``{gpu_uuid: args}`` from torch's ``reduce_tensor`` of the trainer's own tensor
   (no copy in the trainer; the peer does not bucket it). Packed
-  (``packed_ipc_producer``): one ``uint8`` buffer allocated and exported once per row,
-  each chunk's tensors copied into it back to back, one update per chunk with
-  ``tensor_sizes``, the next chunk packed once the engine has answered; buffers of
-  2 and 4 GiB (vLLM's default of 1 GiB cannot hold the 1.24 GB embedding of this
-  shape: vLLM refuses a tensor larger than its buffer). The per-tensor form copies
+  (``packed_ipc_producer``): one ``uint8`` buffer allocated and exported once per
+  push (one ``reduce_tensor``, its handle sent with every chunk), each chunk's
+  tensors copied into it back to back, one update per chunk with ``tensor_sizes``,
+  the next chunk packed once the engine has answered; buffers of 2 and 4 GiB (vLLM's
+  default of 1 GiB cannot hold the 1.24 GB embedding of this shape: vLLM refuses a
+  tensor larger than its buffer). The per-tensor form copies
   each byte once (bounded by the copy rate), the packed form twice.
 
 The timed span of a peer's push runs from the engine's signal to start (the trainer
@@ -50,6 +51,10 @@ then builds and sends its first payload) to the end of the engine's last call: t
 trainer's packing and serialising are in it, as they are in the peer's step. After
 each peer's rows the engine's greedy tokens are taken: every way leaves the trainer's
 tensors in the engine, so they must all equal those after a direct push.
+
+Each row also prints what its pushes left in the trainer (``held MiB``): its allocated
+memory beyond its weights once its senders closed and it dropped its buckets and
+collected its IPC blocks. Anything here is a share the engine never released.
 
 Then a check that the direct path moves the right bytes: the trainer negates its
 tensors in place and pushes them directly (a steady-state push: no storage mapped
@@ -263,6 +268,7 @@ def trainer(conn) -> None:
     from kvrunner.weight_sync import BucketSender, DirectSender
 
     weights = tensors("cuda")
+    held = torch.cuda.memory_allocated()
     conn.send(sum(t.numel() * t.element_size() for _, t in weights))
     while (command := conn.recv()) is not None:
         kind, size_mb = command
@@ -294,11 +300,6 @@ def trainer(conn) -> None:
             uuid = str(torch.cuda.get_device_properties(0).uuid)
             if kind == "slime":
                 metadata = sglang_metadata_class()
-            if kind == "vllm-packed":  # allocated and exported once (packed_ipc_producer)
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                buffer = torch.empty(size_mb << 20, dtype=torch.uint8, device="cuda")
-                args = reduce_tensor(buffer)[1]
             conn.send("ready")
             for _ in range(PUSHES):
                 conn.recv()  # the engine's signal to start
@@ -306,31 +307,39 @@ def trainer(conn) -> None:
                     slime_push(conn, weights, size_mb << 20, metadata)
                 elif kind == "vllm":
                     vllm_tensors_push(conn, weights, uuid)
-                else:
-                    vllm_packed_push(conn, weights, uuid, buffer, args)
-            if kind == "vllm-packed":
-                del buffer
-                torch.cuda.ipc_collect()
-                torch.cuda.empty_cache()
+                else:  # a buffer per transfer, exported once (packed_ipc_producer)
+                    from torch.multiprocessing.reductions import reduce_tensor
+
+                    buffer = torch.empty(size_mb << 20, dtype=torch.uint8, device="cuda")
+                    vllm_packed_push(conn, weights, uuid, buffer, reduce_tensor(buffer)[1])
+                    del buffer
         elif kind == "free":
             weights.clear()
             torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
             conn.send((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+            continue
+        # what the row's pushes left behind once the trainer dropped what it made for
+        # them (its senders closed, its buckets freed)
+        torch.cuda.ipc_collect()
+        conn.send(torch.cuda.memory_allocated() - held)
 
 
 def row(path: str, size_mb: int | None, check: bool, first_s: float | None, steady_s: float,
-        weight_bytes: int, copy_rate: float) -> str:
-    """One line of the table: the steady-state rate in GB/s and against the copy rate."""
+        weight_bytes: int, copy_rate: float, held: int) -> str:
+    """One line of the table: the steady-state rate in GB/s and against the copy rate,
+    and the bytes the trainer still holds for the row's pushes (``held``: its
+    allocated memory beyond its weights once it dropped what it made for them; a share
+    the engine never released stays here)."""
     rate = weight_bytes / steady_s
     first = f"{first_s:>8.3f}" if first_s is not None else f"{'':>8}"
     size = f"{size_mb:>6}MB" if size_mb is not None else f"{'-':>8}"
     return (f"{path:>11} {size} {str(check):>6} {first} {steady_s:>9.4f} "
-            f"{rate / 1e9:>7.0f} {rate / copy_rate:>7.2f}")
+            f"{rate / 1e9:>7.0f} {rate / copy_rate:>7.2f} {held / 2**20:>9.0f}")
 
 
 HEADER = (f"{'path':>11} {'size':>8} {'check':>6} {'first s':>8} {'steady s':>9} "
-          f"{'GB/s':>7} {'x copy':>7}")
+          f"{'GB/s':>7} {'x copy':>7} {'held MiB':>9}")
 
 
 def timed_pushes(llm, address, authkey, check: bool) -> list[float]:
@@ -392,7 +401,7 @@ def main() -> None:
                 address, authkey = conn.recv()
                 times = timed_pushes(llm, address, authkey, check)
                 print(row("bucket", bucket_mb, check, times[0], statistics.median(times[1:]),
-                          weight_bytes, copy_rate), flush=True)
+                          weight_bytes, copy_rate, conn.recv()), flush=True)
         for chunk_mb in CHUNKS_MB:
             for check in (True, False):
                 conn.send(("direct", chunk_mb))
@@ -400,7 +409,7 @@ def main() -> None:
                 times = timed_pushes(llm, address, authkey, check)
                 stats = conn.recv()
                 print(row("direct", chunk_mb, check, times[0], statistics.median(times[1:]),
-                          weight_bytes, copy_rate)
+                          weight_bytes, copy_rate, conn.recv())
                       + f"   storages mapped per push: {[s.new_storages for s in stats]}",
                       flush=True)
         greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -413,7 +422,7 @@ def main() -> None:
                     assert conn.recv() == "ready"
                     times = peer_pushes(llm, conn, kind, check)
                     print(row(kind, size_mb, check, times[0], statistics.median(times[1:]),
-                              weight_bytes, copy_rate), flush=True)
+                              weight_bytes, copy_rate, conn.recv()), flush=True)
                     peer_tokens[kind, size_mb, check] = llm.generate(
                         [PROMPT], greedy)[0].token_ids
         conn.send(("verify", BUCKETS_MB[-1]))
@@ -425,6 +434,7 @@ def main() -> None:
         stats = conn.recv()
         llm.update_weights_from_ipc(bucket_address, authkey=bucket_key)
         after_bucket = llm.generate([PROMPT], greedy)[0].token_ids
+        verify_held = conn.recv()
         same = after_direct == after_bucket
         differ = [k for k, tokens in peer_tokens.items() if tokens != before]
         print(f"the peers' pushes: tokens {'equal' if not differ else 'DIFFER'} to those "
@@ -433,7 +443,8 @@ def main() -> None:
         print(f"negated in place, pushed directly ({stats.new_storages} storages mapped anew) "
               f"then through buckets: tokens {'equal' if same else 'DIFFER'} "
               f"({after_direct[:6]}... vs {after_bucket[:6]}...; before the negation "
-              f"{before[:6]}...)", flush=True)
+              f"{before[:6]}...); the trainer holds {verify_held / 2**20:.0f} MiB for them "
+              f"after close", flush=True)
         conn.send(("free", 0))
         allocated, reserved = conn.recv()
         print(f"trainer after close and dropping its tensors: {allocated / 2**20:.0f} MiB "

@@ -39,19 +39,17 @@ from typing import Any
 
 import attrs
 import torch
-import torch.multiprocessing.reductions as reductions
 
 from kvrunner.models.tensor_checks import all_finite, tensor_problem
 from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.weight_sync.errors import WeightSyncError
+from kvrunner.weight_sync.ipc_mappings import IpcMappings
 from kvrunner.weight_sync.layout import DTYPES
 from kvrunner.weight_sync.tensor_unpickler import CUDA_IPC_REBUILD, IpcGlobal, unpickle_ipc_handles
 from kvrunner.weight_sync.update_group import announced_specs
 
 #: how many arguments torch's rebuild_cuda_tensor takes
 _NUM_ARGS = 15
-#: the argument that names the device (the engine puts its own index there)
-_DEVICE_ARG = 6
 #: the classes the tensor and storage arguments may name
 _TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
 _STORAGE_CLASSES = (torch.TypedStorage, torch.UntypedStorage)
@@ -194,9 +192,10 @@ def own_handle(by_gpu: Mapping[str, tuple[Any, ...]], uuid: str | None, device: 
 
 
 def open_handles(update: IpcUpdate, device: torch.device, *, check_finite: bool,
-                 ) -> list[tuple[str, torch.Tensor]]:
+                 mappings: IpcMappings) -> list[tuple[str, torch.Tensor]]:
     """The announced tensors, opened on ``device`` from the handles of its own GPU
-    (views of the trainer's memory: load them, then let them go), every value
+    through ``mappings`` (views of the trainer's memory, held there until the update
+    ends: load them, then release the mappings), every value
     checked as a pushed list is (floating point; with ``check_finite`` no NaN or
     inf: one pass over all, then tensor by tensor only to name the culprit)."""
     read = read_handles(update)
@@ -206,10 +205,10 @@ def open_handles(update: IpcUpdate, device: torch.device, *, check_finite: bool,
         for i, (name, by_gpu) in enumerate(zip(update.names, read.entries, strict=True)):
             where = f"ipc_handles[{i}] ({name!r})"
             args = own_handle(by_gpu, uuid, str(device), where)
-            pairs.append((name, _rebuild(args, device, where)))
+            pairs.append((name, mappings.open(args, device, where)))
     else:
         args = own_handle(read.entries[0], uuid, str(device), "ipc_handles")
-        buffer = _rebuild(args, device, "ipc_handles").view(torch.uint8)
+        buffer = mappings.open(args, device, "ipc_handles").view(torch.uint8)
         pairs = _unpacked(buffer, update, read.byte_sizes)
     if check_finite:
         check_finite = not all_finite([t for _, t in pairs])
@@ -350,17 +349,6 @@ def _check_buffer(args: tuple[Any, ...], content: int, where: str,
     if size[0] * dtype.itemsize < content:
         raise WeightSyncError(f"{where}: sizes add up to {content // dtype.itemsize} "
                               f"elements, but the buffer holds {size[0]}")
-
-
-def _rebuild(args: tuple[Any, ...], device: torch.device, where: str) -> torch.Tensor:
-    """torch's rebuild on the rank's own device (the sender's index replaced)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    args = (*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1:])
-    try:
-        return reductions.rebuild_cuda_tensor(*args)
-    except Exception as e:  # a handle the driver cannot open (stale, another process's)
-        raise WeightSyncError(f"{where}: the CUDA IPC handle cannot be opened: "
-                              f"{type(e).__name__}: {e}") from None
 
 
 def _unpacked(buffer: torch.Tensor, update: IpcUpdate, byte_sizes: tuple[int, ...],

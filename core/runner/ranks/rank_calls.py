@@ -110,6 +110,11 @@ class RankCalls:
         #: the pairs of SGLang's payload or vLLM's IPC handles this rank opened and
         #: judged, until loaded or dropped (they map the trainer's memory)
         self._staged: list[tuple[str, torch.Tensor]] | None = None
+        from kvrunner.weight_sync.ipc_mappings import IpcMappings
+
+        #: the trainer storages vLLM's IPC handles opened, held until the update ends
+        #: (a share sent with several chunks is then released once)
+        self._ipc = IpcMappings()
 
     def capture(self) -> float:
         return self.runner.capture()
@@ -137,9 +142,12 @@ class RankCalls:
         self.runner.weights.begin_update()
 
     def fail_weight_update(self) -> PushReport:
+        self._staged = None
+        self._ipc.release()
         return self.runner.weights.fail_update()
 
     def finish_weight_update(self) -> PushReport:
+        self._ipc.release()  # every copy out of the trainer's memory is done
         return self.runner.weights.finish_update(self.runner.sleep_wake.recapture_if_whole)
 
     def cache_info(self) -> RankCacheInfo:
@@ -196,7 +204,8 @@ class RankCalls:
 
         self._staged = None
         self.runner.weights.check(update.specs())
-        self._staged = open_handles(update, self.runner.device, check_finite=check_finite)
+        self._staged = open_handles(update, self.runner.device, check_finite=check_finite,
+                                    mappings=self._ipc)
 
     def load_staged_payload(self) -> int:
         """Load the pairs :meth:`stage_tensor_payload` or :meth:`stage_ipc_handles`
