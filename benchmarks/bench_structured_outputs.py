@@ -14,8 +14,11 @@ The same walk over the tiny tokenizer's vocabulary (413 tokens, which
 bench_e2e_decode's random checkpoints carry) in the same width is printed beside it:
 xgrammar's work follows the tokenizer's tokens, so the tiny vocabulary understates it.
 The floor: writing one row of the mask (``ceil(width / 32)`` int32 words), measured.
-Per step, the engine fills the rows one after another: batch x (fill + accept) is
-the host time a constrained step adds, printed at the rollout's batch.
+batch x (fill + accept) is the host time a constrained step would add with its rows
+filled one after another, printed at the rollout's batch. The engine fills a step's
+rows in one call of xgrammar's batch matcher (its own thread pool): the time of that
+call for 256 requests at random places in the grammar is printed beside the same rows
+filled one by one.
 
 (b) **the rollout**: a random Qwen3-0.6B-shaped checkpoint (bench_e2e_decode's
 weights, bf16) with the synthetic 151,669-token tokenizer, ``batch`` requests of
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -73,6 +77,8 @@ SMALL_SCHEMA = json.dumps({
 QWEN3_TOKENS, QWEN3_WIDTH = 151_669, 151_936
 EOS = "<|endoftext|>"
 BF16_TFLOPS = 790.0
+#: the rows of the step whose mask fill (a) times
+STEP_ROWS = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -202,7 +208,9 @@ def host_cost(name: str, tokenizer: Tokenizer, width: int, eos: int, tokens: int
         if matcher.is_terminated():
             documents += 1
             matcher.reset()
+    batch_ms, serial_ms = step_fill_ms(grammar, width, rng)
     return {"vocabulary": name, "tokens": tokenizer.get_vocab_size(), "width": width,
+            "batch_fill_ms": batch_ms, "serial_fill_ms": serial_ms,
             "info_s": info_s, "compile_s": compile_s, "walked": tokens, "documents": documents,
             "fill_us": statistics.median(fills) / 1e3, "fill_mean_us": statistics.mean(fills) / 1e3,
             "fill_p99_us": float(np.percentile(fills, 99)) / 1e3,
@@ -212,22 +220,60 @@ def host_cost(name: str, tokenizer: Tokenizer, width: int, eos: int, tokens: int
             "floor_us": row_write_us(width)}
 
 
+def step_fill_ms(grammar: Any, width: int, rng: np.random.Generator, rows: int = STEP_ROWS,
+                 repeats: int = 5) -> tuple[float, float]:
+    """Milliseconds to fill one step's masks for ``rows`` requests, each walked a random
+    number of tokens into ``grammar``: as the engine fills them (xgrammar's batch
+    matcher, its thread pool), and one row after another (median of ``repeats``)."""
+    import xgrammar as xgr
+
+    from kvrunner.engine.token_masks import mask_width
+
+    bits = np.empty((1, mask_width(width)), np.int32)
+    matchers = []
+    for _ in range(rows):
+        matcher = xgr.GrammarMatcher(grammar)
+        for _ in range(int(rng.integers(0, 24))):
+            matcher.fill_next_token_bitmask(bits, 0)
+            token = int(rng.choice(_allowed(bits[0], width)))
+            if not matcher.accept_token(token) or matcher.is_terminated():
+                break
+        matchers.append(matcher)
+    step = np.empty((rows, mask_width(width)), np.int32)
+    batch = xgr.BatchGrammarMatcher()
+    batched, serial = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, step)
+        batched.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(step, k)
+        serial.append(time.perf_counter() - t0)
+    return statistics.median(batched) * 1e3, statistics.median(serial) * 1e3
+
+
 def print_host(rows: list[dict[str, Any]], batch: int, schema: str, compact: bool) -> None:
     print(f"(a) host cost per constrained token, schema {schema}, any whitespace "
           f"{'off' if compact else 'on'}")
     print(f"{'vocabulary':>24} {'tokens':>8} {'width':>8} {'info s':>7} {'compile s':>9} "
           f"{'fill us p50':>11} {'mean':>7} {'p99':>7} {'accept us':>9} {'mean':>6} "
-          f"{'allowed':>8} {'docs':>5} {'floor us':>8} {'x floor':>7} {f'step ms @{batch}':>12}")
+          f"{'allowed':>8} {'docs':>5} {'floor us':>8} {'x floor':>7} {f'step ms @{batch}':>12} "
+          f"{f'fill ms @{STEP_ROWS}':>12} {'one by one':>10}")
     for r in rows:
         per_token = r["fill_mean_us"] + r["accept_mean_us"]
         print(f"{r['vocabulary']:>24} {r['tokens']:>8} {r['width']:>8} {r['info_s']:>7.2f} "
               f"{r['compile_s']:>9.3f} {r['fill_us']:>11.1f} {r['fill_mean_us']:>7.1f} "
               f"{r['fill_p99_us']:>7.1f} {r['accept_us']:>9.1f} {r['accept_mean_us']:>6.1f} "
               f"{r['allowed_median']:>8} {r['documents']:>5} {r['floor_us']:>8.2f} "
-              f"{r['fill_mean_us'] / r['floor_us']:>7.1f} {batch * per_token / 1e3:>12.2f}")
+              f"{r['fill_mean_us'] / r['floor_us']:>7.1f} {batch * per_token / 1e3:>12.2f} "
+              f"{r['batch_fill_ms']:>12.2f} {r['serial_fill_ms']:>10.2f}")
     print("step ms: batch x (mean fill + mean accept), the host time a step of that many "
-          "constrained rows adds; allowed: median tokens a mask allows; docs: documents the "
-          "walk completed")
+          "constrained rows adds, filled one by one; allowed: median tokens a mask allows; "
+          "docs: documents the walk completed")
+    print(f"fill ms @{STEP_ROWS}: one step's masks for {STEP_ROWS} requests at random "
+          f"places in the grammar, filled as the engine fills them (xgrammar's batch "
+          f"matcher, {os.cpu_count()} CPUs here); one by one: the same rows, a call each")
 
 
 @attrs.define

@@ -2,7 +2,8 @@
 
 The matcher is fed every output token the request keeps, in order, once the engine
 has applied the step that sampled it (:meth:`RequestGrammar.catch_up`), and from it
-the engine fills the request's mask for the next step (:meth:`RequestGrammar.fill`).
+the engine fills the request's mask for the next step (``engine/step_grammars.py``
+fills a step's rows together).
 Both happen on the host between steps, which is why a running constrained request
 makes the engine's steps synchronous (``engine/step_grammars.py``). A preempted request
 keeps its output tokens, and so its matcher: the recompute samples its next token
@@ -18,8 +19,6 @@ too).
 from __future__ import annotations
 
 from typing import Any, Literal
-
-import numpy as np
 
 from kvrunner.engine.sequence import Sequence
 
@@ -42,11 +41,6 @@ class RequestGrammar:
         self.started = self.end_token is None
         #: why the grammar refused a token (after :meth:`catch_up` returned "error")
         self.error: str | None = None
-
-    def fill(self, bits: np.ndarray, row: int) -> None:
-        """Write the tokens the request may sample next into row ``row`` of ``bits``
-        (``[rows, words]`` int32, xgrammar's layout); only once :attr:`started`."""
-        self.matcher.fill_next_token_bitmask(bits, row)
 
     def catch_up(self) -> Literal["stop", "error"] | None:
         """Feed the matcher the output tokens it has not read (only those after the

@@ -72,6 +72,10 @@ class StepGrammars:
         #: the requests whose grammar is being compiled
         self.compiles = GrammarCompiles(tokenizer, vocab_size, eos_token_ids)
         self._live: dict[int, RequestGrammar] = {}
+        #: xgrammar's batch matcher, made with the first mask: it fills a step's rows
+        #: on a pool of threads (the fill is the host's cost of a constrained step, and
+        #: the step waits for it)
+        self._batch: Any = None
 
     @property
     def live(self) -> bool:
@@ -158,8 +162,10 @@ class StepGrammars:
         if not rows:
             return step
         bits = np.empty((len(rows), mask_width(self._vocab_size)), np.int32)
-        for k, i in enumerate(rows):
-            live[seqs[i].seq_id].fill(bits, k)
+        if self._batch is None:
+            self._batch = xgrammar().BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask([live[seqs[i].seq_id].matcher
+                                                   for i in rows], bits)
         masks = TokenMasks(np.array(rows, np.int64), bits)
         return attrs.evolve(step, sampling=attrs.evolve(step.sampling, masks=masks))
 
