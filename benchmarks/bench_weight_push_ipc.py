@@ -302,7 +302,7 @@ def trainer(conn) -> None:
                 metadata = sglang_metadata_class()
             conn.send("ready")
             for _ in range(PUSHES):
-                conn.recv()  # the engine's signal to start
+                assert conn.recv() == "go"  # the engine's signal to start
                 if kind == "slime":
                     slime_push(conn, weights, size_mb << 20, metadata)
                 elif kind == "vllm":
@@ -313,6 +313,7 @@ def trainer(conn) -> None:
                     buffer = torch.empty(size_mb << 20, dtype=torch.uint8, device="cuda")
                     vllm_packed_push(conn, weights, uuid, buffer, reduce_tensor(buffer)[1])
                     del buffer
+                assert conn.recv() == "finished"
         elif kind == "free":
             weights.clear()
             torch.cuda.ipc_collect()
@@ -373,6 +374,7 @@ def peer_pushes(llm, conn, kind: str, check: bool) -> list[float]:
         if kind == "vllm" or kind == "vllm-packed":
             llm.finish_weight_update()
         times.append(time.perf_counter() - start)
+        conn.send("finished")  # the update is over: the engine let go of the trainer's memory
     return times
 
 

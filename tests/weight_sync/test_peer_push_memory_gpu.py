@@ -11,9 +11,10 @@ peer's sender makes it, several chunks per push:
 - slime's colocated push: one new flattened bucket per chunk, serialised as SGLang's
   ``MultiprocessingSerializer``, one ``update_weights_from_tensor`` each.
 
-After each format the trainer drops what it made for the pushes and collects its IPC
-blocks (``ipc_collect``): its allocated memory is back to the byte where it was
-before, which holds only when the engine released every share exactly once.
+After each format, once the engine has ended its last update, the trainer drops what
+it made for the pushes and collects its IPC blocks (``ipc_collect``): its allocated
+memory is back to the byte where it was before, which holds only when the engine
+released every share exactly once.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ for kind in sys.argv[2].split(","):
                 del bucket, flats, buf
                 torch.cuda.ipc_collect()
         say("pushed")
+        answered()  # the engine has ended the update (finish_weight_update)
     torch.cuda.ipc_collect()
     say("closed", kind, torch.cuda.memory_allocated() - held)
 """
@@ -146,6 +148,8 @@ def _engine_side(llm: LLM, trainer: subprocess.Popen, kind: str) -> int:
             trainer.stdin.flush()
         if kind != "slime":
             llm.finish_weight_update()
+        trainer.stdin.write("ok\n")
+        trainer.stdin.flush()
     said, told, left = json.loads(trainer.stdout.readline())
     assert (said, told) == ("closed", kind)
     return left

@@ -64,10 +64,14 @@ def rounded_to_fp8(path: Path, out: Path) -> Path:
 def first_tokens_agree(path: Path, vocab: int,
                        check_fp8: Callable[[LLM], None] | None = None) -> None:
     """The first greedy token after each of 64 random 200-token prompts: an FP8 engine
-    on ``path`` agrees with the bf16 one on at least 90% of them (``check_fp8`` looks
-    at the FP8 engine first). A failure also says how often a bf16 engine on the
-    weights rounded to FP8 agrees with each: the part of the disagreement the weights'
-    rounding alone makes, and the part the FP8 products add."""
+    on ``path`` agrees with the bf16 one at least as often as a bf16 engine on the
+    weights rounded to FP8 does (``check_fp8`` looks at the FP8 engine first).
+
+    The rounding of the weights to e4m3 blocks is the format's own loss, and on a
+    random checkpoint, whose top two logits are close, it alone moves some first
+    tokens; what the FP8 engine may not do is move more: its products (the FP8
+    GEMMs, the activations' quantization) must lose no more agreement than the
+    rounding does with bf16 products."""
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(1, vocab, (64, 200), generator=g).tolist()
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -86,10 +90,11 @@ def first_tokens_agree(path: Path, vocab: int,
     def agree(a: str, b: str) -> int:
         return sum(x == y for x, y in zip(answers[a], answers[b], strict=True))
 
-    assert agree("bf16", "fp8") >= 0.9 * len(prompts), (
-        f"{agree('bf16', 'fp8')} of {len(prompts)} first tokens agree; a bf16 engine on "
-        f"the weights rounded to FP8 agrees with bf16 on {agree('bf16', 'rounded')} and "
-        f"with FP8 on {agree('rounded', 'fp8')}")
+    assert agree("bf16", "fp8") >= agree("bf16", "rounded"), (
+        f"the FP8 engine agrees with bf16 on {agree('bf16', 'fp8')} of {len(prompts)} "
+        f"first tokens, the weights' rounding to FP8 alone keeps {agree('bf16', 'rounded')} "
+        f"(the FP8 engine and the rounded weights' bf16 engine agree on "
+        f"{agree('rounded', 'fp8')})")
 
 
 def pushes_and_sleep_serve_the_pushed_weights(tmp_path: Path, kind: str) -> None:
