@@ -194,8 +194,8 @@ def own_handle(by_gpu: Mapping[str, tuple[Any, ...]], uuid: str | None, device: 
 def open_handles(update: IpcUpdate, device: torch.device, *, check_finite: bool,
                  mappings: IpcMappings) -> list[tuple[str, torch.Tensor]]:
     """The announced tensors, opened on ``device`` from the handles of its own GPU
-    through ``mappings`` (views of the trainer's memory, held there until the update
-    ends: load them, then release the mappings), every value
+    through ``mappings`` (views of the trainer's memory, held there while the update's
+    calls name them: load them, then release the mappings at its end), every value
     checked as a pushed list is (floating point; with ``check_finite`` no NaN or
     inf: one pass over all, then tensor by tensor only to name the culprit)."""
     read = read_handles(update)
@@ -210,6 +210,7 @@ def open_handles(update: IpcUpdate, device: torch.device, *, check_finite: bool,
         args = own_handle(read.entries[0], uuid, str(device), "ipc_handles")
         buffer = mappings.open(args, device, "ipc_handles").view(torch.uint8)
         pairs = _unpacked(buffer, update, read.byte_sizes)
+    mappings.keep_only_named()  # an earlier call's buffer this one does not name
     if check_finite:
         check_finite = not all_finite([t for _, t in pairs])
     for name, tensor in pairs:

@@ -9,10 +9,14 @@ it packs into the buffer. Opened afresh for each chunk and freed after it, the o
 slot would be released once per chunk, driving it past zero, and the trainer would
 never get its buffer back.
 
-:class:`IpcMappings` keeps every storage it opened until the update ends
-(:meth:`release`), and serves a handle it has already opened (the same storage and
-counter slot) as a view of that mapping, without asking torch to open or release
-it again: each slot is released exactly once, however often it arrives.
+:class:`IpcMappings` keeps the storages it opened, and serves a handle it has already
+opened (the same storage and counter slot) as a view of that mapping, without asking
+torch to open or release it again: each slot is released exactly once, however often
+it arrives. A mapping lives while the calls of the update keep naming it: once a
+call's handles are open, the mappings that call did not name are let go
+(:meth:`keep_only_named`), so a trainer that packs each chunk into a new buffer
+(SkyRL) gets each buffer back as soon as the next chunk arrives; the update's end lets
+go of the rest (:meth:`release`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class IpcMappings:
 
     def __init__(self) -> None:
         self._open: dict[tuple[Any, ...], torch.UntypedStorage] = {}
+        #: the shares named since the last :meth:`keep_only_named`
+        self._named: set[tuple[Any, ...]] = set()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -49,6 +55,7 @@ class IpcMappings:
         :raises WeightSyncError: the driver cannot open the handle, naming ``where``.
         """
         key = tuple(args[i] for i in _SHARE_ARGS)
+        self._named.add(key)
         storage = self._open.get(key)
         if storage is not None:
             size, stride, offset, dtype = args[1], args[2], args[3], args[5]
@@ -58,10 +65,19 @@ class IpcMappings:
         self._open[key] = tensor.untyped_storage()
         return tensor
 
+    def keep_only_named(self) -> None:
+        """Let go of the mappings no handle named since the last call of this (a call's
+        handles are all open: what it did not name, an earlier call's copies are done
+        with)."""
+        for key in self._open.keys() - self._named:
+            del self._open[key]
+        self._named.clear()
+
     def release(self) -> None:
         """Let go of every mapping (each share's one release, once the tensors viewing
         it are gone): call it once the update's copies are done on the device."""
         self._open.clear()
+        self._named.clear()
 
 
 def _rebuild(args: tuple[Any, ...], device: torch.device, where: str) -> torch.Tensor:

@@ -70,3 +70,16 @@ def test_release_lets_go_of_every_mapping(opened):
     assert len(mappings) == 0
     mappings.open(share(0), torch.device("cpu"), "the next update's chunk")
     assert len(opened) == 3, "a share released at the end of an update was kept open"
+
+
+def test_a_buffer_the_next_call_does_not_name_is_let_go_and_one_it_names_is_kept(opened):
+    mappings = IpcMappings()
+    mappings.open(share(0), torch.device("cpu"), "chunk 0 (vLLM's buffer)")
+    mappings.open(share(1), torch.device("cpu"), "chunk 0 (SkyRL's first buffer)")
+    mappings.keep_only_named()
+    mappings.open(share(0), torch.device("cpu"), "chunk 1 (the same buffer)")
+    mappings.open(share(2), torch.device("cpu"), "chunk 1 (SkyRL's next buffer)")
+    mappings.keep_only_named()
+    assert len(mappings) == 2, "the first call's buffer outlived the call after it"
+    mappings.open(share(0), torch.device("cpu"), "chunk 2")
+    assert len(opened) == 3, "a buffer kept open was opened by torch again"

@@ -8,6 +8,8 @@ peer's sender makes it, several chunks per push:
   transfer, shared once by ``reduce_tensor``, the same handle sent with every chunk
   packed into it, between ``start_weight_update`` and ``finish_weight_update``;
 - vLLM's per-tensor IPC transfer: each tensor's own handle, one update;
+- SkyRL's packed chunks: a new buffer of the weights' one dtype per chunk, each
+  shared once, in one update;
 - slime's colocated push: one new flattened bucket per chunk, serialised as SGLang's
   ``MultiprocessingSerializer``, one ``update_weights_from_tensor`` each.
 
@@ -34,7 +36,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-KINDS = ("vllm-packed", "vllm", "slime")
+KINDS = ("vllm-packed", "vllm", "skyrl", "slime")
 PUSHES = 2
 
 _TRAINER = r"""
@@ -105,6 +107,15 @@ for kind in sys.argv[2].split(","):
                                    ipc_handles_pickled=b64pickle(handle)))
                 answered()
             del buffer, handle
+        elif kind == "skyrl":  # a new buffer of the one dtype per chunk, sizes in elements
+            for chunk in chunks(weights, limit):
+                flat = torch.cat([t.flatten() for _, t in chunk])
+                handle = {uuid: reduce_tensor(flat)}
+                torch.cuda.current_stream().synchronize()
+                say("update", dict(info(chunk), element_sizes=[t.numel() for _, t in chunk],
+                                   ipc_handles_pickled=b64pickle(handle)))
+                answered()
+                del flat, handle
         elif kind == "vllm":  # each tensor's own handle, one update
             handles = [{uuid: reduce_tensor(t.detach().contiguous())[1]} for _, t in weights]
             say("update", dict(info(weights), ipc_handles_pickled=b64pickle(handles)))
