@@ -36,8 +36,9 @@ _SHARE_ARGS = (7, 9, 11, 12)
 
 
 class IpcMappings:
-    """One rank's opened trainer storages, held from the first handle that names each
-    until :meth:`release` (the end of the weight update that received them)."""
+    """One rank's opened trainer storages, each held from the first handle that names
+    it until a call of the update does not name it (:meth:`keep_only_named`) or the
+    update ends (:meth:`release`)."""
 
     def __init__(self) -> None:
         self._open: dict[tuple[Any, ...], torch.UntypedStorage] = {}

@@ -112,8 +112,8 @@ class RankCalls:
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         from kvrunner.weight_sync.ipc_mappings import IpcMappings
 
-        #: the trainer storages vLLM's IPC handles opened, held until the update ends
-        #: (a share sent with several chunks is then released once)
+        #: the trainer storages vLLM's IPC handles opened, held while the update's calls
+        #: name them (a share sent with several chunks is then released once)
         self._ipc = IpcMappings()
 
     def capture(self) -> float:
