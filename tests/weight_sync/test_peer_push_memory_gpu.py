@@ -11,7 +11,8 @@ peer's sender makes it, several chunks per push:
 - SkyRL's packed chunks: a new buffer of the weights' one dtype per chunk, each
   shared once, in one update;
 - slime's colocated push: one new flattened bucket per chunk, serialised as SGLang's
-  ``MultiprocessingSerializer``, one ``update_weights_from_tensor`` each.
+  ``MultiprocessingSerializer`` (``peer_trainers.py``'s), one
+  ``update_weights_from_tensor`` each.
 
 After each format, once the engine has ended its last update, the trainer drops what
 it made for the pushes and collects its IPC blocks (``ipc_collect``): its allocated
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,11 +42,13 @@ KINDS = ("vllm-packed", "vllm", "skyrl", "slime")
 PUSHES = 2
 
 _TRAINER = r"""
-import base64, dataclasses, io, json, pickle, sys, types
-from multiprocessing.reduction import ForkingPickler
+import base64, json, pickle, sys
 import torch
 from safetensors.torch import load_file
 from torch.multiprocessing.reductions import reduce_tensor
+
+sys.path.insert(0, sys.argv[4])
+from peer_trainers import flattened_bucket, serialize, sglang_metadata_class
 
 def say(*what):
     print(json.dumps(what), flush=True)
@@ -70,22 +74,7 @@ def chunks(pairs, limit):
         size += t.nbytes
     return out
 
-module = "sglang.srt.weight_sync.tensor_bucket"  # the class name SGLang's pickle names
-for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", module):
-    sys.modules.setdefault(name, types.ModuleType(name))
-
-@dataclasses.dataclass
-class FlattenedTensorMetadata:
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-FlattenedTensorMetadata.__module__ = module
-sys.modules[module].FlattenedTensorMetadata = FlattenedTensorMetadata
-
+metadata = sglang_metadata_class()
 torch.cuda.init()
 weights = sorted((n, t.cuda()) for n, t in load_file(sys.argv[1] + "/model.safetensors").items())
 held = torch.cuda.memory_allocated()
@@ -123,19 +112,10 @@ for kind in sys.argv[2].split(","):
             del handles
         else:  # slime: a new flattened bucket per chunk, dropped once answered
             for chunk in chunks(weights, limit):
-                flats, entries, at = [], [], 0
-                for name, t in chunk:
-                    flat = t.flatten().view(torch.uint8)
-                    entries.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at,
-                                                           at + flat.numel(), flat.numel()))
-                    flats.append(flat)
-                    at += flat.numel()
-                bucket = {"flattened_tensor": torch.cat(flats), "metadata": entries}
-                buf = io.BytesIO()
-                ForkingPickler(buf).dump(bucket)
-                say("tensor", base64.b64encode(buf.getvalue()).decode())
+                bucket = flattened_bucket(chunk, metadata, as_bytes=True)
+                say("tensor", serialize(bucket))
                 answered()
-                del bucket, flats, buf
+                del bucket
                 torch.cuda.ipc_collect()
         say("pushed")
         answered()  # the engine has ended the update (finish_weight_update)
@@ -178,7 +158,7 @@ def test_the_trainer_gets_its_memory_back_and_the_engine_serves_its_push(tmp_pat
     with LLM(model=str(old), **settings) as llm:
         assert [o.token_ids for o in llm.generate(prompts, greedy)] != expected
         trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(new), kind,
-                                    str(PUSHES)],
+                                    str(PUSHES), str(Path(__file__).parent)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             left = _engine_side(llm, trainer, kind)

@@ -142,7 +142,6 @@ class RankCalls:
         self.runner.weights.begin_update()
 
     def fail_weight_update(self) -> PushReport:
-        self._staged = None
         self._ipc.release()
         return self.runner.weights.fail_update()
 
