@@ -32,13 +32,18 @@ Random checkpoint of the Qwen3-0.6B shape (bench_e2e_decode's), bf16, on one GPU
   from disk, resume the KV cache, continue, one request; the seconds from the first
   resume to that request's first token.
 
+Every row runs once the process's started heap is frozen, as ``kvrunner serve`` freezes
+its own (``kvrunner.process_heap``: the collector's full walks skip the objects alive
+once the engine is up); ``--unfrozen-heap`` runs them with the collector walking the
+whole heap, as in a user's process that builds an ``LLM``.
+
 ``--small`` runs the same on the CPU with the embedded tiny model in a few seconds
 (tests/benchmarks/test_bench_serving.py); its figures say nothing about speed.
 The HTTP parts need fastapi, uvicorn, prometheus-client and aiohttp (``kvrunner[serve]``
 and aiohttp, the client); without them they are skipped, saying so.
 
     python benchmarks/bench_serving.py [--small] [--rates 4,16,64] [--skip-latency]
-                                      [--http-rounds N]
+                                      [--http-rounds N] [--unfrozen-heap]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import importlib
 import multiprocessing
 import statistics
@@ -57,7 +63,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvrunner import LLM, AsyncLLM, SamplingParams
+from kvrunner import LLM, AsyncLLM, SamplingParams, process_heap
 
 HTTP_MODULES = ("fastapi", "uvicorn", "prometheus_client", "aiohttp")
 SERVED_NAME = "served"
@@ -380,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--http-rounds", type=int, default=1,
                     help="run the HTTP ways this many times, interleaved")
+    ap.add_argument("--unfrozen-heap", action="store_true",
+                    help="leave the started heap in the collector's walks")
     args = ap.parse_args(argv)
     shape = SMALL if args.small else H200
     if args.rates:
@@ -393,6 +401,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         llm.generate(prompts, [attrs.evolve(p, max_tokens=4) for p in params])
         penalised = [attrs.evolve(p, **PENALTIES) for p in params]
         llm.generate(prompts, [attrs.evolve(p, max_tokens=4) for p in penalised])
+        if not args.unfrozen_heap:
+            print(f"heap frozen as kvrunner serve freezes it: "
+                  f"{process_heap.freeze_started_heap()} objects")
         rows = [llm_generate(llm, prompts, params),
                 llm_generate(llm, prompts, penalised, way=PENALISED_BOUND)]
         more, latency, wake = asyncio.run(served(llm, path, shape, prompts, params, args, vocab))
@@ -402,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(attrs.evolve(again, way="LLM.generate, again"))
     finally:
         llm.shutdown()
+        gc.unfreeze()  # a caller's process (the --small test's) gets its collector back
     print(f"rollout: batch {shape.batch}, prompts of {shape.prompt}, {shape.new} new, "
           f"seeded T=1.0")
     print_rollout(rows, floor_s)

@@ -18,12 +18,12 @@ being driven into a state it cannot serve.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 
 import torch
 
+from kvrunner import process_heap
 from kvrunner.config import EngineConfig
 from kvrunner.distributed.group import DistGroup
 from kvrunner.errors import SleepStateError
@@ -71,7 +71,7 @@ class SleepWake:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     def _return_memory(self) -> None:
-        gc.collect()  # graphs and modules hold reference cycles
+        process_heap.collect()  # graphs and modules hold reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

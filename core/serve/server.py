@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from kvrunner import process_heap
 from kvrunner.async_engine.errors import EngineClosedError
 from kvrunner.errors import KvrunnerError
 from kvrunner.serve.app import build_app
@@ -148,6 +149,8 @@ async def _serve(settings: ServeSettings, make_engine: Callable[[], Any],
     engine = make_engine()
     try:
         app = build_app(engine, settings)
+        # the engine is up: its start-up heap leaves the collector's walks
+        process_heap.freeze_started_heap()
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S), lifespan="off",

@@ -11,13 +11,13 @@ the storages that are gone, measured, not the bytes the specs declare.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping
 
 import attrs
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from kvrunner import process_heap
 from kvrunner.plugin_api.errors import BackendError
 
 
@@ -48,7 +48,7 @@ class PoolRelease:
 
     def kept(self) -> dict[str, list[tuple[str, int]]]:
         """``backend -> [(pool, bytes)]`` for each storage still alive (collects first)."""
-        gc.collect()  # layers and graphs hold reference cycles
+        process_heap.collect()  # layers and graphs hold reference cycles
         kept: dict[str, list[tuple[str, int]]] = {}
         for w in self._watched:
             if not w.ref.expired():

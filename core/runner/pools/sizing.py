@@ -7,11 +7,11 @@ derive it again.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 
 import torch
 
+from kvrunner import process_heap
 from kvrunner.config import CacheConfig, ConfigError
 from kvrunner.plugin_api.step_data import CacheSpec
 
@@ -27,7 +27,7 @@ def release_unreachable_memory(device: torch.device) -> None:
     pool and graphs until Python breaks their reference cycles; until then the pool
     counts as this process's memory and a new engine's budget shrinks, or is gone.
     """
-    gc.collect()
+    process_heap.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

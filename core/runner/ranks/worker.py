@@ -38,6 +38,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
+from kvrunner import process_heap
 from kvrunner.config import EngineConfig
 from kvrunner.distributed.errors import RankFailure
 from kvrunner.distributed.fault_injection import FaultPlan
@@ -202,6 +203,7 @@ def run_spawned_rank(rank: int, conn: Connection, spec: SpawnSpec) -> None:
             defer_answers=spec.config.scheduler.async_scheduling,
         )
         _send(conn, "ok", worker.describe())
+        process_heap.freeze_started_heap()  # the rank is up: see process_heap
         while True:
             try:
                 command = pickle.loads(conn.recv_bytes())
