@@ -17,7 +17,7 @@ With ``--kv-cache-dtype fp8`` it times FP8 KV instead (``kv_cache_dtype = "fp8"`
 the tokens a pool of the same bytes holds, and one layer's decode step at batch 256
 (the launch that stores the step's keys and values and attends, as the layer runs it)
 over a bf16 pool against an e4m3 one holding the same sequences, and the e4m3 one
-again with tiles of 128 keys (the bytes of a 64-key bf16 tile).
+again with tiles of 128 keys (the bytes of a 64-key bf16 tile), with 4 and with 8 warps.
 
     python benchmarks/bench_decode_attention.py [--kv-cache-dtype fp8]
 """
@@ -179,10 +179,10 @@ def run_case(batch: int, ctx: int, num_sms: int) -> dict:
 
 
 def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
-                   block_n: int = 64) -> float:
+                   block_n: int = 64, num_warps: int = 4) -> float:
     """µs of one layer's decode launch that stores and attends, over a pool in ``kv_dtype``
     (the bf16 pool's values, quantized at scale 1.0 for e4m3), walking ``block_n`` keys a
-    tile."""
+    tile with ``num_warps`` warps a program."""
     g = torch.Generator(device="cuda").manual_seed(batch + ctx)
     tables, k_cache, v_cache = paged_pool(batch, ctx, g)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
@@ -196,7 +196,8 @@ def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
     )  # fmt: skip
     splits = choose_num_splits(batch, HKV, ctx, num_sms)
     return median_ms(lambda: paged_decode_attention(inputs=inputs, num_splits=splits,
-                                                    block_n=block_n)) * 1e3
+                                                    block_n=block_n,
+                                                    num_warps=num_warps)) * 1e3
 
 
 def fp8_kv(num_sms: int) -> None:
@@ -207,7 +208,8 @@ def fp8_kv(num_sms: int) -> None:
     print(f"\nFP8 KV: tokens per GiB of one layer's pool: bf16 {tokens[torch.bfloat16]}, "
           f"fp8 {tokens[FP8_DTYPE]}")  # fmt: skip
     print(f"{'case':>14} {'bf16 us':>9} {'fp8 us':>9} {'ratio':>6} {'bf16 TB/s':>10} "
-          f"{'fp8 TB/s':>9} {'fp8 us, 128-key tiles':>22} {'its TB/s':>9}")  # fmt: skip
+          f"{'fp8 TB/s':>9} {'fp8 us, 128-key tiles':>22} {'its TB/s':>9} "
+          f"{'and 8 warps':>12} {'its TB/s':>9}")  # fmt: skip
     for batch, ctx in FP8_CASES:
         t = {dt: decode_step_us(batch, ctx, dt, num_sms) for dt in per_token}
         tbps = {dt: batch * ctx * per_token[dt] / (t[dt] * 1e-6) / 1e12 for dt in per_token}
@@ -215,9 +217,12 @@ def fp8_kv(num_sms: int) -> None:
         # loads moves half as much, so the wider tile is timed beside it
         wide = decode_step_us(batch, ctx, FP8_DTYPE, num_sms, block_n=128)
         wide_tbps = batch * ctx * per_token[FP8_DTYPE] / (wide * 1e-6) / 1e12
+        warps8 = decode_step_us(batch, ctx, FP8_DTYPE, num_sms, block_n=128, num_warps=8)
+        warps8_tbps = batch * ctx * per_token[FP8_DTYPE] / (warps8 * 1e-6) / 1e12
         print(f"{f'B{batch} ctx{ctx}':>14} {t[torch.bfloat16]:>9.1f} {t[FP8_DTYPE]:>9.1f} "
               f"{t[FP8_DTYPE] / t[torch.bfloat16]:>6.2f} {tbps[torch.bfloat16]:>10.2f} "
-              f"{tbps[FP8_DTYPE]:>9.2f} {wide:>22.1f} {wide_tbps:>9.2f}")  # fmt: skip
+              f"{tbps[FP8_DTYPE]:>9.2f} {wide:>22.1f} {wide_tbps:>9.2f} {warps8:>12.1f} "
+              f"{warps8_tbps:>9.2f}")  # fmt: skip
 
 
 def main() -> None:
