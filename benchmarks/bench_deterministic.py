@@ -127,20 +127,25 @@ def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int =
 
 
 def sweep_splits(path: Path) -> None:
-    """Deterministic decode tok/s at each decode batch under other K-split policies of
-    the invariant GEMM (``MIN_SPLIT_DEPTH``, ``MAX_SPLITS``: a policy is a function of
-    the weight's shape alone, so each keeps the products batch-invariant)."""
+    """Decode tok/s at each decode batch, the default mode's and deterministic mode's
+    under other policies of the invariant GEMM: its K split (``MIN_SPLIT_DEPTH``,
+    ``MAX_SPLITS``, a function of the weight's shape alone, so each keeps the products
+    batch-invariant) and the row count from which a program walks every slice
+    (``IN_PROGRAM_ROWS``, a layout: the same bits either way)."""
     from kvrunner.layers.fused import invariant_gemm_triton as gemm
 
-    kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS
-    print(f"{'min split depth, max splits':<28}" + "".join(
+    kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS
+    print(f"{'split depth, splits, walk rows':<30}" + "".join(
         f"{f'batch {b}':>12}" for b in DECODE_BATCHES))
-    for depth, most in ((512, 4), (256, 8), (128, 16), (1 << 30, 1)):
-        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS = depth, most
+    off = [decode_tokens_per_s(path, False, b) for b in DECODE_BATCHES]
+    print(f"{'default mode':<30}" + "".join(f"{r:>12.0f}" for r in off), flush=True)
+    for policy in ((512, 4, 512), (512, 4, 128), (256, 8, 512), (256, 8, 128), (128, 16, 128),
+                   (1 << 30, 1, 512)):
+        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
         rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
-        label = "no split" if most == 1 else f"{depth}, {most}"
-        print(f"{label:<28}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
-    gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS = kept
+        label = "no split" if policy[1] == 1 else ", ".join(map(str, policy))
+        print(f"{label:<30}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+    gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
 
 
 def main() -> None:
@@ -149,7 +154,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="first print the kernels of eager decode steps, off and on")
     ap.add_argument("--sweep-splits", action="store_true",
-                    help="only time deterministic decode under other K-split policies")
+                    help="only time decode, off and on under other invariant-GEMM policies")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp())
     path = root / "qwen3-0.6b-random"
