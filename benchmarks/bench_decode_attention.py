@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -179,10 +180,11 @@ def run_case(batch: int, ctx: int, num_sms: int) -> dict:
 
 
 def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
-                   block_n: int = 64, num_warps: int = 4) -> float:
+                   **launch: Any) -> float:
     """µs of one layer's decode launch that stores and attends, over a pool in ``kv_dtype``
-    (the bf16 pool's values, quantized at scale 1.0 for e4m3), walking ``block_n`` keys a
-    tile with ``num_warps`` warps a program."""
+    (the bf16 pool's values, quantized at scale 1.0 for e4m3), with ``launch`` passed to
+    :func:`paged_decode_attention` (``block_n``, ``num_warps``, ``prefetch``,
+    ``f16_compute``)."""
     g = torch.Generator(device="cuda").manual_seed(batch + ctx)
     tables, k_cache, v_cache = paged_pool(batch, ctx, g)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
@@ -196,33 +198,42 @@ def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
     )  # fmt: skip
     splits = choose_num_splits(batch, HKV, ctx, num_sms)
     return median_ms(lambda: paged_decode_attention(inputs=inputs, num_splits=splits,
-                                                    block_n=block_n,
-                                                    num_warps=num_warps)) * 1e3
+                                                    **launch)) * 1e3
+
+
+#: the launches of the FP8 KV table: (label, pool dtype, launch)
+FP8_LAUNCHES = [
+    ("bf16", torch.bfloat16, {}),
+    ("bf16, prefetch", torch.bfloat16, {"prefetch": True}),
+    ("fp8", FP8_DTYPE, {}),
+    ("fp8, 128 keys", FP8_DTYPE, {"block_n": 128}),
+    ("fp8, 128 keys, 8 warps", FP8_DTYPE, {"block_n": 128, "num_warps": 8}),
+    ("fp8, prefetch", FP8_DTYPE, {"prefetch": True}),
+    ("fp8, prefetch, 128 keys", FP8_DTYPE, {"prefetch": True, "block_n": 128}),
+    ("fp8, f16", FP8_DTYPE, {"f16_compute": True}),
+    ("fp8, f16, 128 keys", FP8_DTYPE, {"f16_compute": True, "block_n": 128}),
+    ("fp8, f16, prefetch", FP8_DTYPE, {"f16_compute": True, "prefetch": True}),
+    ("fp8, f16, prefetch, 128 keys", FP8_DTYPE,
+     {"f16_compute": True, "prefetch": True, "block_n": 128}),
+]
 
 
 def fp8_kv(num_sms: int) -> None:
-    """Tokens per GiB of one layer's pool and the decode step at batch 256, bf16 and e4m3."""
+    """Tokens per GiB of one layer's pool, and the decode step at batch 256 over a bf16
+    and an e4m3 pool under each launch of :data:`FP8_LAUNCHES` (µs and KV TB/s)."""
     per_token = {dt: 2 * HKV * D * torch.empty((), dtype=dt).element_size()
                  for dt in (torch.bfloat16, FP8_DTYPE)}  # fmt: skip
     tokens = {dt: (1 << 30) // size for dt, size in per_token.items()}
     print(f"\nFP8 KV: tokens per GiB of one layer's pool: bf16 {tokens[torch.bfloat16]}, "
           f"fp8 {tokens[FP8_DTYPE]}")  # fmt: skip
-    print(f"{'case':>14} {'bf16 us':>9} {'fp8 us':>9} {'ratio':>6} {'bf16 TB/s':>10} "
-          f"{'fp8 TB/s':>9} {'fp8 us, 128-key tiles':>22} {'its TB/s':>9} "
-          f"{'and 8 warps':>12} {'its TB/s':>9}")  # fmt: skip
-    for batch, ctx in FP8_CASES:
-        t = {dt: decode_step_us(batch, ctx, dt, num_sms) for dt in per_token}
-        tbps = {dt: batch * ctx * per_token[dt] / (t[dt] * 1e-6) / 1e12 for dt in per_token}
-        # an e4m3 tile of 64 keys is half a bf16 tile's bytes: the same walk of dependent
-        # loads moves half as much, so the wider tile is timed beside it
-        wide = decode_step_us(batch, ctx, FP8_DTYPE, num_sms, block_n=128)
-        wide_tbps = batch * ctx * per_token[FP8_DTYPE] / (wide * 1e-6) / 1e12
-        warps8 = decode_step_us(batch, ctx, FP8_DTYPE, num_sms, block_n=128, num_warps=8)
-        warps8_tbps = batch * ctx * per_token[FP8_DTYPE] / (warps8 * 1e-6) / 1e12
-        print(f"{f'B{batch} ctx{ctx}':>14} {t[torch.bfloat16]:>9.1f} {t[FP8_DTYPE]:>9.1f} "
-              f"{t[FP8_DTYPE] / t[torch.bfloat16]:>6.2f} {tbps[torch.bfloat16]:>10.2f} "
-              f"{tbps[FP8_DTYPE]:>9.2f} {wide:>22.1f} {wide_tbps:>9.2f} {warps8:>12.1f} "
-              f"{warps8_tbps:>9.2f}")  # fmt: skip
+    print(f"{'launch':>30}" + "".join(f"{f'B{b} ctx{c} us':>16} {'TB/s':>6}"
+                                       for b, c in FP8_CASES))
+    for label, dtype, launch in FP8_LAUNCHES:
+        cells = []
+        for batch, ctx in FP8_CASES:
+            t = decode_step_us(batch, ctx, dtype, num_sms, **launch)
+            cells.append(f"{t:>16.1f} {batch * ctx * per_token[dtype] / (t * 1e-6) / 1e12:>6.2f}")
+        print(f"{label:>30}" + "".join(cells), flush=True)
 
 
 def main() -> None:
