@@ -180,16 +180,20 @@ class LocalServer:
         self.url = ""
 
     def _timed(self, app: Any) -> Any:
-        """``app``, noting each HTTP exchange's (arrival, last body byte sent) times."""
+        """``app``, noting each HTTP exchange's (arrival, last body bytes handed to the
+        server) times."""
         async def timed(scope: dict, receive: Any, send: Any) -> None:
             if scope["type"] != "http":
                 return await app(scope, receive, send)
             arrived = time.perf_counter()
 
             async def noted_send(message: dict) -> None:
-                await send(message)
                 if message["type"] == "http.response.body" and not message.get("more_body"):
+                    # noted as the answer's last bytes are handed over: the client cannot
+                    # have them yet (after the send, this process may be descheduled past
+                    # the client's own end)
                     self.exchanges.append((arrived, time.perf_counter()))
+                await send(message)
 
             await app(scope, receive, noted_send)
 

@@ -14,8 +14,9 @@ engine dropped without shutdown) call :func:`collect`, which thaws the heap, col
 everything, and freezes what is left.
 
 Only processes kvrunner owns freeze: ``kvrunner serve`` (:func:`freeze_started_heap`
-before it listens) and a rank's worker process (before it takes commands). A user's
-process that builds an ``LLM`` keeps its collector as the user set it.
+before it listens), a rank's worker process (before it takes commands) and a Ray
+replica's actor (once its engine is built). A user's process that builds an ``LLM``
+keeps its collector as the user set it.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class EngineReplica:
                 "tensor_parallel_size": self.spec.tensor_parallel_size}
 
     def _build(self, loopback: bool) -> None:
+        from kvrunner import process_heap
         from kvrunner.async_llm import AsyncLLM
         from kvrunner.launch import join_group
         from kvrunner.llm import LLM
@@ -72,6 +73,7 @@ class EngineReplica:
             self._llm = join_group(cfg, store=self._store, rank=0,
                                    world=self.spec.tensor_parallel_size, local_rank=0)
         self._engine = AsyncLLM.from_llm(self._llm)
+        process_heap.freeze_started_heap()  # the actor's process is the replica's own
 
     def _live(self) -> AsyncLLM:
         if self._engine is None:
