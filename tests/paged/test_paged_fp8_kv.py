@@ -380,8 +380,13 @@ def test_float16_products_attend_the_dequantized_pool(
 
 
 @given(case=paged_cases(decode=True, max_pad_rows=0))
-def test_float16_products_refuse_float32_queries(case: PagedCase) -> None:
-    """float32 queries would lose bits to a float16 cast: the launch refuses them."""
+def test_float16_products_refuse_float32_queries_and_16_bit_pools(case: PagedCase) -> None:
+    """float32 queries would lose bits to a float16 cast, and so may a bf16 pool's
+    values: the launch refuses both."""
     x = _attend_inputs(case, case.generator(), 1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="f16_compute takes 16-bit queries, not torch.float32"):
         paged_decode_attention(inputs=_on_triton_device(x), f16_compute=True)
+    pool16 = attrs.evolve(x, q=x.q.to(torch.bfloat16), k_cache=x.k_cache.to(torch.bfloat16),
+                          v_cache=x.v_cache.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="f16_compute serves an FP8 pool, not a torch.bfloat16"):
+        paged_decode_attention(inputs=_on_triton_device(pool16), f16_compute=True)

@@ -244,6 +244,9 @@ def paged_decode_attention(
     ``f16_compute`` (16-bit queries only) as the module doc says."""
     if f16_compute and inputs.q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"f16_compute takes 16-bit queries, not {inputs.q.dtype}")
+    if f16_compute and not is_fp8(inputs.k_cache):
+        # e4m3 widens to float16 exactly; a 16-bit pool's values may not fit it
+        raise ValueError(f"f16_compute serves an FP8 pool, not a {inputs.k_cache.dtype} one")
     x = inputs
     num_rows = x.sequences(varlen=False, triton=True, stores=True)
     q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
