@@ -131,21 +131,34 @@ def sweep_splits(path: Path) -> None:
     under other policies of the invariant GEMM: its K split (``MIN_SPLIT_DEPTH``,
     ``MAX_SPLITS``, a function of the weight's shape alone, so each keeps the products
     batch-invariant) and the row count from which a program walks every slice
-    (``IN_PROGRAM_ROWS``, a layout: the same bits either way)."""
+    (``IN_PROGRAM_ROWS``, a layout: the same bits either way); then under other key
+    splits of the fixed-order attention (``KEY_SPLIT``, a number of keys, so each keeps
+    a token's order its own)."""
     from kvrunner.layers.fused import invariant_gemm_triton as gemm
+    from kvrunner_paged.ops.paged_attention import fixed_order
 
     kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS
+    kept_split = fixed_order.KEY_SPLIT
     print(f"{'split depth, splits, walk rows':<30}" + "".join(
         f"{f'batch {b}':>12}" for b in DECODE_BATCHES))
     off = [decode_tokens_per_s(path, False, b) for b in DECODE_BATCHES]
     print(f"{'default mode':<30}" + "".join(f"{r:>12.0f}" for r in off), flush=True)
-    for policy in ((512, 4, 512), (512, 4, 128), (256, 8, 512), (256, 8, 128), (128, 16, 128),
-                   (1 << 30, 1, 512)):
-        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
-        rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
-        label = "no split" if policy[1] == 1 else ", ".join(map(str, policy))
-        print(f"{label:<30}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
-    gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
+    try:
+        for policy in ((512, 4, 512), (512, 4, 128), (256, 8, 512), (256, 8, 128),
+                       (128, 16, 128), (1 << 30, 1, 512)):
+            gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
+            rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
+            label = "no split" if policy[1] == 1 else ", ".join(map(str, policy))
+            print(f"{label:<30}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
+        for key_split in (64, 128, 256, 512):
+            fixed_order.KEY_SPLIT = key_split
+            rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
+            print(f"{f'attention key split {key_split}':<30}"
+                  + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+    finally:
+        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
+        fixed_order.KEY_SPLIT = kept_split
 
 
 def main() -> None:

@@ -64,7 +64,8 @@ PREFILL_SEQS, PREFILL_LEN = 16, 1024
 MAX_CONTEXT = 8192 + 16
 #: attention launches ``(block_m, block_n, warps, stages)``; the first is the one
 #: deterministic mode runs (``fixed_order.LAUNCH``), the last the prefill kernel's own
-ATTENTION = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3),
+ATTENTION = [(16, 64, 4, 3), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 2, 1),
+             (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3),
              (64, 64, 4, 2), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)]
 
 

@@ -58,13 +58,14 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
 
 
 def use_split_programs(max_query_len: int, num_seqs: int, num_kv_heads: int,
-                       max_context_len: int, num_sms: int, key_split: int = KEY_SPLIT) -> bool:
+                       max_context_len: int, num_sms: int, key_split: int | None = None) -> bool:
     """The split-programs layout for a decode step whose (sequence, KV head) programs
     would not cover every SM and whose contexts may span several splits. Static
     shapes only (the padded sequence count, the engine's longest context): a captured
-    graph keeps its layout, and both layouts give the same bits."""
+    graph keeps its layout, and both layouts give the same bits. ``key_split``
+    defaults to :data:`KEY_SPLIT` as it is when called."""
     return (max_query_len == 1 and num_seqs * num_kv_heads < num_sms
-            and max_context_len > key_split)
+            and max_context_len > (key_split or KEY_SPLIT))
 
 
 @triton.jit
@@ -254,7 +255,7 @@ def fixed_order_attention(
     inputs: PagedAttentionInputs,
     max_context_len: int,
     split_programs: bool = False,
-    key_split: int = KEY_SPLIT,
+    key_split: int | None = None,
     launch: PrefillLaunch | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged pool (decode rows are sequences of one
@@ -267,7 +268,8 @@ def fixed_order_attention(
     :param split_programs: that layout (:func:`use_split_programs`); needs
         ``inputs.max_query_len == 1``. Both layouts give a row the same bits.
     :param key_split: keys per split, a multiple of the launch's ``block_n``; a row's
-        bits follow it, so one engine keeps one value.
+        bits follow it, so one engine keeps one value. Defaults to :data:`KEY_SPLIT` as
+        it is when called (``benchmarks/bench_deterministic.py --sweep-splits`` varies it).
     :param launch: defaults to :data:`LAUNCH` for q's dtype (fp32's for others).
     """
     x = inputs
@@ -278,6 +280,7 @@ def fixed_order_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     launch = launch or LAUNCH.get(q.dtype, LAUNCH[torch.float32])
+    key_split = key_split or KEY_SPLIT
     assert key_split % launch.block_n == 0, f"key_split {key_split} not whole key tiles"
     assert not split_programs or max_query_len <= 1, "split programs attend decode rows only"
     assert new_kv is None or max_query_len <= 1, "new_kv stores decode rows only"
