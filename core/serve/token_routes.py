@@ -248,13 +248,14 @@ async def tokenize(request: Request) -> dict[str, Any]:
         raise APIError(400, "give exactly one of prompt and messages",
                        param="prompt" if body.prompt is None else "messages")
     if body.prompt is not None:
-        text, special = body.prompt, body.add_special_tokens is not False
+        text, special, param = body.prompt, body.add_special_tokens is not False, "prompt"
     else:
+        param = "messages"
         text = await render_messages(state, body.messages, tools=body.tools,
                                      add_generation_prompt=body.add_generation_prompt,
                                      template_kwargs=body.chat_template_kwargs)
         special = bool(body.add_special_tokens)
-    encoding = await tokens.encode(text, add_special_tokens=special)
+    encoding = await tokens.encode(text, param=param, add_special_tokens=special)
     return {"count": len(encoding.ids), "max_model_len": state.max_model_len,
             "tokens": list(encoding.ids),
             "token_strs": list(encoding.tokens) if body.return_token_strs else None}

@@ -93,10 +93,19 @@ class ServerTokenizer:
         """A text prompt's token ids, refused first if it cannot fit (see
         :meth:`check_length`)."""
         self.check_length(text, param=param)
-        return (await self.encode(text, add_special_tokens=add_special_tokens)).ids
+        return (await self.encode(text, param=param, add_special_tokens=add_special_tokens)).ids
 
-    async def encode(self, text: str, *, add_special_tokens: bool) -> Any:
-        """The ``tokenizers.Encoding`` of ``text`` (no length bound)."""
+    async def encode(self, text: str, *, param: str, add_special_tokens: bool) -> Any:
+        """The ``tokenizers.Encoding`` of ``text`` (no length bound); a 400 naming
+        ``param`` for a text that is not Unicode (a JSON body may carry a lone UTF-16
+        surrogate, ``"\\ud800"``, which Python keeps and the tokenizer refuses)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{param} holds a lone UTF-16 surrogate "
+                           f"(U+{ord(text[e.start]):04X} at character {e.start}), which is "
+                           f"not a Unicode character and cannot be tokenised",
+                           param=param) from None
         encodings = await self.run(partial(self.tokenizer.encode_batch, [text],
                                            add_special_tokens=add_special_tokens))
         return encodings[0]
