@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvrunner.errors import RequestError
 from kvrunner.sampling_params import SamplingParams, is_int
+from kvrunner.unicode_text import lone_surrogate
 
 if TYPE_CHECKING:
     from kvrunner.config import EngineConfig
@@ -151,6 +152,11 @@ def prompt_token_ids(prompt: Any, index: int | str, tokenizer: Any | None) -> li
                 f"request {index}: a text prompt needs a tokenizer, but this model has none "
                 f"(no tokenizer.json, or skip_tokenizer_init is set); pass token ids instead"
             )
+        found = lone_surrogate(prompt)
+        if found is not None:
+            raise RequestError(f"request {index}: the text prompt holds a lone UTF-16 "
+                               f"surrogate ({found}), which is not a Unicode character and "
+                               f"cannot be tokenised")
         return list(tokenizer.encode(prompt).ids)
     if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
         raise RequestError(

@@ -36,6 +36,7 @@ from kvrunner.engine.step_io import SampledToken, SampledTokens, StepInput
 from kvrunner.engine.stop_strings import StopStringWatch
 from kvrunner.errors import NonFiniteLogitsError, RequestError
 from kvrunner.sampling_params import SamplingParams
+from kvrunner.unicode_text import lone_surrogate
 
 #: the longest a step with nothing to run but grammars being compiled waits for one of
 #: them (then it returns, so that the caller's loop can look at its commands)
@@ -224,6 +225,12 @@ class LLMEngine:
                 f"tokenizer to find the words' tokens, but this model has none (no "
                 f"tokenizer.json, or skip_tokenizer_init is set); use logit_bias instead"
             )
+        for word in params.bad_words:
+            found = lone_surrogate(word)
+            if found is not None:
+                raise RequestError(f"{name}: SamplingParams.bad_words {word!r} holds a lone "
+                                   f"UTF-16 surrogate ({found}), which is not a Unicode "
+                                   f"character and cannot be tokenised")
         ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         outside = [t for word in ids for t in word if not 0 <= t < self.vocab_size]
         if outside or not all(ids):

@@ -51,9 +51,10 @@ from kvrunner.serve.state import ServerState, new_id
 router = APIRouter()
 
 #: words of an engine's refusal -> the field it is about (see errors.engine_error)
-_FIELDS = {"stop_token_ids": "stop_token_ids", "token id": "prompt", "prompt": "prompt"}
-_CHAT_FIELDS = {"stop_token_ids": "stop_token_ids", "token id": "messages",
-                "prompt": "messages"}
+_SAMPLING_FIELDS = {name: name for name in ("stop_token_ids", "logit_bias", "allowed_token_ids",
+                                             "bad_words")}
+_FIELDS = _SAMPLING_FIELDS | {"token id": "prompt", "prompt": "prompt"}
+_CHAT_FIELDS = _SAMPLING_FIELDS | {"token id": "messages", "prompt": "messages"}
 
 
 def _state(request: Request) -> ServerState:

@@ -42,8 +42,10 @@ from kvrunner.serve.state import ServerState, new_id
 
 router = APIRouter()
 
-_FIELDS = {"stop_token_ids": "sampling_params.stop_token_ids", "token id": "token_ids",
-           "prompt": "token_ids"}
+#: words of an engine's refusal -> the field it is about (see errors.engine_error)
+_FIELDS = {name: f"sampling_params.{name}"
+           for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+           } | {"token id": "token_ids", "prompt": "token_ids"}
 
 
 class VLLMSamplingParams(StrictModel):

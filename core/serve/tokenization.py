@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvrunner.serve.errors import APIError
+from kvrunner.unicode_text import lone_surrogate
 
 #: threads tokenising, detokenising and rendering templates for the server; a
 #: bounded pool also bounds how much of that work (and its memory) runs at once
@@ -99,13 +100,10 @@ class ServerTokenizer:
         """The ``tokenizers.Encoding`` of ``text`` (no length bound); a 400 naming
         ``param`` for a text that is not Unicode (a JSON body may carry a lone UTF-16
         surrogate, ``"\\ud800"``, which Python keeps and the tokenizer refuses)."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(400, f"{param} holds a lone UTF-16 surrogate "
-                           f"(U+{ord(text[e.start]):04X} at character {e.start}), which is "
-                           f"not a Unicode character and cannot be tokenised",
-                           param=param) from None
+        found = lone_surrogate(text)
+        if found is not None:
+            raise APIError(400, f"{param} holds a lone UTF-16 surrogate ({found}), which is "
+                           f"not a Unicode character and cannot be tokenised", param=param)
         encodings = await self.run(partial(self.tokenizer.encode_batch, [text],
                                            add_special_tokens=add_special_tokens))
         return encodings[0]

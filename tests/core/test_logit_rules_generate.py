@@ -123,6 +123,14 @@ def test_ids_past_the_vocabulary_are_refused_by_name(llm) -> None:
             llm.generate([PROMPT], SamplingParams(**{field: value}))
 
 
+def test_text_holding_a_lone_surrogate_is_refused_by_name_and_the_engine_serves_on(llm) -> None:
+    with pytest.raises(RequestError, match=r"request 1: .* \(U\+D800 at character 2\)"):
+        llm.generate(["fine", "ab\ud800"], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match=r"bad_words 'x\\udfff' .* \(U\+DFFF at character 1\)"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, bad_words=["ok", "x\udfff"]))
+    assert len(tokens(llm, max_tokens=3, ignore_eos=True)) == 3
+
+
 MIX = [  # the penalised last: a preemption takes the latest admitted first
     SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True),
     SamplingParams(
