@@ -251,12 +251,6 @@ ENTRIES = {
             inputs=_on_triton_device(x), num_splits=2, block_n=16
         ).cpu(),
     ),
-    "decode_triton_prefetch": (
-        True,
-        lambda x: paged_decode_attention(
-            inputs=_on_triton_device(x), num_splits=1, block_n=16, prefetch=True
-        ).cpu(),
-    ),
     "prefill_triton": (
         False,
         lambda x: paged_prefill_attention(
@@ -359,34 +353,3 @@ def test_bf16_queries_attend_the_dequantized_pool(
     values = x.v_cache.float().nan_to_num(0.0).abs().max().item() * v_scale
     torch.testing.assert_close(attend(x).float(), _dequantized_reference(x), rtol=2**-6,
                                atol=2**-6 * values)  # fmt: skip
-
-
-@given(data=st.data(), k_scale=SCALES, v_scale=SCALES, prefetch=st.booleans())
-def test_float16_products_attend_the_dequantized_pool(
-    data: st.DataObject, k_scale: float, v_scale: float, prefetch: bool
-) -> None:
-    """The decode launch with ``f16_compute`` (bf16 queries and the e4m3 keys and values
-    widened to float16, each exactly, for the products) gives the reference's output
-    to bf16 rounding."""
-    case = data.draw(paged_cases(decode=True, max_pad_rows=0))
-    x = _attend_inputs(case, case.generator(), 1.0, k_scale, v_scale)
-    x = attrs.evolve(x, q=x.q.to(torch.bfloat16))
-    # one split of 16-key tiles: a context past 16 keys walks a second tile
-    out = paged_decode_attention(inputs=_on_triton_device(x), num_splits=1, block_n=16,
-                                 prefetch=prefetch, f16_compute=True).cpu()
-    values = x.v_cache.float().nan_to_num(0.0).abs().max().item() * v_scale
-    torch.testing.assert_close(out.float(), _dequantized_reference(x), rtol=2**-6,
-                               atol=2**-6 * values)  # fmt: skip
-
-
-@given(case=paged_cases(decode=True, max_pad_rows=0))
-def test_float16_products_refuse_float32_queries_and_16_bit_pools(case: PagedCase) -> None:
-    """float32 queries would lose bits to a float16 cast, and so may a bf16 pool's
-    values: the launch refuses both."""
-    x = _attend_inputs(case, case.generator(), 1.0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="f16_compute takes 16-bit queries, not torch.float32"):
-        paged_decode_attention(inputs=_on_triton_device(x), f16_compute=True)
-    pool16 = attrs.evolve(x, q=x.q.to(torch.bfloat16), k_cache=x.k_cache.to(torch.bfloat16),
-                          v_cache=x.v_cache.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="f16_compute serves an FP8 pool, not a torch.bfloat16"):
-        paged_decode_attention(inputs=_on_triton_device(pool16), f16_compute=True)

@@ -15,16 +15,9 @@ kernel merges the slices. ``num_splits`` must be chosen from static shapes only 
 A row whose ``context_lens`` entry is 0 (a padded tail row) reads nothing and
 outputs zeros.
 
-Two launch options serve an FP8 pool, whose launch reads its half-size tiles at about
-half the bf16 launch's rate on an H100 (``benchmarks/bench_decode_attention.py
---kv-cache-dtype fp8`` times them; neither is on by default):
-
-* ``prefetch``: the next tile's keys and values are loaded (into registers, as
-  stored) before this tile is attended, so each program keeps two tiles' loads in
-  flight rather than one;
-* ``f16_compute``: the products run in float16: the e4m3 keys and values widen to it
-  in one conversion (to bfloat16 they take three) and the 16-bit queries are cast
-  to it, the softmax and the accumulator staying in float32.
+The launch's warps follow the pool (:func:`decode_num_warps`): an FP8 pool's tiles
+are half the bytes of a 16-bit pool's, and its launch keeps more of them in flight at
+two warps a program than at four.
 
 With ``new_kv`` the launch also stores the step's keys and values (what
 :func:`~kvrunner_paged.ops.store_kv.store.store_kv` would do first, one launch fewer a
@@ -43,13 +36,7 @@ import triton.language as tl
 from kvrunner_paged.kv_format import is_fp8
 from kvrunner_paged.ops.head_scales import head_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
-from kvrunner_paged.ops.paged_attention.tile import (
-    LOG2_E,
-    NEG_BIG,
-    attend_loaded,
-    attend_tile,
-    load_tile,
-)
+from kvrunner_paged.ops.paged_attention.tile import LOG2_E, NEG_BIG, attend_tile
 from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
 
 
@@ -80,8 +67,6 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FUSE_STORE: tl.constexpr,
     QUANTIZE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
-    F16_COMPUTE: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -128,32 +113,14 @@ def _decode_kernel(
             block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, QUANTIZE=QUANTIZE,
         )  # fmt: skip
         tl.debug_barrier()
-    if F16_COMPUTE:
-        q = q.to(tl.float16)  # the tiles widen to q's dtype in attend_tile / below
-    if PREFETCH:
-        # The tile after this one is loaded before this one is attended; past ``hi`` the
-        # loads are masked off and read nothing.
-        k, v = load_tile(lo, hi, table, k_cache_ptr, v_cache_ptr,
-                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         kv_head, block_size, True, HEAD_DIM, BLOCK_D, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
-            k_next, v_next = load_tile(start + BLOCK_N, hi, table, k_cache_ptr, v_cache_ptr,
-                                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                       stride_vh, kv_head, block_size, True, HEAD_DIM, BLOCK_D,
-                                       BLOCK_N)
-            m_i, l_i, acc = attend_loaded(q, m_i, l_i, acc, k.to(q.dtype), v.to(q.dtype),
-                                          start, hi, m_i, scale_log2, True, False, BLOCK_N,
-                                          DOT_PRECISION)
-            k, v = k_next, v_next
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = attend_tile(
-                q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                kv_head, block_size, scale_log2,
-                MASK_KEYS=True, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
+    for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            kv_head, block_size, scale_log2,
+            MASK_KEYS=True, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
@@ -232,21 +199,25 @@ def choose_num_splits(
     return max(1, min(wanted, max_context_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
+def decode_num_warps(k_cache: torch.Tensor) -> int:
+    """Warps a decode program takes over ``k_cache``'s pool. Measured on an H100 (bf16
+    queries, 8 KV heads, 64-key tiles, a layer's store and attend at batch 256 over
+    1,024 / 2,048 keys): an e4m3 pool 273.6 / 520.8 us at 2 warps against 328.4 /
+    625.7 at 4 and 350.1 / 659.2 at 1; a bf16 pool 376.4 / 730.6 at 4 and 377.7 /
+    730.6 at 2, so it keeps 4."""
+    return 2 if is_fp8(k_cache) else 4
+
+
 def paged_decode_attention(
-    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64, num_warps: int = 4,
-    out: torch.Tensor | None = None, prefetch: bool = False, f16_compute: bool = False,
+    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64,
+    num_warps: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys: ``out`` (allocated like q when
     not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
     key and value to its slot before the program that owns that position attends it.
     ``num_splits``: the split-KV factor (1 = a single pass, no merge kernel; see
-    :func:`choose_num_splits`); ``block_n``: keys per tile; ``prefetch`` and
-    ``f16_compute`` (16-bit queries only) as the module doc says."""
-    if f16_compute and inputs.q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"f16_compute takes 16-bit queries, not {inputs.q.dtype}")
-    if f16_compute and not is_fp8(inputs.k_cache):
-        # e4m3 widens to float16 exactly; a 16-bit pool's values may not fit it
-        raise ValueError(f"f16_compute serves an FP8 pool, not a {inputs.k_cache.dtype} one")
+    :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` defaults to
+    :func:`decode_num_warps` of the pool."""
     x = inputs
     num_rows = x.sequences(varlen=False, triton=True, stores=True)
     q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
@@ -290,9 +261,7 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSE_STORE=x.new_kv is not None,
         QUANTIZE=is_fp8(k_cache),
-        PREFETCH=prefetch,
-        F16_COMPUTE=f16_compute,
-        num_warps=num_warps,
+        num_warps=num_warps or decode_num_warps(k_cache),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, num_heads)](

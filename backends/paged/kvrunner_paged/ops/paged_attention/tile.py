@@ -16,8 +16,6 @@ Two masks, each compiled in or out (``tl.constexpr``), so the tiles that need no
 
 :func:`walk_keys` walks a range of key positions with it for a tile of query rows,
 and :func:`query_tile` loads such a tile (the prefill and fixed-order kernels).
-:func:`load_tile` and :func:`attend_loaded` are its two halves for a walk that loads
-a tile ahead of the one it attends (the decode kernel's ``prefetch``).
 
 Keys and values are widened to the queries' dtype as they load: exact for an FP8
 pool, whose scales the callers fold in (``k_scale`` into ``scale_log2``, ``v_scale``
@@ -120,39 +118,6 @@ def attend_tile(
                                          MASK_KEYS, CAUSAL, DOT_PRECISION)
     v = _cache_rows(v_cache_ptr, block, offset, stride_vb, stride_vs, stride_vh, kv_head,
                     pos, hi, MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def load_tile(
-    start, hi, table, k_cache_ptr, v_cache_ptr,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    kv_head, block_size,
-    MASK_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """The keys and values ``[BLOCK_N, BLOCK_D]`` of the positions from ``start``, as
-    stored (an FP8 pool's in e4m3), for :func:`attend_loaded`."""
-    pos, block, offset = _tile_slots(start, hi, table, block_size, MASK_KEYS, BLOCK_N)
-    k = _cache_rows(k_cache_ptr, block, offset, stride_kb, stride_ks, stride_kh, kv_head,
-                    pos, hi, MASK_KEYS, HEAD_DIM, BLOCK_D)
-    v = _cache_rows(v_cache_ptr, block, offset, stride_vb, stride_vs, stride_vh, kv_head,
-                    pos, hi, MASK_KEYS, HEAD_DIM, BLOCK_D)
-    return k, v
-
-
-@triton.jit
-def attend_loaded(
-    q, m_i, l_i, acc, k, v, start, hi, query_pos, scale_log2,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """:func:`attend_tile`'s step over a tile already loaded (``k``, ``v`` in q's
-    dtype) of the ``BLOCK_N`` positions from ``start``."""
-    pos = start + tl.arange(0, BLOCK_N)
-    m_new, l_i, alpha, p = _softmax_step(q, m_i, l_i, k, pos, hi, query_pos, scale_log2,
-                                         MASK_KEYS, CAUSAL, DOT_PRECISION)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
