@@ -154,9 +154,7 @@ def prompt_token_ids(prompt: Any, index: int | str, tokenizer: Any | None) -> li
             )
         found = lone_surrogate(prompt)
         if found is not None:
-            raise RequestError(f"request {index}: the text prompt holds a lone UTF-16 "
-                               f"surrogate ({found}), which is not a Unicode character and "
-                               f"cannot be tokenised")
+            raise RequestError(f"request {index}: the text prompt {found}")
         return list(tokenizer.encode(prompt).ids)
     if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
         raise RequestError(

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 
 def lone_surrogate(text: str) -> str | None:
-    """``"U+D800 at character 3"`` for the first lone surrogate in ``text``, None for
-    Unicode text."""
+    """For text holding a lone surrogate, the refusal's words after the field's name
+    (``"holds a lone UTF-16 surrogate (U+D800 at character 3), ..."``, the first one);
+    None for Unicode text."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        return f"U+{ord(text[e.start]):04X} at character {e.start}"
+        return (f"holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at character "
+                f"{e.start}), which is not a Unicode character and cannot be tokenised")
     return None

@@ -228,9 +228,7 @@ class LLMEngine:
         for word in params.bad_words:
             found = lone_surrogate(word)
             if found is not None:
-                raise RequestError(f"{name}: SamplingParams.bad_words {word!r} holds a lone "
-                                   f"UTF-16 surrogate ({found}), which is not a Unicode "
-                                   f"character and cannot be tokenised")
+                raise RequestError(f"{name}: SamplingParams.bad_words {word!r} {found}")
         ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         outside = [t for word in ids for t in word if not 0 <= t < self.vocab_size]
         if outside or not all(ids):

@@ -102,8 +102,7 @@ class ServerTokenizer:
         surrogate, ``"\\ud800"``, which Python keeps and the tokenizer refuses)."""
         found = lone_surrogate(text)
         if found is not None:
-            raise APIError(400, f"{param} holds a lone UTF-16 surrogate ({found}), which is "
-                           f"not a Unicode character and cannot be tokenised", param=param)
+            raise APIError(400, f"{param} {found}", param=param)
         encodings = await self.run(partial(self.tokenizer.encode_batch, [text],
                                            add_special_tokens=add_special_tokens))
         return encodings[0]

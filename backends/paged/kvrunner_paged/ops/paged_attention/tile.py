@@ -53,49 +53,6 @@ def _load_kv_rows(
 
 
 @triton.jit
-def _tile_slots(start, hi, table, block_size, MASK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The ``BLOCK_N`` positions from ``start``, each one's block (from the block table;
-    with ``MASK_KEYS`` none is read at or past ``hi``) and its offset in the block."""
-    pos = start + tl.arange(0, BLOCK_N)
-    # int64 before the multiply: block * stride overflows int32 on large pools.
-    if MASK_KEYS:
-        block = tl.load(table + pos // block_size, mask=pos < hi, other=0).to(tl.int64)
-    else:
-        block = tl.load(table + pos // block_size).to(tl.int64)
-    return pos, block, (pos % block_size).to(tl.int64)
-
-
-@triton.jit
-def _cache_rows(cache_ptr, block, offset, stride_b, stride_s, stride_h, kv_head, pos, hi,
-                MASK_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One pool's rows at the slots ``(block, offset)``, as stored."""
-    dims = tl.arange(0, BLOCK_D)
-    return _load_kv_rows(cache_ptr + block[:, None] * stride_b + offset[:, None] * stride_s
-                         + kv_head * stride_h + dims[None, :], pos, hi, dims,
-                         MASK_KEYS, HEAD_DIM, BLOCK_D)  # fmt: skip
-
-
-@triton.jit
-def _softmax_step(q, m_i, l_i, k, pos, hi, query_pos, scale_log2,
-                  MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The scores of the tile's keys ``k`` folded into the running max and sum:
-    ``(m_new, l_i, alpha, p)``, ``alpha`` the accumulator's rescale and ``p`` the
-    tile's weights."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if CAUSAL:
-        # No ``pos < hi`` term: callers set ``hi`` past every real row's position, so
-        # only rows that are never stored could see a position >= hi, and those keys
-        # were read as zeros (finite scores), never from the pool.
-        s = tl.where(pos[None, :] <= query_pos[:, None], s, float("-inf"))
-    elif MASK_KEYS:
-        s = tl.where((pos < hi)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
-
-
-@triton.jit
 def attend_tile(
     q, m_i, l_i, acc,
     start, hi, query_pos,
@@ -109,15 +66,34 @@ def attend_tile(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pos, block, offset = _tile_slots(start, hi, table, block_size, MASK_KEYS, BLOCK_N)
+    pos = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    # int64 before the multiply: block * stride overflows int32 on large pools.
+    if MASK_KEYS:
+        block = tl.load(table + pos // block_size, mask=pos < hi, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + pos // block_size).to(tl.int64)
+    offset = (pos % block_size).to(tl.int64)
     # An FP8 pool's keys and values widen to q's dtype exactly (the callers fold their
     # scales into scale_log2 and the output); for any other pool this is no-op.
-    k = _cache_rows(k_cache_ptr, block, offset, stride_kb, stride_ks, stride_kh, kv_head,
-                    pos, hi, MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)
-    m_new, l_i, alpha, p = _softmax_step(q, m_i, l_i, k, pos, hi, query_pos, scale_log2,
-                                         MASK_KEYS, CAUSAL, DOT_PRECISION)
-    v = _cache_rows(v_cache_ptr, block, offset, stride_vb, stride_vs, stride_vh, kv_head,
-                    pos, hi, MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)
+    k = _load_kv_rows(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                      + kv_head * stride_kh + dims[None, :], pos, hi, dims,
+                      MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if CAUSAL:
+        # No ``pos < hi`` term: callers set ``hi`` past every real row's position, so
+        # only rows that are never stored could see a position >= hi, and those keys
+        # were read as zeros (finite scores), never from the pool.
+        s = tl.where(pos[None, :] <= query_pos[:, None], s, float("-inf"))
+    elif MASK_KEYS:
+        s = tl.where((pos < hi)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_kv_rows(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                      + kv_head * stride_vh + dims[None, :], pos, hi, dims,
+                      MASK_KEYS, HEAD_DIM, BLOCK_D).to(q.dtype)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
