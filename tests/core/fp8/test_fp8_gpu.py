@@ -1,15 +1,17 @@
-"""FP8 weights on CUDA: the product against the dequantized reference, an engine's greedy
-tokens against bf16's at the Qwen3-0.6B shape, and pushes and sleep with graphs captured.
+"""FP8 weights on CUDA: the product against the dequantized reference, an engine's
+logprobs and greedy tokens against bf16's at the Qwen3-0.6B shape, and pushes and sleep
+with graphs captured.
 
 Bounds stated here:
 
 * the product: each output within ``2^-4 * (|x| @ |W|^T) + 2^-7 * |ref| + 1e-3`` of
   ``x @ dequant(W)^T`` in float32 (the 1 x 128 activation groups round each input by
   at most half an e4m3 step, 2^-4 relative; the result is rounded to bf16);
-* the engine: the first greedy token after each of 64 prompts equals bf16's at least
-  as often as a bf16 engine's on the weights rounded to FP8 does
-  (``engine_kit.first_tokens_agree``: the FP8 products may lose no more agreement
-  than the format's rounding of the weights alone).
+* the engine, over 64 random prompts (``engine_kit.stays_within_rounding_of_bf16``):
+  the mean |logprob - bf16's| per prompt token at most twice a bf16 engine's on the
+  weights rounded to FP8 (w8a8 rounds the activations too, an independent loss of
+  the same size: about sqrt(2) times), and the first greedy token bf16's on at least
+  85% of the prompts, with at most twice the rounding's disagreements, plus one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from safetensors.torch import save_file
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
 from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves, w8a16_serves
 
-from .engine_kit import first_tokens_agree, pushes_and_sleep_serve_the_pushed_weights
+from .engine_kit import pushes_and_sleep_serve_the_pushed_weights, stays_within_rounding_of_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -86,8 +88,8 @@ def _write_06b(path: Path) -> Path:
     return path
 
 
-def test_fp8_greedy_tokens_agree_with_bf16_at_the_06b_shape(tmp_path):
-    first_tokens_agree(_write_06b(tmp_path / "q06b"), QWEN3_06B["vocab"])
+def test_fp8_logprobs_and_greedy_tokens_stay_within_rounding_of_bf16_at_the_06b_shape(tmp_path):
+    stays_within_rounding_of_bf16(_write_06b(tmp_path / "q06b"), QWEN3_06B["vocab"])
 
 
 def test_a_push_and_a_sleep_with_graphs_captured_serve_the_pushed_weights(tmp_path):

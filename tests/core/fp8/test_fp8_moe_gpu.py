@@ -1,6 +1,6 @@
 """FP8 experts on CUDA: the w8a16 kernels at Qwen3-30B-A3B's layer shape against the
-dequantized reference, in a CUDA graph, and engines: a medium Qwen3-MoE's greedy
-tokens against bf16's, and a push and a sleep with graphs captured.
+dequantized reference, in a CUDA graph, and engines: a medium Qwen3-MoE's logprobs
+and greedy tokens against bf16's, and a push and a sleep with graphs captured.
 
 Bounds stated here:
 
@@ -8,10 +8,11 @@ Bounds stated here:
   the dequantized weights, as the bf16 kernels are held to on bf16 weights
   (``tests/core/layers/test_moe_layer.py``'s GPU sibling): the w8a16 kernels multiply
   exactly the dequantized weights rounded to bf16, so only bf16 roundings remain;
-* the engine: the first greedy token after each of 64 prompts equals bf16's at least
-  as often as a bf16 engine's on the weights rounded to FP8 does
-  (``engine_kit.first_tokens_agree``: the FP8 products may lose no more agreement
-  than the format's rounding of the weights alone).
+* the engine, over 64 random prompts (``engine_kit.stays_within_rounding_of_bf16``):
+  the mean |logprob - bf16's| per prompt token at most twice a bf16 engine's on the
+  weights rounded to FP8 (w8a8 rounds the activations too, an independent loss of
+  the same size: about sqrt(2) times), and the first greedy token bf16's on at least
+  85% of the prompts, with at most twice the rounding's disagreements, plus one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kvrunner.layers.moe import SparseMoeBlock
 from kvrunner.layers.moe_align import align_to_blocks
 from kvrunner.layers.moe_experts import grouped_experts_torch
 
-from .engine_kit import first_tokens_agree, pushes_and_sleep_serve_the_pushed_weights
+from .engine_kit import pushes_and_sleep_serve_the_pushed_weights, stays_within_rounding_of_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -152,12 +153,13 @@ def _write_medium(path: Path) -> Path:
     return path
 
 
-def test_fp8_moe_greedy_tokens_agree_with_bf16_at_a_medium_shape(tmp_path):
+def test_fp8_moe_logprobs_and_greedy_tokens_stay_within_rounding_of_bf16(tmp_path):
     def experts_are_fp8(llm: LLM) -> None:
         experts = llm.runner.model.model.layers[0].mlp.experts
         assert experts.w13.dtype == torch.float8_e4m3fn
 
-    first_tokens_agree(_write_medium(tmp_path / "moe"), MEDIUM["vocab"], experts_are_fp8)
+    stays_within_rounding_of_bf16(_write_medium(tmp_path / "moe"), MEDIUM["vocab"],
+                                  experts_are_fp8)
 
 
 def test_a_push_and_a_sleep_with_graphs_captured_serve_the_pushed_experts(tmp_path):
