@@ -126,14 +126,16 @@ def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int =
         print(f"  {e.self_device_time_total / total:>6.1%} {e.count:>6}x  {e.key[:90]}")
 
 
-def sweep_splits(path: Path) -> None:
+def sweep_splits(path: Path, kinds: str) -> None:
     """Decode tok/s at each decode batch, the default mode's and deterministic mode's
-    under other policies of the invariant GEMM: its K split (``MIN_SPLIT_DEPTH``,
-    ``MAX_SPLITS``, a function of the weight's shape alone, so each keeps the products
-    batch-invariant) and the row count from which a program walks every slice
-    (``IN_PROGRAM_ROWS``, a layout: the same bits either way); then under other key
-    splits of the fixed-order attention (``KEY_SPLIT``, a number of keys, so each keeps
-    a token's order its own)."""
+    under other policies of ``kinds`` (comma-separated):
+
+    * ``attention``: other key splits of the fixed-order attention (``KEY_SPLIT``, a
+      number of keys, so each keeps a token's order its own);
+    * ``gemm``: the invariant GEMM's K split (``MIN_SPLIT_DEPTH``, ``MAX_SPLITS``, a
+      function of the weight's shape alone, so each keeps the products
+      batch-invariant) and the row count from which a program walks every slice
+      (``IN_PROGRAM_ROWS``, a layout: the same bits either way)."""
     from kvrunner.layers.fused import invariant_gemm_triton as gemm
     from kvrunner_paged.ops.paged_attention import fixed_order
 
@@ -141,21 +143,30 @@ def sweep_splits(path: Path) -> None:
     kept_split = fixed_order.KEY_SPLIT
     print(f"{'split depth, splits, walk rows':<30}" + "".join(
         f"{f'batch {b}':>12}" for b in DECODE_BATCHES))
-    off = [decode_tokens_per_s(path, False, b) for b in DECODE_BATCHES]
-    print(f"{'default mode':<30}" + "".join(f"{r:>12.0f}" for r in off), flush=True)
+
+    def row(label: str, deterministic: bool) -> None:
+        rates = [decode_tokens_per_s(path, deterministic, b) for b in DECODE_BATCHES]
+        print(f"{label:<30}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+
+    row("default mode", False)
+    row(f"deterministic (key split {kept_split}, "
+        f"{kept[0]}, {kept[1]}, {kept[2]})", True)
     try:
-        for policy in ((512, 4, 512), (512, 4, 128), (256, 8, 512), (256, 8, 128),
-                       (128, 16, 128), (1 << 30, 1, 512)):
-            gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
-            rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
-            label = "no split" if policy[1] == 1 else ", ".join(map(str, policy))
-            print(f"{label:<30}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
-        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
-        for key_split in (64, 128, 256, 512):
-            fixed_order.KEY_SPLIT = key_split
-            rates = [decode_tokens_per_s(path, True, b) for b in DECODE_BATCHES]
-            print(f"{f'attention key split {key_split}':<30}"
-                  + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+        for kind in kinds.split(","):
+            if kind == "attention":
+                for key_split in (64, 128, 256, 512):
+                    fixed_order.KEY_SPLIT = key_split
+                    row(f"attention key split {key_split}", True)
+                fixed_order.KEY_SPLIT = kept_split
+            elif kind == "gemm":
+                for policy in ((512, 4, 128), (256, 8, 512), (256, 8, 128),
+                               (128, 16, 128), (1 << 30, 1, 512)):
+                    gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
+                    row("no split" if policy[1] == 1 else ", ".join(map(str, policy)), True)
+                gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
+            else:
+                raise SystemExit(f"--sweep-splits {kind!r}: the kinds are 'attention' "
+                                 f"and 'gemm'")
     finally:
         gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
         fixed_order.KEY_SPLIT = kept_split
@@ -166,8 +177,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="first print the kernels of eager decode steps, off and on")
-    ap.add_argument("--sweep-splits", action="store_true",
-                    help="only time decode, off and on under other invariant-GEMM policies")
+    ap.add_argument("--sweep-splits", nargs="?", const="attention,gemm", default=None,
+                    help="only time decode, off and on under other key splits of the "
+                         "attention and K splits of the GEMM ('attention', 'gemm' or both)")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp())
     path = root / "qwen3-0.6b-random"
@@ -176,7 +188,7 @@ def main() -> None:
         for flag in (False, True):
             profile_decode(path, flag)
     if args.sweep_splits:
-        sweep_splits(path)
+        sweep_splits(path, args.sweep_splits)
         return
     print(f"{'case':<28}{'off':>12}{'on':>12}{'slowdown':>10}")
     for batch in DECODE_BATCHES:
