@@ -13,12 +13,15 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
 - the product alone (``layers/fp8/gemm.py``) at the 8B projections' shapes, decode
   (1, 16, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA
   graph (as a decode step runs it): ``fp8_linear`` (the path it takes named), the
-  w8a16 kernel and the w8a8 product alone, the dequantizing fallback and bf16
+  w8a16 kernel, the w8a8 product alone (torch's ``scaled_mm``, and the Triton
+  kernel ``layers/fp8/w8a8_triton.py``), the dequantizing fallback and bf16
   ``F.linear``, each beside the time to read its weight once;
 - a push of the 8B shape's weights from CUDA tensors in bf16 (``update_weights``):
   into FP8 weights (quantized per 128 x 128 block as it loads) and into bf16 ones.
 
-    python benchmarks/bench_fp8.py [--shapes 0.6b,8b] [--skip-rollout]
+    python benchmarks/bench_fp8.py [--shapes 0.6b,8b] [--skip-rollout] [--sweep-w8a8]
+
+``--sweep-w8a8`` only sweeps the Triton w8a8 kernel's launches at the 8B shapes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ from common import copy_bandwidth_tbps, graph_ms
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
-from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_linear, w8a8_serves, w8a16_serves
+from kvrunner.layers.fp8.gemm import (
+    fp8_linear,
+    w8a8_linear,
+    w8a8_serves,
+    w8a8_triton_linear,
+    w8a16_serves,
+)
+from kvrunner.layers.fp8.w8a8_triton import W8A8Launch, default_launch
 from kvrunner.layers.fp8.w8a16_triton import w8a16_linear
 from kvrunner.models.loader import iter_safetensors
 
@@ -106,6 +116,7 @@ def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
                     else "dequant")
             fp8 = graph_ms(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
             w8a16 = graph_ms(lambda x=x, wq=wq, ws=ws: w8a16_linear(x, wq, ws))
+            w8a8_tri = graph_ms(lambda x=x, wq=wq, ws=ws: w8a8_triton_linear(x, wq, ws))
             w8a8 = float("nan")  # where the card has no w8a8, or torch refuses the call
             if w8a8_serves(x, wq):
                 try:
@@ -115,9 +126,43 @@ def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
             dequant = graph_ms(
                 lambda x=x, wq=wq, ws=ws: F.linear(x, dequantize_blocks(wq, ws, x.dtype)))
             bf16 = graph_ms(lambda x=x, w=w: F.linear(x, w))
-            rows.append((name, m, n, k, path, fp8, w8a16, w8a8, dequant, bf16,
+            rows.append((name, m, n, k, path, fp8, w8a16, w8a8, w8a8_tri, dequant, bf16,
                          n * k / bw * 1e3, 2 * n * k / bw * 1e3))
     return rows
+
+
+#: the Triton w8a8 launches the sweep tries beside each default
+SWEEP_LAUNCHES = [W8A8Launch(bm, bn, splits, warps, stages)
+                  for bm in (16, 32, 64) for bn in (64, 128) for warps in (4, 8)
+                  for stages in (3, 4) for splits in (1, 4)]
+#: decode steps' rows where the w8a8 product serves (fewer go to w8a16)
+SWEEP_ROWS = (64, 256)
+
+
+def sweep_w8a8(s: dict[str, int], bw: float) -> None:
+    """For the 8B projections at decode row counts: torch's ``scaled_mm`` w8a8 (with the
+    activations' quantization), the Triton w8a8 kernel's default launch and its fastest
+    of :data:`SWEEP_LAUNCHES`, ms a call replayed in a CUDA graph, beside the FP8 floor."""
+    h, i, q = s["hidden"], s["inter"], s["heads"] * s["head_dim"]
+    kv = s["kv_heads"] * s["head_dim"]
+    print(f"{'proj':>8} {'rows':>5} {'scaled_mm':>9} {'tri dflt':>9} {'tri best':>9} "
+          f"{'fp8 flr':>8}  best launch (default launch)")
+    for name, (n, k) in {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h),
+                         "down": (h, i)}.items():
+        wq, ws = quantize_blocks(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        for m in SWEEP_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mm = graph_ms(lambda x=x, wq=wq, ws=ws: w8a8_linear(x, wq, ws))
+            timed = {}
+            for launch in [default_launch(m, n, k), *SWEEP_LAUNCHES]:
+                if launch not in timed:
+                    timed[launch] = graph_ms(
+                        lambda x=x, wq=wq, ws=ws, launch=launch: w8a8_triton_linear(
+                            x, wq, ws, launch=launch), rep_ms=30)
+            best = min(timed, key=timed.get)
+            dflt = default_launch(m, n, k)
+            print(f"{name:>8} {m:>5} {mm:>9.4f} {timed[dflt]:>9.4f} {timed[best]:>9.4f} "
+                  f"{n * k / bw * 1e3:>8.4f}  {best} ({dflt})", flush=True)
 
 
 def push_seconds(path: Path, **config) -> float:
@@ -141,8 +186,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.6b,8b")
     ap.add_argument("--skip-rollout", action="store_true")
+    ap.add_argument("--sweep-w8a8", action="store_true",
+                    help="only sweep the Triton w8a8 kernel's launches at the 8B shapes")
     args = ap.parse_args()
     bw = copy_bandwidth_tbps() * 1e12
+    if args.sweep_w8a8:
+        sweep_w8a8(SHAPES["8b"], bw)
+        return
     root = Path(tempfile.mkdtemp())
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     for shape in args.shapes.split(","):
@@ -167,8 +217,8 @@ def main() -> None:
             print("\nproduct alone (8B projections), ms in CUDA graphs; "
                   "floors read the weight once")
             print(f"{'proj':>8} {'rows':>5} {'N':>6} {'K':>6} {'path':>7} {'fp8':>8} "
-                  f"{'w8a16':>8} {'w8a8':>8} {'dequant':>8} {'bf16':>8} {'fp8 flr':>8} "
-                  f"{'bf16 flr':>8}")
+                  f"{'w8a16':>8} {'w8a8':>8} {'w8a8 tri':>8} {'dequant':>8} {'bf16':>8} "
+                  f"{'fp8 flr':>8} {'bf16 flr':>8}")
             for r in gemm_rows(s, bw):
                 print(f"{r[0]:>8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]:>7} "
                       + " ".join(f"{v:>8.4f}" for v in r[5:]))

@@ -130,3 +130,21 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     if bias is not None:
         y = y + bias
     return y.view(*lead, weight.shape[0])
+
+
+def w8a8_triton_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                       bias: torch.Tensor | None = None, launch=None) -> torch.Tensor:
+    """The w8a8 product on Triton's FP8 tensor-core kernel
+    (``layers/fp8/w8a8_triton.py``): activations quantized per 1 x 128 group, as
+    :func:`w8a8_linear` quantizes them, then one block-scaled launch (``launch``
+    overrides its default) into ``x``'s dtype. Any row count; K a multiple of 128."""
+    from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
+    from kvrunner.layers.fp8.w8a8_triton import w8a8_block_linear
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = quantize_token_groups_triton(x.reshape(-1, k))
+    y = w8a8_block_linear(xq, xs, weight, scale_inv, x.dtype, launch=launch)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, weight.shape[0])
+
