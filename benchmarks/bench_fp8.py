@@ -134,7 +134,9 @@ def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
 #: the Triton w8a8 launches the sweep tries beside each default
 SWEEP_LAUNCHES = [W8A8Launch(bm, bn, splits, warps, stages)
                   for bm in (16, 32, 64) for bn in (64, 128) for warps in (4, 8)
-                  for stages in (3, 4) for splits in (1, 4)]
+                  for stages in (3, 4) for splits in (1, 4)] + [
+    W8A8Launch(128, bn, splits, 8, stages)
+    for bn in (64, 128) for stages in (3, 4) for splits in (1, 4)]
 #: decode steps' rows where the w8a8 product serves (fewer go to w8a16)
 SWEEP_ROWS = (64, 256)
 
