@@ -6,7 +6,9 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
 
 - rollout: batch 256, prompts of 1,024 random tokens, 512 new, seeded sampling at
   temperature 1.0; generated tokens/s for bf16, FP8 weights, and FP8 weights with the
-  FP8 KV cache (``kv_cache_dtype="fp8"``), each beside its own HBM floor (every decode
+  FP8 KV cache (``kv_cache_dtype="fp8"``), the FP8 rows also with a decode step's w8a8
+  products on the Triton kernel (``+t``: ``gemm.W8A8_TRITON_MAX_ROWS`` at 256, where
+  torch's ``scaled_mm`` takes them by default), each beside its own HBM floor (every decode
   step reads the weights as stored, FP8 bytes and scales or bf16, and the KV written
   so far in its dtype, at the measured copy bandwidth; the prefill at ~790 TFLOP/s
   bf16, twice that where the w8a8 product takes a prefill chunk's rows);
@@ -37,6 +39,7 @@ from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
 from common import copy_bandwidth_tbps, graph_ms
 
 from kvrunner import LLM, SamplingParams
+from kvrunner.layers.fp8 import gemm
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
 from kvrunner.layers.fp8.gemm import (
     fp8_linear,
@@ -46,7 +49,7 @@ from kvrunner.layers.fp8.gemm import (
     w8a16_serves,
 )
 from kvrunner.layers.fp8.w8a8_triton import W8A8Launch, default_launch
-from kvrunner.layers.fp8.w8a16_triton import w8a16_linear
+from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS, w8a16_linear
 from kvrunner.models.loader import iter_safetensors
 
 BATCH, PROMPT, NEW = 256, 1024, 512
@@ -195,6 +198,7 @@ def main() -> None:
     if args.sweep_w8a8:
         sweep_w8a8(SHAPES["8b"], bw)
         return
+    kept_triton_rows = gemm.W8A8_TRITON_MAX_ROWS
     root = Path(tempfile.mkdtemp())
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     for shape in args.shapes.split(","):
@@ -205,14 +209,20 @@ def main() -> None:
             print(f"\nrollout {shape}: batch {BATCH}, prompts {PROMPT}, {NEW} sampled")
             print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")
             results = {}
-            for label, config in (("bf16", {}), ("fp8", {"quantization": "fp8"}),
-                                  ("fp8+kv8", {"quantization": "fp8",
-                                               "kv_cache_dtype": "fp8"})):
-                secs, floor = rollout(path, s, bw, **config)
+            fp8_kv = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+            for label, config, triton_rows in (
+                    ("bf16", {}, 0), ("fp8+kv8", fp8_kv, 0), ("fp8+kv8+t", fp8_kv, MAX_ROWS),
+                    ("fp8", {"quantization": "fp8"}, 0), ("fp8+t", {"quantization": "fp8"},
+                                                          MAX_ROWS)):
+                gemm.W8A8_TRITON_MAX_ROWS = triton_rows
+                try:
+                    secs, floor = rollout(path, s, bw, **config)
+                finally:
+                    gemm.W8A8_TRITON_MAX_ROWS = kept_triton_rows
                 results[label] = secs
                 print(f"{label:>8} {secs:>8.2f} {BATCH * NEW / secs:>9.0f} {floor:>8.2f} "
                       f"{secs / floor:>8.2f}")
-            for label in ("fp8", "fp8+kv8"):
+            for label in [r for r in results if r != "bf16"]:
                 print(f"{label} tokens/s over bf16: "
                       f"{results['bf16'] / results[label]:.2f}x")
         if shape == "8b":

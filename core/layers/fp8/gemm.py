@@ -17,7 +17,9 @@ Three paths compute it:
   128 in K and of 16 in N): the activations are quantized per token and per 128 columns
   (1 x 128 groups, dynamic, as vLLM's and SGLang's ``per_token_group_quant_fp8``) and
   torch's ``scaled_mm`` multiplies them with the weight's 128 x 128 blocks (CUTLASS's
-  DeepSeek-style kernel), accumulating in float32 and writing the activations' dtype.
+  DeepSeek-style kernel), accumulating in float32 and writing the activations' dtype;
+  or, for at most ``W8A8_TRITON_MAX_ROWS`` rows, the same product on Triton's FP8
+  tensor cores (``layers/fp8/w8a8_triton.py``).
 
 A shape the w8a8 kernel refuses is remembered and takes the first path from then on,
 so a refusal costs one failed call, before any graph is captured (the warmup runs
@@ -40,6 +42,9 @@ from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX, cdiv, dequanti
 W8A8_ROWS_MULTIPLE = 16
 #: (N, K) shapes the w8a8 kernel refused on this process's device
 _REFUSED: set[tuple[int, int]] = set()
+#: a w8a8 product of at most this many rows takes the Triton kernel
+#: (``w8a8_triton.py``) rather than torch's ``scaled_mm``; read at call time
+W8A8_TRITON_MAX_ROWS = 0
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -52,6 +57,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         y = w8a16_linear(x, weight, scale_inv)
         return y if bias is None else y + bias
     if w8a8_serves(x, weight):
+        if x.numel() // x.shape[-1] <= W8A8_TRITON_MAX_ROWS:
+            return w8a8_triton_linear(x, weight, scale_inv, bias)
         try:
             return w8a8_linear(x, weight, scale_inv, bias)
         except (RuntimeError, ValueError) as refused:  # torch's checks raise both

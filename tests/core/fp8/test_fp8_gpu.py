@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kvrunner.layers.fp8.blocks import dequantize_blocks, quantize_blocks
-from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_serves, w8a16_serves
+from kvrunner.layers.fp8.gemm import fp8_linear, w8a8_linear, w8a8_serves, w8a16_serves
 
 from .engine_kit import pushes_and_sleep_serve_the_pushed_weights, stays_within_rounding_of_bf16
 
@@ -51,6 +51,30 @@ def test_the_product_is_within_the_stated_bound_of_the_dequantized_reference(row
     ref = F.linear(x.float(), dq)
     bound = 2**-4 * F.linear(x.float().abs(), dq.abs()) + 2**-7 * ref.abs() + 1e-3
     assert ((y - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [17, 64, 256, 4096])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
+def test_the_triton_w8a8_kernel_is_the_exact_product_of_its_operands_to_bf16(rows, n, k):
+    """At the 8B projections' shapes: the Triton kernel's bf16 output lies within
+    float32 accumulation and one bf16 rounding of the exact product of the quantized
+    activations and weight (``test_fp8_w8a8_triton.py`` states the bound on the CPU),
+    and torch's ``scaled_mm`` on the same operands within the same bound of it."""
+    from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
+    from kvrunner.layers.fp8.w8a8_triton import w8a8_block_linear
+
+    g = torch.Generator(device="cuda").manual_seed(rows * n + k)
+    wq, ws = quantize_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    xq, xs = quantize_token_groups_triton(x)
+    y = w8a8_block_linear(xq, xs, wq, ws, torch.bfloat16).double()
+    xd = (xq.double().view(rows, -1, 128) * xs.double()[:, :, None]).view(rows, k)
+    wd = dequantize_blocks(wq, ws).double()
+    exact = xd @ wd.T
+    bound = (xd.abs() @ wd.abs().T) * (k * 2.0**-23) + 2.0**-8 * exact.abs()
+    assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
+    if w8a8_serves(x, wq):
+        assert ((w8a8_linear(x, wq, ws).double() - exact).abs() <= bound).all()
 
 
 def _write_06b(path: Path) -> Path:
