@@ -56,10 +56,14 @@ def test_the_product_is_within_the_stated_bound_of_the_dequantized_reference(row
 @pytest.mark.parametrize("rows", [17, 64, 256, 4096])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
 def test_the_triton_w8a8_kernel_is_the_exact_product_of_its_operands_to_bf16(rows, n, k):
-    """At the 8B projections' shapes: the Triton kernel's bf16 output lies within
-    float32 accumulation and one bf16 rounding of the exact product of the quantized
-    activations and weight (``test_fp8_w8a8_triton.py`` states the bound on the CPU),
-    and torch's ``scaled_mm`` on the same operands within the same bound of it."""
+    """At the 8B projections' shapes: the Triton kernel's bf16 output lies within the
+    tensor cores' FP8 accumulation and one bf16 rounding of the exact product of the
+    quantized activations and weight, and torch's ``scaled_mm`` on the same operands
+    within the same bound. Hopper's FP8 MMA keeps about 14 bits while it sums a block
+    (DeepSeek-V3's report, sec. 3.3.2), which both kernels promote to float32 every
+    128-deep block: 2^-12 of the block sums' magnitudes covers it (the CPU test,
+    ``test_fp8_w8a8_triton.py``, holds the interpreter to float32's own bound). A
+    wrong scale or block moves an output by its own size, far past the bound."""
     from kvrunner.layers.fp8.token_groups_triton import quantize_token_groups_triton
     from kvrunner.layers.fp8.w8a8_triton import w8a8_block_linear
 
@@ -71,7 +75,7 @@ def test_the_triton_w8a8_kernel_is_the_exact_product_of_its_operands_to_bf16(row
     xd = (xq.double().view(rows, -1, 128) * xs.double()[:, :, None]).view(rows, k)
     wd = dequantize_blocks(wq, ws).double()
     exact = xd @ wd.T
-    bound = (xd.abs() @ wd.abs().T) * (k * 2.0**-23) + 2.0**-8 * exact.abs()
+    bound = (xd.abs() @ wd.abs().T) * 2.0**-12 + 2.0**-8 * exact.abs()
     assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
     if w8a8_serves(x, wq):
         assert ((w8a8_linear(x, wq, ws).double() - exact).abs() <= bound).all()
