@@ -160,10 +160,15 @@ def sweep_w8a8(s: dict[str, int], bw: float) -> None:
             mm = graph_ms(lambda x=x, wq=wq, ws=ws: w8a8_linear(x, wq, ws))
             timed = {}
             for launch in [default_launch(m, n, k), *SWEEP_LAUNCHES]:
-                if launch not in timed:
+                if launch in timed:
+                    continue
+                try:
                     timed[launch] = graph_ms(
                         lambda x=x, wq=wq, ws=ws, launch=launch: w8a8_triton_linear(
                             x, wq, ws, launch=launch), rep_ms=30)
+                except Exception as failed:  # a launch the compiler or the card refuses
+                    timed[launch] = float("inf")
+                    print(f"{name} {m} rows, {launch}: {str(failed).splitlines()[0][:120]}")
             best = min(timed, key=timed.get)
             dflt = default_launch(m, n, k)
             print(f"{name:>8} {m:>5} {mm:>9.4f} {timed[dflt]:>9.4f} {timed[best]:>9.4f} "
