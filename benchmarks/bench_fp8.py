@@ -21,7 +21,8 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
 - a push of the 8B shape's weights from CUDA tensors in bf16 (``update_weights``):
   into FP8 weights (quantized per 128 x 128 block as it loads) and into bf16 ones.
 
-    python benchmarks/bench_fp8.py [--shapes 0.6b,8b] [--skip-rollout] [--sweep-w8a8]
+    python benchmarks/bench_fp8.py [--shapes 0.6b,8b] [--skip-rollout] [--variants bf16,...]
+                                   [--sweep-w8a8]
 
 ``--sweep-w8a8`` only sweeps the Triton w8a8 kernel's launches at the 8B shapes.
 """
@@ -60,6 +61,11 @@ SHAPES = {
                vocab=SHAPE["vocab"]),
 }
 GEMM_ROWS = (1, 16, 64, 256, 4096)
+_FP8, _FP8_KV = {"quantization": "fp8"}, {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+#: the rollout's variants: engine settings, and the rows up to which a w8a8 product
+#: takes the Triton kernel (``+t``) rather than torch's ``scaled_mm``
+VARIANTS = {"bf16": ({}, 0), "fp8+kv8": (_FP8_KV, 0), "fp8+kv8+t": (_FP8_KV, MAX_ROWS),
+            "fp8": (_FP8, 0), "fp8+t": (_FP8, MAX_ROWS)}
 #: a prefill chunk's rows (``max_num_batched_tokens``)
 CHUNK = 16384
 
@@ -196,9 +202,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.6b,8b")
     ap.add_argument("--skip-rollout", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"the rollout's variants, comma-separated (bf16 first: the others' "
+                         f"ratios are to it): {', '.join(VARIANTS)}")
     ap.add_argument("--sweep-w8a8", action="store_true",
                     help="only sweep the Triton w8a8 kernel's launches at the 8B shapes")
     args = ap.parse_args()
+    unknown = set(args.variants.split(",")) - VARIANTS.keys()
+    if unknown or not args.variants.startswith("bf16"):
+        ap.error(f"--variants {args.variants!r}: bf16 first, then any of {', '.join(VARIANTS)}")
     bw = copy_bandwidth_tbps() * 1e12
     if args.sweep_w8a8:
         sweep_w8a8(SHAPES["8b"], bw)
@@ -214,11 +226,8 @@ def main() -> None:
             print(f"\nrollout {shape}: batch {BATCH}, prompts {PROMPT}, {NEW} sampled")
             print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")
             results = {}
-            fp8_kv = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
-            for label, config, triton_rows in (
-                    ("bf16", {}, 0), ("fp8+kv8", fp8_kv, 0), ("fp8+kv8+t", fp8_kv, MAX_ROWS),
-                    ("fp8", {"quantization": "fp8"}, 0), ("fp8+t", {"quantization": "fp8"},
-                                                          MAX_ROWS)):
+            for label in args.variants.split(","):
+                config, triton_rows = VARIANTS[label]
                 gemm.W8A8_TRITON_MAX_ROWS = triton_rows
                 try:
                     secs, floor = rollout(path, s, bw, **config)
