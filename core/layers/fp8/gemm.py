@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvrunner.layers.fp8.blocks import BLOCK, FP8_DTYPE, FP8_MAX, cdiv, dequantize_blocks
+
+if TYPE_CHECKING:  # the CPU path runs without Triton installed
+    from kvrunner.layers.fp8.w8a8_triton import W8A8Launch
 
 #: the w8a8 product's activation rows are padded with zero rows to a multiple of this:
 #: cuBLAS's block-scaled kernel refused M = 1 and M = 26 on an H100, and took M = 16,
@@ -140,7 +144,8 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 
 
 def w8a8_triton_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                       bias: torch.Tensor | None = None, launch=None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None,
+                       launch: W8A8Launch | None = None) -> torch.Tensor:
     """The w8a8 product on Triton's FP8 tensor-core kernel
     (``layers/fp8/w8a8_triton.py``): activations quantized per 1 x 128 group, as
     :func:`w8a8_linear` quantizes them, then one block-scaled launch (``launch``
@@ -154,4 +159,3 @@ def w8a8_triton_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     if bias is not None:
         y = y + bias
     return y.view(*lead, weight.shape[0])
-
