@@ -35,7 +35,7 @@ from kvrunner.layers.fp8.blocks import FP8_DTYPE, scale_shape
 
 # the split-K pieces of the bf16 skinny product: a slice's bounds, a weight tile as
 # stored (e4m3 here), the slices' fixed-order sum
-from kvrunner.layers.fused.skinny_gemm_triton import _split_bounds, _sum_splits_kernel, _weight_tile
+from kvrunner.layers.fused.skinny_gemm_triton import _split_bounds, _weight_tile, sum_splits
 
 #: the most rows ``fp8_linear`` sends here: a decode step's batch (a rollout's 256
 #: sequences included); more rows are a prefill's, whose product is compute-bound
@@ -242,7 +242,5 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
             num_warps=4,
         )  # fmt: skip
     if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits,
-                                                         BLOCK=block)
+        sum_splits(target, out)
     return out.reshape(*lead, n)

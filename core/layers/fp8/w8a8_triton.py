@@ -26,7 +26,7 @@ import triton.language as tl
 from kvrunner.layers.fp8.blocks import BLOCK as SCALE_BLOCK
 from kvrunner.layers.fp8.blocks import FP8_DTYPE, scale_shape
 from kvrunner.layers.fp8.w8a16_triton import choose_splits
-from kvrunner.layers.fused.skinny_gemm_triton import _sum_splits_kernel
+from kvrunner.layers.fused.skinny_gemm_triton import sum_splits
 
 
 @attrs.frozen
@@ -152,7 +152,5 @@ def w8a8_block_linear(xq: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
         NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
     )  # fmt: skip
     if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits,
-                                                         BLOCK=block)
+        sum_splits(target, out)
     return out

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner.layers.fused.skinny_gemm_triton import _sum_splits_kernel
+from kvrunner.layers.fused.skinny_gemm_triton import sum_splits
 
 #: the reduction's step: K walked ``BLOCK_K`` at a time from each slice's start
 BLOCK_K = 64
@@ -245,7 +245,5 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
         num_warps=launch.num_warps,
     )  # fmt: skip
     if partials and counters is None:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits,
-                                                         BLOCK=block)
+        sum_splits(target, out)
     return out.reshape(*lead, n)

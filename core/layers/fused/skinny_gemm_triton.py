@@ -167,6 +167,15 @@ def _sum_splits_kernel(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def sum_splits(parts: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (contiguous ``[M, N]``) set to the split-K slices ``parts``
+    (contiguous float32 ``[splits, M, N]``) added in slice order from zero, in float32,
+    in one launch: every split-K product here ends with this sum."""
+    total, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(total, block),)](parts, out, total,
+                                                     SPLITS=parts.shape[0], BLOCK=block)
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | None = None,
                 *, silu_mul: bool = False) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` of at most :data:`MAX_ROWS` rows (``[M, K]``, any
@@ -215,7 +224,5 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | No
             num_warps=4,
         )  # fmt: skip
     if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits,
-                                                         BLOCK=block)
+        sum_splits(target, out)
     return out.reshape(*lead, n)

@@ -8,7 +8,7 @@ scales the block's sum and adds it to a float32 accumulator (or to a slice's, th
 added in order), then rounds once to the output dtype. So each output lies within
 ``(|x| @ |w|.T) * (K * 2^-23 + ulp)`` of the exact value, ``ulp`` the output dtype's
 relative rounding (float32 here: the interpreter's float32 -> bfloat16 downcast
-truncates; bf16 output is the GPU's case, ``bench_fp8.py``'s product table).
+truncates; bf16 output is the GPU's case, ``test_fp8_gpu.py``).
 """
 
 from __future__ import annotations
