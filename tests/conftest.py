@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,13 @@ if not _HAS_CUDA:
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# A shell without job control starts a background command with SIGINT ignored, and a
+# Python started that way keeps it ignored, as do the subprocesses it starts: the Ctrl-C
+# tests (KeyboardInterrupt in this process, exit 130 from the CLI) would then test
+# nothing. Python's own handler, as in a terminal, whatever launched the suite.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
