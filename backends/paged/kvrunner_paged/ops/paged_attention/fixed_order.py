@@ -57,6 +57,33 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
 }
 
 
+#: Decode steps of one query a sequence whose (sequence, KV head) programs cover every
+#: SM, over a bf16 pool: :data:`LAUNCH`'s tile (16 rows, 64-key tiles, the same
+#: ``tl.dot`` on the same operands: the same bits) in 2 warps without pipelining, so
+#: more programs stay resident. On an H100 (``bench_invariant_kernels.py
+#: --attention-only``, µs per layer) it takes 462.2 at batch 256 over 1,280 keys
+#: against 498.3 at 4 warps and 3 stages (the default mode's decode: 452.2), 43.4 at
+#: batch 64 over 384 keys against 48.5; with 8 programs (batch 1) it is slower (24.8
+#: against 18.3), which is why fewer programs than SMs keep :data:`LAUNCH`.
+FULL_MACHINE_DECODE_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
+    torch.bfloat16: attrs.evolve(LAUNCH[torch.bfloat16], num_warps=2, num_stages=1),
+}
+
+
+def choose_launch(dtype: torch.dtype, *, max_query_len: int, num_seqs: int, num_kv_heads: int,
+                  num_sms: int, fp8_pool: bool) -> PrefillLaunch:
+    """The launch for a step of ``dtype`` queries: :data:`FULL_MACHINE_DECODE_LAUNCH`
+    for a decode step (``max_query_len == 1``) of at least ``num_sms`` (sequence, KV
+    head) programs over a 16-bit pool, else :data:`LAUNCH`. Static shapes only (the
+    padded sequence count), so a captured graph keeps its launch; a row's bits are
+    the same in both."""
+    wide = FULL_MACHINE_DECODE_LAUNCH.get(dtype)
+    if (wide is not None and not fp8_pool and max_query_len == 1
+            and num_seqs * num_kv_heads >= num_sms):
+        return wide
+    return LAUNCH.get(dtype, LAUNCH[torch.float32])
+
+
 def use_split_programs(max_query_len: int, num_seqs: int, num_kv_heads: int,
                        max_context_len: int, num_sms: int, key_split: int | None = None) -> bool:
     """The split-programs layout for a decode step whose (sequence, KV head) programs
