@@ -6,14 +6,12 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
 
 - rollout: batch 256, prompts of 1,024 random tokens, 512 new, seeded sampling at
   temperature 1.0; generated tokens/s for bf16, FP8 weights, and FP8 weights with the
-  FP8 KV cache (``kv_cache_dtype="fp8"``), the FP8 rows also with a decode step's w8a8
-  products on the Triton kernel (``+t``: ``gemm.W8A8_TRITON_MAX_ROWS`` at 256, where
-  torch's ``scaled_mm`` takes them by default), each beside its own HBM floor (every decode
+  FP8 KV cache (``kv_cache_dtype="fp8"``), each beside its own HBM floor (every decode
   step reads the weights as stored, FP8 bytes and scales or bf16, and the KV written
   so far in its dtype, at the measured copy bandwidth; the prefill at ~790 TFLOP/s
   bf16, twice that where the w8a8 product takes a prefill chunk's rows);
 - the product alone (``layers/fp8/gemm.py``) at the 8B projections' shapes, decode
-  (1, 16, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA
+  (1, 16, 32, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA
   graph (as a decode step runs it): ``fp8_linear`` (the path it takes named), the
   w8a16 kernel, the w8a8 product alone (torch's ``scaled_mm``, and the Triton
   kernel ``layers/fp8/w8a8_triton.py``), the dequantizing fallback and bf16
@@ -50,7 +48,7 @@ from kvrunner.layers.fp8.gemm import (
     w8a16_serves,
 )
 from kvrunner.layers.fp8.w8a8_triton import W8A8Launch, default_launch
-from kvrunner.layers.fp8.w8a16_triton import MAX_ROWS, w8a16_linear
+from kvrunner.layers.fp8.w8a16_triton import w8a16_linear
 from kvrunner.models.loader import iter_safetensors
 
 BATCH, PROMPT, NEW = 256, 1024, 512
@@ -60,12 +58,10 @@ SHAPES = {
     "8b": dict(hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
                vocab=SHAPE["vocab"]),
 }
-GEMM_ROWS = (1, 16, 64, 256, 4096)
+GEMM_ROWS = (1, 16, 32, 64, 256, 4096)
 _FP8, _FP8_KV = {"quantization": "fp8"}, {"quantization": "fp8", "kv_cache_dtype": "fp8"}
-#: the rollout's variants: engine settings, and the rows up to which a w8a8 product
-#: takes the Triton kernel (``+t``) rather than torch's ``scaled_mm``
-VARIANTS = {"bf16": ({}, 0), "fp8+kv8": (_FP8_KV, 0), "fp8+kv8+t": (_FP8_KV, MAX_ROWS),
-            "fp8": (_FP8, 0), "fp8+t": (_FP8, MAX_ROWS)}
+#: the rollout's variants: engine settings
+VARIANTS = {"bf16": {}, "fp8": _FP8, "fp8+kv8": _FP8_KV}
 #: a prefill chunk's rows (``max_num_batched_tokens``)
 CHUNK = 16384
 
@@ -121,8 +117,9 @@ def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
         for m in GEMM_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fp8_linear(x, wq, ws)  # eager first: a w8a8 refusal is met outside the graph
-            path = ("w8a16" if w8a16_serves(x, wq) else "w8a8" if w8a8_serves(x, wq)
-                    else "dequant")
+            path = ("w8a16" if w8a16_serves(x, wq)
+                    else ("w8a8 tri" if m <= gemm.W8A8_TRITON_MAX_ROWS else "w8a8")
+                    if w8a8_serves(x, wq) else "dequant")
             fp8 = graph_ms(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
             w8a16 = graph_ms(lambda x=x, wq=wq, ws=ws: w8a16_linear(x, wq, ws))
             w8a8_tri = graph_ms(lambda x=x, wq=wq, ws=ws: w8a8_triton_linear(x, wq, ws))
@@ -147,7 +144,7 @@ SWEEP_LAUNCHES = [W8A8Launch(bm, bn, splits, warps, stages)
     W8A8Launch(128, bn, splits, 8, stages)
     for bn in (64, 128) for stages in (3, 4) for splits in (1, 4)]
 #: decode steps' rows where the w8a8 product serves (fewer go to w8a16)
-SWEEP_ROWS = (64, 256)
+SWEEP_ROWS = (32, 64, 256)
 
 
 def sweep_w8a8(s: dict[str, int], bw: float) -> None:
@@ -215,7 +212,6 @@ def main() -> None:
     if args.sweep_w8a8:
         sweep_w8a8(SHAPES["8b"], bw)
         return
-    kept_triton_rows = gemm.W8A8_TRITON_MAX_ROWS
     root = Path(tempfile.mkdtemp())
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     for shape in args.shapes.split(","):
@@ -227,12 +223,7 @@ def main() -> None:
             print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")
             results = {}
             for label in args.variants.split(","):
-                config, triton_rows = VARIANTS[label]
-                gemm.W8A8_TRITON_MAX_ROWS = triton_rows
-                try:
-                    secs, floor = rollout(path, s, bw, **config)
-                finally:
-                    gemm.W8A8_TRITON_MAX_ROWS = kept_triton_rows
+                secs, floor = rollout(path, s, bw, **VARIANTS[label])
                 results[label] = secs
                 print(f"{label:>8} {secs:>8.2f} {BATCH * NEW / secs:>9.0f} {floor:>8.2f} "
                       f"{secs / floor:>8.2f}")

@@ -25,8 +25,11 @@ import triton.language as tl
 
 from kvrunner.layers.fp8.blocks import BLOCK as SCALE_BLOCK
 from kvrunner.layers.fp8.blocks import FP8_DTYPE, scale_shape
-from kvrunner.layers.fp8.w8a16_triton import choose_splits
+from kvrunner.layers.fp8.w8a16_triton import TARGET_PROGRAMS, choose_splits
 from kvrunner.layers.fused.skinny_gemm_triton import sum_splits
+
+#: up to this many rows a decode step's product with few tiles splits K
+SPLIT_ROWS = 64
 
 
 @attrs.frozen
@@ -54,14 +57,24 @@ class W8A8Launch:
 
 def default_launch(m: int, n: int, k: int) -> W8A8Launch:
     """The launch :func:`w8a8_block_linear` uses for an ``[m, k] x [k, n]`` product:
-    128 x 128 output tiles for a prefill's rows; for a decode step's, the smallest of
-    16, 32, 64 rows that holds them (64 beyond) by 128 columns, K split to fill the
-    machine."""
+    128 x 128 output tiles for a prefill's rows; 16 x 128 tiles, K split to fill the
+    machine, for up to 16 rows; 64 x 64 tiles for a larger decode step, K split four
+    ways for up to 64 rows where the tiles are fewer than the machine takes.
+
+    Chosen on an H100 (the four 8B projections summed, ms a layer, each call replayed
+    in a CUDA graph): at 32 / 48 / 64 rows 64 x 64 tiles split four ways take 0.099 /
+    0.107 / 0.116, unsplit 0.104 / 0.108 / 0.109, and 32- or 64-row by 128 tiles with a
+    machine-filling split 0.108 / 0.110 / 0.118, against torch's ``scaled_mm`` at
+    0.114 / 0.116 / 0.118; from 96 rows unsplit 64 x 64 tiles were the fastest tried,
+    and per projection at 64 rows (``bench_fp8.py --sweep-w8a8``) the one with the most
+    tiles (gate_up) was fastest unsplit, the other three split four ways."""
     if m > 256:
         return W8A8Launch(128, 128, 1, num_warps=8, num_stages=3)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 128)
-    return W8A8Launch(block_m, 128, choose_splits(tiles, k, SCALE_BLOCK))
+    if m <= 16:
+        return W8A8Launch(16, 128, choose_splits(triton.cdiv(n, 128), k, SCALE_BLOCK))
+    tiles = triton.cdiv(m, 64) * triton.cdiv(n, 64)
+    few_tiles = m <= SPLIT_ROWS and tiles < TARGET_PROGRAMS
+    return W8A8Launch(64, 64, max(1, min(4, k // SCALE_BLOCK)) if few_tiles else 1)
 
 
 @triton.jit
