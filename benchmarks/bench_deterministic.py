@@ -23,6 +23,7 @@ from pathlib import Path
 import attrs
 import torch
 from bench_e2e_decode import release_memory, write_checkpoint
+from common import print_top_kernels
 
 from kvrunner import LLM, SamplingParams
 
@@ -117,13 +118,8 @@ def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int =
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(batch_prompts, attrs.evolve(greedy, max_tokens=17))
     release_memory()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    print(f"deterministic={deterministic}: kernels of a prefill and 16 decode steps at batch "
-          f"{batch}, {total / 1e3:.1f} ms in all")
-    for e in events[:top]:
-        print(f"  {e.self_device_time_total / total:>6.1%} {e.count:>6}x  {e.key[:90]}")
+    print_top_kernels(prof, f"deterministic={deterministic}: kernels of a prefill and 16 decode "
+                            f"steps at batch {batch}", top)
 
 
 def sweep_splits(path: Path, kinds: str) -> None:

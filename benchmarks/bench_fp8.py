@@ -20,9 +20,12 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
   into FP8 weights (quantized per 128 x 128 block as it loads) and into bf16 ones.
 
     python benchmarks/bench_fp8.py [--shapes 0.6b,8b] [--skip-rollout] [--variants bf16,...]
-                                   [--sweep-w8a8]
+                                   [--sweep-w8a8] [--profile]
 
-``--sweep-w8a8`` only sweeps the Triton w8a8 kernel's launches at the 8B shapes.
+``--sweep-w8a8`` only sweeps the Triton w8a8 kernel's launches at the 8B shapes;
+``--profile`` first prints the top kernels of eager decode steps of the rollout's batch
+for each variant (the prompts' KV cached by a first call, so the steps are the
+profile's work).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
-from common import copy_bandwidth_tbps, graph_ms
+from common import copy_bandwidth_tbps, graph_ms, print_top_kernels
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8 import gemm
@@ -104,6 +107,25 @@ def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, 
     tflops = BF16_TFLOPS * (2 if fp8 and w8a8_serves(x, w) else 1)
     prefill = 2 * params_count * BATCH * PROMPT / (tflops * 1e12)
     return seconds, decode + prefill
+
+
+def profile_decode(path: Path, s: dict[str, int], label: str, top: int = 12) -> None:
+    """The ``top`` kernels of 16 eager decode steps of the rollout's batch (prompts
+    of 1,024) under variant ``label``, by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, s["vocab"], (BATCH, PROMPT), generator=g).tolist()
+    with LLM(model=str(path), dtype="bfloat16", max_num_seqs=BATCH,
+             max_model_len=PROMPT + 64, max_num_batched_tokens=CHUNK, enforce_eager=True,
+             gpu_memory_utilization=0.9, **VARIANTS[label]) as llm:
+        greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, greedy)  # the prompts' KV, reused by the profiled call
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0,
+                                                 ignore_eos=True))
+    release_memory()
+    print_top_kernels(prof, f"{label}: kernels of 16 decode steps at batch {BATCH}", top)
 
 
 def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:
@@ -202,6 +224,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"the rollout's variants, comma-separated (bf16 first: the others' "
                          f"ratios are to it): {', '.join(VARIANTS)}")
+    ap.add_argument("--profile", action="store_true",
+                    help="first print the top kernels of eager decode steps per variant")
     ap.add_argument("--sweep-w8a8", action="store_true",
                     help="only sweep the Triton w8a8 kernel's launches at the 8B shapes")
     args = ap.parse_args()
@@ -218,6 +242,9 @@ def main() -> None:
         s = SHAPES[shape]
         path = root / f"qwen3-{shape}-random"
         write_checkpoint(path, s, max_positions=4096)
+        if args.profile:
+            for label in args.variants.split(","):
+                profile_decode(path, s, label)
         if not args.skip_rollout:
             print(f"\nrollout {shape}: batch {BATCH}, prompts {PROMPT}, {NEW} sampled")
             print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")

@@ -1,5 +1,5 @@
 """Shared benchmark helpers: timing with CUDA events or in a CUDA graph, the measured copy
-bandwidth."""
+bandwidth, a profile's top kernels."""
 
 from __future__ import annotations
 
@@ -45,3 +45,14 @@ def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def print_top_kernels(prof, title: str, top: int = 10) -> None:
+    """The ``top`` CUDA kernels of a ``torch.profiler`` run by device time, each with
+    its share of all kernel time and its launch count, under ``title`` and the total."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    print(f"{title}, {total / 1e3:.1f} ms in all")
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / max(total, 1):>6.1%} {e.count:>6}x  {e.key[:90]}")
