@@ -62,9 +62,9 @@ DECODE = [(1, 384), (64, 384), (256, 384), (1, 1280), (64, 1280), (256, 1280), (
 PREFILL_SEQS, PREFILL_LEN = 16, 1024
 #: the engine's longest context in the timed cases (sizes the split programs' grid)
 MAX_CONTEXT = 8192 + 16
-#: attention launches ``(block_m, block_n, warps, stages)``; the first is the one
-#: deterministic mode runs for prompts and small decode steps (``fixed_order.LAUNCH``),
-#: the fourth its decode steps of a program per SM or more
+#: attention launches ``(block_m, block_n, warps, stages)``; the third is the one
+#: deterministic mode runs for bf16 prompts and small decode steps
+#: (``fixed_order.LAUNCH``), the fourth its decode steps of a program per SM or more
 #: (``fixed_order.FULL_MACHINE_DECODE_LAUNCH``), the last the prefill kernel's own
 ATTENTION = [(16, 64, 4, 3), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 2, 1), (16, 64, 2, 2),
              (16, 32, 4, 3), (16, 128, 4, 2), (16, 128, 2, 1), (32, 64, 4, 3), (64, 64, 4, 3),

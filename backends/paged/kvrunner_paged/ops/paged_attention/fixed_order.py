@@ -46,14 +46,21 @@ from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
 #: keys per split: positions ``[s * KEY_SPLIT, (s + 1) * KEY_SPLIT)`` are split ``s``
 KEY_SPLIT = 1024
 
-#: One launch for prompts and decode rows alike: the prefill launch's key tile, stages
-#: and precision in a tile of the fewest rows a ``tl.dot`` takes, so every token is
+#: One launch for prompts and decode rows alike: the prefill launch's key tile and
+#: precision in a tile of the fewest rows a ``tl.dot`` takes, so every token is
 #: attended by the same instruction in the same layout wherever it sits. A decode
 #: step has one token a sequence, which fills two of the tile's 16 rows (two of 128
 #: in the prefill launch's); a prompt reloads each key tile for every 8 tokens of a
-#: GQA-2 model, a small part of a rollout.
+#: GQA-2 model. 16-bit queries pipeline their key walk 2 stages deep (the stages only
+#: stage the loads: the same bits): on an H100 (``bench_invariant_kernels.py
+#: --attention-only``, µs per layer) a prefill of 16 x 1,024 takes 1,005.0 against
+#: 1,409.3 at 3 stages, and each decode step of fewer programs than SMs timed there in
+#: the walk layout is as fast or faster (batch 1 over 384 / 1,280 / 8,192 keys and
+#: batch 8 over 8,192: 17.8 / 49.0 / 287.5 / 287.7 against 18.3 / 50.1 / 290.4 / 293.2).
 LAUNCH: dict[torch.dtype, PrefillLaunch] = {
-    dtype: attrs.evolve(launch, block_m=16, num_warps=4) for dtype, launch in PREFILL_LAUNCH.items()
+    dtype: attrs.evolve(launch, block_m=16, num_warps=4,
+                        num_stages=2 if dtype.itemsize == 2 else launch.num_stages)
+    for dtype, launch in PREFILL_LAUNCH.items()
 }
 
 
@@ -62,9 +69,10 @@ LAUNCH: dict[torch.dtype, PrefillLaunch] = {
 #: ``tl.dot`` on the same operands: the same bits) in 2 warps without pipelining, so
 #: more programs stay resident. On an H100 (``bench_invariant_kernels.py
 #: --attention-only``, µs per layer) it takes 462.2 at batch 256 over 1,280 keys
-#: against 498.3 at 4 warps and 3 stages (the default mode's decode: 452.2), 43.4 at
-#: batch 64 over 384 keys against 48.5; with 8 programs (batch 1) it is slower (24.8
-#: against 18.3), which is why fewer programs than SMs keep :data:`LAUNCH`.
+#: against 498.3 at 4 warps and 3 stages and 487.9 at 2 (the default mode's decode:
+#: 452.2), 43.4 at batch 64 over 384 keys against 48.5 and 50.4; with 8 programs
+#: (batch 1) it is slower (24.8 against 18.3 and 17.8), which is why fewer programs
+#: than SMs keep :data:`LAUNCH`.
 FULL_MACHINE_DECODE_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     torch.bfloat16: attrs.evolve(LAUNCH[torch.bfloat16], num_warps=2, num_stages=1),
 }
