@@ -16,8 +16,9 @@ the step's keys and values itself (``new_kv``, what the paged layer runs).
 With ``--kv-cache-dtype fp8`` it times FP8 KV instead (``kv_cache_dtype = "fp8"``):
 the tokens a pool of the same bytes holds, and one layer's decode step at batch 256
 (the launch that stores the step's keys and values and attends, as the layer runs it)
-over a bf16 pool against an e4m3 one holding the same sequences, and the e4m3 one
-again with tiles of 128 keys (the bytes of a 64-key bf16 tile), with 4 and with 8 warps.
+over a bf16 pool against an e4m3 one holding the same sequences, each under its
+default launch and others (:data:`FP8_LAUNCHES`: warps, keys a tile, how deep the walk
+over whole tiles is pipelined).
 
     python benchmarks/bench_decode_attention.py [--kv-cache-dtype fp8]
 """
@@ -183,7 +184,7 @@ def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
                    **launch: Any) -> float:
     """µs of one layer's decode launch that stores and attends, over a pool in ``kv_dtype``
     (the bf16 pool's values, quantized at scale 1.0 for e4m3), with ``launch`` passed to
-    :func:`paged_decode_attention` (``block_n``, ``num_warps``)."""
+    :func:`paged_decode_attention` (``block_n``, ``num_warps``, ``num_stages``)."""
     g = torch.Generator(device="cuda").manual_seed(batch + ctx)
     tables, k_cache, v_cache = paged_pool(batch, ctx, g)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
@@ -211,6 +212,12 @@ FP8_LAUNCHES = [
     ("fp8, 128 keys", FP8_DTYPE, {"block_n": 128}),
     ("fp8, 128 keys, 4 warps", FP8_DTYPE, {"block_n": 128, "num_warps": 4}),
     ("fp8, 32 keys", FP8_DTYPE, {"block_n": 32}),
+    ("fp8, 2 stages", FP8_DTYPE, {"num_stages": 2}),
+    ("fp8, 3 stages", FP8_DTYPE, {"num_stages": 3}),
+    ("fp8, 4 warps, 2 stages", FP8_DTYPE, {"num_warps": 4, "num_stages": 2}),
+    ("fp8, 4 warps, 3 stages", FP8_DTYPE, {"num_warps": 4, "num_stages": 3}),
+    ("fp8, 128 keys, 2 stages", FP8_DTYPE, {"block_n": 128, "num_stages": 2}),
+    ("bf16, 2 stages", torch.bfloat16, {"num_stages": 2}),
 ]
 
 

@@ -15,6 +15,7 @@ from paged_cases import PagedCase
 from kvrunner.plugin_api import ModelSpec
 from kvrunner.runner.step.step_metadata import StepMetadataBuilder
 from kvrunner.testing.harness import backend_manager
+from kvrunner_paged.kv_format import FP8_DTYPE
 from kvrunner_paged.ops.paged_attention.decode import paged_decode_attention
 from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.naive import naive_paged_attention
@@ -79,6 +80,26 @@ def test_compiled_decode_matches_reference(dtype: torch.dtype, num_splits: int) 
     ref = naive_paged_attention(**x, query_start_loc=starts, scale=case.scale)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out.cpu().float(), ref, **tol)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_pipelined_key_walk_gives_the_unpipelined_walks_bits(
+    pool_dtype: torch.dtype, num_stages: int, num_splits: int
+) -> None:
+    """Pipelining the decode walk over whole key tiles only stages their loads: every
+    output bit is the one-stage walk's, over a bf16 pool and an e4m3 one, for contexts
+    of whole tiles, part tiles and less than one."""
+    case = _case(64, 16, [(1, 1), (1, 17), (1, 250), (1, 64), (1, 200), (1, 128)])
+    rows = case.num_seqs + case.num_pad_rows
+    x = _to(_inputs(case, torch.bfloat16, rows, rows), CUDA)
+    x["k_cache"], x["v_cache"] = x["k_cache"].to(pool_dtype), x["v_cache"].to(pool_dtype)
+    inputs = PagedAttentionInputs(**x, scale=case.scale)
+    plain = paged_decode_attention(inputs=inputs, num_splits=num_splits)
+    piped = paged_decode_attention(inputs=inputs, num_splits=num_splits, num_stages=num_stages)
+    assert plain.abs().sum() > 0
+    assert torch.equal(piped, plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -67,6 +67,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FUSE_STORE: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -113,7 +114,18 @@ def _decode_kernel(
             block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, QUANTIZE=QUANTIZE,
         )  # fmt: skip
         tl.debug_barrier()
-    for start in range(lo, hi, BLOCK_N):
+    # Whole tiles inside the slice need no mask and are pipelined NUM_STAGES deep; the
+    # last, partial tile is masked by position. A score is the same either way.
+    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    for start in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            kv_head, block_size, scale_log2,
+            MASK_KEYS=False, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    for start in range(full_hi, hi, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -210,14 +222,15 @@ def decode_num_warps(k_cache: torch.Tensor) -> int:
 
 def paged_decode_attention(
     *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64,
-    num_warps: int | None = None, out: torch.Tensor | None = None,
+    num_warps: int | None = None, num_stages: int = 1, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys: ``out`` (allocated like q when
     not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
     key and value to its slot before the program that owns that position attends it.
     ``num_splits``: the split-KV factor (1 = a single pass, no merge kernel; see
     :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` defaults to
-    :func:`decode_num_warps` of the pool."""
+    :func:`decode_num_warps` of the pool; ``num_stages``: how deep the walk over whole
+    key tiles is pipelined (1: none)."""
     x = inputs
     num_rows = x.sequences(varlen=False, triton=True, stores=True)
     q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
@@ -261,6 +274,7 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSE_STORE=x.new_kv is not None,
         QUANTIZE=is_fp8(k_cache),
+        NUM_STAGES=num_stages,
         num_warps=num_warps or decode_num_warps(k_cache),
     )
     if num_splits > 1:
