@@ -150,13 +150,13 @@ def sweep_splits(path: Path, kinds: str) -> None:
     try:
         for kind in kinds.split(","):
             if kind == "attention":
-                for key_split in (64, 128, 256, 512):
+                for key_split in (128, 256, 512):
                     fixed_order.KEY_SPLIT = key_split
                     row(f"attention key split {key_split}", True)
                 fixed_order.KEY_SPLIT = kept_split
             elif kind == "gemm":
-                for policy in ((512, 4, 128), (256, 8, 512), (256, 8, 128),
-                               (128, 16, 128), (1 << 30, 1, 512)):
+                for policy in ((512, 4, 128), (512, 4, 64), (256, 8, 512), (256, 8, 128),
+                               (1 << 30, 1, 512)):
                     gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
                     row("no split" if policy[1] == 1 else ", ".join(map(str, policy)), True)
                 gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
