@@ -130,23 +130,24 @@ def sweep_splits(path: Path, kinds: str) -> None:
       number of keys, so each keeps a token's order its own);
     * ``gemm``: the invariant GEMM's K split (``MIN_SPLIT_DEPTH``, ``MAX_SPLITS``, a
       function of the weight's shape alone, so each keeps the products
-      batch-invariant) and the row count from which a program walks every slice
-      (``IN_PROGRAM_ROWS``, a layout: the same bits either way)."""
+      batch-invariant) and when a program walks every slice: from a row count
+      (``IN_PROGRAM_ROWS``) or an output tile count (``WALK_TILES``), a layout: the
+      same bits either way."""
     from kvrunner.layers.fused import invariant_gemm_triton as gemm
     from kvrunner_paged.ops.paged_attention import fixed_order
 
-    kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS
+    kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS, gemm.WALK_TILES
     kept_split = fixed_order.KEY_SPLIT
-    print(f"{'split depth, splits, walk rows':<30}" + "".join(
+    print(f"{'split depth, splits, walk rows, walk tiles':<44}" + "".join(
         f"{f'batch {b}':>12}" for b in DECODE_BATCHES))
 
     def row(label: str, deterministic: bool) -> None:
         rates = [decode_tokens_per_s(path, deterministic, b) for b in DECODE_BATCHES]
-        print(f"{label:<30}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
+        print(f"{label:<44}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
 
     row("default mode", False)
     row(f"deterministic (key split {kept_split}, "
-        f"{kept[0]}, {kept[1]}, {kept[2]})", True)
+        f"{', '.join(map(str, kept))})", True)
     try:
         for kind in kinds.split(","):
             if kind == "attention":
@@ -155,16 +156,17 @@ def sweep_splits(path: Path, kinds: str) -> None:
                     row(f"attention key split {key_split}", True)
                 fixed_order.KEY_SPLIT = kept_split
             elif kind == "gemm":
-                for policy in ((512, 4, 128), (512, 4, 64), (256, 8, 512), (256, 8, 128),
-                               (1 << 30, 1, 512)):
-                    gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = policy
+                for policy in ((512, 4, 128, None), (512, 4, 64, None), (512, 4, 512, 132),
+                               (512, 4, 512, 256), (256, 8, 512, None), (1 << 30, 1, 512, None)):
+                    (gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS,
+                     gemm.WALK_TILES) = policy
                     row("no split" if policy[1] == 1 else ", ".join(map(str, policy)), True)
-                gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
+                gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS, gemm.WALK_TILES = kept
             else:
                 raise SystemExit(f"--sweep-splits {kind!r}: the kinds are 'attention' "
                                  f"and 'gemm'")
     finally:
-        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS = kept
+        gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS, gemm.WALK_TILES = kept
         fixed_order.KEY_SPLIT = kept_split
 
 

@@ -50,6 +50,12 @@ MAX_SPLITS = 4
 MIN_SPLIT_DEPTH = 512
 #: from this many rows a product walks its slices inside one program
 IN_PROGRAM_ROWS = 512
+#: a product of fewer rows walks its slices inside one program too where its output
+#: tiles (``block_m`` x ``block_n``) alone number this many: the machine is busy
+#: without slicing, and the slices' float32 partials need not be written and read
+#: back. None: the row count alone decides (``benchmarks/bench_deterministic.py
+#: --sweep-splits gemm`` times both)
+WALK_TILES: int | None = None
 #: tile counters per device; a launch takes as many as its grid has tiles
 COUNTERS = 1 << 20
 
@@ -126,8 +132,11 @@ def invariant_launch(m: int, n: int, k: int) -> InvariantLaunch:
     :func:`invariant_reduction` and a layout by row count (the module doc says why
     the layout may follow it)."""
     block_k, splits = invariant_reduction(n, k)
-    in_program = m >= IN_PROGRAM_ROWS or splits == 1
-    return InvariantLaunch(block_k, splits, block_m=64, block_n=64, num_warps=4,
+    block_m = block_n = 64
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    in_program = (m >= IN_PROGRAM_ROWS or splits == 1
+                  or (WALK_TILES is not None and tiles >= WALK_TILES))
+    return InvariantLaunch(block_k, splits, block_m=block_m, block_n=block_n, num_warps=4,
                            num_stages=3, in_program=in_program)
 
 

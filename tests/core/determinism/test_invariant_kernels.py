@@ -58,6 +58,28 @@ def test_the_invariant_gemm_layouts_of_one_reduction_give_the_same_bits() -> Non
     assert torch.equal(invariant_gemm(rows, weight, sliced), invariant_gemm(rows, weight, walked))
 
 
+def test_a_product_of_enough_output_tiles_walks_its_slices_in_one_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``WALK_TILES`` set, a decode-sized product whose output tiles alone number
+    that many walks its slices in one program (no partials), to the sliced bits; fewer
+    tiles keep a program per slice; unset, the row count alone decides."""
+    from kvrunner.layers.fused import invariant_gemm_triton as gemm
+
+    torch.manual_seed(4)
+    wide, rows = torch.randn(256, 2048), torch.randn(64, 2048)
+    assert not gemm.invariant_launch(64, 256, 2048).in_program
+    monkeypatch.setattr(gemm, "WALK_TILES", 4)
+    walked = gemm.invariant_launch(64, 256, 2048)  # one row tile by four column tiles
+    assert walked.splits == 4 and walked.in_program
+    assert not gemm.invariant_launch(64, 192, 2048).in_program  # three tiles
+    monkeypatch.setattr(gemm, "WALK_TILES", None)
+    sliced = gemm.invariant_launch(64, 256, 2048)
+    assert not sliced.in_program
+    assert torch.equal(gemm.invariant_gemm(rows, wide, walked),
+                       gemm.invariant_gemm(rows, wide, sliced))
+
+
 def test_a_tiles_last_program_adds_its_slices_to_the_second_kernels_bits() -> None:
     """A slice-per-program product is one launch: the tile's last program to finish
     adds the slices, from zero in slice order, as the second kernel would; and it
