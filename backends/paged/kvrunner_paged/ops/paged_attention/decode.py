@@ -36,7 +36,7 @@ import triton.language as tl
 from kvrunner_paged.kv_format import is_fp8
 from kvrunner_paged.ops.head_scales import head_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
-from kvrunner_paged.ops.paged_attention.tile import LOG2_E, NEG_BIG, attend_tile
+from kvrunner_paged.ops.paged_attention.tile import LOG2_E, walk_keys
 from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
 
 
@@ -98,9 +98,6 @@ def _decode_kernel(
         lo = 0
         hi = ctx_len
 
-    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + row * stride_bt
     if FUSE_STORE:
         # The program whose slice holds the newest position writes it first; after the
@@ -114,25 +111,17 @@ def _decode_kernel(
             block_size, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, QUANTIZE=QUANTIZE,
         )  # fmt: skip
         tl.debug_barrier()
-    # Whole tiles inside the slice need no mask and are pipelined NUM_STAGES deep; the
-    # last, partial tile is masked by position. A score is the same either way.
-    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    for start in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            kv_head, block_size, scale_log2,
-            MASK_KEYS=False, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
-    for start in range(full_hi, hi, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start, hi, m_i, table, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            kv_head, block_size, scale_log2,
-            MASK_KEYS=True, CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+    # The slice's whole key tiles unmasked and pipelined NUM_STAGES deep, then its last,
+    # part tile masked: every row sees keys up to the slice's end (its "position" here),
+    # so the causal mask of the shared walk is the slice's bound.
+    full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = walk_keys(
+        q, hi - 1 + tl.zeros([GROUP_PAD], dtype=tl.int32), lo, hi, full_end, hi,
+        table, k_cache_ptr, v_cache_ptr,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        kv_head, block_size, scale_log2,
+        GROUP_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PRECISION,
+    )  # fmt: skip
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
