@@ -15,9 +15,10 @@ kernel merges the slices. ``num_splits`` must be chosen from static shapes only 
 A row whose ``context_lens`` entry is 0 (a padded tail row) reads nothing and
 outputs zeros.
 
-The launch's warps follow the pool (:func:`decode_num_warps`): an FP8 pool's tiles
-are half the bytes of a 16-bit pool's, and its launch keeps more of them in flight at
-two warps a program than at four.
+Each program walks its slice's whole key tiles unmasked (``tile.walk_keys``), and
+over an FP8 pool pipelines them two stages deep (:func:`decode_launch`): its tiles
+are half the bytes of a 16-bit pool's, and keeping the next in flight while one is
+attended pays there.
 
 With ``new_kv`` the launch also stores the step's keys and values (what
 :func:`~kvrunner_paged.ops.store_kv.store.store_kv` would do first, one launch fewer a
@@ -200,26 +201,30 @@ def choose_num_splits(
     return max(1, min(wanted, max_context_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
-def decode_num_warps(k_cache: torch.Tensor) -> int:
-    """Warps a decode program takes over ``k_cache``'s pool. Measured on an H100 (bf16
-    queries, 8 KV heads, 64-key tiles, a layer's store and attend at batch 256 over
-    1,024 / 2,048 keys): an e4m3 pool 273.6 / 520.8 us at 2 warps against 328.4 /
-    625.7 at 4 and 350.1 / 659.2 at 1; a bf16 pool 376.4 / 730.6 at 4 and 377.7 /
-    730.6 at 2, so it keeps 4."""
-    return 2 if is_fp8(k_cache) else 4
+def decode_launch(k_cache: torch.Tensor) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of a decode program over ``k_cache``'s pool: 4 warps,
+    and the walk over whole key tiles pipelined 2 stages deep over an e4m3 pool, not
+    at all over a 16-bit one. Measured on an H100 (``bench_decode_attention.py
+    --kv-cache-dtype fp8``: bf16 queries, 32 query and 8 KV heads of 128, 64-key tiles,
+    a layer's store and attend at batch 256 over 1,024 / 2,048 keys), two runs: e4m3
+    at 4 warps and 2 stages 275.0 / 527.7 and 275.3 / 527.4 us, against 291.5 / 558.6
+    unpipelined, 302.0 / 580.9 at 3 stages and 315.4 / 601.1 at 2 warps unpipelined;
+    bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s copy rate)."""
+    return (4, 2) if is_fp8(k_cache) else (4, 1)
 
 
 def paged_decode_attention(
     *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64,
-    num_warps: int | None = None, num_stages: int = 1, out: torch.Tensor | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys: ``out`` (allocated like q when
     not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
     key and value to its slot before the program that owns that position attends it.
     ``num_splits``: the split-KV factor (1 = a single pass, no merge kernel; see
-    :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` defaults to
-    :func:`decode_num_warps` of the pool; ``num_stages``: how deep the walk over whole
-    key tiles is pipelined (1: none)."""
+    :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` and
+    ``num_stages`` (how deep the walk over whole key tiles is pipelined, 1: not at all)
+    default to :func:`decode_launch` of the pool; ``num_stages`` leaves every bit as it
+    is (``tests/paged/test_paged_gpu.py``)."""
     x = inputs
     num_rows = x.sequences(varlen=False, triton=True, stores=True)
     q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
@@ -242,6 +247,7 @@ def paged_decode_attention(
         part_out = part_lse = out
     k_new, v_new, slots = newest_kv_args(x.new_kv, q)
     scales, scale_row_stride = table_for(x.scales, k_cache)
+    default_warps, default_stages = decode_launch(k_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, x.context_lens,
         out, part_out, part_lse,
@@ -263,8 +269,8 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSE_STORE=x.new_kv is not None,
         QUANTIZE=is_fp8(k_cache),
-        NUM_STAGES=num_stages,
-        num_warps=num_warps or decode_num_warps(k_cache),
+        NUM_STAGES=num_stages or default_stages,
+        num_warps=num_warps or default_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, num_heads)](
