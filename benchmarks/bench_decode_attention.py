@@ -35,7 +35,11 @@ import torch.nn.functional as F
 from common import copy_bandwidth_tbps, median_ms, rel_err
 
 from kvrunner_paged.kv_format import FP8_DTYPE
-from kvrunner_paged.ops.paged_attention.decode import choose_num_splits, paged_decode_attention
+from kvrunner_paged.ops.paged_attention.decode import (
+    choose_num_splits,
+    decode_launch,
+    paged_decode_attention,
+)
 from kvrunner_paged.ops.paged_attention.inputs import NewKV, PagedAttentionInputs
 from kvrunner_paged.ops.store_kv.store import store_kv
 
@@ -201,23 +205,31 @@ def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
                                                     **launch)) * 1e3
 
 
-#: the launches of the FP8 KV table: (label, pool dtype, launch); the first two are the
-#: defaults (``decode_launch``: 4 warps over either pool, the e4m3 pool's walk
-#: pipelined 2 stages deep)
-FP8_LAUNCHES = [
-    ("bf16, 4 warps, 1 stage", torch.bfloat16, {}),
-    ("fp8, 4 warps, 2 stages", FP8_DTYPE, {}),
-    ("bf16, 2 warps, 1 stage", torch.bfloat16, {"num_warps": 2}),
-    ("bf16, 4 warps, 2 stages", torch.bfloat16, {"num_stages": 2}),
-    ("fp8, 4 warps, 1 stage", FP8_DTYPE, {"num_stages": 1}),
-    ("fp8, 4 warps, 3 stages", FP8_DTYPE, {"num_stages": 3}),
-    ("fp8, 2 warps, 1 stage", FP8_DTYPE, {"num_warps": 2, "num_stages": 1}),
-    ("fp8, 2 warps, 2 stages", FP8_DTYPE, {"num_warps": 2}),
-    ("fp8, 1 warp, 2 stages", FP8_DTYPE, {"num_warps": 1}),
-    ("fp8, 128 keys, 4 warps, 2 stages", FP8_DTYPE, {"block_n": 128}),
-    ("fp8, 128 keys, 2 warps, 2 stages", FP8_DTYPE, {"block_n": 128, "num_warps": 2}),
-    ("fp8, 32 keys, 4 warps, 2 stages", FP8_DTYPE, {"block_n": 32}),
+#: the launches of the FP8 KV table: (pool dtype, launch); the first two are the
+#: defaults (``decode_launch``)
+FP8_LAUNCHES: list[tuple[torch.dtype, dict[str, int]]] = [
+    (torch.bfloat16, {}),
+    (FP8_DTYPE, {}),
+    (torch.bfloat16, {"num_warps": 2}),
+    (torch.bfloat16, {"num_stages": 2}),
+    (FP8_DTYPE, {"num_stages": 1}),
+    (FP8_DTYPE, {"num_stages": 3}),
+    (FP8_DTYPE, {"num_warps": 2, "num_stages": 1}),
+    (FP8_DTYPE, {"num_warps": 2, "num_stages": 2}),
+    (FP8_DTYPE, {"num_warps": 1, "num_stages": 2}),
+    (FP8_DTYPE, {"block_n": 128}),
+    (FP8_DTYPE, {"block_n": 128, "num_warps": 2}),
+    (FP8_DTYPE, {"block_n": 32}),
 ]
+
+
+def launch_label(dtype: torch.dtype, launch: dict[str, int]) -> str:
+    """``pool, keys a tile, warps, stages`` of a launch (the table's launch column), the
+    defaults filled in from :func:`decode_launch`."""
+    warps, stages = decode_launch(torch.empty(0, dtype=dtype))
+    return (f"{'fp8' if dtype == FP8_DTYPE else 'bf16'}, {launch.get('block_n', 64)}, "
+            f"{launch.get('num_warps', warps)}, {launch.get('num_stages', stages)}"
+            + (" (default)" if not launch else ""))
 
 
 def fp8_kv(num_sms: int) -> None:
@@ -228,14 +240,14 @@ def fp8_kv(num_sms: int) -> None:
     tokens = {dt: (1 << 30) // size for dt, size in per_token.items()}
     print(f"\nFP8 KV: tokens per GiB of one layer's pool: bf16 {tokens[torch.bfloat16]}, "
           f"fp8 {tokens[FP8_DTYPE]}")  # fmt: skip
-    print(f"{'launch':>34}" + "".join(f"{f'B{b} ctx{c} us':>16} {'TB/s':>6}"
+    print(f"{'pool, keys, warps, stages':>28}" + "".join(f"{f'B{b} ctx{c} us':>16} {'TB/s':>6}"
                                        for b, c in FP8_CASES))
-    for label, dtype, launch in FP8_LAUNCHES:
+    for dtype, launch in FP8_LAUNCHES:
         cells = []
         for batch, ctx in FP8_CASES:
             t = decode_step_us(batch, ctx, dtype, num_sms, **launch)
             cells.append(f"{t:>16.1f} {batch * ctx * per_token[dtype] / (t * 1e-6) / 1e12:>6.2f}")
-        print(f"{label:>34}" + "".join(cells), flush=True)
+        print(f"{launch_label(dtype, launch):>28}" + "".join(cells), flush=True)
 
 
 def main() -> None:
