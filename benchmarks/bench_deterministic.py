@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 import torch
 from bench_e2e_decode import release_memory, write_checkpoint
-from common import print_top_kernels
+from common import profile_decode_steps
 
 from kvrunner import LLM, SamplingParams
 
@@ -106,20 +106,14 @@ def gaps(path: Path, rollouts, dtype: torch.dtype) -> tuple[float, float]:
 def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int = 10) -> None:
     """The kernels of eager decode steps at ``batch`` (prompts of 1,024): the ``top``
     by device time, with their share of all kernel time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    batch_prompts = prompts(batch, ROLLOUT_PROMPT, seed=batch)
-    llm = LLM(model=str(path), dtype="bfloat16", deterministic=deterministic,
-              max_num_seqs=batch, max_model_len=ROLLOUT_PROMPT + 64, enforce_eager=True,
-              max_num_batched_tokens=16384, gpu_memory_utilization=0.7)
-    with llm:
-        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        llm.generate(batch_prompts, greedy)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate(batch_prompts, attrs.evolve(greedy, max_tokens=17))
+    profile_decode_steps(
+        prompts(batch, ROLLOUT_PROMPT, seed=batch),
+        f"deterministic={deterministic}: kernels of a prefill and 16 decode steps at batch "
+        f"{batch}", top,
+        model=str(path), dtype="bfloat16", deterministic=deterministic, max_num_seqs=batch,
+        max_model_len=ROLLOUT_PROMPT + 64, max_num_batched_tokens=16384,
+        gpu_memory_utilization=0.7)
     release_memory()
-    print_top_kernels(prof, f"deterministic={deterministic}: kernels of a prefill and 16 decode "
-                            f"steps at batch {batch}", top)
 
 
 def sweep_splits(path: Path, kinds: str) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
-from common import copy_bandwidth_tbps, graph_ms, print_top_kernels
+from common import copy_bandwidth_tbps, graph_ms, profile_decode_steps
 
 from kvrunner import LLM, SamplingParams
 from kvrunner.layers.fp8 import gemm
@@ -112,20 +112,13 @@ def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, 
 def profile_decode(path: Path, s: dict[str, int], label: str, top: int = 12) -> None:
     """The ``top`` kernels of 16 eager decode steps of the rollout's batch (prompts
     of 1,024) under variant ``label``, by device time."""
-    from torch.profiler import ProfilerActivity, profile
-
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, s["vocab"], (BATCH, PROMPT), generator=g).tolist()
-    with LLM(model=str(path), dtype="bfloat16", max_num_seqs=BATCH,
-             max_model_len=PROMPT + 64, max_num_batched_tokens=CHUNK, enforce_eager=True,
-             gpu_memory_utilization=0.9, **VARIANTS[label]) as llm:
-        greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts, greedy)  # the prompts' KV, reused by the profiled call
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0,
-                                                 ignore_eos=True))
+    profile_decode_steps(
+        torch.randint(1, s["vocab"], (BATCH, PROMPT), generator=g).tolist(),
+        f"{label}: kernels of 16 decode steps at batch {BATCH}", top,
+        model=str(path), dtype="bfloat16", max_num_seqs=BATCH, max_model_len=PROMPT + 64,
+        max_num_batched_tokens=CHUNK, gpu_memory_utilization=0.9, **VARIANTS[label])
     release_memory()
-    print_top_kernels(prof, f"{label}: kernels of 16 decode steps at batch {BATCH}", top)
 
 
 def gemm_rows(s: dict[str, int], bw: float) -> list[tuple]:

@@ -1,5 +1,5 @@
 """Shared benchmark helpers: timing with CUDA events or in a CUDA graph, the measured copy
-bandwidth, a profile's top kernels."""
+bandwidth, the top kernels of profiled decode steps."""
 
 from __future__ import annotations
 
@@ -56,3 +56,20 @@ def print_top_kernels(prof, title: str, top: int = 10) -> None:
     print(f"{title}, {total / 1e3:.1f} ms in all")
     for e in events[:top]:
         print(f"  {e.self_device_time_total / max(total, 1):>6.1%} {e.count:>6}x  {e.key[:90]}")
+
+
+def profile_decode_steps(prompts: list[list[int]], title: str, top: int = 10,
+                         **engine: object) -> None:
+    """Print the ``top`` kernels of 16 greedy decode steps over ``prompts`` on an eager
+    engine built with ``engine``: a first call caches the prompts' KV, so the profiled
+    call is the steps (and a token of prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvrunner import LLM, SamplingParams
+
+    with LLM(enforce_eager=True, **engine) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0,
+                                                 ignore_eos=True))
+    print_top_kernels(prof, title, top)
