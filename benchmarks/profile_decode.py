@@ -6,7 +6,10 @@ summed), the kernels a decode step runs and how long the GPU sits idle between t
 (the launch latency inside a graph), and the ops that take the most device time and
 the most host time.
 
-    python benchmarks/profile_decode.py [--batches 1,64,256] [--steps 16]
+With ``--deterministic both`` it profiles the default mode, then deterministic mode
+(``deterministic=True``) on the same checkpoint; ``--deterministic on``, that mode alone.
+
+    python benchmarks/profile_decode.py [--batches 1,64,256] [--steps 16] [--deterministic on|both]
 """
 
 from __future__ import annotations
@@ -83,19 +86,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--deterministic", choices=("off", "on", "both"), default="off")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     path = Path(tempfile.mkdtemp()) / "qwen3-0.6b-random"
     write_checkpoint(path)
-    with LLM(
-        model=str(path),
-        dtype="bfloat16",
-        max_num_seqs=max(batches),
-        max_model_len=PROMPT + args.steps + 16,
-        gpu_memory_utilization=0.5,
-    ) as llm:
-        for batch in batches:
-            profile_batch(llm, batch, args.steps)
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.deterministic]
+    for deterministic in modes:
+        print(f"\n==== deterministic={deterministic}")
+        with LLM(
+            model=str(path),
+            dtype="bfloat16",
+            deterministic=deterministic,
+            max_num_seqs=max(batches),
+            max_model_len=PROMPT + args.steps + 16,
+            gpu_memory_utilization=0.5,
+        ) as llm:
+            for batch in batches:
+                profile_batch(llm, batch, args.steps)
 
 
 if __name__ == "__main__":

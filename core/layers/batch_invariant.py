@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvrunner.layers.activation import silu_and_mul
 from kvrunner.layers.fused.dispatch import same_kernel_dtype, use_triton
 
 #: the grouped expert kernels' tiles in deterministic mode, whatever the routing
@@ -36,6 +37,20 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     else:
         y = rowwise_linear(x, weight)
     return y if bias is None else y + bias
+
+
+def invariant_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``invariant_linear(silu_and_mul(gate_up), weight)``, bit for bit: one launch of
+    the invariant GEMM that forms ``silu(gate) * up`` as it loads it, where the Triton
+    kernel takes the rows (at most ``invariant_gemm_triton.SILU_MUL_MAX_ROWS``), else
+    the activation and then :func:`invariant_linear`."""
+    if (use_triton(gate_up) and same_kernel_dtype(gate_up, weight) and weight.dim() == 2
+            and gate_up.shape[-1] == 2 * weight.shape[-1]):
+        from kvrunner.layers.fused import invariant_gemm_triton as gemm
+
+        if gate_up.numel() // gate_up.shape[-1] <= gemm.SILU_MUL_MAX_ROWS:
+            return gemm.invariant_gemm(gate_up, weight, silu_mul=True)
+    return invariant_linear(silu_and_mul(gate_up), weight)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrunner.layers.activation import silu_and_mul
-from kvrunner.layers.batch_invariant import invariant_linear
+from kvrunner.layers.batch_invariant import invariant_linear, invariant_silu_mul_linear
 from kvrunner.layers.fp8.choice import building_quantization
 from kvrunner.layers.fp8.gemm import fp8_linear
 from kvrunner.layers.fp8.weights import check_part_alignment, load_fp8_part, make_fp8_params
@@ -49,10 +49,12 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def project_silu_mul(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``project(silu(gate) * up, weight)`` for ``gate_up = [gate | up]``: one launch
     where the rows take the skinny GEMM (it forms the input as it reads it, the same
-    roundings; the rows :func:`use_skinny_gemm` allows), else the activation's kernel
-    and then :func:`project`."""
-    if (not batch_invariant() and gate_up.shape[-1] == 2 * weight.shape[-1]
-            and use_skinny_gemm(gate_up, weight)):
+    roundings; the rows :func:`use_skinny_gemm` allows) or, in deterministic mode, the
+    invariant GEMM (``invariant_silu_mul_linear``), else the activation's kernel and
+    then :func:`project`."""
+    if batch_invariant():
+        return invariant_silu_mul_linear(gate_up, weight)
+    if gate_up.shape[-1] == 2 * weight.shape[-1] and use_skinny_gemm(gate_up, weight):
         from kvrunner.layers.fused.skinny_gemm_triton import skinny_gemm
 
         return skinny_gemm(gate_up, weight, silu_mul=True)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner.layers.fused.skinny_gemm_triton import sum_splits
+from kvrunner.layers.fused.skinny_gemm_triton import silu_mul_tile, sum_splits
 
 #: the reduction's step: K walked ``BLOCK_K`` at a time from each slice's start
 BLOCK_K = 64
@@ -58,6 +58,11 @@ IN_PROGRAM_ROWS = 512
 WALK_TILES: int | None = None
 #: tile counters per device; a launch takes as many as its grid has tiles
 COUNTERS = 1 << 20
+#: a SwiGLU down projection of at most this many rows forms its input ``silu(gate) *
+#: up`` as it loads it (:func:`invariant_gemm`'s ``silu_mul``), one launch a layer
+#: fewer; more rows take the activation's kernel first, since every column tile
+#: would recompute the activation of the rows it reads
+SILU_MUL_MAX_ROWS = 512
 
 
 @attrs.frozen
@@ -141,17 +146,24 @@ def invariant_launch(m: int, n: int, k: int) -> InvariantLaunch:
 
 
 @triton.jit
-def _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start, k_end, stride_xm, stride_wn,
+def _slice_sum(x_ptr, w_ptr, rows, cols, M, N, K, k_start, k_end, stride_xm, stride_wn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """One K slice's partial sums: ``tl.dot`` steps of ``BLOCK_K`` from ``k_start``."""
+               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+               SILU_MUL: tl.constexpr):  # fmt: skip
+    """One K slice's partial sums: ``tl.dot`` steps of ``BLOCK_K`` from ``k_start``.
+    ``SILU_MUL``: each row of ``x`` is ``[gate | up]`` of ``2K``, and the product's
+    input ``silu(gate) * up`` is formed as it loads, rounded as the activation's
+    kernel rounds it (the same bits as that kernel, then this one)."""
     depth = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         ks = k + depth
         in_k = ks < k_end
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(rows < M)[:, None] & in_k[None, :], other=0.0)
+        x_mask = (rows < M)[:, None] & in_k[None, :]
+        x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        x = tl.load(x_at, mask=x_mask, other=0.0)
+        if SILU_MUL:
+            x = silu_mul_tile(x, tl.load(x_at + K, mask=x_mask, other=0.0), x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
                     mask=(cols < N)[:, None] & in_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -166,7 +178,7 @@ def _invariant_gemm_kernel(
     K_PER_SPLIT,
     SPLITS: tl.constexpr, IN_PROGRAM: tl.constexpr, LAST_PROGRAM_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -177,18 +189,18 @@ def _invariant_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for split in tl.static_range(SPLITS):
             k_start = split * K_PER_SPLIT
-            acc += _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start,
+            acc += _slice_sum(x_ptr, w_ptr, rows, cols, M, N, K, k_start,
                               tl.minimum(k_start + K_PER_SPLIT, K), stride_xm, stride_wn,
-                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION, SILU_MUL)
         target = out_ptr
     else:
         # One slice: the whole K (SPLITS == 1, written as it is, as the second kernel
         # never touches it) or this program's slice (a partial for the second kernel).
         split = 0 if IN_PROGRAM else tl.program_id(2)
         k_start = split * K_PER_SPLIT
-        acc = _slice_sum(x_ptr, w_ptr, rows, cols, M, N, k_start,
+        acc = _slice_sum(x_ptr, w_ptr, rows, cols, M, N, K, k_start,
                          tl.minimum(k_start + K_PER_SPLIT, K), stride_xm, stride_wn,
-                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION, SILU_MUL)
         target = out_ptr + split * stride_os
     inside = (rows < M)[:, None] & (cols < N)[None, :]
     at = rows[:, None] * stride_om + cols[None, :]
@@ -211,15 +223,22 @@ def _invariant_gemm_kernel(
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
-                   launch: InvariantLaunch | None = None) -> torch.Tensor:
+                   launch: InvariantLaunch | None = None, *,
+                   silu_mul: bool = False) -> torch.Tensor:
     """``x @ weight.T`` (``x`` ``[..., K]``, ``weight`` ``[N, K]`` contiguous along K),
     float32 accumulation, the result in ``x``'s dtype; each row's result is the same
     whatever the other rows. No host sync: capturable in a CUDA graph.
 
+    ``silu_mul``: ``x`` is ``[..., 2K]`` = ``[gate | up]`` and the product is
+    ``silu_mul_triton(x) @ weight.T``, bit for bit, the activation formed as the
+    kernel loads it (a SwiGLU MLP's down projection).
+
     ``launch`` overrides :func:`invariant_launch` (benchmarks sweep it); launches
     with the same ``block_k`` and ``splits`` give the same bits."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
+    lead, width = x.shape[:-1], x.shape[-1]
+    k = width // 2 if silu_mul else width
+    assert not silu_mul or width == 2 * k, "silu_mul takes [gate | up] rows"
+    rows = x.reshape(-1, width)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if weight.stride(-1) != 1:
@@ -248,7 +267,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
         per_split,
         SPLITS=splits, IN_PROGRAM=not partials, LAST_PROGRAM_SUMS=counters is not None,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        NUM_STAGES=launch.num_stages,
+        NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
         # fp32 stays fp32 (tl.dot would round it to TF32); 16-bit inputs ignore it
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps,

@@ -89,7 +89,7 @@ def _weight_tile(w_ptr, cols, ks, in_k, N, stride_wn):
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
+def silu_mul_tile(gate, up, dtype: tl.constexpr):
     """``silu(gate) * up`` in ``dtype``, rounded exactly as ``silu_mul_triton`` rounds
     it (SiLU to the dtype, then the product): the input row ``[gate | up]`` of a
     SwiGLU MLP's down projection, formed as the kernel reads it."""
@@ -123,7 +123,7 @@ def _skinny_gemm_kernel(
         x_mask = (rows < M)[:, None] & in_k[None, :]
         x = tl.load(x_rows, mask=x_mask, other=0.0)
         if SILU_MUL:
-            x = _silu_mul(x, tl.load(x_rows + K, mask=x_mask, other=0.0), dtype)
+            x = silu_mul_tile(x, tl.load(x_rows + K, mask=x_mask, other=0.0), dtype)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     out = out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
@@ -151,7 +151,7 @@ def _gemv_kernel(
         w = _weight_tile(w_ptr, cols, ks, in_k, N, stride_wn)
         x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
         if SILU_MUL:
-            x = _silu_mul(x, tl.load(x_ptr + K + ks, mask=in_k, other=0.0), dtype)
+            x = silu_mul_tile(x, tl.load(x_ptr + K + ks, mask=in_k, other=0.0), dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + split * stride_os + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
