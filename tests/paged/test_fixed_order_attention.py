@@ -19,10 +19,8 @@ from paged_cases import TRITON_DEVICE, PagedCase, assert_matches_reference, page
 from kvrunner import LLM, SamplingParams
 from kvrunner.plugin_api import PAD_SLOT_ID
 from kvrunner_paged.ops.paged_attention.fixed_order import (
-    FULL_MACHINE_DECODE_LAUNCH,
     KEY_SPLIT,
     LAUNCH,
-    choose_launch,
     fixed_order_attention,
     use_split_programs,
 )
@@ -102,22 +100,6 @@ def test_split_programs_serve_small_decode_steps_over_long_contexts() -> None:
     assert not use_split_programs(1, 17, 8, 4096, 132)
     assert not use_split_programs(1, 4, 8, KEY_SPLIT, 132)
     assert not use_split_programs(2, 4, 8, 4096, 132)
-
-
-def test_a_decode_step_of_a_program_per_sm_takes_the_two_warp_launch() -> None:
-    wide = FULL_MACHINE_DECODE_LAUNCH[torch.bfloat16]
-    assert (wide.block_m, wide.block_n) == (LAUNCH[torch.bfloat16].block_m,
-                                            LAUNCH[torch.bfloat16].block_n)
-    step = dict(max_query_len=1, num_kv_heads=4, num_sms=132, fp8_pool=False)
-    assert choose_launch(torch.bfloat16, num_seqs=33, **step) == wide  # 132 programs
-    # fewer programs than SMs, a prompt, an FP8 pool, or a dtype it was not measured in
-    assert choose_launch(torch.bfloat16, num_seqs=32, **step) == LAUNCH[torch.bfloat16]
-    assert choose_launch(torch.bfloat16, num_seqs=64, **{**step, "max_query_len": 2}
-                         ) == LAUNCH[torch.bfloat16]
-    assert choose_launch(torch.bfloat16, num_seqs=64, **{**step, "fp8_pool": True}
-                         ) == LAUNCH[torch.bfloat16]
-    assert choose_launch(torch.float32, num_seqs=64, **step) == LAUNCH[torch.float32]
-    assert choose_launch(torch.float16, num_seqs=64, **step) == LAUNCH[torch.float16]
 
 
 def test_split_programs_refuse_prompt_rows() -> None:

@@ -13,13 +13,10 @@ import pytest
 import torch
 
 from kvrunner_paged.ops.paged_attention.fixed_order import (
-    FULL_MACHINE_DECODE_LAUNCH,
     KEY_SPLIT,
-    choose_launch,
     fixed_order_attention,
 )
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
-from kvrunner_paged.ops.paged_attention.prefill import PrefillLaunch
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -28,8 +25,7 @@ CONTEXTS = [1, 17, 64, 250, 701, KEY_SPLIT, KEY_SPLIT + 1, 1500, 2 * KEY_SPLIT +
 
 
 def _attend(q: torch.Tensor, pools: torch.Tensor, tables: torch.Tensor, q_lens: list[int],
-            ctx: list[int], split_programs: bool = False,
-            launch: PrefillLaunch | None = None) -> torch.Tensor:
+            ctx: list[int], split_programs: bool = False) -> torch.Tensor:
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     inputs = PagedAttentionInputs(
         q=q, k_cache=pools[0], v_cache=pools[1], block_tables=tables,
@@ -38,7 +34,7 @@ def _attend(q: torch.Tensor, pools: torch.Tensor, tables: torch.Tensor, q_lens: 
         num_seqs=len(ctx), max_query_len=max(q_lens),
     )
     return fixed_order_attention(inputs=inputs, max_context_len=max(ctx),
-                                 split_programs=split_programs, launch=launch)
+                                 split_programs=split_programs)
 
 
 def _sequences(contexts: list[int], dtype: torch.dtype, num_heads: int, num_kv_heads: int
@@ -82,19 +78,16 @@ def test_a_token_has_the_same_bits_in_decode_prefill_and_a_chunk(
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (8, 8)], ids=["gqa2", "gqa4", "mha"])
 def test_a_decode_step_that_fills_the_machine_gives_each_row_its_prefill_bits(
         heads: tuple[int, int]) -> None:
-    """Enough sequences for a (sequence, KV head) program on every SM: the step takes
-    the 2-warp launch, and each row still gets the bits the prefill launch gives it."""
+    """Enough sequences for a (sequence, KV head) program on every SM: each row still
+    gets the bits the prefill gives it."""
     num_heads, num_kv_heads = heads
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     contexts = CONTEXTS * -(-sms // (num_kv_heads * len(CONTEXTS)))
     pools, tables, q_full = _sequences(contexts, torch.bfloat16, num_heads, num_kv_heads)
-    launch = choose_launch(torch.bfloat16, max_query_len=1, num_seqs=len(contexts),
-                           num_kv_heads=num_kv_heads, num_sms=sms, fp8_pool=False)
-    assert launch == FULL_MACHINE_DECODE_LAUNCH[torch.bfloat16]
 
     ends = torch.tensor(contexts, device=CUDA).cumsum(0)
     prefill = _attend(q_full, pools, tables, contexts, contexts)
     decode = _attend(q_full[ends - 1].contiguous(), pools, tables, [1] * len(contexts),
-                     contexts, launch=launch)
+                     contexts)
     assert torch.equal(decode, prefill[ends - 1]), (
         f"{(decode != prefill[ends - 1]).sum().item()} of {decode.numel()} values differ")

@@ -18,7 +18,7 @@ import torch
 
 from kvrunner.plugin_api import ForwardContext
 from kvrunner_paged.cache import PagedKVPools
-from kvrunner_paged.kv_format import checked_scale, is_fp8
+from kvrunner_paged.kv_format import checked_scale
 from kvrunner_paged.kv_scales import KVScales
 from kvrunner_paged.metadata import PagedMetadata
 from kvrunner_paged.ops.paged_attention.decode_torch import paged_decode_attention_torch
@@ -84,7 +84,6 @@ class PagedAttention:
                 paged_decode_attention,
             )
             from kvrunner_paged.ops.paged_attention.fixed_order import (
-                choose_launch,
                 fixed_order_attention,
                 use_split_programs,
             )
@@ -107,11 +106,8 @@ class PagedAttention:
                 # From static shapes only, like the default decode's split count.
                 split = use_split_programs(inputs.max_query_len, inputs.num_seqs,
                                            self.num_kv_heads, self.max_model_len, self._num_sms)
-                launch = choose_launch(inputs.q.dtype, max_query_len=inputs.max_query_len,
-                                       num_seqs=inputs.num_seqs, num_kv_heads=self.num_kv_heads,
-                                       num_sms=self._num_sms, fp8_pool=is_fp8(inputs.k_cache))
                 return fixed_order_attention(inputs=inputs, max_context_len=self.max_model_len,
-                                             split_programs=split, launch=launch)
+                                             split_programs=split)
 
             self._store = store_kv
             self._decode, self._varlen = split_decode, paged_prefill_attention

@@ -57,39 +57,15 @@ KEY_SPLIT = 1024
 #: 1,409.3 at 3 stages, and each decode step of fewer programs than SMs timed there in
 #: the walk layout is as fast or faster (batch 1 over 384 / 1,280 / 8,192 keys and
 #: batch 8 over 8,192: 17.8 / 49.0 / 287.5 / 287.7 against 18.3 / 50.1 / 290.4 / 293.2).
+#: The warps are the same for every step, however many programs it has: the warps
+#: split a tile's keys, so a row's sum of its tile's probabilities (``tl.sum`` in
+#: ``tile.attend_tile``) is added across them, and another warp count adds it in
+#: another order, which can change the row's bits.
 LAUNCH: dict[torch.dtype, PrefillLaunch] = {
     dtype: attrs.evolve(launch, block_m=16, num_warps=4,
                         num_stages=2 if dtype.itemsize == 2 else launch.num_stages)
     for dtype, launch in PREFILL_LAUNCH.items()
 }
-
-
-#: Decode steps of one query a sequence whose (sequence, KV head) programs cover every
-#: SM, over a bf16 pool: :data:`LAUNCH`'s tile (16 rows, 64-key tiles, the same
-#: ``tl.dot`` on the same operands: the same bits) in 2 warps without pipelining, so
-#: more programs stay resident. On an H100 (``bench_invariant_kernels.py
-#: --attention-only``, µs per layer) it takes 462.2 at batch 256 over 1,280 keys
-#: against 498.3 at 4 warps and 3 stages and 487.9 at 2 (the default mode's decode:
-#: 452.2), 43.4 at batch 64 over 384 keys against 48.5 and 50.4; with 8 programs
-#: (batch 1) it is slower (24.8 against 18.3 and 17.8), which is why fewer programs
-#: than SMs keep :data:`LAUNCH`.
-FULL_MACHINE_DECODE_LAUNCH: dict[torch.dtype, PrefillLaunch] = {
-    torch.bfloat16: attrs.evolve(LAUNCH[torch.bfloat16], num_warps=2, num_stages=1),
-}
-
-
-def choose_launch(dtype: torch.dtype, *, max_query_len: int, num_seqs: int, num_kv_heads: int,
-                  num_sms: int, fp8_pool: bool) -> PrefillLaunch:
-    """The launch for a step of ``dtype`` queries: :data:`FULL_MACHINE_DECODE_LAUNCH`
-    for a decode step (``max_query_len == 1``) of at least ``num_sms`` (sequence, KV
-    head) programs over a 16-bit pool, else :data:`LAUNCH`. Static shapes only (the
-    padded sequence count), so a captured graph keeps its launch; a row's bits are
-    the same in both."""
-    wide = FULL_MACHINE_DECODE_LAUNCH.get(dtype)
-    if (wide is not None and not fp8_pool and max_query_len == 1
-            and num_seqs * num_kv_heads >= num_sms):
-        return wide
-    return LAUNCH.get(dtype, LAUNCH[torch.float32])
 
 
 def use_split_programs(max_query_len: int, num_seqs: int, num_kv_heads: int,
