@@ -19,7 +19,7 @@ rows the same bits (a whole prompt and a chunk after a cached prefix, across a s
 end): deterministic mode may attend decode rows with one launch and prompts with another
 only where they agree.
 
-    python benchmarks/bench_invariant_kernels.py [--gemm-only | --attention-only]
+    python benchmarks/bench_invariant_kernels.py [--gemm-only | --gemm-defaults | --attention-only]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 import triton.testing
 
 from kvrunner.layers.fused.invariant_gemm_triton import (
@@ -37,6 +38,7 @@ from kvrunner.layers.fused.invariant_gemm_triton import (
     invariant_launch,
     invariant_reduction,
 )
+from kvrunner.layers.linear import project
 from kvrunner_paged.ops.paged_attention.decode import choose_num_splits, paged_decode_attention
 from kvrunner_paged.ops.paged_attention.fixed_order import (
     KEY_SPLIT,
@@ -63,9 +65,8 @@ PREFILL_SEQS, PREFILL_LEN = 16, 1024
 #: the engine's longest context in the timed cases (sizes the split programs' grid)
 MAX_CONTEXT = 8192 + 16
 #: attention launches ``(block_m, block_n, warps, stages)``; the third is the one
-#: deterministic mode runs for bf16 prompts and small decode steps
-#: (``fixed_order.LAUNCH``), the fourth its decode steps of a program per SM or more
-#: (``fixed_order.FULL_MACHINE_DECODE_LAUNCH``), the last the prefill kernel's own
+#: deterministic mode runs for every bf16 step (``fixed_order.LAUNCH``), the last the
+#: prefill kernel's own
 ATTENTION = [(16, 64, 4, 3), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 2, 1), (16, 64, 2, 2),
              (16, 32, 4, 3), (16, 128, 4, 2), (16, 128, 2, 1), (32, 64, 4, 3), (64, 64, 4, 3),
              (64, 64, 4, 2), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)]
@@ -105,19 +106,27 @@ def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
     for reduction in ((128, splits), (64, 1), (128, 1)):
         for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)):
             out.append(InvariantLaunch(*reduction, bm, bn, warps, stages, True))
+    # more, shallower slices (a decode step's programs): each slice still whole steps
+    for more in (2 * splits, 4 * splits):
+        per_split = triton.cdiv(triton.cdiv(k, more), block_k) * block_k
+        if triton.cdiv(k, per_split) == more:
+            for stages in (2, 3):
+                out.append(InvariantLaunch(block_k, more, 64, 64, 4, stages, False))
     return list(dict.fromkeys(out))
 
 
-def gemm_table() -> None:
+def gemm_table(candidates: bool = True) -> None:
     print(f"invariant GEMM, bf16, {CALLS} calls per graph on distinct weights; "
           "'same' = the default launch's bits at every row count")
     for name, n, k in GEMM_SHAPES:
-        gemm_shape(name, n, k)
+        gemm_shape(name, n, k, candidates)
         torch.cuda.empty_cache()
 
 
-def gemm_shape(name: str, n: int, k: int) -> None:
-    """One projection's lines: cuBLAS and the default launch, then each candidate."""
+def gemm_shape(name: str, n: int, k: int, candidates: bool = True) -> None:
+    """One projection's lines: cuBLAS, the default mode's product (``project``: the
+    skinny GEMM where it serves, else cuBLAS) and the default launch, then each
+    candidate."""
     g = torch.Generator(device="cuda").manual_seed(n + k)
     calls = CALLS if name != "lm_head" else 2  # two LM heads already exceed L2
     ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
@@ -132,9 +141,10 @@ def gemm_shape(name: str, n: int, k: int) -> None:
     default = {m: invariant_gemm(xs[m][0], ws[0]) for m in rows}
     blas = {m: timed(m, F.linear) for m in rows}
     print(f"{name} N={n} K={k}: " + "  ".join(
-        f"M={m} cuBLAS {blas[m]:.1f} default {timed(m, invariant_gemm):.1f} us "
-        f"({describe(invariant_launch(m, n, k))})" for m in rows))
-    for launch in gemm_candidates(n, k):
+        f"M={m} cuBLAS {blas[m]:.1f} default mode {timed(m, project):.1f} invariant "
+        f"{timed(m, invariant_gemm):.1f} us ({describe(invariant_launch(m, n, k))})"
+        for m in rows))
+    for launch in gemm_candidates(n, k) if candidates else ():
         same = all(torch.equal(invariant_gemm(xs[m][0], ws[0], launch), default[m])
                    for m in rows)
         times = [timed(m, lambda x, w, lc=launch: invariant_gemm(x, w, lc)) for m in rows]
@@ -260,11 +270,14 @@ def main() -> None:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--gemm-only", action="store_true")
     only.add_argument("--attention-only", action="store_true")
+    only.add_argument("--gemm-defaults", action="store_true",
+                      help="only cuBLAS, the default mode's product and the default "
+                           "invariant launch per projection")
     args = ap.parse_args()
-    if not args.gemm_only:
+    if not (args.gemm_only or args.gemm_defaults):
         attention_table()
     if not args.attention_only:
-        gemm_table()
+        gemm_table(candidates=not args.gemm_defaults)
 
 
 if __name__ == "__main__":
