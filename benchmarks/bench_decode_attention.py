@@ -18,7 +18,8 @@ the tokens a pool of the same bytes holds, and one layer's decode step at batch 
 (the launch that stores the step's keys and values and attends, as the layer runs it)
 over a bf16 pool against an e4m3 one holding the same sequences, each under its
 default launch and others (:data:`FP8_LAUNCHES`: warps, keys a tile, how deep the walk
-over whole tiles is pipelined).
+over whole tiles is pipelined, ``f16``: e4m3 widened to float16, not the queries'
+bfloat16), each with its output's largest distance from the pool's default launch's.
 
     python benchmarks/bench_decode_attention.py [--kv-cache-dtype fp8]
 """
@@ -59,9 +60,9 @@ def paged_pool(seqs: int, ctx: int, g: torch.Generator) -> tuple[torch.Tensor, .
     blocks_per_seq = ctx // BLOCK
     num_blocks = seqs * blocks_per_seq
     tables = torch.randperm(num_blocks, device="cuda", generator=g).view(seqs, -1)
-    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", generator=g,
-                          dtype=torch.bfloat16)
-    return tables.to(torch.int32), k_cache, torch.randn_like(k_cache)
+    k_cache, v_cache = (torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", generator=g,
+                                    dtype=torch.bfloat16) for _ in range(2))
+    return tables.to(torch.int32), k_cache, v_cache
 
 
 def graphed_us(calls: Callable[[], None]) -> float:
@@ -185,10 +186,11 @@ def run_case(batch: int, ctx: int, num_sms: int) -> dict:
 
 
 def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
-                   **launch: Any) -> float:
-    """µs of one layer's decode launch that stores and attends, over a pool in ``kv_dtype``
-    (the bf16 pool's values, quantized at scale 1.0 for e4m3), with ``launch`` passed to
-    :func:`paged_decode_attention` (``block_n``, ``num_warps``, ``num_stages``)."""
+                   **launch: Any) -> tuple[float, torch.Tensor]:
+    """µs of one layer's decode launch that stores and attends, and its output, over a
+    pool in ``kv_dtype`` (the bf16 pool's values, quantized at scale 1.0 for e4m3), with
+    ``launch`` passed to :func:`paged_decode_attention` (``block_n``, ``num_warps``,
+    ``num_stages``, ``widen_f16``)."""
     g = torch.Generator(device="cuda").manual_seed(batch + ctx)
     tables, k_cache, v_cache = paged_pool(batch, ctx, g)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
@@ -201,13 +203,15 @@ def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
         scale=D**-0.5, new_kv=NewKV(k=kv[:, :HKV], v=kv[:, HKV:], slot_mapping=slots),
     )  # fmt: skip
     splits = choose_num_splits(batch, HKV, ctx, num_sms)
-    return median_ms(lambda: paged_decode_attention(inputs=inputs, num_splits=splits,
-                                                    **launch)) * 1e3
+    out = paged_decode_attention(inputs=inputs, num_splits=splits, **launch)
+    us = median_ms(lambda: paged_decode_attention(inputs=inputs, num_splits=splits,
+                                                  **launch)) * 1e3
+    return us, out
 
 
 #: the launches of the FP8 KV table: (pool dtype, launch); the first two are the
 #: defaults (``decode_launch``)
-FP8_LAUNCHES: list[tuple[torch.dtype, dict[str, int]]] = [
+FP8_LAUNCHES: list[tuple[torch.dtype, dict[str, int | bool]]] = [
     (torch.bfloat16, {}),
     (FP8_DTYPE, {}),
     (torch.bfloat16, {"num_warps": 2}),
@@ -220,15 +224,21 @@ FP8_LAUNCHES: list[tuple[torch.dtype, dict[str, int]]] = [
     (FP8_DTYPE, {"block_n": 128}),
     (FP8_DTYPE, {"block_n": 128, "num_warps": 2}),
     (FP8_DTYPE, {"block_n": 32}),
+    (FP8_DTYPE, {"widen_f16": True}),
+    (FP8_DTYPE, {"widen_f16": True, "num_stages": 1}),
+    (FP8_DTYPE, {"widen_f16": True, "num_stages": 3}),
+    (FP8_DTYPE, {"widen_f16": True, "block_n": 128}),
+    (FP8_DTYPE, {"widen_f16": True, "num_warps": 8}),
 ]
 
 
-def launch_label(dtype: torch.dtype, launch: dict[str, int]) -> str:
+def launch_label(dtype: torch.dtype, launch: dict[str, int | bool]) -> str:
     """``pool, keys a tile, warps, stages`` of a launch (the table's launch column), the
     defaults filled in from :func:`decode_launch`."""
     warps, stages = decode_launch(torch.empty(0, dtype=dtype))
     return (f"{'fp8' if dtype == FP8_DTYPE else 'bf16'}, {launch.get('block_n', 64)}, "
             f"{launch.get('num_warps', warps)}, {launch.get('num_stages', stages)}"
+            + (", f16" if launch.get("widen_f16") else "")
             + (" (default)" if not launch else ""))
 
 
@@ -241,13 +251,17 @@ def fp8_kv(num_sms: int) -> None:
     print(f"\nFP8 KV: tokens per GiB of one layer's pool: bf16 {tokens[torch.bfloat16]}, "
           f"fp8 {tokens[FP8_DTYPE]}")  # fmt: skip
     print(f"{'pool, keys, warps, stages':>28}" + "".join(f"{f'B{b} ctx{c} us':>16} {'TB/s':>6}"
-                                       for b, c in FP8_CASES))
+                                       for b, c in FP8_CASES) + f"{'max |diff|':>12}")
+    first: dict[torch.dtype, torch.Tensor] = {}
     for dtype, launch in FP8_LAUNCHES:
         cells = []
-        for batch, ctx in FP8_CASES:
-            t = decode_step_us(batch, ctx, dtype, num_sms, **launch)
+        for i, (batch, ctx) in enumerate(FP8_CASES):
+            t, out = decode_step_us(batch, ctx, dtype, num_sms, **launch)
             cells.append(f"{t:>16.1f} {batch * ctx * per_token[dtype] / (t * 1e-6) / 1e12:>6.2f}")
-        print(f"{launch_label(dtype, launch):>28}" + "".join(cells), flush=True)
+            if i == 0:  # the output of the first case against the pool's default launch's
+                diff = (out.float() - first.setdefault(dtype, out).float()).abs().max()
+        print(f"{launch_label(dtype, launch):>28}" + "".join(cells) + f"{diff:>12.2e}",
+              flush=True)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import math
 import attrs
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_cases import TRITON_DEVICE, PagedCase, paged_cases
 
@@ -336,6 +336,35 @@ def test_the_format_names_and_the_scale_table() -> None:
         scale_table(1.0, torch.ones(3), 2)
     with pytest.raises(ValueError, match="not 'fp8_e5m2'"):
         KVFormat.for_cache_dtype("fp8_e5m2", torch.bfloat16)
+
+
+@given(data=st.data(), k_scale=SCALES, v_scale=SCALES)
+def test_a_decode_launch_that_widens_to_float16_attends_the_dequantized_pool(
+    data: st.DataObject, k_scale: float, v_scale: float
+) -> None:
+    """``widen_f16``: bf16 queries over an e4m3 pool, the tiles widened to float16 (and the
+    queries with them), give the reference's output to bf16 rounding, as the default
+    widening to bf16 does (Triton under the interpreter on the CPU)."""
+    case = data.draw(paged_cases(decode=True, head_dims=(128,), max_pad_rows=0))
+    x = _attend_inputs(case, case.generator(), 1.0, k_scale, v_scale)
+    x = attrs.evolve(x, q=x.q.to(torch.bfloat16))
+    values = x.v_cache.float().nan_to_num(0.0).abs().max().item() * v_scale
+    out = paged_decode_attention(inputs=_on_triton_device(x), num_splits=2, block_n=16,
+                                 widen_f16=True).cpu()
+    torch.testing.assert_close(out.float(), _dequantized_reference(x), rtol=2**-6,
+                               atol=2**-6 * values)
+
+
+@settings(max_examples=3)
+@given(case=paged_cases(decode=True, head_dims=(128,), max_pad_rows=0))
+def test_widening_to_float16_takes_bf16_queries_over_an_e4m3_pool_only(case: PagedCase) -> None:
+    x = _on_triton_device(_attend_inputs(case, case.generator(), 1.0, 1.0, 1.0))
+    bf16_q = attrs.evolve(x, q=x.q.to(torch.bfloat16))
+    bf16_pool = attrs.evolve(bf16_q, k_cache=bf16_q.k_cache.to(torch.bfloat16),
+                             v_cache=bf16_q.v_cache.to(torch.bfloat16), scales=None)
+    for wrong in (x, bf16_pool):  # float32 queries; a bf16 pool
+        with pytest.raises(ValueError, match="widen_f16"):
+            paged_decode_attention(inputs=wrong, widen_f16=True)
 
 
 @pytest.mark.gpu

@@ -69,6 +69,7 @@ def _decode_kernel(
     FUSE_STORE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -89,6 +90,9 @@ def _decode_kernel(
     q_mask = head_mask[:, None] & dim_mask[None, :]
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask,
                 other=0.0)
+    if WIDEN_F16:
+        # the tiles widen to q's dtype as they load (tile.attend_tile): float16 here
+        q = q.to(tl.float16)
 
     if SPLIT:
         # This split's slice of positions, rounded to whole tiles.
@@ -216,6 +220,7 @@ def decode_launch(k_cache: torch.Tensor) -> tuple[int, int]:
 def paged_decode_attention(
     *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64,
     num_warps: int | None = None, num_stages: int | None = None, out: torch.Tensor | None = None,
+    widen_f16: bool = False,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys: ``out`` (allocated like q when
     not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
@@ -224,8 +229,15 @@ def paged_decode_attention(
     :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` and
     ``num_stages`` (how deep the walk over whole key tiles is pipelined, 1: not at all)
     default to :func:`decode_launch` of the pool; ``num_stages`` leaves every bit as it
-    is (``tests/paged/test_paged_gpu.py``)."""
+    is (``tests/paged/test_paged_gpu.py``). ``widen_f16`` (bf16 queries over an e4m3
+    pool only): the queries and the pool's tiles are widened to float16, not to bf16,
+    for the products (e4m3 values are exact in both; the probabilities keep 3 more
+    bits in float16; queries past float16's range would overflow); a launch
+    ``bench_decode_attention.py --kv-cache-dtype fp8`` times beside the default."""
     x = inputs
+    if widen_f16 and not (is_fp8(x.k_cache) and x.q.dtype == torch.bfloat16):
+        raise ValueError(f"widen_f16 widens an e4m3 pool for bf16 queries; got "
+                         f"{x.q.dtype} queries over a {x.k_cache.dtype} pool")
     num_rows = x.sequences(varlen=False, triton=True, stores=True)
     q, k_cache, v_cache, block_tables = x.q, x.k_cache, x.v_cache, x.block_tables
     num_heads, head_dim = q.shape[1:]
@@ -270,6 +282,7 @@ def paged_decode_attention(
         FUSE_STORE=x.new_kv is not None,
         QUANTIZE=is_fp8(k_cache),
         NUM_STAGES=num_stages or default_stages,
+        WIDEN_F16=widen_f16,
         num_warps=num_warps or default_warps,
     )
     if num_splits > 1:
