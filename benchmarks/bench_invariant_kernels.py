@@ -37,6 +37,7 @@ from kvrunner.layers.fused.invariant_gemm_triton import (
     invariant_gemm,
     invariant_launch,
     invariant_reduction,
+    slice_depth,
 )
 from kvrunner.layers.linear import project
 from kvrunner_paged.ops.paged_attention.decode import choose_num_splits, paged_decode_attention
@@ -108,8 +109,7 @@ def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
             out.append(InvariantLaunch(*reduction, bm, bn, warps, stages, True))
     # more, shallower slices (a decode step's programs): each slice still whole steps
     for more in (2 * splits, 4 * splits):
-        per_split = triton.cdiv(triton.cdiv(k, more), block_k) * block_k
-        if triton.cdiv(k, per_split) == more:
+        if triton.cdiv(k, slice_depth(k, more, block_k)) == more:
             for stages in (2, 3):
                 out.append(InvariantLaunch(block_k, more, 64, 64, 4, stages, False))
     return list(dict.fromkeys(out))

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrunner.layers.fused.skinny_gemm_triton import silu_mul_tile, sum_splits
+from kvrunner.layers.fused.silu_mul_triton import silu_mul_tile
+from kvrunner.layers.fused.skinny_gemm_triton import sum_splits
 
 #: the reduction's step: K walked ``BLOCK_K`` at a time from each slice's start
 BLOCK_K = 64
@@ -122,14 +123,20 @@ class TileCounters:
 _COUNTERS = TileCounters()
 
 
+def slice_depth(k: int, splits: int, block_k: int) -> int:
+    """The depth of each of ``splits`` K slices of ``k``: whole ``block_k`` steps, the
+    last slice taking what is left. Rounding up may leave fewer non-empty slices than
+    ``splits``: ``cdiv(k, slice_depth(...))`` of them."""
+    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+
+
 def invariant_reduction(n: int, k: int) -> tuple[int, int]:
     """``(block_k, splits)`` for a ``[k] -> [n]`` product: from the weight's shape
     alone, never the row count, so every batch reduces each output over the same K
     slices in the same steps."""
     tiles = triton.cdiv(n, SLICING_TILE_N)
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // MIN_SPLIT_DEPTH, MAX_SPLITS))
-    per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    return BLOCK_K, triton.cdiv(k, per_split)  # no empty slice after rounding up
+    return BLOCK_K, triton.cdiv(k, slice_depth(k, splits, BLOCK_K))  # no empty slice
 
 
 def invariant_launch(m: int, n: int, k: int) -> InvariantLaunch:
@@ -252,7 +259,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
         return out.zero_().reshape(*lead, n)
     launch = launch or invariant_launch(m, n, k)
     splits = launch.splits
-    per_split = triton.cdiv(triton.cdiv(k, splits), launch.block_k) * launch.block_k
+    per_split = slice_depth(k, splits, launch.block_k)
     assert triton.cdiv(k, per_split) == splits, f"{splits} slices of K = {k} leave one empty"
     partials = splits > 1 and not launch.in_program
     target = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partials

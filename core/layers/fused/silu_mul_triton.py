@@ -17,6 +17,18 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul_tile(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in ``dtype``: the SiLU computed in float32 and rounded to
+    ``dtype``, then the product of the two ``dtype`` values in float32, rounded again.
+    This kernel's whole arithmetic, and that of the GEMMs that form a SwiGLU down
+    projection's input as they load ``[gate | up]`` (the skinny and the invariant
+    GEMM), so they give its bits."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     x_ptr,
     out_ptr,
@@ -30,10 +42,9 @@ def _silu_mul_kernel(
     mask = cols < D
     dtype = out_ptr.dtype.element_ty
     src = x_ptr + row * stride_x
-    gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(src + D + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+    gate = tl.load(src + cols, mask=mask, other=0.0)
+    up = tl.load(src + D + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_tile(gate, up, dtype), mask=mask)
 
 
 def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:

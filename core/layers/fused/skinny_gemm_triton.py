@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvrunner.layers.fused.dispatch import SKINNY_GEMM_MAX_ROWS as MAX_ROWS
+from kvrunner.layers.fused.silu_mul_triton import silu_mul_tile
 
 #: the tensor-core tile's output columns and reduction depth (bf16: 16 KB)
 BLOCK_N, BLOCK_K = 64, 128
@@ -86,16 +87,6 @@ def _weight_tile(w_ptr, cols, ks, in_k, N, stride_wn):
     """``W[cols, ks]``: one program's weight tile, zeros outside N and its K slice."""
     return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
                    mask=(cols < N)[:, None] & in_k[None, :], other=0.0)
-
-
-@triton.jit
-def silu_mul_tile(gate, up, dtype: tl.constexpr):
-    """``silu(gate) * up`` in ``dtype``, rounded exactly as ``silu_mul_triton`` rounds
-    it (SiLU to the dtype, then the product): the input row ``[gate | up]`` of a
-    SwiGLU MLP's down projection, formed as the kernel reads it."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype)
 
 
 @triton.jit
