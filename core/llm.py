@@ -19,6 +19,7 @@ from kvrunner.engine.cache_salt import WeightVersion
 from kvrunner.engine.grammar_compiler import parse_constraint
 from kvrunner.engine.llm_engine import LLMEngine
 from kvrunner.errors import RequestError
+from kvrunner.held_sigint import SigintAtStepEnd
 from kvrunner.outputs import RequestOutput
 from kvrunner.prompts import (
     normalize_requests,
@@ -196,10 +197,14 @@ class LLM:
         return [self._output(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
 
     def _run_to_completion(self, seqs: list[Any], total: int, use_tqdm: bool) -> None:
-        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
+        # A Ctrl-C waits for the step it lands in: mid-step it could leave a request
+        # half admitted, which no abort undoes (a second Ctrl-C does not wait).
+        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar, \
+                SigintAtStepEnd() as sigint:
             done = 0
             while self.engine.has_unfinished():
                 self.engine.step()
+                sigint.check()
                 if use_tqdm:  # per step, so only when someone watches the bar
                     now = sum(s.num_output_tokens for s in seqs)
                     bar.update(now - done)

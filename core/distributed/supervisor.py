@@ -32,10 +32,9 @@ import contextlib
 import os
 import pickle
 import signal
-import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import connection
 from typing import Any
 
@@ -43,6 +42,7 @@ import torch.multiprocessing as mp
 
 from kvrunner.distributed.errors import RankFailure, WorkerError, worker_error
 from kvrunner.distributed.heartbeat import HeartbeatMonitor
+from kvrunner.held_sigint import sigint_held
 
 #: seconds to keep collecting other ranks' reports after the first failure
 FAILURE_GRACE_S = 2.0
@@ -53,23 +53,6 @@ STOP = ("stop",)
 
 #: per rank, the position of the reply a command will get among that rank's replies
 Ticket = dict[int, int]
-
-
-@contextlib.contextmanager
-def sigint_held() -> Iterator[None]:
-    """Hold a Ctrl-C that lands inside the block, and deliver it when the block ends."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield  # only the main thread may set handlers; None: not ours to replace
-        return
-    held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            signal.raise_signal(signal.SIGINT)  # now reaches the previous handler
 
 
 def _stop_processes(procs: list, conns: list, grace_s: float) -> None:

@@ -4,8 +4,10 @@ step in flight settled, and the next call returns what a fresh engine returns.
 
 The interrupt is raised inside the real engine path: right after the executor
 launched a step (the scheduler holds it, the engine never got its handle) or right
-after a step's tokens were read (they are lost with the call). One test sends a
-real SIGINT to a process looping over generate calls.
+after a step's tokens were read (they are lost with the call). A real SIGINT raised
+inside the scheduler's bookkeeping (admitting a request, applying a step) is held
+until the step is done. One test sends a real SIGINT to a process looping over
+generate calls.
 """
 
 from __future__ import annotations
@@ -134,6 +136,54 @@ def test_an_error_raised_inside_a_step_is_raised_and_leaves_the_llm_usable(
         with pytest.raises(OSError, match="disk"):
             llm.generate(PROMPTS, LONG)
         del llm.executor.submit
+        assert_every_block_and_slot_free(llm)
+        assert tokens(llm) == fresh_tokens
+
+
+def sigint_inside(llm: LLM, site: str, step: int = INTERRUPTED_STEP) -> Callable[[], None]:
+    """Raise a real SIGINT in the middle of the scheduler's bookkeeping, from the
+    ``step``-th call of ``site`` on: "allocate" (a request's blocks are allocated, it
+    is still queued), "admit" (it is marked running, its batch row not yet made) or
+    "apply" (a step's rows are moved on, its tokens not yet appended). Returns what
+    undoes it."""
+    scheduler = llm.engine.scheduler
+    owner, name = {"allocate": (scheduler.block_manager, "allocate"),
+                   "admit": (scheduler.batch, "append"),
+                   "apply": (scheduler.batch, "applied")}[site]
+    real = getattr(owner, name)
+    count = 0
+
+    def interrupted(*args, **kwargs):
+        nonlocal count
+        count += 1
+        if site == "allocate":
+            out = real(*args, **kwargs)
+            if count == step:
+                signal.raise_signal(signal.SIGINT)  # lands before the queue is popped
+            return out
+        if count == step:
+            signal.raise_signal(signal.SIGINT)  # lands before the real call
+        return real(*args, **kwargs)
+
+    setattr(owner, name, interrupted)
+    return lambda: vars(owner).pop(name)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("site", ["allocate", "admit", "apply"])
+def test_a_sigint_inside_the_schedulers_bookkeeping_waits_for_the_step_to_end(
+    model: str, fresh_tokens: list[list[int]], site: str, async_scheduling: bool
+) -> None:
+    """Ctrl-C mid-bookkeeping would leave a request half admitted (blocks held while
+    queued, or running without a batch row) or a step half applied, which no abort
+    can undo: generate holds it and raises KeyboardInterrupt once the step is done."""
+    with LLM(model, async_scheduling=async_scheduling, max_num_seqs=1,
+             **{k: v for k, v in SMALL.items() if k != "max_num_seqs"}) as llm:
+        # one request at a time: the later ones are admitted in the middle of the call
+        undo = sigint_inside(llm, site, step=2)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, LONG)
+        undo()
         assert_every_block_and_slot_free(llm)
         assert tokens(llm) == fresh_tokens
 

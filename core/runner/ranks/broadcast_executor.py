@@ -14,8 +14,9 @@ import torch
 
 from kvrunner.distributed.control import BroadcastChannel
 from kvrunner.distributed.errors import CollectiveError, RankFailure, WorkerError, worker_error
-from kvrunner.distributed.supervisor import FAILURE_GRACE_S, sigint_held
+from kvrunner.distributed.supervisor import FAILURE_GRACE_S
 from kvrunner.engine.step_io import PackedSampled, SampledTokens, StepInput
+from kvrunner.held_sigint import sigint_held
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import agreed_model_len
 from kvrunner.runner.ranks.rank_calls import RankCalls, call_name, raise_refused

@@ -32,13 +32,9 @@ import torch
 from kvrunner.config import ConfigError, EngineConfig
 from kvrunner.distributed.group import check_all_reduce, connect_store, resolve_backend
 from kvrunner.distributed.heartbeat import HeartbeatMonitor
-from kvrunner.distributed.supervisor import (
-    FAILURE_GRACE_S,
-    Ticket,
-    WorkerProcesses,
-    sigint_held,
-)
+from kvrunner.distributed.supervisor import FAILURE_GRACE_S, Ticket, WorkerProcesses
 from kvrunner.engine.step_io import PackedSampled, SampledTokens, StepInput, unpack_sampled
+from kvrunner.held_sigint import sigint_held
 from kvrunner.runner.model_info import ModelInfo, agreed_batched_tokens, agreed_num_blocks
 from kvrunner.runner.model_len import ModelLen, agreed_model_len
 from kvrunner.runner.pools.sizing import release_unreachable_memory
