@@ -43,7 +43,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvrunner.plugin_api",),
     ("kvrunner.config", "kvrunner.config_checks"),
     ("kvrunner.errors", "kvrunner.outputs", "kvrunner.sampling_params",
-     "kvrunner.structured_outputs", "kvrunner.process_heap", "kvrunner.unicode_text"),
+     "kvrunner.structured_outputs", "kvrunner.process_heap", "kvrunner.unicode_text",
+     "kvrunner.held_sigint"),
 )
 
 
