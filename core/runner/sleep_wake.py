@@ -101,7 +101,7 @@ class SleepWake:
             freed = release.freed_bytes() + weight_bytes
         self.last_freed_bytes = freed
         try:
-            release.require_released()
+            release.require_released(collected=True)  # _return_memory collected
             kept = ""
         except BackendError as e:
             kept = str(e)

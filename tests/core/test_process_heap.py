@@ -69,3 +69,32 @@ def test_a_sleep_after_the_freeze_frees_every_byte_of_the_pools(thawed_after) ->
         assert info.kv_cache == "released" and info.last_freed_bytes == info.pool_bytes > 0
         llm.wake_up()
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleep_walks_the_whole_heap_once(level: int) -> None:
+    """A full collection walks every object of the process, which in a trainer's
+    process (colocated with the engine) takes up to seconds: a sleep runs one, and
+    the check that every pool was released reads what that one left."""
+    with LLM("tiny-qwen3", max_num_seqs=2, max_model_len=64, enforce_eager=True) as llm:
+        before = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        full: list[int] = []
+
+        def count(phase: str, info: dict) -> None:
+            if phase == "start" and info["generation"] == 2:
+                full.append(1)
+
+        gc.callbacks.append(count)
+        automatic = gc.isenabled()
+        gc.disable()  # only the collections the sleep asks for
+        try:
+            llm.sleep(level)
+        finally:
+            gc.callbacks.remove(count)
+            if automatic:
+                gc.enable()
+        assert len(full) == 1
+        info = llm.cache_info()
+        assert info.kv_cache == "released" and info.last_freed_bytes >= info.pool_bytes > 0
+        llm.wake_up()
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == before

@@ -46,9 +46,16 @@ class PoolRelease:
             backend, _, name = qualified.partition(".")
             self._watched.append(_Watched(backend, name, StorageWeakRef(storage), storage.nbytes()))
 
-    def kept(self) -> dict[str, list[tuple[str, int]]]:
-        """``backend -> [(pool, bytes)]`` for each storage still alive (collects first)."""
-        process_heap.collect()  # layers and graphs hold reference cycles
+    def kept(self, *, collected: bool = False) -> dict[str, list[tuple[str, int]]]:
+        """``backend -> [(pool, bytes)]`` for each storage still alive.
+
+        :param collected: the caller ran a full collection after dropping its own
+            references (a sleep does, to return the memory); else this collects first.
+            A full collection walks the whole process heap, which in a trainer's
+            process can take a second, so a sleep runs one, not two.
+        """
+        if not collected:
+            process_heap.collect()  # layers and graphs hold reference cycles
         kept: dict[str, list[tuple[str, int]]] = {}
         for w in self._watched:
             if not w.ref.expired():
@@ -59,10 +66,10 @@ class PoolRelease:
         """Bytes of the watched storages that are gone."""
         return sum(w.nbytes for w in self._watched if w.ref.expired())
 
-    def require_released(self) -> None:
+    def require_released(self, *, collected: bool = False) -> None:
         """Raise :class:`~kvrunner.plugin_api.BackendError` naming each backend whose
-        release kept a pool's storage alive."""
-        kept = self.kept()
+        release kept a pool's storage alive (``collected``: as :meth:`kept` takes it)."""
+        kept = self.kept(collected=collected)
         if not kept:
             return
         parts = []
