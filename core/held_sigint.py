@@ -7,9 +7,10 @@ step half applied, and no abort can undo that. Two holds:
 
 * :func:`sigint_held` holds it over a block and delivers it when the block ends (a
   command sent to every rank or to none);
-* :class:`SigintAtStepEnd` holds it over a loop of engine steps and raises it where
-  the loop calls :meth:`~SigintAtStepEnd.check`, between two steps, where every
-  request is whole and an abort frees everything. A second Ctrl-C while one is held
+* :class:`SigintAtStepEnd` holds it over a call's queueing and its loop of engine
+  steps and raises it where the call asks (:meth:`~SigintAtStepEnd.check`): once
+  its requests are queued and between two steps, where every request is whole and
+  an abort frees everything. A second Ctrl-C while one is held
   raises at once, as Python's own handler would: a step that never ends (a hung
   device) can still be left.
 

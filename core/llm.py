@@ -180,14 +180,19 @@ class LLM:
             self.engine.make_group(ids, sp, i, cache_salt=salt)
             for i, (ids, sp, salt) in enumerate(zip(token_lists, params, salts, strict=True))
         ]
-        # Only once every request passed. Every group's first sample is queued before
-        # the others, which wait for its prefill to share the prompt's KV.
-        for seq in [g[0] for g in groups] + [s for g in groups for s in g[1:]]:
-            self.engine.add_request(seq)
         seqs = [seq for group in groups for seq in group]  # prompt-major
         try:
-            self._run_to_completion(seqs, sum(s.sampling_params.max_tokens for s in seqs),
-                                    use_tqdm)
+            # A Ctrl-C waits for the request being queued or the step it lands in:
+            # raised inside the engine's bookkeeping it could leave a request half
+            # queued or half admitted, which no abort undoes (a second one does not wait).
+            with SigintAtStepEnd() as sigint:
+                # Only once every request passed. Every group's first sample is queued
+                # before the others, which wait for its prefill to share the prompt's KV.
+                for seq in [g[0] for g in groups] + [s for g in groups for s in g[1:]]:
+                    self.engine.add_request(seq)
+                sigint.check()
+                self._run_to_completion(seqs, sum(s.sampling_params.max_tokens for s in seqs),
+                                        use_tqdm, sigint)
         except BaseException as e:
             # Ctrl-C or a failure mid-call: this call's requests are aborted (their
             # blocks and state slots freed) and the step in flight settled, so the
@@ -196,11 +201,9 @@ class LLM:
             raise
         return [self._output(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
 
-    def _run_to_completion(self, seqs: list[Any], total: int, use_tqdm: bool) -> None:
-        # A Ctrl-C waits for the step it lands in: mid-step it could leave a request
-        # half admitted, which no abort undoes (a second Ctrl-C does not wait).
-        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar, \
-                SigintAtStepEnd() as sigint:
+    def _run_to_completion(self, seqs: list[Any], total: int, use_tqdm: bool,
+                           sigint: SigintAtStepEnd) -> None:
+        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
             done = 0
             while self.engine.has_unfinished():
                 self.engine.step()

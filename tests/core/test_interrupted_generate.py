@@ -6,7 +6,8 @@ The interrupt is raised inside the real engine path: right after the executor
 launched a step (the scheduler holds it, the engine never got its handle) or right
 after a step's tokens were read (they are lost with the call). A real SIGINT raised
 inside the scheduler's bookkeeping (admitting a request, applying a step) is held
-until the step is done. One test sends a real SIGINT to a process looping over
+until the step is done; a property raises one at any line the engine's own code runs
+during a call. One test sends a real SIGINT to a process looping over
 generate calls.
 """
 
@@ -20,9 +21,15 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import kvrunner.engine
 from kvrunner import LLM, SamplingParams
 from kvrunner.runner.step.launched_step import SubmittedStep
 
@@ -142,12 +149,13 @@ def test_an_error_raised_inside_a_step_is_raised_and_leaves_the_llm_usable(
 
 def sigint_inside(llm: LLM, site: str, step: int = INTERRUPTED_STEP) -> Callable[[], None]:
     """Raise a real SIGINT in the middle of the scheduler's bookkeeping, from the
-    ``step``-th call of ``site`` on: "allocate" (a request's blocks are allocated, it
-    is still queued), "admit" (it is marked running, its batch row not yet made) or
-    "apply" (a step's rows are moved on, its tokens not yet appended). Returns what
-    undoes it."""
+    ``step``-th call of ``site`` on: "queue" (a request is queued, its per-request
+    extras not yet noted), "allocate" (a request's blocks are allocated, it is still
+    queued), "admit" (it is marked running, its batch row not yet made) or "apply" (a
+    step's rows are moved on, its tokens not yet appended). Returns what undoes it."""
     scheduler = llm.engine.scheduler
-    owner, name = {"allocate": (scheduler.block_manager, "allocate"),
+    owner, name = {"queue": (scheduler._extras, "admit"),
+                   "allocate": (scheduler.block_manager, "allocate"),
                    "admit": (scheduler.batch, "append"),
                    "apply": (scheduler.batch, "applied")}[site]
     real = getattr(owner, name)
@@ -170,13 +178,14 @@ def sigint_inside(llm: LLM, site: str, step: int = INTERRUPTED_STEP) -> Callable
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("site", ["allocate", "admit", "apply"])
-def test_a_sigint_inside_the_schedulers_bookkeeping_waits_for_the_step_to_end(
+@pytest.mark.parametrize("site", ["queue", "allocate", "admit", "apply"])
+def test_a_sigint_inside_the_engines_bookkeeping_is_held_until_it_is_whole(
     model: str, fresh_tokens: list[list[int]], site: str, async_scheduling: bool
 ) -> None:
-    """Ctrl-C mid-bookkeeping would leave a request half admitted (blocks held while
-    queued, or running without a batch row) or a step half applied, which no abort
-    can undo: generate holds it and raises KeyboardInterrupt once the step is done."""
+    """Ctrl-C mid-bookkeeping would leave a request half queued, half admitted (blocks
+    held while queued, or running without a batch row) or a step half applied, which
+    no abort can undo: generate holds it and raises KeyboardInterrupt once the request
+    is queued or the step is done."""
     with LLM(model, async_scheduling=async_scheduling, max_num_seqs=1,
              **{k: v for k, v in SMALL.items() if k != "max_num_seqs"}) as llm:
         # one request at a time: the later ones are admitted in the middle of the call
@@ -186,6 +195,70 @@ def test_a_sigint_inside_the_schedulers_bookkeeping_waits_for_the_step_to_end(
         undo()
         assert_every_block_and_slot_free(llm)
         assert tokens(llm) == fresh_tokens
+
+
+#: the engine's own code (scheduler, running batch, block pool, ...): a Ctrl-C landing
+#: at any line of it must leave every request whole
+ENGINE_DIR = str(Path(kvrunner.engine.__file__).parent)
+
+
+class SigintAtLine:
+    """A trace function that raises a real SIGINT at the ``n``-th line executed in the
+    engine's own code (``n`` 0: never; it only counts them)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.lines = 0
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call":
+            return self if frame.f_code.co_filename.startswith(ENGINE_DIR) else None
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.n:
+                signal.raise_signal(signal.SIGINT)
+        return self
+
+
+def traced_generate(llm: LLM, trace: SigintAtLine) -> list[list[int]] | None:
+    """``generate(PROMPTS, GREEDY)`` under ``trace``: its tokens, or None when the call
+    raised KeyboardInterrupt."""
+    sys.settrace(trace)
+    try:
+        return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    except KeyboardInterrupt:
+        return None
+    finally:
+        sys.settrace(None)
+
+
+@pytest.fixture(scope="module")
+def traced_llm(home: str) -> Iterator[tuple[LLM, int]]:
+    """One engine for every example (each must leave it as a fresh one), and how many
+    engine lines a whole call runs once the prompts are in the prefix cache (as they
+    are for every example)."""
+    with LLM("tiny-qwen3", **SMALL) as llm:
+        tokens(llm)
+        counter = SigintAtLine(0)
+        assert traced_generate(llm, counter) is not None
+        yield llm, counter.lines
+
+
+@settings(max_examples=40, deadline=None)
+@given(where=st.floats(0.0, 1.0, exclude_max=True))
+def test_a_sigint_at_any_line_of_the_engine_ends_the_call_and_leaves_it_whole(
+    traced_llm: tuple[LLM, int], qwen3_tokens: list[list[int]], where: float
+) -> None:
+    """Wherever in the engine's bookkeeping a Ctrl-C lands (queueing a request, planning
+    or applying a step, freeing blocks), the call raises KeyboardInterrupt and the next
+    call answers what a fresh engine answers, with every block free."""
+    llm, lines = traced_llm
+    trace = SigintAtLine(1 + int(where * lines))
+    got = traced_generate(llm, trace)
+    fired = trace.lines >= trace.n  # (an interrupted call leaves less cached: more lines)
+    assert (got is None) == fired, f"engine line {trace.n} of {trace.lines}: {got}"
+    assert_every_block_and_slot_free(llm)
+    assert tokens(llm) == qwen3_tokens, f"after a Ctrl-C at engine line {trace.n} of {lines}"
 
 
 SIGINT_CHILD = textwrap.dedent(
