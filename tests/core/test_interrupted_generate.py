@@ -232,12 +232,12 @@ def traced_generate(llm: LLM, trace: SigintAtLine) -> list[list[int]] | None:
         sys.settrace(None)
 
 
-@pytest.fixture(scope="module")
-def traced_llm(home: str) -> Iterator[tuple[LLM, int]]:
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def traced_llm(model: str, request: pytest.FixtureRequest) -> Iterator[tuple[LLM, int]]:
     """One engine for every example (each must leave it as a fresh one), and how many
     engine lines a whole call runs once the prompts are in the prefix cache (as they
     are for every example)."""
-    with LLM("tiny-qwen3", **SMALL) as llm:
+    with LLM(model, async_scheduling=request.param, **SMALL) as llm:
         tokens(llm)
         counter = SigintAtLine(0)
         assert traced_generate(llm, counter) is not None
@@ -247,7 +247,7 @@ def traced_llm(home: str) -> Iterator[tuple[LLM, int]]:
 @settings(max_examples=40, deadline=None)
 @given(where=st.floats(0.0, 1.0, exclude_max=True))
 def test_a_sigint_at_any_line_of_the_engine_ends_the_call_and_leaves_it_whole(
-    traced_llm: tuple[LLM, int], qwen3_tokens: list[list[int]], where: float
+    traced_llm: tuple[LLM, int], fresh_tokens: list[list[int]], where: float
 ) -> None:
     """Wherever in the engine's bookkeeping a Ctrl-C lands (queueing a request, planning
     or applying a step, freeing blocks), the call raises KeyboardInterrupt and the next
@@ -258,7 +258,7 @@ def test_a_sigint_at_any_line_of_the_engine_ends_the_call_and_leaves_it_whole(
     fired = trace.lines >= trace.n  # (an interrupted call leaves less cached: more lines)
     assert (got is None) == fired, f"engine line {trace.n} of {trace.lines}: {got}"
     assert_every_block_and_slot_free(llm)
-    assert tokens(llm) == qwen3_tokens, f"after a Ctrl-C at engine line {trace.n} of {lines}"
+    assert tokens(llm) == fresh_tokens, f"after a Ctrl-C at engine line {trace.n} of {lines}"
 
 
 SIGINT_CHILD = textwrap.dedent(
