@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvrunner.errors import ConcurrentUseError
+from kvrunner.held_sigint import sigint_held
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,16 +38,23 @@ def exclusive(method: F) -> F:
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         lock = _lock_of(self)
-        if not lock.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{type(self).__name__}.{method.__name__} was called while another call on "
-                f"the same {type(self).__name__} is still running (from another thread); "
-                f"{type(self).__name__} is not thread-safe: use one per thread, or serialise "
-                f"the calls with a lock"
-            )
+        taken = False
         try:
+            # A Ctrl-C landing between the acquire and the note that it was taken
+            # would leave the object refusing every later call: held until both are
+            # done, it is raised inside this try, which lets the lock go.
+            with sigint_held():
+                taken = lock.acquire(blocking=False)
+            if not taken:
+                raise ConcurrentUseError(
+                    f"{type(self).__name__}.{method.__name__} was called while another call "
+                    f"on the same {type(self).__name__} is still running (from another "
+                    f"thread); {type(self).__name__} is not thread-safe: use one per thread, "
+                    f"or serialise the calls with a lock"
+                )
             return method(self, *args, **kwargs)
         finally:
-            lock.release()
+            if taken:
+                lock.release()
 
     return guarded  # type: ignore[return-value]

@@ -1,18 +1,21 @@
 """Holding a Ctrl-C (SIGINT) until the state it would cut in half is whole again.
 
-Python raises ``KeyboardInterrupt`` at whatever bytecode runs when the signal lands.
-Inside the scheduler's bookkeeping that can leave a request half admitted (its blocks
-allocated while it is still queued, or marked running without a batch row) or a
-step half applied, and no abort can undo that. Two holds:
+Python raises ``KeyboardInterrupt`` at the next point where it runs signal handlers
+(a function's start, a loop's jump back, the return of a call into C), wherever that
+is. Inside the scheduler's bookkeeping that can leave a request half admitted (its
+blocks allocated while it is still queued, or marked running without a batch row) or
+a step half applied, and no abort can undo that. Two holds:
 
-* :func:`sigint_held` holds it over a block and delivers it when the block ends (a
-  command sent to every rank or to none);
+* :func:`sigint_held` holds it over a block and delivers it when the block ends: a
+  command sent to every rank or to none, a sleep, wake or push end on the ranks and
+  its record in the driver's state, the call guard's lock and the note that it was
+  taken;
 * :class:`SigintAtStepEnd` holds it over a call's queueing and its loop of engine
   steps and raises it where the call asks (:meth:`~SigintAtStepEnd.check`): once
   its requests are queued and between two steps, where every request is whole and
-  an abort frees everything. A second Ctrl-C while one is held
-  raises at once, as Python's own handler would: a step that never ends (a hung
-  device) can still be left.
+  an abort frees everything. A second Ctrl-C while one is held raises at once, as
+  Python's own handler would: a step that never ends (a hung device) can still be
+  left.
 
 Only the main thread may set handlers, so both do nothing elsewhere (and signals are
 only delivered there).

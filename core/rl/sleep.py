@@ -33,6 +33,7 @@ from kvrunner.errors import (
     SleepStateError,
     WeightUpdateError,
 )
+from kvrunner.held_sigint import sigint_held
 from kvrunner.models.weight_specs import TensorSpec
 from kvrunner.plugin_api.errors import BackendError
 from kvrunner.rl.sleep_state import CacheInfo, SleepState, parse_tags
@@ -118,13 +119,14 @@ class SleepWakeControl:
         self.state.require_no_open_update("sleep")
         self.state.require_can_sleep(level, discard_weights)
         self._require_idle("sleep")
-        reports = self.ranks.sleep(level, discard_weights)
-        state = self.state
-        state.level, state.kv_cache = level, "released"
-        if level == 2:
-            state.weights = "discarded" if discard_weights else "offloaded"
-            state.weights_pending = reports[0].pending
-            state.weights_missing = ()  # every tensor: none is named
+        with sigint_held():  # the ranks' sleep and its record, or neither
+            reports = self.ranks.sleep(level, discard_weights)
+            state = self.state
+            state.level, state.kv_cache = level, "released"
+            if level == 2:
+                state.weights = "discarded" if discard_weights else "offloaded"
+                state.weights_pending = reports[0].pending
+                state.weights_missing = ()  # every tensor: none is named
         seconds = max(r.seconds for r in reports)
         t = self.timings
         t.sleep_level, t.sleep_s = level, seconds
@@ -142,14 +144,15 @@ class SleepWakeControl:
         todo = tuple(t for t in wanted if getattr(state, t) != "resident")
         if not todo:
             return 0.0
-        reports = self.ranks.wake_up(todo)
-        if "weights" in todo:
-            state.weights = "resident"
-        if "kv_cache" in todo:
-            state.kv_cache = "resident"
-            self.engine.block_manager.reset_prefix_cache()  # the KV it indexed is gone
-        if state.awake:
-            state.level = 0
+        with sigint_held():  # the ranks' wake and its record, or neither
+            reports = self.ranks.wake_up(todo)
+            if "weights" in todo:
+                state.weights = "resident"
+            if "kv_cache" in todo:
+                state.kv_cache = "resident"
+                self.engine.block_manager.reset_prefix_cache()  # the KV it indexed is gone
+            if state.awake:
+                state.level = 0
         seconds = max(r.seconds for r in reports)
         recapture = max(r.recapture_s for r in reports)
         self.timings.wake_s, self.timings.wakes = seconds, self.timings.wakes + 1
@@ -326,11 +329,12 @@ class SleepWakeControl:
             if self._note_failed_push():
                 _add_repair(e, self.state.repair_advice())
             raise
-        finished = self.ranks.finish_weight_update()
-        self._note_pending(finished[0])
-        self.engine.weights_changed(version() if callable(version) else version)
-        if reset:
-            self.engine.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        with sigint_held():  # the push's end and its record (no old KV reused), or neither
+            finished = self.ranks.finish_weight_update()
+            self._note_pending(finished[0])
+            self.engine.weights_changed(version() if callable(version) else version)
+            if reset:
+                self.engine.block_manager.reset_prefix_cache()  # its KV came from old weights
         recapture = max(f.recapture_s for f in finished)
         if recapture:
             self.timings.recapture_s = recapture
@@ -360,13 +364,15 @@ class SleepWakeControl:
     def reset_prefix_cache(self) -> int:
         """See :meth:`kvrunner.LLM.reset_prefix_cache`."""
         self._require_idle("reset_prefix_cache", parked_ok=True)
-        return self.engine.block_manager.reset_prefix_cache()
+        with sigint_held():  # the index whole or empty
+            return self.engine.block_manager.reset_prefix_cache()
 
     def recapture(self) -> float:
         """See :meth:`kvrunner.LLM.recapture`."""
         self.state.require_weights_resident("recapture")
         self.state.require_kv_resident("recapture")
-        seconds = self.executor.capture()
+        with sigint_held():  # every graph captured and blanked, as a wake leaves them
+            seconds = self.executor.capture()
         self.timings.recapture_s = seconds
         return seconds
 

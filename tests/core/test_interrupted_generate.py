@@ -6,8 +6,8 @@ The interrupt is raised inside the real engine path: right after the executor
 launched a step (the scheduler holds it, the engine never got its handle) or right
 after a step's tokens were read (they are lost with the call). A real SIGINT raised
 inside the scheduler's bookkeeping (admitting a request, applying a step) is held
-until the step is done; a property raises one at any line the engine's own code runs
-during a call. One test sends a real SIGINT to a process looping over
+until the step is done; a property raises one as any call into the engine's own code
+starts during a generate. One test sends a real SIGINT to a process looping over
 generate calls.
 """
 
@@ -22,12 +22,11 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sigint_at_call import SigintAtCall, run_traced
 
 import kvrunner.engine
 from kvrunner import LLM, SamplingParams
@@ -198,67 +197,45 @@ def test_a_sigint_inside_the_engines_bookkeeping_is_held_until_it_is_whole(
 
 
 #: the engine's own code (scheduler, running batch, block pool, ...): a Ctrl-C landing
-#: at any line of it must leave every request whole
+#: as any of its functions starts must leave every request whole
 ENGINE_DIR = str(Path(kvrunner.engine.__file__).parent)
 
 
-class SigintAtLine:
-    """A trace function that raises a real SIGINT at the ``n``-th line executed in the
-    engine's own code (``n`` 0: never; it only counts them)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.lines = 0
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "call":
-            return self if frame.f_code.co_filename.startswith(ENGINE_DIR) else None
-        if event == "line":
-            self.lines += 1
-            if self.lines == self.n:
-                signal.raise_signal(signal.SIGINT)
-        return self
-
-
-def traced_generate(llm: LLM, trace: SigintAtLine) -> list[list[int]] | None:
+def traced_generate(llm: LLM, trace: SigintAtCall) -> list[list[int]] | None:
     """``generate(PROMPTS, GREEDY)`` under ``trace``: its tokens, or None when the call
     raised KeyboardInterrupt."""
-    sys.settrace(trace)
-    try:
-        return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
-    except KeyboardInterrupt:
-        return None
-    finally:
-        sys.settrace(None)
+    _, got = run_traced(lambda: [out.token_ids for out in llm.generate(PROMPTS, GREEDY)],
+                        trace)
+    return got
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def traced_llm(model: str, request: pytest.FixtureRequest) -> Iterator[tuple[LLM, int]]:
     """One engine for every example (each must leave it as a fresh one), and how many
-    engine lines a whole call runs once the prompts are in the prefix cache (as they
-    are for every example)."""
+    calls into the engine a whole generate makes once the prompts are in the prefix
+    cache (as they are for every example)."""
     with LLM(model, async_scheduling=request.param, **SMALL) as llm:
         tokens(llm)
-        counter = SigintAtLine(0)
+        counter = SigintAtCall(0, ENGINE_DIR)
         assert traced_generate(llm, counter) is not None
-        yield llm, counter.lines
+        yield llm, counter.calls
 
 
 @settings(max_examples=40, deadline=None)
 @given(where=st.floats(0.0, 1.0, exclude_max=True))
-def test_a_sigint_at_any_line_of_the_engine_ends_the_call_and_leaves_it_whole(
+def test_a_sigint_at_any_call_into_the_engine_ends_the_call_and_leaves_it_whole(
     traced_llm: tuple[LLM, int], fresh_tokens: list[list[int]], where: float
 ) -> None:
     """Wherever in the engine's bookkeeping a Ctrl-C lands (queueing a request, planning
     or applying a step, freeing blocks), the call raises KeyboardInterrupt and the next
     call answers what a fresh engine answers, with every block free."""
-    llm, lines = traced_llm
-    trace = SigintAtLine(1 + int(where * lines))
+    llm, calls = traced_llm
+    trace = SigintAtCall(1 + int(where * calls), ENGINE_DIR)
     got = traced_generate(llm, trace)
-    fired = trace.lines >= trace.n  # (an interrupted call leaves less cached: more lines)
-    assert (got is None) == fired, f"engine line {trace.n} of {trace.lines}: {got}"
+    # (an interrupted call leaves less cached: more calls)
+    assert (got is None) == trace.fired, f"engine call {trace.n} of {trace.calls}: {got}"
     assert_every_block_and_slot_free(llm)
-    assert tokens(llm) == fresh_tokens, f"after a Ctrl-C at engine line {trace.n} of {lines}"
+    assert tokens(llm) == fresh_tokens, f"after a Ctrl-C at engine call {trace.n} of {calls}"
 
 
 SIGINT_CHILD = textwrap.dedent(
