@@ -6,7 +6,7 @@ The interrupt is raised inside the real engine path: right after the executor
 launched a step (the scheduler holds it, the engine never got its handle) or right
 after a step's tokens were read (they are lost with the call). A real SIGINT raised
 inside the scheduler's bookkeeping (admitting a request, applying a step) is held
-until the step is done; a property raises one as any call into the engine's own code
+until the step is done; a property raises one as any call into kvrunner's own code
 starts during a generate. One test sends a real SIGINT to a process looping over
 generate calls.
 """
@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sigint_at_call import SigintAtCall, run_traced
 
-import kvrunner.engine
+import kvrunner
 from kvrunner import LLM, SamplingParams
 from kvrunner.runner.step.launched_step import SubmittedStep
 
@@ -196,9 +196,10 @@ def test_a_sigint_inside_the_engines_bookkeeping_is_held_until_it_is_whole(
         assert tokens(llm) == fresh_tokens
 
 
-#: the engine's own code (scheduler, running batch, block pool, ...): a Ctrl-C landing
-#: as any of its functions starts must leave every request whole
-ENGINE_DIR = str(Path(kvrunner.engine.__file__).parent)
+#: kvrunner's own code (the engine's bookkeeping, the runner's launch, in this
+#: process): a Ctrl-C landing as any of its functions starts must leave every request
+#: whole
+PACKAGE_DIR = str(Path(kvrunner.__file__).parent)
 
 
 def traced_generate(llm: LLM, trace: SigintAtCall) -> list[list[int]] | None:
@@ -212,30 +213,30 @@ def traced_generate(llm: LLM, trace: SigintAtCall) -> list[list[int]] | None:
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def traced_llm(model: str, request: pytest.FixtureRequest) -> Iterator[tuple[LLM, int]]:
     """One engine for every example (each must leave it as a fresh one), and how many
-    calls into the engine a whole generate makes once the prompts are in the prefix
+    calls into kvrunner a whole generate makes once the prompts are in the prefix
     cache (as they are for every example)."""
     with LLM(model, async_scheduling=request.param, **SMALL) as llm:
         tokens(llm)
-        counter = SigintAtCall(0, ENGINE_DIR)
+        counter = SigintAtCall(0, PACKAGE_DIR)
         assert traced_generate(llm, counter) is not None
         yield llm, counter.calls
 
 
 @settings(max_examples=40, deadline=None)
 @given(where=st.floats(0.0, 1.0, exclude_max=True))
-def test_a_sigint_at_any_call_into_the_engine_ends_the_call_and_leaves_it_whole(
+def test_a_sigint_at_any_call_into_kvrunner_ends_the_call_and_leaves_it_whole(
     traced_llm: tuple[LLM, int], fresh_tokens: list[list[int]], where: float
 ) -> None:
-    """Wherever in the engine's bookkeeping a Ctrl-C lands (queueing a request, planning
-    or applying a step, freeing blocks), the call raises KeyboardInterrupt and the next
+    """Wherever a Ctrl-C lands (queueing a request, planning, launching or applying a
+    step, freeing blocks), the call raises KeyboardInterrupt and the next
     call answers what a fresh engine answers, with every block free."""
     llm, calls = traced_llm
-    trace = SigintAtCall(1 + int(where * calls), ENGINE_DIR)
+    trace = SigintAtCall(1 + int(where * calls), PACKAGE_DIR)
     got = traced_generate(llm, trace)
     # (an interrupted call leaves less cached: more calls)
-    assert (got is None) == trace.fired, f"engine call {trace.n} of {trace.calls}: {got}"
+    assert (got is None) == trace.fired, f"call {trace.n} of {trace.calls}: {got}"
     assert_every_block_and_slot_free(llm)
-    assert tokens(llm) == fresh_tokens, f"after a Ctrl-C at engine call {trace.n} of {calls}"
+    assert tokens(llm) == fresh_tokens, f"after a Ctrl-C at call {trace.n} of {calls}"
 
 
 SIGINT_CHILD = textwrap.dedent(
