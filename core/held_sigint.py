@@ -19,6 +19,11 @@ a step half applied, and no abort can undo that. Two holds:
 
 Only the main thread may set handlers, so both do nothing elsewhere (and signals are
 only delivered there).
+
+A process started inside :func:`children_born_without_sigint` is born with SIGINT
+ignored: a rank process, whose driver alone answers Ctrl-C (the terminal sends it to
+the whole process group), would otherwise die of it with a traceback while still
+importing, before it can ignore it.
 """
 
 from __future__ import annotations
@@ -84,3 +89,20 @@ class SigintAtStepEnd:
             self._previous = None
         if exc_type is None:
             self.check()
+
+
+@contextlib.contextmanager
+def children_born_without_sigint() -> Iterator[None]:
+    """Ignore SIGINT while the block starts processes: a child started from this
+    process keeps an ignored signal ignored across fork and exec, and Python keeps it
+    so, so a Ctrl-C never reaches it. (A signal mask would be held too, but
+    multiprocessing clears it in the child.) A Ctrl-C in the block's instant (the
+    start of a process: milliseconds) is lost to this process as well."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

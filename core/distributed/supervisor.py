@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 from kvrunner.distributed.errors import RankFailure, WorkerError, worker_error
 from kvrunner.distributed.heartbeat import HeartbeatMonitor
-from kvrunner.held_sigint import sigint_held
+from kvrunner.held_sigint import children_born_without_sigint, sigint_held
 
 #: seconds to keep collecting other ranks' reports after the first failure
 FAILURE_GRACE_S = 2.0
@@ -115,7 +115,8 @@ class WorkerProcesses:
             proc = ctx.Process(
                 target=target, args=(rank, child, *args), name=f"{name}{rank}", daemon=True
             )
-            proc.start()
+            with children_born_without_sigint():  # the driver alone answers Ctrl-C
+                proc.start()
             child.close()  # the driver keeps only its end: EOF then means the rank is gone
             self._procs.append(proc)
             self._conns.append(parent)

@@ -3,12 +3,15 @@ this process (the suite runs with Python's own handler, see conftest.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
 import threading
+import time
 
 import pytest
 
-from kvrunner.held_sigint import SigintAtStepEnd, sigint_held
+from kvrunner.held_sigint import SigintAtStepEnd, children_born_without_sigint, sigint_held
 
 
 def test_a_ctrl_c_between_checks_is_raised_by_the_next_check() -> None:
@@ -88,3 +91,26 @@ def test_sigint_held_inside_the_step_loop_hands_its_ctrl_c_to_the_next_check() -
         after_send = True
         sigint.check()
     assert after_send
+
+
+def _wait_a_moment() -> None:
+    time.sleep(0.5)
+
+
+@pytest.mark.parametrize("born_without", [True, False], ids=["inside", "outside"])
+def test_a_child_started_inside_never_sees_a_ctrl_c_sent_while_it_starts(
+    born_without: bool,
+) -> None:
+    """The terminal's Ctrl-C reaches every process of its group, a rank still importing
+    torch too: started inside, it lives on; outside, it dies of it (the control)."""
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_wait_a_moment)
+    if born_without:
+        with children_born_without_sigint():
+            child.start()
+    else:
+        child.start()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # ours again
+    os.kill(child.pid, signal.SIGINT)  # while it is still starting up
+    child.join(30)
+    assert (child.exitcode == 0) == born_without, child.exitcode  # outside: 1 or -SIGINT

@@ -87,3 +87,18 @@ def test_the_previous_ctrl_c_handler_is_back_after_a_send(group) -> None:
     ticket = group.send_all(("echo", "x", 0.0), during="a step", replies_from=(0, 1))
     assert signal.getsignal(signal.SIGINT) is before
     assert group.collect(ticket, during="a step", timeout_s=60) == {0: (0, "x"), 1: (1, "x")}
+
+
+def test_a_ctrl_c_to_the_whole_group_while_the_ranks_start_reaches_the_driver_alone() -> None:
+    """A terminal's Ctrl-C goes to every process of its group: sent while the ranks are
+    still importing (before a rank could ignore it), it must not kill them with a
+    traceback; the driver alone answers it."""
+    workers = WorkerProcesses(echo_rank, world_size=2, args=(None,), name="echo-rank")
+    try:
+        for pid in workers.pids:
+            os.kill(pid, signal.SIGINT)  # at once: they are still starting up
+        ready = workers.collect(workers.startup_ticket, during="start-up", timeout_s=60)
+        assert ready == {0: (0, "ready"), 1: (1, "ready")}
+        assert workers.alive() == [True, True]
+    finally:
+        workers.shutdown()
