@@ -29,7 +29,7 @@ from kvrunner.models.tiny import write_tiny_checkpoint
 PROMPTS = [[3, 17, 29, 101], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 201]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_num_seqs=4, max_model_len=64, block_size=8, num_blocks=64)
-#: every line of kvrunner's own code, the rank's included
+#: every function of kvrunner's own code, the rank's included
 PACKAGE_DIR = str(Path(kvrunner.__file__).parent)
 
 
@@ -75,6 +75,8 @@ def calls_of(call: Callable[[], object]) -> int:
 def test_a_sigint_anywhere_in_a_sleep_or_wake_leaves_the_record_true(
     served: Served, level: int, where: float
 ) -> None:
+    """The record says resident exactly when the ranks hold pools, and an engine the
+    record says is asleep wakes and answers as before."""
     llm, _, answers = served
 
     def cycle() -> None:
@@ -101,16 +103,15 @@ def test_a_sigint_anywhere_in_a_push_leaves_the_version_naming_the_weights(
     """The prompts' KV is in the prefix cache before each push: a push the record
     misses would serve the new weights under the old version, over the old KV."""
     llm, weights, answers = served
-    tokens(llm)
-    target = "b" if llm.weight_version == "a" else "a"
+    current = llm.weight_version
+    target = "b" if current == "a" else "a"
 
     def push() -> None:
         llm.update_weights(weights[target].items(), weight_version=target)
 
     # the call count of a push to the other weights, then back
     total = calls_of(push)
-    llm.update_weights(weights["b" if target == "a" else "a"].items(),
-                       weight_version="b" if target == "a" else "a")
+    llm.update_weights(weights[current].items(), weight_version=current)
     tokens(llm)
     trace = SigintAtCall(1 + int(where * total), PACKAGE_DIR)
     assert interrupted(push, trace) == trace.fired
@@ -136,7 +137,8 @@ def test_a_sigint_as_the_ranks_answer_waits_for_the_record(
         return out
 
     monkeypatch.setattr(ranks, call, answered)
-    target = "b" if llm.weight_version == "a" else "a"
+    current = llm.weight_version
+    target = "b" if current == "a" else "a"
     with pytest.raises(KeyboardInterrupt):
         if call == "finish_weight_update":
             llm.update_weights(weights[target].items(), weight_version=target)
@@ -149,8 +151,7 @@ def test_a_sigint_as_the_ranks_answer_waits_for_the_record(
     info = llm.cache_info()
     assert info.kv_cache == ("released" if call == "sleep" else "resident")
     assert (info.kv_cache == "resident") == bool(llm.runner.cache.pools)
-    assert llm.weight_version == (target if call == "finish_weight_update" else
-                                  "b" if target == "a" else "a")
+    assert llm.weight_version == (target if call == "finish_weight_update" else current)
     if call == "sleep":
         llm.wake_up()
     assert tokens(llm) == answers[llm.weight_version]
