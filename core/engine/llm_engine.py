@@ -317,8 +317,11 @@ class LLMEngine:
         constrained request is live: apply the step in flight, then launch and apply
         the next (each mask needs the token before it).
 
-        An exception out of here (a failed rank, Ctrl-C) leaves the steps in flight
-        unapplied: :meth:`abort_and_settle` then makes the engine usable again.
+        An exception out of here (a failed rank) leaves the steps in flight
+        unapplied: :meth:`abort_and_settle` then makes the engine usable again. A
+        Ctrl-C must not land inside: a driver on the main thread holds it to the step's
+        end (``held_sigint.SigintAtStepEnd``, as ``LLM.generate`` does); mid-step it
+        can leave a request half admitted, which no abort undoes.
         """
         if self.parked:
             raise RuntimeError("step() while the engine is parked: unpark() first")
