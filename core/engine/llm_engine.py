@@ -434,10 +434,11 @@ class LLMEngine:
         """Abort every unfinished request (freeing its blocks and state slots) and settle
         every launched step, leaving the engine empty and ready for the next call.
 
-        For after an exception escaped :meth:`step` (Ctrl-C included), wherever it
-        landed: the scheduler forgets the steps in flight, whose tokens now belong to
-        nobody, then the executor waits for every answer still owed (so a
-        tensor-parallel group is back in step and the device is done with the steps).
+        For after an exception escaped :meth:`step` (a Ctrl-C held to a step's end
+        included), whichever step it ended: the scheduler forgets the steps in flight,
+        whose tokens now belong to nobody, then the executor waits for every answer
+        still owed (so a tensor-parallel group is back in step and the device is done
+        with the steps).
         Returns the requests aborted. An executor failure while settling (a rank that
         really died) is raised.
         """
