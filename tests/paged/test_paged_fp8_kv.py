@@ -355,6 +355,26 @@ def test_a_decode_launch_that_widens_to_float16_attends_the_dequantized_pool(
                                atol=2**-6 * values)
 
 
+@settings(max_examples=10)
+@given(case=paged_cases(decode=True, head_dims=(128,), max_pad_rows=0),
+       exponent=st.integers(1, 100), num_splits=st.sampled_from([1, 2]))
+def test_queries_past_float16s_range_widen_without_overflow(
+    case: PagedCase, exponent: int, num_splits: int
+) -> None:
+    """Queries scaled by ``2**exponent`` and the softmax scale by ``2**-exponent`` (the same
+    scores, past float16's 65504 from ``exponent`` 16 on) give the unscaled launch's
+    output bit for bit under ``widen_f16``: a group of large queries is scaled down by a
+    power of two before it narrows to float16, and never overflows to inf."""
+    x = _attend_inputs(case, case.generator(), 1.0, 1.0, 1.0)
+    x = _on_triton_device(attrs.evolve(x, q=x.q.to(torch.bfloat16)))
+    big = attrs.evolve(x, q=x.q * 2.0**exponent, scale=x.scale * 2.0**-exponent)
+    assert torch.equal(big.q.float() * 2.0**-exponent, x.q.float())  # the scaling is exact
+    outs = [paged_decode_attention(inputs=y, num_splits=num_splits, block_n=16, widen_f16=True)
+            for y in (x, big)]
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0])
+
+
 @settings(max_examples=3)
 @given(case=paged_cases(decode=True, head_dims=(128,), max_pad_rows=0))
 def test_widening_to_float16_takes_bf16_queries_over_an_e4m3_pool_only(case: PagedCase) -> None:

@@ -18,7 +18,9 @@ outputs zeros.
 Each program walks its slice's whole key tiles unmasked (``tile.walk_keys``), and
 over an FP8 pool pipelines them two stages deep (:func:`decode_launch`): its tiles
 are half the bytes of a 16-bit pool's, and keeping the next in flight while one is
-attended pays there.
+attended pays there. bf16 queries over an e4m3 pool take their products in float16
+(``widen_f16``): e4m3 widens to float16 in one conversion, to bf16 only through
+float32, and that conversion, not the memory, bounded the bf16-product launch.
 
 With ``new_kv`` the launch also stores the step's keys and values (what
 :func:`~kvrunner_paged.ops.store_kv.store.store_kv` would do first, one launch fewer a
@@ -30,6 +32,7 @@ that program only, so programs need no order between them.
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +42,17 @@ from kvrunner_paged.ops.head_scales import head_scales, table_for
 from kvrunner_paged.ops.paged_attention.inputs import PagedAttentionInputs
 from kvrunner_paged.ops.paged_attention.tile import LOG2_E, walk_keys
 from kvrunner_paged.ops.store_kv.store import newest_kv_args, store_newest_kv
+
+#: ``2**-15``: queries up to ``2**15`` widen to float16 as they are (its largest is
+#: 65504); past it :func:`_decode_kernel` scales a group's queries by a power of two.
+F16_HEADROOM = tl.constexpr(2.0**-15)
+
+
+@triton.jit
+def _power_of_two(exponent):
+    """``2.0**exponent`` in float32, exactly, for an int32 ``exponent`` in [-126, 127]:
+    built from its exponent bits (``exp2`` is an approximation)."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
 
 
 # ``num_splits`` is a runtime argument, not specialised on its value: every split count
@@ -91,8 +105,16 @@ def _decode_kernel(
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask,
                 other=0.0)
     if WIDEN_F16:
-        # the tiles widen to q's dtype as they load (tile.attend_tile): float16 here
-        q = q.to(tl.float16)
+        # The tiles widen to q's dtype as they load (tile.attend_tile): float16 here.
+        # float16 ends at 65504 where bf16 goes on to 3e38, so a group whose largest
+        # query passes 2**15 is scaled down by a power of two first and the softmax
+        # scale up by it: both exact, so the scores keep every bit they would have had,
+        # and no query overflows to inf.
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        shift = tl.minimum(tl.maximum(tl.ceil(tl.log2(q_max * F16_HEADROOM)), 0.0), 113.0)
+        shift = shift.to(tl.int32)
+        q = (q.to(tl.float32) * _power_of_two(-shift)).to(tl.float16)
+        scale_log2 = scale_log2 * _power_of_two(shift)
 
     if SPLIT:
         # This split's slice of positions, rounded to whole tiles.
@@ -205,36 +227,57 @@ def choose_num_splits(
     return max(1, min(wanted, max_context_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
-def decode_launch(k_cache: torch.Tensor) -> tuple[int, int]:
-    """``(num_warps, num_stages)`` of a decode program over ``k_cache``'s pool: 4 warps,
-    and the walk over whole key tiles pipelined 2 stages deep over an e4m3 pool, not
-    at all over a 16-bit one. Measured on an H100 (``bench_decode_attention.py
-    --kv-cache-dtype fp8``: bf16 queries, 32 query and 8 KV heads of 128, 64-key tiles,
-    a layer's store and attend at batch 256 over 1,024 / 2,048 keys), two runs: e4m3
-    at 4 warps and 2 stages 275.0 / 527.7 and 275.3 / 527.4 us, against 291.5 / 558.6
-    unpipelined, 302.0 / 580.9 at 3 stages and 315.4 / 601.1 at 2 warps unpipelined;
-    bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s copy rate)."""
-    return (4, 2) if is_fp8(k_cache) else (4, 1)
+@attrs.frozen
+class DecodeLaunch:
+    """How the programs of one decode launch run."""
+
+    num_warps: int
+    #: how deep the walk over whole key tiles is pipelined (1: not at all); it leaves
+    #: every output bit as it is (``tests/paged/test_paged_gpu.py``)
+    num_stages: int
+    #: key positions a tile
+    block_n: int
+    #: bf16 queries over an e4m3 pool: products in float16, not bf16 (e4m3 values are
+    #: exact in both; the probabilities keep 3 more bits in float16)
+    widen_f16: bool
+
+
+def decode_launch(k_cache: torch.Tensor, q_dtype: torch.dtype, num_splits: int = 1
+                  ) -> DecodeLaunch:
+    """The launch of a decode over ``k_cache``'s pool for ``q_dtype`` queries in
+    ``num_splits`` splits. A 16-bit pool: 4 warps, 64-key tiles, unpipelined (bf16
+    read at 2.84 / 2.92 TB/s of a 3.02 TB/s copy rate at batch 256 over 1,024 / 2,048
+    keys). An e4m3 pool: 4 warps, the walk pipelined 2 stages deep, and for bf16
+    queries products in float16; 128-key tiles where the launch is unsplit, 64 where
+    splits are few keys each. Measured on an H100 (``bench_decode_attention.py
+    --kv-cache-dtype fp8``, bf16 queries, 32 query and 8 KV heads of 128, a layer's
+    store and attend at batch 256 over 1,024 / 2,048 keys): 128-key tiles in float16
+    259.6 / 484.2 us, against 275.8 / 530.1 for 64-key tiles in bf16 (at 1 stage
+    291.5 / 558.6, at 3 stages 302.0 / 580.9), 272.5 / 513.4 for 128-key tiles in bf16
+    and 273.8 / 515.7 for 64-key tiles in float16."""
+    if not is_fp8(k_cache):
+        return DecodeLaunch(num_warps=4, num_stages=1, block_n=64, widen_f16=False)
+    return DecodeLaunch(num_warps=4, num_stages=2, block_n=128 if num_splits == 1 else 64,
+                        widen_f16=q_dtype == torch.bfloat16)
 
 
 def paged_decode_attention(
-    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64,
+    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, out: torch.Tensor | None = None,
-    widen_f16: bool = False,
+    widen_f16: bool | None = None,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys: ``out`` (allocated like q when
     not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
     key and value to its slot before the program that owns that position attends it.
     ``num_splits``: the split-KV factor (1 = a single pass, no merge kernel; see
-    :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` and
-    ``num_stages`` (how deep the walk over whole key tiles is pipelined, 1: not at all)
-    default to :func:`decode_launch` of the pool; ``num_stages`` leaves every bit as it
-    is (``tests/paged/test_paged_gpu.py``). ``widen_f16`` (bf16 queries over an e4m3
-    pool only): the queries and the pool's tiles are widened to float16, not to bf16,
-    for the products (e4m3 values are exact in both; the probabilities keep 3 more
-    bits in float16; queries past float16's range would overflow); a launch
-    ``bench_decode_attention.py --kv-cache-dtype fp8`` times beside the default."""
+    :func:`choose_num_splits`); ``block_n`` (keys per tile), ``num_warps``,
+    ``num_stages`` and ``widen_f16`` (bf16 queries over an e4m3 pool only) default to
+    :func:`decode_launch`'s (:class:`DecodeLaunch` says what each does);
+    ``bench_decode_attention.py --kv-cache-dtype fp8`` times others beside it."""
     x = inputs
+    default = decode_launch(x.k_cache, x.q.dtype, num_splits)
+    block_n = block_n or default.block_n
+    widen_f16 = default.widen_f16 if widen_f16 is None else widen_f16
     if widen_f16 and not (is_fp8(x.k_cache) and x.q.dtype == torch.bfloat16):
         raise ValueError(f"widen_f16 widens an e4m3 pool for bf16 queries; got "
                          f"{x.q.dtype} queries over a {x.k_cache.dtype} pool")
@@ -259,7 +302,6 @@ def paged_decode_attention(
         part_out = part_lse = out
     k_new, v_new, slots = newest_kv_args(x.new_kv, q)
     scales, scale_row_stride = table_for(x.scales, k_cache)
-    default_warps, default_stages = decode_launch(k_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, x.context_lens,
         out, part_out, part_lse,
@@ -281,9 +323,9 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSE_STORE=x.new_kv is not None,
         QUANTIZE=is_fp8(k_cache),
-        NUM_STAGES=num_stages or default_stages,
+        NUM_STAGES=num_stages or default.num_stages,
         WIDEN_F16=widen_f16,
-        num_warps=num_warps or default_warps,
+        num_warps=num_warps or default.num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, num_heads)](
