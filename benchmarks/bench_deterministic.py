@@ -116,8 +116,8 @@ def profile_decode(path: Path, deterministic: bool, batch: int = 256, top: int =
     release_memory()
 
 
-def sweep_splits(path: Path, kinds: str) -> None:
-    """Decode tok/s at each decode batch, the default mode's and deterministic mode's
+def sweep_splits(path: Path, kinds: str, batches: tuple[int, ...] = DECODE_BATCHES) -> None:
+    """Decode tok/s at each of ``batches``, the default mode's and deterministic mode's
     under other policies of ``kinds`` (comma-separated):
 
     * ``attention``: other key splits of the fixed-order attention (``KEY_SPLIT``, a
@@ -133,10 +133,10 @@ def sweep_splits(path: Path, kinds: str) -> None:
     kept = gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS, gemm.WALK_TILES
     kept_split = fixed_order.KEY_SPLIT
     print(f"{'split depth, splits, walk rows, walk tiles':<44}" + "".join(
-        f"{f'batch {b}':>12}" for b in DECODE_BATCHES))
+        f"{f'batch {b}':>12}" for b in batches))
 
     def row(label: str, deterministic: bool) -> None:
-        rates = [decode_tokens_per_s(path, deterministic, b) for b in DECODE_BATCHES]
+        rates = [decode_tokens_per_s(path, deterministic, b) for b in batches]
         print(f"{label:<44}" + "".join(f"{r:>12.0f}" for r in rates), flush=True)
 
     row("default mode", False)
@@ -151,7 +151,8 @@ def sweep_splits(path: Path, kinds: str) -> None:
                 fixed_order.KEY_SPLIT = kept_split
             elif kind == "gemm":
                 for policy in ((512, 4, 128, None), (512, 4, 64, None), (512, 4, 512, 132),
-                               (512, 4, 512, 256), (256, 8, 512, None), (1 << 30, 1, 512, None)):
+                               (512, 4, 512, 256), (256, 8, 512, None), (128, 16, 512, None),
+                               (1 << 30, 1, 512, None)):
                     (gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS,
                      gemm.WALK_TILES) = policy
                     row("no split" if policy[1] == 1 else ", ".join(map(str, policy)), True)
@@ -172,6 +173,8 @@ def main() -> None:
     ap.add_argument("--sweep-splits", nargs="?", const="attention,gemm", default=None,
                     help="only time decode, off and on under other key splits of the "
                          "attention and K splits of the GEMM ('attention', 'gemm' or both)")
+    ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)),
+                    help="--sweep-splits: the decode batches timed, comma-separated")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp())
     path = root / "qwen3-0.6b-random"
@@ -180,7 +183,7 @@ def main() -> None:
         for flag in (False, True):
             profile_decode(path, flag)
     if args.sweep_splits:
-        sweep_splits(path, args.sweep_splits)
+        sweep_splits(path, args.sweep_splits, tuple(int(b) for b in args.batches.split(",")))
         return
     print(f"{'case':<28}{'off':>12}{'on':>12}{'slowdown':>10}")
     for batch in DECODE_BATCHES:

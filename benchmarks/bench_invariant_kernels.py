@@ -19,7 +19,8 @@ rows the same bits (a whole prompt and a chunk after a cached prefix, across a s
 end): deterministic mode may attend decode rows with one launch and prompts with another
 only where they agree.
 
-    python benchmarks/bench_invariant_kernels.py [--gemm-only | --gemm-defaults | --attention-only]
+    python benchmarks/bench_invariant_kernels.py [--gemm-only | --gemm-defaults | --gemm-slices
+                                                  | --attention-only]
 """
 
 from __future__ import annotations
@@ -115,7 +116,25 @@ def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
     return list(dict.fromkeys(out))
 
 
-def gemm_table(candidates: bool = True) -> None:
+def slice_candidates(n: int, k: int) -> list[InvariantLaunch]:
+    """Reductions of 2, 4 and 8 times the default's slices (each still whole steps;
+    another reduction, so other bits, which the mode may take for every row count
+    alike), each in a program per slice at 2 to 4 stages and walked in one program
+    (the prefill's layout); and the default reduction in 32-column tiles."""
+    block_k, splits = invariant_reduction(n, k)
+    out = [InvariantLaunch(block_k, splits, 64, 32, 4, stages, splits == 1)
+           for stages in (3, 4)]
+    for more in (2 * splits, 4 * splits, 8 * splits):
+        if triton.cdiv(k, slice_depth(k, more, block_k)) != more:
+            continue
+        out += [InvariantLaunch(block_k, more, 64, 64, 4, stages, False) for stages in (2, 3, 4)]
+        out += [InvariantLaunch(block_k, more, 64, 32, 4, 3, False),
+                InvariantLaunch(block_k, more, 64, 64, 4, 3, True),
+                InvariantLaunch(block_k, more, 128, 128, 8, 3, True)]
+    return out
+
+
+def gemm_table(candidates: Callable[[int, int], list[InvariantLaunch]] | None) -> None:
     print(f"invariant GEMM, bf16, {CALLS} calls per graph on distinct weights; "
           "'same' = the default launch's bits at every row count")
     for name, n, k in GEMM_SHAPES:
@@ -123,7 +142,8 @@ def gemm_table(candidates: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def gemm_shape(name: str, n: int, k: int, candidates: bool = True) -> None:
+def gemm_shape(name: str, n: int, k: int,
+               candidates: Callable[[int, int], list[InvariantLaunch]] | None) -> None:
     """One projection's lines: cuBLAS, the default mode's product (``project``: the
     skinny GEMM where it serves, else cuBLAS) and the default launch, then each
     candidate."""
@@ -144,7 +164,7 @@ def gemm_shape(name: str, n: int, k: int, candidates: bool = True) -> None:
         f"M={m} cuBLAS {blas[m]:.1f} default mode {timed(m, project):.1f} invariant "
         f"{timed(m, invariant_gemm):.1f} us ({describe(invariant_launch(m, n, k))})"
         for m in rows))
-    for launch in gemm_candidates(n, k) if candidates else ():
+    for launch in candidates(n, k) if candidates else ():
         same = all(torch.equal(invariant_gemm(xs[m][0], ws[0], launch), default[m])
                    for m in rows)
         times = [timed(m, lambda x, w, lc=launch: invariant_gemm(x, w, lc)) for m in rows]
@@ -273,11 +293,15 @@ def main() -> None:
     only.add_argument("--gemm-defaults", action="store_true",
                       help="only cuBLAS, the default mode's product and the default "
                            "invariant launch per projection")
+    only.add_argument("--gemm-slices", action="store_true",
+                      help="the GEMM lines with only the reductions of more, shallower "
+                           "slices and 32-column tiles as candidates")
     args = ap.parse_args()
-    if not (args.gemm_only or args.gemm_defaults):
+    if not (args.gemm_only or args.gemm_defaults or args.gemm_slices):
         attention_table()
     if not args.attention_only:
-        gemm_table(candidates=not args.gemm_defaults)
+        gemm_table(None if args.gemm_defaults
+                   else slice_candidates if args.gemm_slices else gemm_candidates)
 
 
 if __name__ == "__main__":
