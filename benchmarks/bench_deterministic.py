@@ -150,8 +150,8 @@ def sweep_splits(path: Path, kinds: str, batches: tuple[int, ...] = DECODE_BATCH
                     row(f"attention key split {key_split}", True)
                 fixed_order.KEY_SPLIT = kept_split
             elif kind == "gemm":
-                for policy in ((512, 4, 128, None), (512, 4, 64, None), (512, 4, 512, 132),
-                               (512, 4, 512, 256), (256, 8, 512, None), (128, 16, 512, None),
+                for policy in ((256, 8, 512, None), (128, 16, 512, None), (512, 4, 128, None),
+                               (512, 4, 64, None), (512, 4, 512, 132), (512, 4, 512, 256),
                                (1 << 30, 1, 512, None)):
                     (gemm.MIN_SPLIT_DEPTH, gemm.MAX_SPLITS, gemm.IN_PROGRAM_ROWS,
                      gemm.WALK_TILES) = policy
