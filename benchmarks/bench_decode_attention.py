@@ -210,25 +210,25 @@ def decode_step_us(batch: int, ctx: int, kv_dtype: torch.dtype, num_sms: int,
 
 
 #: the launches of the FP8 KV table: (pool dtype, launch); the first two are the
-#: defaults (``decode_launch``: over an e4m3 pool, 128-key tiles in float16)
+#: defaults (``decode_launch``)
 FP8_LAUNCHES: list[tuple[torch.dtype, dict[str, int | bool]]] = [
     (torch.bfloat16, {}),
     (FP8_DTYPE, {}),
-    (torch.bfloat16, {"num_stages": 2}),
-    (FP8_DTYPE, {"widen_f16": False, "block_n": 64}),
-    (FP8_DTYPE, {"widen_f16": False}),
-    (FP8_DTYPE, {"block_n": 64}),
+    (FP8_DTYPE, {"block_n": 128, "widen_f16": True}),
+    (FP8_DTYPE, {"block_n": 128}),
+    (FP8_DTYPE, {"widen_f16": True}),
     (FP8_DTYPE, {"num_stages": 1}),
     (FP8_DTYPE, {"num_stages": 3}),
-    (FP8_DTYPE, {"num_warps": 8}),
-    (FP8_DTYPE, {"block_n": 256, "num_warps": 8}),
+    (FP8_DTYPE, {"block_n": 128, "widen_f16": True, "num_stages": 3}),
+    (FP8_DTYPE, {"block_n": 128, "widen_f16": True, "num_warps": 8}),
+    (FP8_DTYPE, {"block_n": 256, "widen_f16": True, "num_warps": 8}),
 ]
 
 
 def launch_label(dtype: torch.dtype, launch: dict[str, int | bool]) -> str:
     """``pool, keys a tile, warps, stages[, f16]`` of a launch over a bf16 query (the
     table's launch column), the defaults filled in from :func:`decode_launch`."""
-    default = decode_launch(torch.empty(0, dtype=dtype), torch.bfloat16)
+    default = decode_launch(torch.empty(0, dtype=dtype))
     return (f"{'fp8' if dtype == FP8_DTYPE else 'bf16'}, "
             f"{launch.get('block_n', default.block_n)}, "
             f"{launch.get('num_warps', default.num_warps)}, "

@@ -18,9 +18,9 @@ outputs zeros.
 Each program walks its slice's whole key tiles unmasked (``tile.walk_keys``), and
 over an FP8 pool pipelines them two stages deep (:func:`decode_launch`): its tiles
 are half the bytes of a 16-bit pool's, and keeping the next in flight while one is
-attended pays there. bf16 queries over an e4m3 pool take their products in float16
-(``widen_f16``): e4m3 widens to float16 in one conversion, to bf16 only through
-float32, and that conversion, not the memory, bounded the bf16-product launch.
+attended pays there. A launch may take bf16 queries' products over an e4m3 pool in
+float16 (``widen_f16``): e4m3 widens to float16 in one conversion, to bf16 only
+through float32.
 
 With ``new_kv`` the launch also stores the step's keys and values (what
 :func:`~kvrunner_paged.ops.store_kv.store.store_kv` would do first, one launch fewer a
@@ -242,23 +242,19 @@ class DecodeLaunch:
     widen_f16: bool
 
 
-def decode_launch(k_cache: torch.Tensor, q_dtype: torch.dtype, num_splits: int = 1
-                  ) -> DecodeLaunch:
-    """The launch of a decode over ``k_cache``'s pool for ``q_dtype`` queries in
-    ``num_splits`` splits. A 16-bit pool: 4 warps, 64-key tiles, unpipelined (bf16
-    read at 2.84 / 2.92 TB/s of a 3.02 TB/s copy rate at batch 256 over 1,024 / 2,048
-    keys). An e4m3 pool: 4 warps, the walk pipelined 2 stages deep, and for bf16
-    queries products in float16; 128-key tiles where the launch is unsplit, 64 where
-    splits are few keys each. Measured on an H100 (``bench_decode_attention.py
-    --kv-cache-dtype fp8``, bf16 queries, 32 query and 8 KV heads of 128, a layer's
-    store and attend at batch 256 over 1,024 / 2,048 keys): 128-key tiles in float16
-    259.6 / 484.2 us, against 275.8 / 530.1 for 64-key tiles in bf16 (at 1 stage
-    291.5 / 558.6, at 3 stages 302.0 / 580.9), 272.5 / 513.4 for 128-key tiles in bf16
-    and 273.8 / 515.7 for 64-key tiles in float16."""
-    if not is_fp8(k_cache):
-        return DecodeLaunch(num_warps=4, num_stages=1, block_n=64, widen_f16=False)
-    return DecodeLaunch(num_warps=4, num_stages=2, block_n=128 if num_splits == 1 else 64,
-                        widen_f16=q_dtype == torch.bfloat16)
+def decode_launch(k_cache: torch.Tensor) -> DecodeLaunch:
+    """The launch of a decode over ``k_cache``'s pool: 4 warps, 64-key tiles, products
+    in the queries' dtype, and the walk over whole key tiles pipelined 2 stages deep
+    over an e4m3 pool, not at all over a 16-bit one. Measured on an H100
+    (``bench_decode_attention.py --kv-cache-dtype fp8``: bf16 queries, 32 query and 8
+    KV heads of 128, a layer's store and attend at batch 256 over 1,024 / 2,048 keys):
+    e4m3 at 2 stages 275.0 / 527.7 us, against 291.5 / 558.6 unpipelined and 302.0 /
+    580.9 at 3 stages; bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s
+    copy rate). 128-key tiles in float16 took 259.6 / 484.2 us over e4m3 in another
+    run (the default 275.8 / 530.1 there); they are not the default until the
+    engine's FP8 KV GPU tests have run with them."""
+    return DecodeLaunch(num_warps=4, num_stages=2 if is_fp8(k_cache) else 1, block_n=64,
+                        widen_f16=False)
 
 
 def paged_decode_attention(
@@ -275,7 +271,7 @@ def paged_decode_attention(
     :func:`decode_launch`'s (:class:`DecodeLaunch` says what each does);
     ``bench_decode_attention.py --kv-cache-dtype fp8`` times others beside it."""
     x = inputs
-    default = decode_launch(x.k_cache, x.q.dtype, num_splits)
+    default = decode_launch(x.k_cache)
     block_n = block_n or default.block_n
     widen_f16 = default.widen_f16 if widen_f16 is None else widen_f16
     if widen_f16 and not (is_fp8(x.k_cache) and x.q.dtype == torch.bfloat16):
