@@ -226,14 +226,12 @@ FP8_LAUNCHES: list[tuple[torch.dtype, dict[str, int | bool]]] = [
 
 
 def launch_label(dtype: torch.dtype, launch: dict[str, int | bool]) -> str:
-    """``pool, keys a tile, warps, stages[, f16]`` of a launch over a bf16 query (the
-    table's launch column), the defaults filled in from :func:`decode_launch`."""
-    default = decode_launch(torch.empty(0, dtype=dtype))
-    return (f"{'fp8' if dtype == FP8_DTYPE else 'bf16'}, "
-            f"{launch.get('block_n', default.block_n)}, "
-            f"{launch.get('num_warps', default.num_warps)}, "
-            f"{launch.get('num_stages', default.num_stages)}"
-            + (", f16" if launch.get("widen_f16", default.widen_f16) else "")
+    """``pool, keys a tile, warps, stages[, f16]`` of a launch (the table's launch
+    column), the defaults filled in from :func:`decode_launch`."""
+    warps, stages = decode_launch(torch.empty(0, dtype=dtype))
+    return (f"{'fp8' if dtype == FP8_DTYPE else 'bf16'}, {launch.get('block_n', 64)}, "
+            f"{launch.get('num_warps', warps)}, {launch.get('num_stages', stages)}"
+            + (", f16" if launch.get("widen_f16") else "")
             + (" (default)" if not launch else ""))
 
 

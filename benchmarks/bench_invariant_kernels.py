@@ -96,6 +96,12 @@ def describe(launch: InvariantLaunch) -> str:
             f"w{launch.num_warps} s{launch.num_stages} {walk}")
 
 
+def whole_slices(k: int, splits: int, block_k: int) -> bool:
+    """Whether K cut into ``splits`` slices of whole steps leaves none empty (a
+    reduction :func:`invariant_gemm` takes)."""
+    return triton.cdiv(k, slice_depth(k, splits, block_k)) == splits
+
+
 def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
     """Layouts of the default reduction, each with its slices in programs of their own
     and walked in one; then other reductions (deeper steps, no slicing)."""
@@ -112,7 +118,7 @@ def gemm_candidates(n: int, k: int) -> list[InvariantLaunch]:
             out.append(InvariantLaunch(*reduction, bm, bn, warps, stages, True))
     # more, shallower slices (a decode step's programs): each slice still whole steps
     for more in (2 * splits, 4 * splits):
-        if triton.cdiv(k, slice_depth(k, more, block_k)) == more:
+        if whole_slices(k, more, block_k):
             for stages in (2, 3):
                 out.append(InvariantLaunch(block_k, more, 64, 64, 4, stages, False))
     return list(dict.fromkeys(out))
@@ -127,7 +133,7 @@ def slice_candidates(n: int, k: int) -> list[InvariantLaunch]:
     out = [InvariantLaunch(block_k, splits, 64, 32, 4, stages, splits == 1)
            for stages in (3, 4)]
     for more in (2 * splits, 4 * splits, 8 * splits):
-        if triton.cdiv(k, slice_depth(k, more, block_k)) != more:
+        if not whole_slices(k, more, block_k):
             continue
         out += [InvariantLaunch(block_k, more, 64, 64, 4, stages, False) for stages in (2, 3, 4)]
         out += [InvariantLaunch(block_k, more, 64, 32, 4, 3, False),

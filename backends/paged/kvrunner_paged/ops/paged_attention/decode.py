@@ -32,7 +32,6 @@ that program only, so programs need no order between them.
 
 from __future__ import annotations
 
-import attrs
 import torch
 import triton
 import triton.language as tl
@@ -110,10 +109,11 @@ def _decode_kernel(
         # query passes 2**15 is scaled down by a power of two first and the softmax
         # scale up by it: both exact, so the scores keep every bit they would have had,
         # and no query overflows to inf.
-        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        q = q.to(tl.float32)
+        q_max = tl.max(tl.max(tl.abs(q), 1), 0)
         shift = tl.minimum(tl.maximum(tl.ceil(tl.log2(q_max * F16_HEADROOM)), 0.0), 113.0)
         shift = shift.to(tl.int32)
-        q = (q.to(tl.float32) * _power_of_two(-shift)).to(tl.float16)
+        q = (q * _power_of_two(-shift)).to(tl.float16)
         scale_log2 = scale_log2 * _power_of_two(shift)
 
     if SPLIT:
@@ -227,53 +227,39 @@ def choose_num_splits(
     return max(1, min(wanted, max_context_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
-@attrs.frozen
-class DecodeLaunch:
-    """How the programs of one decode launch run."""
-
-    num_warps: int
-    #: how deep the walk over whole key tiles is pipelined (1: not at all); it leaves
-    #: every output bit as it is (``tests/paged/test_paged_gpu.py``)
-    num_stages: int
-    #: key positions a tile
-    block_n: int
-    #: bf16 queries over an e4m3 pool: products in float16, not bf16 (e4m3 values are
-    #: exact in both; the probabilities keep 3 more bits in float16)
-    widen_f16: bool
-
-
-def decode_launch(k_cache: torch.Tensor) -> DecodeLaunch:
-    """The launch of a decode over ``k_cache``'s pool: 4 warps, 64-key tiles, products
-    in the queries' dtype, and the walk over whole key tiles pipelined 2 stages deep
-    over an e4m3 pool, not at all over a 16-bit one. Measured on an H100
-    (``bench_decode_attention.py --kv-cache-dtype fp8``: bf16 queries, 32 query and 8
-    KV heads of 128, a layer's store and attend at batch 256 over 1,024 / 2,048 keys):
-    e4m3 at 2 stages 275.0 / 527.7 us, against 291.5 / 558.6 unpipelined and 302.0 /
-    580.9 at 3 stages; bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s
-    copy rate). 128-key tiles in float16 took 259.6 / 484.2 us over e4m3 in another
-    run (the default 275.8 / 530.1 there); they are not the default until the
-    engine's FP8 KV GPU tests have run with them."""
-    return DecodeLaunch(num_warps=4, num_stages=2 if is_fp8(k_cache) else 1, block_n=64,
-                        widen_f16=False)
+def decode_launch(k_cache: torch.Tensor) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of a decode program over ``k_cache``'s pool: 4 warps,
+    and the walk over whole key tiles pipelined 2 stages deep over an e4m3 pool, not
+    at all over a 16-bit one. Measured on an H100 (``bench_decode_attention.py
+    --kv-cache-dtype fp8``: bf16 queries, 32 query and 8 KV heads of 128, 64-key tiles,
+    a layer's store and attend at batch 256 over 1,024 / 2,048 keys): e4m3 at 2 stages
+    275.0 / 527.7 us, against 291.5 / 558.6 unpipelined and 302.0 / 580.9 at 3 stages;
+    bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s copy rate).
+    128-key tiles with ``widen_f16`` took 259.6 / 484.2 us over e4m3 in another run
+    (this launch 275.8 / 530.1 there); they are not the default until the engine's FP8
+    KV GPU tests have run with them."""
+    return (4, 2) if is_fp8(k_cache) else (4, 1)
 
 
 def paged_decode_attention(
-    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int | None = None,
+    *, inputs: PagedAttentionInputs, num_splits: int = 1, block_n: int = 64,
     num_warps: int | None = None, num_stages: int | None = None, out: torch.Tensor | None = None,
-    widen_f16: bool | None = None,
+    widen_f16: bool = False,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys: ``out`` (allocated like q when
     not given), rows with no keys 0; with ``inputs.new_kv`` the launch stores each row's
     key and value to its slot before the program that owns that position attends it.
     ``num_splits``: the split-KV factor (1 = a single pass, no merge kernel; see
-    :func:`choose_num_splits`); ``block_n`` (keys per tile), ``num_warps``,
-    ``num_stages`` and ``widen_f16`` (bf16 queries over an e4m3 pool only) default to
-    :func:`decode_launch`'s (:class:`DecodeLaunch` says what each does);
-    ``bench_decode_attention.py --kv-cache-dtype fp8`` times others beside it."""
+    :func:`choose_num_splits`); ``block_n``: keys per tile; ``num_warps`` and
+    ``num_stages`` (how deep the walk over whole key tiles is pipelined, 1: not at all)
+    default to :func:`decode_launch` of the pool; ``num_stages`` leaves every bit as it
+    is (``tests/paged/test_paged_gpu.py``). ``widen_f16`` (bf16 queries over an e4m3
+    pool only): the queries and the pool's tiles are widened to float16, not to bf16,
+    for the products (e4m3 values are exact in both; the probabilities keep 3 more
+    bits in float16; a group of queries past 2**15 is scaled by a power of two first,
+    so none overflows); a launch ``bench_decode_attention.py --kv-cache-dtype fp8``
+    times beside the default."""
     x = inputs
-    default = decode_launch(x.k_cache)
-    block_n = block_n or default.block_n
-    widen_f16 = default.widen_f16 if widen_f16 is None else widen_f16
     if widen_f16 and not (is_fp8(x.k_cache) and x.q.dtype == torch.bfloat16):
         raise ValueError(f"widen_f16 widens an e4m3 pool for bf16 queries; got "
                          f"{x.q.dtype} queries over a {x.k_cache.dtype} pool")
@@ -298,6 +284,7 @@ def paged_decode_attention(
         part_out = part_lse = out
     k_new, v_new, slots = newest_kv_args(x.new_kv, q)
     scales, scale_row_stride = table_for(x.scales, k_cache)
+    default_warps, default_stages = decode_launch(k_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, x.context_lens,
         out, part_out, part_lse,
@@ -319,9 +306,9 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSE_STORE=x.new_kv is not None,
         QUANTIZE=is_fp8(k_cache),
-        NUM_STAGES=num_stages or default.num_stages,
+        NUM_STAGES=num_stages or default_stages,
         WIDEN_F16=widen_f16,
-        num_warps=num_warps or default.num_warps,
+        num_warps=num_warps or default_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, num_heads)](
