@@ -236,8 +236,8 @@ def decode_launch(k_cache: torch.Tensor) -> tuple[int, int]:
     275.0 / 527.7 us, against 291.5 / 558.6 unpipelined and 302.0 / 580.9 at 3 stages;
     bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s copy rate).
     128-key tiles with ``widen_f16`` took 259.6 / 484.2 us over e4m3 in another run
-    (this launch 275.8 / 530.1 there); they are not the default until the engine's FP8
-    KV GPU tests have run with them."""
+    (this launch 275.8 / 530.1 there); they are not the default: the engine's FP8 KV
+    GPU tests have not run with them."""
     return (4, 2) if is_fp8(k_cache) else (4, 1)
 
 
