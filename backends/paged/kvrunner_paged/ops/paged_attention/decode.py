@@ -235,8 +235,8 @@ def decode_launch(k_cache: torch.Tensor) -> tuple[int, int]:
     a layer's store and attend at batch 256 over 1,024 / 2,048 keys): e4m3 at 2 stages
     275.0 / 527.7 us, against 291.5 / 558.6 unpipelined and 302.0 / 580.9 at 3 stages;
     bf16 unpipelined 377.6 / 735.0 (2.84 / 2.92 TB/s of a 3.02 TB/s copy rate).
-    128-key tiles with ``widen_f16`` took 259.6 / 484.2 us over e4m3 in another run
-    (this launch 275.8 / 530.1 there); they are not the default: the engine's FP8 KV
+    128-key tiles with ``widen_f16`` took 262.7 / 485.9 us over e4m3 in another run
+    (this launch 274.4 / 527.3 there); they are not the default: the engine's FP8 KV
     GPU tests have not run with them."""
     return (4, 2) if is_fp8(k_cache) else (4, 1)
 
