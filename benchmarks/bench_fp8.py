@@ -9,7 +9,8 @@ trainer's push. Measured, FP8 and bf16 side by side on the same GPU:
   FP8 KV cache (``kv_cache_dtype="fp8"``), each beside its own HBM floor (every decode
   step reads the weights as stored, FP8 bytes and scales or bf16, and the KV written
   so far in its dtype, at the measured copy bandwidth; the prefill at ~790 TFLOP/s
-  bf16, twice that where the w8a8 product takes a prefill chunk's rows);
+  bf16, twice that where the w8a8 product takes a prefill chunk's rows), and split:
+  the prefill (the same prompts sampled for one token each) and the rest, the decode;
 - the product alone (``layers/fp8/gemm.py``) at the 8B projections' shapes, decode
   (1, 16, 32, 64, 256 rows) and prefill (4,096 rows) sizes, each call replayed in a CUDA
   graph (as a decode step runs it): ``fp8_linear`` (the path it takes named), the
@@ -35,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 from bench_e2e_decode import SHAPE, release_memory, write_checkpoint
@@ -78,23 +80,50 @@ def weight_bytes(llm: LLM) -> int:
     return sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
 
 
-def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, float]:
-    """``(seconds, floor seconds)`` of the RL-shaped rollout."""
+@attrs.frozen
+class RolloutTimes:
+    """The RL-shaped rollout's seconds and its floor's, whole and split: ``prefill`` is
+    a call of the same prompts for one token each (the prompts' prefill, each sampling
+    its first token from it; the prefix cache emptied first), ``decode`` the whole
+    call's rest."""
+
+    seconds: float
+    prefill: float
+    floor: float
+    prefill_floor: float
+
+    @property
+    def decode(self) -> float:
+        return self.seconds - self.prefill
+
+    @property
+    def decode_floor(self) -> float:
+        return self.floor - self.prefill_floor
+
+
+def rollout(path: Path, s: dict[str, int], bw: float, **config) -> RolloutTimes:
+    """The RL-shaped rollout's seconds beside its floor's."""
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, s["vocab"], (BATCH, PROMPT), generator=g).tolist()
     params = [SamplingParams(max_tokens=NEW, temperature=1.0, seed=i, ignore_eos=True)
               for i in range(BATCH)]
-    with LLM(model=str(path), dtype="bfloat16", max_num_seqs=BATCH,
-             max_model_len=PROMPT + NEW + 16, max_num_batched_tokens=CHUNK,
-             gpu_memory_utilization=0.9, **config) as llm:
-        nbytes = weight_bytes(llm)
-        llm.generate(prompts[:2], params[:2])
+    first = [attrs.evolve(p, max_tokens=1) for p in params]
+
+    def timed(llm: LLM, params: list[SamplingParams]) -> float:
         llm.reset_prefix_cache()
         torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate(prompts, params)
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    with LLM(model=str(path), dtype="bfloat16", max_num_seqs=BATCH,
+             max_model_len=PROMPT + NEW + 16, max_num_batched_tokens=CHUNK,
+             gpu_memory_utilization=0.9, **config) as llm:
+        nbytes = weight_bytes(llm)
+        llm.generate(prompts[:2], params[:2])
+        seconds = timed(llm, params)
+        prefill_seconds = timed(llm, first)
     release_memory()
     fp8 = config.get("quantization") == "fp8"
     kv = kv_per_token(s, 1 if config.get("kv_cache_dtype") == "fp8" else 2)
@@ -106,7 +135,8 @@ def rollout(path: Path, s: dict[str, int], bw: float, **config) -> tuple[float, 
     w = torch.empty(s["hidden"], s["hidden"], device="cuda", dtype=torch.float8_e4m3fn)
     tflops = BF16_TFLOPS * (2 if fp8 and w8a8_serves(x, w) else 1)
     prefill = 2 * params_count * BATCH * PROMPT / (tflops * 1e12)
-    return seconds, decode + prefill
+    return RolloutTimes(seconds=seconds, prefill=prefill_seconds, floor=decode + prefill,
+                        prefill_floor=prefill)
 
 
 def profile_decode(path: Path, s: dict[str, int], label: str, top: int = 12) -> None:
@@ -240,13 +270,15 @@ def main() -> None:
                 profile_decode(path, s, label)
         if not args.skip_rollout:
             print(f"\nrollout {shape}: batch {BATCH}, prompts {PROMPT}, {NEW} sampled")
-            print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8}")
+            print(f"{'weights':>8} {'s':>8} {'tok/s':>9} {'floor s':>8} {'s/floor':>8} "
+                  f"{'prefill s':>10} {'floor':>6} {'decode s':>9} {'floor':>6}")
             results = {}
             for label in args.variants.split(","):
-                secs, floor = rollout(path, s, bw, **VARIANTS[label])
-                results[label] = secs
-                print(f"{label:>8} {secs:>8.2f} {BATCH * NEW / secs:>9.0f} {floor:>8.2f} "
-                      f"{secs / floor:>8.2f}")
+                t = rollout(path, s, bw, **VARIANTS[label])
+                results[label] = t.seconds
+                print(f"{label:>8} {t.seconds:>8.2f} {BATCH * NEW / t.seconds:>9.0f} "
+                      f"{t.floor:>8.2f} {t.seconds / t.floor:>8.2f} {t.prefill:>10.2f} "
+                      f"{t.prefill_floor:>6.2f} {t.decode:>9.2f} {t.decode_floor:>6.2f}")
             for label in [r for r in results if r != "bf16"]:
                 print(f"{label} tokens/s over bf16: "
                       f"{results['bf16'] / results[label]:.2f}x")
