@@ -1,7 +1,7 @@
 """Compile the paged prefill kernel for Hopper (sm_90) without a GPU; print its resources.
 
 For each launch configuration: shared memory, registers per thread, local memory
-(spills) and how many ``wgmma`` (Hopper tensor-core) instructions the PTX holds.
+(spills) and how many ``wgmma`` (Hopper tensor-core) instructions its SASS holds (``HGMMA``).
 Nothing runs, so this says whether a configuration fits and uses the tensor cores,
 not how fast it is: a first filter before timing candidates with ``bench_prefill.py``.
 Needs only Triton's bundled ``ptxas`` / ``cuobjdump``; alignment attributes mimic a
@@ -14,22 +14,20 @@ real launch (16-byte pointers, strides that are multiples of 16).
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_sm90
 
 from kvrunner_paged.ops.paged_attention.prefill import LAUNCH, LONG_RUN_LAUNCH, _prefill_kernel
 
-HOPPER = GPUTarget("cuda", 90, 32)
 HEAD_DIM = 128
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-TYPE_NAMES = {"bf16": "*bf16", "fp32": "*fp32"}
+#: each name's launch (``LAUNCH[...]``): ``fp8`` (an e4m3 pool) takes bf16's
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
+#: the queries' and output's type; ``fp8``: bf16 queries over an e4m3 pool
+TYPE_NAMES = {"bf16": "*bf16", "fp32": "*fp32", "fp8": "*bf16"}
+POOL_TYPE_NAMES = {"fp8": "*fp8e4nv"}
 
 
 def resources(dtype: str, group: int, block_m: int, block_n: int, num_warps: int,
@@ -37,46 +35,33 @@ def resources(dtype: str, group: int, block_m: int, block_n: int, num_warps: int
     """One configuration compiled for sm_90, as a line of its resource use."""
     fn = _prefill_kernel
     signature = {name: "i32" for name in fn.arg_names}  # strides, block_size
-    for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"):
+    for name in ("q_ptr", "out_ptr"):
         signature[name] = TYPE_NAMES[dtype]
+    for name in ("k_cache_ptr", "v_cache_ptr"):
+        signature[name] = POOL_TYPE_NAMES.get(dtype, TYPE_NAMES[dtype])
     for name in ("block_tables_ptr", "query_start_loc_ptr", "context_lens_ptr"):
         signature[name] = "*i32"
     signature["scale_log2"] = "fp32"
+    signature["scales_ptr"] = "*fp32"
     group_pad = triton.next_power_of_2(group)
     constants = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=HEAD_DIM, BLOCK_Q=max(1, block_m // group_pad),
         BLOCK_N=block_n, BLOCK_D=HEAD_DIM, NUM_STAGES=num_stages, DOT_PRECISION=precision,
+        TILES_OUTER=True, QUANTIZE=dtype in POOL_TYPE_NAMES,
     )  # fmt: skip
-    signature.update({name: "constexpr" for name in constants})
-    aligned = [["tt.divisibility", 16]]
-    attrs = {
-        (fn.arg_names.index(name),): aligned
-        for name in fn.arg_names
-        if name.endswith("_ptr") or name.startswith("stride") or name == "block_size"
-    }
-    kernel = triton.compile(
-        ASTSource(fn, signature, constants, attrs), target=HOPPER,
-        options=dict(num_warps=num_warps, num_stages=num_stages),
-    )  # fmt: skip
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    regs = re.search(r"REG:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
+    for name in constants:
+        signature.pop(name)
+    report = compile_sm90(fn, signature, constants, num_warps=num_warps, num_stages=num_stages)
     return (
         f"{dtype} group {group} M{block_m} N{block_n} warps {num_warps} stages {num_stages} "
-        f"{precision}: shared {kernel.metadata.shared} B, registers {regs and regs.group(1)}, "
-        f"spilled (local) {local and local.group(1)} B, "
-        f"wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}"
+        f"{precision}: shared {report.shared} B, registers {report.registers}, "
+        f"spilled (local) {report.spilled} B, wgmma {report.count('HGMMA')}"
     )
 
 
 def default_configs() -> list[tuple]:
-    """``LAUNCH`` and ``LONG_RUN_LAUNCH`` for bf16 and fp32 at the 0.6B (group 2) and 8B
-    (group 4) shapes."""
+    """``LAUNCH`` and ``LONG_RUN_LAUNCH`` for bf16, fp32 and bf16 queries over an e4m3
+    pool at the 0.6B (group 2) and 8B (group 4) shapes."""
     out = []
     for table in (LAUNCH, LONG_RUN_LAUNCH):
         for name, dtype in DTYPES.items():
