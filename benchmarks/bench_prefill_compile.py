@@ -34,7 +34,8 @@ def resources(dtype: str, group: int, block_m: int, block_n: int, num_warps: int
               num_stages: int, precision: str) -> str:
     """One configuration compiled for sm_90, as a line of its resource use."""
     fn = _prefill_kernel
-    signature = {name: "i32" for name in fn.arg_names}  # strides, block_size
+    # strides and block_size; compile_sm90 marks the constants' names constexpr
+    signature = {name: "i32" for name in fn.arg_names}
     for name in ("q_ptr", "out_ptr"):
         signature[name] = TYPE_NAMES[dtype]
     for name in ("k_cache_ptr", "v_cache_ptr"):
@@ -49,8 +50,6 @@ def resources(dtype: str, group: int, block_m: int, block_n: int, num_warps: int
         BLOCK_N=block_n, BLOCK_D=HEAD_DIM, NUM_STAGES=num_stages, DOT_PRECISION=precision,
         TILES_OUTER=True, QUANTIZE=dtype in POOL_TYPE_NAMES,
     )  # fmt: skip
-    for name in constants:
-        signature.pop(name)
     report = compile_sm90(fn, signature, constants, num_warps=num_warps, num_stages=num_stages)
     return (
         f"{dtype} group {group} M{block_m} N{block_n} warps {num_warps} stages {num_stages} "

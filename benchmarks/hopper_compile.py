@@ -64,8 +64,8 @@ def compile_sm90(fn: Callable, signature: dict[str, str], constants: dict[str, o
                  num_warps: int, num_stages: int) -> CompileReport:
     """Compile the ``@triton.jit`` function ``fn`` for sm_90: ``signature`` maps each
     runtime argument to its Triton type (``"*bf16"``, ``"i32"``), ``constants`` each
-    ``tl.constexpr`` to its value. Pointers, strides and ``block_size`` are marked
-    16-aligned, as a real launch's are."""
+    ``tl.constexpr`` to its value (a name in both is taken as a constant). Pointers,
+    strides and ``block_size`` are marked 16-aligned, as a real launch's are."""
     signature = {**signature, **{name: "constexpr" for name in constants}}
     aligned = [["tt.divisibility", 16]]
     attributes = {
